@@ -1,0 +1,19 @@
+"""Launchers of flashtile's Triton kernels (grid, strides, allocation, config choice)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.dispatch import interpret_requested
+from flashtile.params import AttnParams
+
+NAME = "triton"
+
+
+def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
+    """Why the Triton kernels cannot run this call, or None."""
+    if q.device.type == "cpu" and not interpret_requested():
+        return "CPU tensors need FLASHTILE_INTERPRET=1 (and TRITON_INTERPRET=1) to run the kernels"
+    if q.device.type not in ("cpu", "cuda"):
+        return f"runs CUDA tensors only (got {q.device.type})"
+    return f"the {op} kernel is not implemented yet"

@@ -1,0 +1,49 @@
+"""Command line of ``python -m flashtile.bench``: one table of subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: the module that defines ``add_arguments(parser)`` and ``run(args) -> int``."""
+
+    module: str
+    help: str
+
+
+# Adding a benchmark (e.g. ``decode``) is one module with add_arguments/run and one line here.
+COMMANDS: dict[str, Command] = {
+    "fwd": Command("flashtile.bench.attention", "forward of dense attention"),
+    "bwd": Command("flashtile.bench.attention", "backward of dense attention, timed as (fwd+bwd) - fwd"),
+    "fwdbwd": Command("flashtile.bench.attention", "forward + backward of dense attention (a training step)"),
+    "plot": Command("flashtile.bench.plot", "re-plot a saved results JSON: plot RESULTS.json OUT.png"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flashtile.bench",
+        description="Benchmark flashtile beside torch SDPA (flash, cuDNN) and FlexAttention, "
+                    "in the same process. Shapes: h = 2048 // d, b = 16384 // s.",
+        epilog="example: python -m flashtile.bench fwd --d 128 --seqlens 1024 4096 --causal yes "
+               "--plot fwd.png",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        sp = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        importlib.import_module(cmd.module).add_arguments(sp)
+        sp.set_defaults(_module=cmd.module)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return importlib.import_module(args._module).run(args)

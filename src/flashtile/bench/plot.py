@@ -1,0 +1,80 @@
+"""Grouped bar charts of TFLOP/s: one panel per head dim, one bar per implementation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _impl_order(rows: list[dict]) -> list[str]:
+    names: dict[str, None] = {"flashtile": None} if any("flashtile" in r["ms"] for r in rows) else {}
+    for r in rows:
+        names.update(dict.fromkeys(r["ms"]))
+    return list(names)
+
+
+def plot_results(data: dict, path: str) -> None:
+    """Draw ``{"meta", "rows"}`` (a bench JSON) to a PNG at ``path``."""
+    # The object API with an explicit Agg canvas: no pyplot global state, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows, meta = data["rows"], data.get("meta", {})
+    if not rows:
+        raise ValueError("no rows to plot")
+    impls = _impl_order(rows)
+    dims = sorted({r["d"] for r in rows})
+    per_dim = {d: [r for r in rows if r["d"] == d] for d in dims}
+    widest = max(len(v) for v in per_dim.values())
+    fig = Figure(figsize=(max(7.0, 0.35 * widest * (len(impls) + 1)), 3.3 * len(dims)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(dims), 1, squeeze=False)[:, 0]
+    bar_w = 0.8 / len(impls)
+    for ax, d in zip(axes, dims):
+        rs = per_dim[d]
+        for j, name in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * bar_w for i in range(len(rs))]
+            vals = [r["tflops"].get(name) for r in rs]
+            ax.bar(xs, [v or 0.0 for v in vals], bar_w, label=name, color=f"C{j}")
+            for x, v in zip(xs, vals):
+                if v is None:  # a missing bar must read as "not measured", not as zero speed
+                    ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)
+        labels = []
+        for r in rs:
+            lab = f"{r['s']}\n{'causal' if r['causal'] else 'full'}"
+            if len({r['mode'] for r in rows}) > 1:
+                lab += f"\n{r['mode']}"
+            if r.get("mismatch"):
+                lab += "\nMISMATCH"
+            labels.append(lab)
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels(labels, fontsize=7)
+        for tick, r in zip(ax.get_xticklabels(), rs):
+            if r.get("mismatch"):
+                tick.set_color("red")
+        ax.set_title(f"head dim {d}  (h={rs[0]['h']})", fontsize=9)
+        ax.set_ylabel("TFLOP/s")
+        top = max((v for r in rs for v in r["tflops"].values() if v is not None), default=1.0)
+        ax.set_ylim(0, top * 1.2)  # headroom so the legend never covers a bar
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].legend(fontsize=7, ncols=len(impls), loc="upper left")
+    axes[-1].set_xlabel("sequence length (b = tokens // s)", fontsize=8)
+    modes = ", ".join(dict.fromkeys(r["mode"] for r in rows))
+    where = meta.get("gpu") or "CPU"
+    fig.suptitle(f"{modes}  {rows[0].get('dtype', '')}  {where}  {meta.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", metavar="RESULTS.json", help="a file written by fwd/bwd/fwdbwd")
+    p.add_argument("png", metavar="OUT.png")
+
+
+def run(args) -> int:
+    with open(args.results) as f:
+        data = json.load(f)
+    plot_results(data, args.png)
+    print(f"wrote {args.png}")
+    return 0

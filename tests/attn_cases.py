@@ -1,0 +1,86 @@
+"""Shared drivers for numerical tests: run flashtile and the reference on the same inputs.
+
+Used by the CPU-path tests and the Triton (interpreter and GPU) tests, so every backend is held to
+the same bar: FlashAttention's 2x rule for outputs and 3x for gradients.
+"""
+
+import torch
+
+import flashtile
+from flashtile.backends.reference import attention_ref
+from tolerance import assert_fa_close
+
+
+def make_alibi(kind, b, h, device="cpu"):
+    if kind == "h":
+        return torch.rand(h, device=device) * 0.3
+    if kind == "bh":
+        return torch.rand(b, h, device=device) * 0.3
+    return None
+
+
+def keep_mask_from_probs(s_dmask):
+    """FlashAttention's convention: S_dmask entries of dropped probabilities are negative."""
+    return s_dmask >= 0
+
+
+def check_padded(b, sq, sk, h, h_k, d, dtype, *, device="cpu", grads=True, alibi=None, dropout_p=0.0,
+                 grad_factor=3.0, **kw):
+    """flash_attn_func vs attention_ref (fp32 upcast and same-dtype runs), out, lse and grads."""
+    q = torch.randn(b, sq, h, d, device=device, dtype=dtype, requires_grad=grads)
+    k = torch.randn(b, sk, h_k, d, device=device, dtype=dtype, requires_grad=grads)
+    v = torch.randn(b, sk, h_k, d, device=device, dtype=dtype, requires_grad=grads)
+    slopes = make_alibi(alibi, b, h, device)
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=dropout_p, alibi_slopes=slopes,
+                                                  return_attn_probs=True, **kw)
+    keep = keep_mask_from_probs(s_dmask) if dropout_p > 0 else None
+    ref, ref_lse = attention_ref(q, k, v, alibi_slopes=slopes, dropout_p=dropout_p, dropout_mask=keep, **kw)
+    pt, _ = attention_ref(q, k, v, alibi_slopes=slopes, dropout_p=dropout_p, dropout_mask=keep, upcast=False,
+                          **kw)
+    assert out.dtype == dtype and lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert_fa_close(out, ref, pt)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)), "lse: +inf rows differ"
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-3 if fin.any() else True
+    if not grads:
+        return out
+    g = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), g)
+    rq, rk, rv = torch.autograd.grad(ref, (q, k, v), g)
+    pq, pk, pv = torch.autograd.grad(pt, (q, k, v), g)
+    for name, x, r, p in (("dq", dq, rq, pq), ("dk", dk, rk, pk), ("dv", dv, rv, pv)):
+        assert_fa_close(x, r, p, factor=grad_factor, atol=1e-4, name=name)
+    return out
+
+
+def varlen_inputs(lens_q, lens_k, h, h_k, d, dtype, device="cpu", grads=True):
+    cu_q = torch.tensor([0] + list(lens_q), device=device).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + list(lens_k), device=device).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), h, d, device=device, dtype=dtype, requires_grad=grads)
+    k = torch.randn(sum(lens_k), h_k, d, device=device, dtype=dtype, requires_grad=grads)
+    v = torch.randn(sum(lens_k), h_k, d, device=device, dtype=dtype, requires_grad=grads)
+    return q, k, v, cu_q, cu_k
+
+
+def check_varlen(lens_q, lens_k, h, h_k, d, dtype, *, device="cpu", grads=True, alibi=None, **kw):
+    q, k, v, cu_q, cu_k = varlen_inputs(lens_q, lens_k, h, h_k, d, dtype, device, grads)
+    slopes = make_alibi(alibi, len(lens_q), h, device)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                   alibi_slopes=slopes, return_attn_probs=True, **kw)
+    ref, ref_lse = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=slopes, **kw)
+    pt, _ = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, alibi_slopes=slopes, upcast=False,
+                          **kw)
+    assert lse.shape == (h, sum(lens_q))
+    assert_fa_close(out, ref, pt)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse))
+    if fin.any():
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-3
+    if grads:
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        want = torch.autograd.grad(ref, (q, k, v), g)
+        same = torch.autograd.grad(pt, (q, k, v), g)
+        for name, x, r, p in zip(("dq", "dk", "dv"), got, want, same):
+            assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
+    return out
