@@ -4,7 +4,8 @@ Queries are processed in tiles of ``BLOCK_Q`` rows and keys in tiles of ``BLOCK_
 an online softmax, so memory stays O(BLOCK_Q * BLOCK_K) per (batch, head) whatever the sequence
 length (a 32k x 32k causal call never builds a 32k x 32k matrix). Key tiles outside the causal /
 window band are skipped, as the kernels do. Products run in fp32 (fp64 for fp64 inputs, which gradcheck uses).
-Dispatch sends CPU tensors here.
+Dispatch sends CPU tensors here; until the Triton backward kernel lands, CUDA backward passes run
+here too (the math is device-agnostic: factory calls take the inputs' device from a context).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ BLOCK_K = 512
 
 def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
     """Why this backend cannot run the call, or None if it can."""
-    if q.device.type != "cpu":
-        return f"runs CPU tensors only (got {q.device.type})"
-    return None
+    if q.device.type == "cpu" or (q.device.type == "cuda" and op == "bwd"):
+        return None
+    return f"runs CPU tensors (and CUDA backward passes) only, got {op} on {q.device.type}"
 
 
 def _key_range(q0: int, q1: int, sq: int, sk: int, p: AttnParams) -> tuple[int, int]:
@@ -156,7 +157,7 @@ def _backward_dense(seq: _Seq, dout, out, lse, dq, dk, dv):
 
 def _sequences(q, p: AttnParams):
     """Yield (batch index, q rows slice, k rows slice) of each varlen sequence, honouring seqused."""
-    cu_q = p.cu_seqlens_q.tolist()
+    cu_q = p.cu_seqlens_q.tolist()  # a host sync on CUDA: acceptable on this interim path only
     cu_k = p.cu_seqlens_k.tolist()
     used_q = p.seqused_q.tolist() if p.seqused_q is not None else None
     used_k = p.seqused_k.tolist() if p.seqused_k is not None else None
@@ -179,6 +180,17 @@ def _lse_dtype(q):
 
 def fwd(q, k, v, p: AttnParams):
     """Forward. Returns (out, lse, probs-or-None) with the contract's shapes."""
+    with torch.device(q.device):
+        return _fwd(q, k, v, p)
+
+
+def bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
+    """Backward: writes into dq, dk, dv (which may be views into a packed gradient buffer)."""
+    with torch.device(q.device):
+        _bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
+
+
+def _fwd(q, k, v, p: AttnParams):
     h = q.shape[-2]
     out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
     want_probs = p.return_probs and p.dropout_p > 0
@@ -206,8 +218,7 @@ def fwd(q, k, v, p: AttnParams):
     return out, lse, probs
 
 
-def bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
-    """Backward: writes into dq, dk, dv (which may be views into a packed gradient buffer)."""
+def _bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     h = q.shape[-2]
     if not p.varlen:
         batch = torch.arange(q.shape[0])

@@ -1,7 +1,11 @@
-"""Benchmarks of flashtile beside its peers: ``python -m flashtile.bench --help``.
+"""Benchmarks of flashtile beside its peers, in one process.
 
-flashtile itself is imported only when a benchmark runs, so ``--help`` and ``plot`` work even
-while the kernels are broken.
+    python -m flashtile.bench fwd --d 128 --seqlens 1024 4096 --causal yes --plot fwd.png
+    python -m flashtile.bench bwd --peers flash cudnn --ceilings --out bwd.json
+    python -m flashtile.bench plot bwd.json bwd.png
+
+flashtile itself is imported only when a benchmark runs, so ``--help`` and ``plot`` do not depend
+on the kernels. Subcommands live in the table ``COMMANDS`` (``flashtile.bench.cli``).
 """
 
 from flashtile.bench.cli import COMMANDS, main

@@ -77,12 +77,13 @@ def _resolve_shapes(args) -> list[Shape]:
 
 
 def _describe(e: BaseException, caught: list | None = None) -> str:
-    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}".strip()
+    # One line, whole: dispatch errors put the per-backend reasons on the lines after the first.
+    msg = f"{type(e).__name__}: {' '.join(str(e).split())}".strip()
     # SDPA says only "No available kernel"; its reasons arrive as warnings, so keep them.
-    reasons = [str(w.message).strip().splitlines()[0] for w in caught or ()]
+    reasons = [" ".join(str(w.message).split()) for w in caught or ()]
     if reasons:
         msg += " (" + "; ".join(dict.fromkeys(reasons)) + ")"
-    return msg[:500]
+    return msg[:600]
 
 
 def _release(device: str) -> None:
@@ -258,7 +259,7 @@ def run(args) -> int:
     meta["impls"] = {i.name: i.description for i in impls}
     tol = TOLERANCE[args.dtype]
     meta["check"] = {"reference": "torch SDPA (backend of torch's choice)", "tolerance": tol,
-                     "grad_tolerance": GRAD_FACTOR * tol} if args.check else None
+                     "grad_tolerance": round(GRAD_FACTOR * tol, 6)} if args.check else None
     meta["ceilings"] = None
     if args.ceilings:
         if device == "cuda":

@@ -36,6 +36,11 @@ def plot_results(data: dict, path: str) -> None:
             xs = [i + (j - (len(impls) - 1) / 2) * bar_w for i in range(len(rs))]
             vals = [r["tflops"].get(name) for r in rs]
             ax.bar(xs, [v or 0.0 for v in vals], bar_w, label=name, color=f"C{j}")
+            if name == "flashtile":  # ours is the bar a reader looks for: give its number
+                for x, v in zip(xs, vals):
+                    if v is not None:
+                        ax.text(x, v, f"{v:.0f}" if v >= 10 else f"{v:.2g}", ha="center", va="bottom",
+                                fontsize=6)
             for x, v in zip(xs, vals):
                 if v is None:  # a missing bar must read as "not measured", not as zero speed
                     ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)

@@ -150,8 +150,8 @@ def _error_notes(rows: list[dict]) -> list[str]:
         if r.get("check_error"):
             errs["check"] = r["check_error"]
         for name, reason in errs.items():
-            short = reason.strip().splitlines()[0] if reason.strip() else "unknown error"
-            groups.setdefault((name, short[:200]), []).append(f"d={r['d']} s={r['s']} {_causal(r)}")
+            short = " ".join(reason.split())[:300] or "unknown error"
+            groups.setdefault((name, short), []).append(f"d={r['d']} s={r['s']} {_causal(r)}")
     lines = []
     for (name, reason), where in groups.items():
         scope = "all rows" if len(where) == len(rows) else ", ".join(where[:6]) + (

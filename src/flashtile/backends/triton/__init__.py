@@ -8,6 +8,7 @@ from flashtile.dispatch import interpret_requested
 from flashtile.params import AttnParams
 
 NAME = "triton"
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
@@ -16,4 +17,14 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
         return "CPU tensors need FLASHTILE_INTERPRET=1 (and TRITON_INTERPRET=1) to run the kernels"
     if q.device.type not in ("cpu", "cuda"):
         return f"runs CUDA tensors only (got {q.device.type})"
-    return f"the {op} kernel is not implemented yet"
+    if q.dtype not in KERNEL_DTYPES:
+        return f"the kernels take fp16, bf16 and fp32, not {q.dtype}"
+    if op == "bwd":
+        return "the backward kernel is not implemented yet"
+    return None
+
+
+def fwd(q, k, v, p: AttnParams):
+    from flashtile.backends.triton.attn_fwd import attn_fwd
+
+    return attn_fwd(q, k, v, p)

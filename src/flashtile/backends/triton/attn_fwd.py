@@ -1,0 +1,134 @@
+"""Launcher of the forward kernel: allocation, strides, descriptors, grid and config choice."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
+from flashtile.params import AttnParams
+
+LOG2E = 1.4426950408889634
+
+# Tests and the tuning script set these to pin a config or force a load path.
+CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+TMA_OVERRIDE: bool | None = None
+
+
+def arch_of(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpret"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major == 9 else "default"
+
+
+def _tma_ok(x: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last."""
+    es = x.element_size()
+    return x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:-1])
+
+
+def _descriptor(x: torch.Tensor, block_rows: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if x.dim() == 4:  # (b, s, h, d)
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_rows, 1, block_d])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_rows, 1, block_d])
+
+
+def use_tma(q, k, v) -> bool:
+    if TMA_OVERRIDE is not None:
+        return TMA_OVERRIDE
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return all(_tma_ok(x) for x in (q, k, v))
+
+
+def attn_fwd(q, k, v, p: AttnParams):
+    """Forward on q (b, sq, h, d) / (total_q, h, d); returns (out, lse, probs-or-None)."""
+    d = q.shape[-1]
+    h, h_k = q.shape[-2], k.shape[-2]
+    block_d = max(16, triton.next_power_of_2(d))
+    arch = arch_of(q.device)
+    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(arch, block_d, p.causal)
+    tma = use_tma(q, k, v)
+    if tma and (block_d * q.element_size()) < 16:
+        tma = False
+
+    out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
+    want_probs = p.return_probs and p.dropout_p > 0
+    if p.varlen:
+        b = p.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
+        total_q = q.shape[0]
+        # rows cut off by seqused_q are never visited by the kernel: they keep out 0 / lse +inf
+        lse = (torch.full if p.seqused_q is not None else torch.empty)(
+            (h, total_q), *(() if p.seqused_q is None else (float("inf"),)), device=q.device,
+            dtype=torch.float32)
+        if p.seqused_q is not None:
+            out.zero_()
+        sq_b, sk_b, so_b = 0, 0, 0
+        sq_m, sq_h = q.stride(0), q.stride(1)
+        sk_n, sk_h = k.stride(0), k.stride(1)
+        sv_n, sv_h = v.stride(0), v.stride(1)
+        so_m, so_h = out.stride(0), out.stride(1)
+        lse_b, lse_h = 0, lse.stride(0)
+        sv_b = 0
+    else:
+        b, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        lse = torch.empty(b, h, seqlen_q, device=q.device, dtype=torch.float32)
+        sq_b, sq_m, sq_h = q.stride(0), q.stride(1), q.stride(2)
+        sk_b, sk_n, sk_h = k.stride(0), k.stride(1), k.stride(2)
+        sv_b, sv_n, sv_h = v.stride(0), v.stride(1), v.stride(2)
+        so_b, so_m, so_h = out.stride(0), out.stride(1), out.stride(2)
+        lse_b, lse_h = lse.stride(0), lse.stride(1)
+    probs = None
+    if want_probs:
+        probs = torch.zeros(b, h, seqlen_q, seqlen_k, device=q.device, dtype=torch.float32)
+    probs_arg = probs if probs is not None else lse
+    pb, ph, pm = (probs.stride(0), probs.stride(1), probs.stride(2)) if probs is not None else (0, 0, 0)
+
+    if tma:
+        desc_q = _descriptor(q, block_m, block_d)
+        desc_k = _descriptor(k, block_n, block_d)
+        desc_v = _descriptor(v, block_n, block_d)
+    else:
+        desc_q, desc_k, desc_v = q, k, v
+
+    if p.softcap > 0:
+        qk_scale = p.softmax_scale / p.softcap
+    else:
+        qk_scale = p.softmax_scale * LOG2E
+    alibi = p.alibi_slopes
+    alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
+    dummy = lse
+    grid = (triton.cdiv(max(seqlen_q, 1), block_m), b * h)
+    if b * h == 0 or seqlen_q == 0:
+        return out, lse, probs
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse, probs_arg, desc_q, desc_k, desc_v,
+        p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
+        p.seqused_q if p.seqused_q is not None else dummy,
+        p.seqused_k if p.seqused_k is not None else dummy,
+        alibi if alibi is not None else dummy,
+        qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
+        p.offset & 0xFFFFFFFF, p.window_left, p.window_right,
+        seqlen_q, seqlen_k, h, h // h_k,
+        sq_b, sq_m, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_m, so_h,
+        lse_b, lse_h, alibi_stride_b, pb, ph, pm,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
+        HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse, probs
+
+
+def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
+    """Forward FLOPs as the benchmarks count them (halved for causal)."""
+    return 4.0 * b * h * sq * sk * d / (2 if causal else 1)
+
+

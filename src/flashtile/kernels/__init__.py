@@ -1,0 +1,1 @@
+"""Triton kernels (``@triton.jit`` code and their tuning tables only; launchers live in backends/triton)."""

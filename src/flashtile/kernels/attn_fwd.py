@@ -1,0 +1,302 @@
+"""Forward attention kernel: one program computes BLOCK_M query rows of one (batch, head).
+
+The key loop is split into three ranges (see ``_key_block_ranges``): blocks on the left edge of
+the band (masked), blocks entirely inside it (no mask work at all), and blocks on its right edge
+(masked: the causal diagonal, the window's right bound, the ragged end of the keys). Blocks outside
+the band are never visited, so a window of width w costs O(s * w).
+
+Softmax runs in base 2 with the scale folded into one multiply (``exp2``); the accumulator is
+fp32 and is normalised once at the end. Dropout draws from a counter-based Philox stream keyed by
+(seed, offset, batch*head, row, col), so the backward pass regenerates the same mask.
+"""
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels.philox import philox_uniform
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 (portable to the interpreter); saturates cleanly to +-1 for large |x|
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                      HAS_RIGHT: tl.constexpr):
+    """Key-block indices [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
+    shift = seqlen_k - seqlen_q  # bottom-right alignment: row i's diagonal is column i + shift
+    first_row = start_m
+    last_row = start_m + BLOCK_M - 1
+    lo = 0
+    hi = tl.cdiv(seqlen_k, BLOCK_N)
+    full_lo = 0
+    full_hi = seqlen_k // BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(first_row + shift - window_left, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_row + shift - window_left, 0), BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(last_row + shift + window_right + 1, 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(first_row + shift + window_right + 1, 0) // BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _load_k_tile(K, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_kn,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, CHECK_N: tl.constexpr):
+    """K tile transposed, [BLOCK_D, BLOCK_N]; zeros outside the sequence and past the head dim."""
+    if USE_TMA:
+        if IS_VARLEN:
+            t = desc_k.load([k_row0 + start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            t = desc_k.load([b, start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+        return tl.trans(t)
+    ptrs = K + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None]
+    mask = offs_d[:, None] < HEAD_DIM
+    if CHECK_N:
+        mask = mask & ((start_n + offs_n)[None, :] < seqlen_k)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_vn,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, CHECK_N: tl.constexpr):
+    """V tile, [BLOCK_N, BLOCK_D]."""
+    if USE_TMA:
+        if IS_VARLEN:
+            return desc_v.load([k_row0 + start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+        return desc_v.load([b, start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+    ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :]
+    mask = offs_d[None, :] < HEAD_DIM
+    if CHECK_N:
+        mask = mask & ((start_n + offs_n)[:, None] < seqlen_k)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left, window_right,
+            MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of a tile in the log2 domain (scaled, softcapped, ALiBi-biased, masked to -inf)."""
+    qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # qk_scale already holds scale / softcap; the result is multiplied back by softcap*log2(e)
+        s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        dist = tl.abs(offs_m[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).to(tl.float32)
+        s = s - (slope * 1.4426950408889634) * dist
+    if MASK:
+        diag = offs_m[:, None] + (seqlen_k - seqlen_q)
+        ok = cols[None, :] < seqlen_k
+        if HAS_LEFT:
+            ok = ok & (cols[None, :] >= diag - window_left)
+        if HAS_RIGHT:
+            ok = ok & (cols[None, :] <= diag + window_right)
+        s = tl.where(ok, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, bh, block_lo, block_hi,
+                    offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                    qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
+                    rng_offset,
+                    MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update over key blocks [block_lo, block_hi)."""
+    for blk in range(block_lo, block_hi):
+        start_n = blk * BLOCK_N
+        kt = _load_k_tile(K, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_kn,
+                          HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, MASK)
+        cols = start_n + offs_n
+        s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
+                    window_right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:
+            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if HAS_DROPOUT:
+            u = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :])
+            p = tl.where(u >= dropout_p, p, 0.0)
+        v = _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_vn,
+                         HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, MASK)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi",
+                              "rng_offset"])
+def _attn_fwd_kernel(
+    # pointers (desc_* are tensor descriptors when USE_TMA, else the same tensors again)
+    Q, K, V, O, LSE, PROBS, desc_q, desc_k, desc_v,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    # scalars
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
+    # sizes
+    seqlen_q, seqlen_k, num_heads, group,
+    # strides
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_alibi_b,
+    stride_pb, stride_ph, stride_pm,
+    # constexprs
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    kv_head = h // group
+
+    q_row0 = b * 0
+    k_row0 = b * 0
+    if IS_VARLEN:
+        q_row0 = tl.load(CU_SEQLENS_Q + b)
+        k_row0 = tl.load(CU_SEQLENS_K + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    # 64-bit offsets: packed varlen batches can exceed 2**31 elements
+    q_base = Q + b.to(tl.int64) * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
+
+    if USE_TMA:
+        if IS_VARLEN:
+            q = desc_q.load([q_row0 + start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            q = desc_q.load([b, start_m, h, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + b * stride_alibi_b + h)
+    bh = b * num_heads + h
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # left edge of the band (window start), masked
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, lo, full_lo,
+        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+        True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    # interior of the band: no masking work
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_lo, full_hi,
+        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+        False, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    # right edge: causal diagonal / window end / ragged end of the keys, masked
+    acc, m_i, l_i = _attn_fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_hi, hi,
+        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+        True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+
+    # rows that saw no key: output 0 and lse = +inf (the contract's rule)
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+
+    row_ok = offs_m < seqlen_q
+    o_ptrs = (O + b.to(tl.int64) * stride_ob + q_row0.to(tl.int64) * stride_om + h * stride_oh
+              + offs_m[:, None] * stride_om + offs_d[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    lse_ptrs = LSE + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+    if RETURN_PROBS:
+        # testing aid: normalised probabilities, dropped ones negated (FlashAttention's convention)
+        lse2 = lse * 1.4426950408889634
+        p_base = PROBS + b.to(tl.int64) * stride_pb + h * stride_ph
+        for blk in range(0, tl.cdiv(seqlen_k, BLOCK_N)):
+            start_n = blk * BLOCK_N
+            cols = start_n + offs_n
+            kt = _load_k_tile(k_base, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k,
+                              stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, False, True)
+            s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
+                        window_right, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+            pr = tl.math.exp2(s - lse2[:, None])
+            if HAS_DROPOUT:
+                u = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :])
+                pr = tl.where(u >= dropout_p, pr, -pr)
+            tl.store(p_base + offs_m[:, None] * stride_pm + cols[None, :], pr,
+                     mask=row_ok[:, None] & (cols[None, :] < seqlen_k))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning table: (BLOCK_M, BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket, causal).
+# Chosen by measurement on the H200 (docs/forward.md has the numbers); "interpret" is the tiny
+# config the CPU tests pin so the interpreter stays fast.
+FWD_CONFIGS = {
+    ("sm90", 32, False): (128, 64, 4, 3),
+    ("sm90", 32, True): (128, 64, 4, 3),
+    ("sm90", 64, False): (128, 64, 4, 3),
+    ("sm90", 64, True): (128, 64, 4, 3),
+    ("sm90", 128, False): (128, 64, 8, 3),
+    ("sm90", 128, True): (128, 64, 8, 3),
+    ("sm90", 256, False): (128, 64, 8, 2),
+    ("sm90", 256, True): (128, 64, 8, 2),
+    ("default", 32, False): (64, 64, 4, 2),
+    ("default", 64, False): (64, 64, 4, 2),
+    ("default", 128, False): (64, 64, 4, 2),
+    ("default", 256, False): (64, 32, 4, 1),
+    ("interpret", 0, False): (16, 16, 4, 1),
+}
+
+
+def fwd_config(arch: str, block_d: int, causal: bool):
+    """Look up (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head-dim bucket."""
+    if arch == "interpret":
+        return FWD_CONFIGS[("interpret", 0, False)]
+    bucket = 32 if block_d <= 32 else 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    return FWD_CONFIGS.get((arch, bucket, causal)) or FWD_CONFIGS[("default", bucket, False)]
