@@ -1,0 +1,70 @@
+"""Sweep a short list of forward tile configs on the GPU; print and save TFLOP/s per config.
+
+Usage (on the H200): PYTHONPATH=src python scripts/tune_fwd.py --out $OUT/tune_fwd.json
+The winners go into FWD_CONFIGS in src/flashtile/kernels/attn_fwd.py by hand, with the JSON committed.
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+
+import flashtile
+from flashtile.backends.triton import attn_fwd as launcher
+
+CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+    256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2)],
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tune_fwd.json")
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192])
+    args = ap.parse_args()
+    rows = []
+    for d in args.d:
+        h = 2048 // d
+        for s in args.seqlens:
+            b = 16384 // s
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            for causal in (False, True):
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                for tma in (True, False):
+                    for cfg in CONFIGS[d]:
+                        launcher.CONFIG_OVERRIDE, launcher.TMA_OVERRIDE = cfg, tma
+                        t0 = time.time()
+                        try:
+                            ms = triton.testing.do_bench(
+                                lambda q=q, k=k, v=v, c=causal: flashtile.flash_attn_func(q, k, v, causal=c),
+                                warmup=25, rep=100, return_mode="median")
+                            tf, err = flops / ms / 1e9, None
+                        except Exception as exc:  # a config can exceed shared memory: record it
+                            ms, tf, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                        row = dict(d=d, s=s, causal=causal, tma=tma, cfg=cfg, ms=ms, tflops=tf, error=err,
+                                   wall_s=round(time.time() - t0, 1))
+                        rows.append(row)
+                        print(json.dumps(row), file=sys.stderr, flush=True)
+    launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = None
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    best = {}
+    for r in rows:
+        key = (r["d"], r["s"], r["causal"])
+        if r["tflops"] and r["tflops"] > best.get(key, (0,))[0]:
+            best[key] = (r["tflops"], r["tma"], r["cfg"])
+    print("best per shape (d, s, causal): tflops, tma, cfg")
+    for key, val in sorted(best.items()):
+        print(key, f"{val[0]:.0f}", val[1], val[2])
+
+
+if __name__ == "__main__":
+    main()
