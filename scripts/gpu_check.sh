@@ -12,7 +12,7 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__ve
   | tee "$OUT/env.txt"
 status=0
 if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu -x --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
+  python3 -m pytest -q -m gpu --maxfail=10 --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
     | tail -n 25
   status=${PIPESTATUS[0]}
 fi

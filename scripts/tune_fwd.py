@@ -26,7 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_fwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
     args = ap.parse_args()
     rows = []
     for d in args.d:
