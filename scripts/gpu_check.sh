@@ -17,7 +17,7 @@ if [[ $what == all || $what == tests ]]; then
   status=${PIPESTATUS[0]}
 fi
 if [[ $what == all || $what == tune ]]; then
-  python3 scripts/tune_fwd.py --out "$OUT/tune_fwd.json" 2> "$OUT/tune_fwd.log"
+  python3 scripts/tune_fwd.py ${TUNE_ARGS:-} --out "$OUT/tune_fwd.json" 2> "$OUT/tune_fwd.log"
 fi
 if [[ $what == all || $what == bench ]]; then
   python3 -m flashtile.bench fwd --ceilings --out "$OUT/fwd.json" --plot "$OUT/fwd.png" 2> "$OUT/bench_fwd.log" \

@@ -22,12 +22,22 @@ CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 }
 
 
+# --refine: neighbours of the first sweep's winners, TMA path only
+REFINE = {
+    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4)],
+    128: [(64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 2)],
+    256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1), (64, 16, 4, 3), (32, 32, 4, 2)],
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_fwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--refine", action="store_true", help="sweep REFINE (TMA only) instead of CONFIGS")
     args = ap.parse_args()
+    table, paths = (REFINE, (True,)) if args.refine else (CONFIGS, (True, False))
     rows = []
     for d in args.d:
         h = 2048 // d
@@ -36,8 +46,8 @@ def main():
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for causal in (False, True):
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                for tma in (True, False):
-                    for cfg in CONFIGS[d]:
+                for tma in paths:
+                    for cfg in table[d]:
                         launcher.CONFIG_OVERRIDE, launcher.TMA_OVERRIDE = cfg, tma
                         t0 = time.time()
                         try:

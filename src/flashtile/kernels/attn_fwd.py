@@ -53,17 +53,21 @@ def _load_k_tile(K, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, CHECK_N: tl.constexpr):
     """K tile transposed, [BLOCK_D, BLOCK_N]; zeros outside the sequence and past the head dim."""
+    # (every path assigns and falls through to one return: the compiler does not prune code after
+    # a return inside a constexpr branch)
     if USE_TMA:
         if IS_VARLEN:
             t = desc_k.load([k_row0 + start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
         else:
             t = desc_k.load([b, start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
-        return tl.trans(t)
-    ptrs = K + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None]
-    mask = offs_d[:, None] < HEAD_DIM
-    if CHECK_N:
-        mask = mask & ((start_n + offs_n)[None, :] < seqlen_k)
-    return tl.load(ptrs, mask=mask, other=0.0)
+        kt = tl.trans(t)
+    else:
+        ptrs = K + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None]
+        mask = offs_d[:, None] < HEAD_DIM
+        if CHECK_N:
+            mask = mask & ((start_n + offs_n)[None, :] < seqlen_k)
+        kt = tl.load(ptrs, mask=mask, other=0.0)
+    return kt
 
 
 @triton.jit
@@ -73,13 +77,16 @@ def _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_
     """V tile, [BLOCK_N, BLOCK_D]."""
     if USE_TMA:
         if IS_VARLEN:
-            return desc_v.load([k_row0 + start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
-        return desc_v.load([b, start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
-    ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :]
-    mask = offs_d[None, :] < HEAD_DIM
-    if CHECK_N:
-        mask = mask & ((start_n + offs_n)[:, None] < seqlen_k)
-    return tl.load(ptrs, mask=mask, other=0.0)
+            v = desc_v.load([k_row0 + start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            v = desc_v.load([b, start_n, kv_head, 0]).reshape(BLOCK_N, BLOCK_D)
+    else:
+        ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :]
+        mask = offs_d[None, :] < HEAD_DIM
+        if CHECK_N:
+            mask = mask & ((start_n + offs_n)[:, None] < seqlen_k)
+        v = tl.load(ptrs, mask=mask, other=0.0)
+    return v
 
 
 @triton.jit
@@ -280,14 +287,16 @@ def _attn_fwd_kernel(
 # Chosen by measurement on the H200 (docs/forward.md has the numbers); "interpret" is the tiny
 # config the CPU tests pin so the interpreter stays fast.
 FWD_CONFIGS = {
+    # sm90 rows: the best of scripts/tune_fwd.py at s=4096, bf16 (benchmarks/results/tune_fwd_*.json);
+    # with TMA loads a single warpgroup on 64-row tiles wins from d=128 up.
     ("sm90", 32, False): (128, 64, 4, 3),
-    ("sm90", 32, True): (128, 64, 4, 3),
+    ("sm90", 32, True): (64, 64, 4, 3),
     ("sm90", 64, False): (128, 64, 4, 3),
-    ("sm90", 64, True): (128, 64, 4, 3),
-    ("sm90", 128, False): (128, 64, 8, 3),
-    ("sm90", 128, True): (128, 64, 8, 3),
-    ("sm90", 256, False): (128, 64, 8, 2),
-    ("sm90", 256, True): (128, 64, 8, 2),
+    ("sm90", 64, True): (64, 64, 4, 3),
+    ("sm90", 128, False): (64, 64, 4, 3),
+    ("sm90", 128, True): (64, 64, 4, 3),
+    ("sm90", 256, False): (64, 32, 4, 2),
+    ("sm90", 256, True): (64, 32, 4, 2),
     ("default", 32, False): (64, 64, 4, 2),
     ("default", 64, False): (64, 64, 4, 2),
     ("default", 128, False): (64, 64, 4, 2),
