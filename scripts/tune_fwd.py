@@ -24,9 +24,9 @@ CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
 
 # --refine: neighbours of the first sweep's winners, TMA path only
 REFINE = {
-    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 64, 4, 4)],
-    128: [(64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (64, 128, 4, 2)],
-    256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1), (64, 16, 4, 3), (32, 32, 4, 2)],
+    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 3)],
+    128: [(64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 2)],
+    256: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 64, 4, 1), (128, 64, 8, 2), (32, 32, 4, 2)],
 }
 
 
@@ -35,13 +35,22 @@ def main():
     ap.add_argument("--out", default="tune_fwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--seqlens-by-d", default=None,
+                    help='per-head-dim seqlens, e.g. "64:512,4096;128:1024,8192" (overrides --seqlens)')
     ap.add_argument("--refine", action="store_true", help="sweep REFINE (TMA only) instead of CONFIGS")
+    ap.add_argument("--emit-table", default=None,
+                    help="write the winners as a FLASHTILE_FWD_CONFIGS file (short rows for s <= 1024)")
     args = ap.parse_args()
     table, paths = (REFINE, (True,)) if args.refine else (CONFIGS, (True, False))
     rows = []
+    by_d = {}
+    if args.seqlens_by_d:
+        for part in args.seqlens_by_d.split(";"):
+            d_str, lens = part.split(":")
+            by_d[int(d_str)] = [int(x) for x in lens.split(",")]
     for d in args.d:
         h = 2048 // d
-        for s in args.seqlens:
+        for s in by_d.get(d, args.seqlens):
             b = 16384 // s
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             for causal in (False, True):
@@ -74,6 +83,15 @@ def main():
     print("best per shape (d, s, causal): tflops, tma, cfg")
     for key, val in sorted(best.items()):
         print(key, f"{val[0]:.0f}", val[1], val[2])
+    if args.emit_table:
+        table = {}
+        for (d, s, causal), (_, tma, cfg) in best.items():
+            if tma:  # the table is for the TMA path, which every aligned input takes on Hopper
+                short = ",short" if s <= 1024 else ""
+                table[f"sm90,{d},{causal}{short}"] = list(cfg)
+        with open(args.emit_table, "w") as f:
+            json.dump(table, f, indent=1)
+        print("table:", json.dumps(table))
 
 
 if __name__ == "__main__":

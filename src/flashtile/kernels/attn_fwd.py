@@ -305,9 +305,23 @@ FWD_CONFIGS = {
 }
 
 
-def fwd_config(arch: str, block_d: int, causal: bool):
-    """Look up (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head-dim bucket."""
+def fwd_config(arch: str, block_d: int, causal: bool, max_seqlen_k: int = 0, overrides=None):
+    """Look up (BLOCK_M, BLOCK_N, num_warps, num_stages) for a head-dim bucket.
+
+    Short sequences (max_seqlen_k <= SHORT_SEQLEN) may have their own row: a key tuple ending in
+    "short". ``overrides`` (same keys) wins over the table.
+    """
     if arch == "interpret":
         return FWD_CONFIGS[("interpret", 0, False)]
     bucket = 32 if block_d <= 32 else 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-    return FWD_CONFIGS.get((arch, bucket, causal)) or FWD_CONFIGS[("default", bucket, False)]
+    keys = [(arch, bucket, causal)]
+    if max_seqlen_k <= SHORT_SEQLEN:
+        keys.insert(0, (arch, bucket, causal, "short"))
+    for table in (overrides or {}, FWD_CONFIGS):
+        for key in keys:
+            if key in table:
+                return tuple(table[key])
+    return FWD_CONFIGS[("default", bucket, False)]
+
+
+SHORT_SEQLEN = 1024

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 
@@ -13,6 +16,27 @@ LOG2E = 1.4426950408889634
 # Tests and the tuning script set these to pin a config or force a load path.
 CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 TMA_OVERRIDE: bool | None = None
+
+
+_OVERRIDES: dict | None = None
+
+
+def config_overrides() -> dict:
+    """Config-table rows from the JSON file named by FLASHTILE_FWD_CONFIGS (tuning runs), if any.
+
+    The file maps "arch,bucket,causal[,short]" (e.g. "sm90,128,False,short") to
+    [BLOCK_M, BLOCK_N, num_warps, num_stages].
+    """
+    global _OVERRIDES
+    if _OVERRIDES is None:
+        _OVERRIDES = {}
+        path = os.environ.get("FLASHTILE_FWD_CONFIGS")
+        if path:
+            with open(path) as f:
+                for key, cfg in json.load(f).items():
+                    arch, bucket, causal, *rest = key.split(",")
+                    _OVERRIDES[(arch, int(bucket), causal == "True", *rest)] = tuple(cfg)
+    return _OVERRIDES
 
 
 def arch_of(device: torch.device) -> str:
@@ -50,7 +74,9 @@ def attn_fwd(q, k, v, p: AttnParams):
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, triton.next_power_of_2(d))
     arch = arch_of(q.device)
-    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(arch, block_d, p.causal)
+    max_k = p.max_seqlen_k if p.varlen else k.shape[1]
+    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(
+        arch, block_d, p.causal, max_k, config_overrides())
     tma = use_tma(q, k, v)
     if tma and (block_d * q.element_size()) < 16:
         tma = False
