@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: all; given with no names: flashtile only)")
     r.add_argument("--device", choices=("cuda", "cpu"),
                    help="default: cuda when available (CPU is for smoke tests)")
-    r.add_argument("--warmup", type=float, default=25, metavar="MS", help="warmup per measurement, ms")
+    # 100 ms: after a peer's compile pause the GPU clocks need time to ramp back up
+    r.add_argument("--warmup", type=float, default=100, metavar="MS", help="warmup per measurement, ms")
     r.add_argument("--rep", "--reps", dest="rep", type=float, default=100, metavar="MS",
                    help="measured time per measurement, ms")
     r.add_argument("--seed", type=int, default=0)

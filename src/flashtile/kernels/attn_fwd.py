@@ -287,16 +287,20 @@ def _attn_fwd_kernel(
 # Chosen by measurement on the H200 (docs/forward.md has the numbers); "interpret" is the tiny
 # config the CPU tests pin so the interpreter stays fast.
 FWD_CONFIGS = {
-    # sm90 rows: the best of scripts/tune_fwd.py at s=4096, bf16 (benchmarks/results/tune_fwd_*.json);
-    # with TMA loads a single warpgroup on 64-row tiles wins from d=128 up.
+    # sm90 rows: winners of scripts/tune_fwd.py on the H200, bf16, TMA path
+    # (benchmarks/results/tune_fwd_h200_2026-11-29_*.json). "short" rows serve max_seqlen_k <= 1024.
     ("sm90", 32, False): (128, 64, 4, 3),
     ("sm90", 32, True): (64, 64, 4, 3),
+    ("sm90", 64, False, "short"): (64, 64, 4, 3),
+    ("sm90", 64, True, "short"): (64, 64, 4, 3),
     ("sm90", 64, False): (128, 64, 4, 3),
-    ("sm90", 64, True): (64, 64, 4, 3),
-    ("sm90", 128, False): (64, 64, 4, 3),
-    ("sm90", 128, True): (64, 64, 4, 3),
-    ("sm90", 256, False): (64, 32, 4, 2),
-    ("sm90", 256, True): (64, 32, 4, 2),
+    ("sm90", 64, True): (128, 64, 4, 3),
+    ("sm90", 128, False, "short"): (64, 64, 4, 3),
+    ("sm90", 128, True, "short"): (128, 128, 8, 3),
+    ("sm90", 128, False): (128, 128, 8, 3),
+    ("sm90", 128, True): (128, 128, 8, 3),
+    ("sm90", 256, False): (64, 32, 4, 3),
+    ("sm90", 256, True): (64, 32, 4, 3),
     ("default", 32, False): (64, 64, 4, 2),
     ("default", 64, False): (64, 64, 4, 2),
     ("default", 128, False): (64, 64, 4, 2),
