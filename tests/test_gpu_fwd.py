@@ -124,5 +124,5 @@ def test_varlen_over_a_million_tokens():
     assert (out[t0:].float() - ref[0, 256:].float()).abs().max() < 2e-2
 
 
-def test_backward_on_cuda_interim_path():
+def test_backward_through_the_kernels():
     check_padded(1, 200, 300, 4, 2, 64, torch.bfloat16, device=DEV, causal=True, grads=True)

@@ -19,8 +19,6 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
         return f"runs CUDA tensors only (got {q.device.type})"
     if q.dtype not in KERNEL_DTYPES:
         return f"the kernels take fp16, bf16 and fp32, not {q.dtype}"
-    if op == "bwd":
-        return "the backward kernel is not implemented yet"
     return None
 
 
@@ -28,3 +26,9 @@ def fwd(q, k, v, p: AttnParams):
     from flashtile.backends.triton.attn_fwd import attn_fwd
 
     return attn_fwd(q, k, v, p)
+
+
+def bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
+    from flashtile.backends.triton.attn_bwd import attn_bwd
+
+    attn_bwd(dout, q, k, v, out, lse, p, dq, dk, dv)

@@ -1,0 +1,86 @@
+"""Launcher of the backward kernels: delta preprocess, dK/dV kernel, dQ kernel."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashtile.backends.triton.attn_fwd import LOG2E, arch_of
+from flashtile.kernels.attn_bwd import (
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
+    _attn_bwd_preprocess_kernel,
+    bwd_configs,
+)
+from flashtile.params import AttnParams
+
+# Tests pin a config pair here: ((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)).
+CONFIG_OVERRIDE = None
+
+
+def _strides3(x: torch.Tensor, varlen: bool):
+    """(batch, row, head) strides; varlen tensors have no batch dim (the kernels add cu_seqlens)."""
+    if varlen:
+        return 0, x.stride(0), x.stride(1)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
+    """Write dq, dk, dv (possibly strided views into packed buffers) for saved q, k, v, out, lse."""
+    d = q.shape[-1]
+    h, h_k = q.shape[-2], k.shape[-2]
+    block_d = max(16, triton.next_power_of_2(d))
+    (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(arch_of(q.device), block_d)
+    if p.varlen:
+        b = p.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
+        lse_b, lse_h = 0, lse.stride(0)
+    else:
+        b, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        lse_b, lse_h = lse.stride(0), lse.stride(1)
+    # keys/rows cut off by seqused_* (and whole empty sequences) are never visited: pre-zero them
+    if p.varlen:
+        dk.zero_()
+        dv.zero_()
+        if p.seqused_q is not None:
+            dq.zero_()
+    if b * h == 0 or q.shape[0] == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    delta = torch.empty_like(lse)
+    dummy = lse
+    cu_q = p.cu_seqlens_q if p.varlen else dummy
+    cu_k = p.cu_seqlens_k if p.varlen else dummy
+    used_q = p.seqused_q if p.seqused_q is not None else dummy
+    used_k = p.seqused_k if p.seqused_k is not None else dummy
+    alibi = p.alibi_slopes if p.alibi_slopes is not None else dummy
+    alibi_b = 0 if p.alibi_slopes is None or p.alibi_slopes.dim() == 1 else p.alibi_slopes.stride(0)
+    flags = dict(IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None)
+    so = _strides3(out, p.varlen)
+    sdo = _strides3(dout, p.varlen)
+    pre_m = 64
+    _attn_bwd_preprocess_kernel[(triton.cdiv(max(seqlen_q, 1), pre_m), b * h)](
+        out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
+        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, **flags)
+
+    qk_scale = p.softmax_scale / p.softcap if p.softcap > 0 else p.softmax_scale * LOG2E
+    common = (qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
+              p.offset & 0xFFFFFFFF, p.window_left, p.window_right, p.softmax_scale)
+    sq_, sk_, sv_ = _strides3(q, p.varlen), _strides3(k, p.varlen), _strides3(v, p.varlen)
+    feature_flags = dict(HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
+                         HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
+                         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    _attn_bwd_dkdv_kernel[(triton.cdiv(max(seqlen_k, 1), bn_kv), b * h_k)](
+        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, used_q, used_k, alibi, *common,
+        seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
+        *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
+        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
+        num_warps=w_kv, num_stages=s_kv)
+    _attn_bwd_dq_kernel[(triton.cdiv(max(seqlen_q, 1), bm_q), b * h)](
+        q, k, v, dout, lse, delta, dq, cu_q, cu_k, used_q, used_k, alibi, *common,
+        seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
+        HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
+        num_warps=w_q, num_stages=s_q)

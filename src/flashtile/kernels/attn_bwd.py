@@ -1,0 +1,339 @@
+"""Backward attention kernels: delta preprocess, a dK/dV kernel and a dQ kernel.
+
+Both main kernels recompute the probabilities from the saved log-sum-exp, so nothing of size
+sq x sk is stored. They own disjoint outputs (a dK/dV program owns one key block of one kv head,
+summing over every query head of its GQA group; a dQ program owns one query block of one head),
+so no atomics are needed and the gradients are bit-identical run to run.
+
+With S the (softcapped, biased) scores, P = exp(S - lse), Z the dropout keep-mask scaled by
+1/(1-p) and delta = rowsum(dO * O):
+    dV = (P*Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - delta),
+    dX = dS * (1 - tanh^2)   (softcap only; X = scale * q.k is the pre-cap score),
+    dQ = scale * dX K,  dK = scale * dX^T Q.
+Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
+"""
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels.attn_fwd import _key_block_ranges, _tanh
+from flashtile.kernels.philox import philox_uniform
+
+_BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
+                      "stride_qb", "stride_kb", "stride_vb", "stride_dob", "stride_dqb", "stride_dkb",
+                      "stride_dvb", "stride_lse_b", "stride_lse_h", "stride_alibi_b"]
+
+
+@triton.jit
+def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q, num_heads,
+                                stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
+                                stride_lse_b, stride_lse_h,
+                                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                                IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr):
+    """delta[b, h, i] = sum_d dO * O, in fp32, laid out like lse."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    row0 = b * 0
+    if IS_VARLEN:
+        row0 = tl.load(CU_SEQLENS_Q + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - row0
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    rows = (row0 + offs_m).to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_om + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    tl.store(DELTA + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + row0 + offs_m, delta,
+             mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, softcap, slope,
+                           window_left, window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+                           HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """P = exp(S - lse) for a tile in either orientation (rows/cols broadcast to the tile's shape),
+    and the softcap chain factor (1 - tanh^2), or 1.0 without softcap."""
+    factor = 1.0
+    if HAS_SOFTCAP:
+        t = _tanh(qk * qk_scale)
+        s = t * (softcap * 1.4426950408889634)
+        factor = 1.0 - t * t
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s = s - (slope * 1.4426950408889634) * tl.abs(rows + (seqlen_k - seqlen_q) - cols).to(tl.float32)
+    if MASK:
+        diag = rows + (seqlen_k - seqlen_q)
+        ok = cols < seqlen_k
+        if HAS_LEFT:
+            ok = ok & (cols >= diag - window_left)
+        if HAS_RIGHT:
+            ok = ok & (cols <= diag + window_right)
+        s = tl.where(ok, s, float("-inf"))
+    return tl.math.exp2(s - lse2), factor
+
+
+@triton.jit
+def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                        HAS_RIGHT: tl.constexpr):
+    """For the key block at start_n: query blocks [lo, full_lo) masked, [full_lo, full_hi) unmasked,
+    [full_hi, hi) masked; query blocks outside [lo, hi) cannot see any of its keys."""
+    shift = seqlen_k - seqlen_q
+    first_col = start_n
+    last_col = start_n + BLOCK_N - 1
+    lo = 0
+    hi = tl.cdiv(seqlen_q, BLOCK_M)
+    full_lo = 0
+    full_hi = hi
+    if HAS_RIGHT:  # row i sees col j only if i >= j - shift - right
+        lo = tl.maximum(first_col - shift - window_right, 0) // BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last_col - shift - window_right, 0), BLOCK_M)
+    if HAS_LEFT:  # ... and i <= j - shift + left
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(last_col - shift + window_left + 1, 0), BLOCK_M))
+        full_hi = tl.maximum(first_col - shift + window_left + 1, 0) // BLOCK_M
+    # a ragged key block needs the column mask everywhere
+    full_hi = tl.where(last_col >= seqlen_k, full_lo, full_hi)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_rows_base, lse_base, bh, block_lo, block_hi,
+                offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
+                qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks."""
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for blk in range(block_lo, block_hi):
+        offs_m = blk * BLOCK_M + offs_m_base
+        row_ok = offs_m < seqlen_q
+        q = tl.load(Q + q_rows_base + offs_m[:, None] * stride_qm + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None] & d_ok, other=0.0)
+        # rows past the sequence get lse = +inf, which zeroes their probabilities
+        lse2 = tl.load(LSE + lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + lse_base + offs_m, mask=row_ok, other=0.0)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        p_t, factor = _probs_and_grad_factor(qk_t, offs_m[None, :], cols[:, None], lse2[None, :], seqlen_q,
+                                             seqlen_k, qk_scale, softcap, slope, window_left, window_right,
+                                             MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[None, :], cols[:, None]) >= dropout_p
+            scale_z = 1.0 / (1.0 - dropout_p)
+            dv += tl.dot(tl.where(keep, p_t * scale_z, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep, dp_t * scale_z, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :]) * factor
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    kv_head = pid_bh % num_kv_heads
+    q_row0 = b * 0
+    k_row0 = b * 0
+    if IS_VARLEN:
+        q_row0 = tl.load(CU_SEQLENS_Q + b)
+        k_row0 = tl.load(CU_SEQLENS_K + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    start_n = pid_n * BLOCK_N
+    if start_n >= seqlen_k:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m_base = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    b64 = b.to(tl.int64)
+    k_rows = (k_row0 + offs_n).to(tl.int64)
+    k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, group):
+        h = kv_head * group + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + b * stride_alibi_b + h)
+        bh = b * num_heads + h
+        q_base = b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
+        do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
+        lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, lo, full_lo,
+                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
+                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
+                             rng_offset, True, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                             HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, full_lo, full_hi,
+                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
+                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
+                             rng_offset, False, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                             HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, full_hi, hi,
+                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
+                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
+                             rng_offset, True, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                             HAS_DROPOUT, DOT_PRECISION)
+    dk = dk * grad_scale
+    tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs_n_base, offs_d,
+              seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
+              dropout_p, seed_lo, seed_hi, rng_offset,
+              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N])."""
+    d_ok = offs_d[None, :] < HEAD_DIM
+    for blk in range(block_lo, block_hi):
+        cols = blk * BLOCK_N + offs_n_base
+        col_ok = cols < seqlen_k
+        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None] & d_ok, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None] & d_ok, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
+                                           qk_scale, softcap, slope, window_left, window_right, MASK,
+                                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            keep = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :]) >= dropout_p
+            dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None]) * factor
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    seqlen_q, seqlen_k, num_heads, group,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // num_heads
+    h = pid_bh % num_heads
+    kv_head = h // group
+    q_row0 = b * 0
+    k_row0 = b * 0
+    if IS_VARLEN:
+        q_row0 = tl.load(CU_SEQLENS_Q + b)
+        k_row0 = tl.load(CU_SEQLENS_K + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    start_m = pid_m * BLOCK_M
+    if start_m >= seqlen_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n_base = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    b64 = b.to(tl.int64)
+    rows = (q_row0 + offs_m).to(tl.int64)
+    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                 mask=q_mask, other=0.0)
+    lse_ptr = b64 * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
+    lse2 = tl.load(LSE + lse_ptr, mask=offs_m < seqlen_q, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(DELTA + lse_ptr, mask=offs_m < seqlen_q, other=0.0)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + b * stride_alibi_b + h)
+    bh = b * num_heads + h
+    k_ptr = K + b64 * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
+    v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d,
+                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
+                   dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d,
+                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
+                   dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d,
+                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
+                   dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = dq * grad_scale
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.
+# First guesses; to be replaced by a measured sweep on the H200 (docs/backward.md).
+BWD_CONFIGS = {
+    ("sm90", 64): ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ("sm90", 128): ((64, 128, 8, 2), (128, 64, 8, 2)),
+    ("sm90", 256): ((32, 64, 8, 1), (64, 32, 8, 1)),
+    ("default", 64): ((64, 64, 4, 2), (64, 64, 4, 2)),
+    ("default", 128): ((64, 64, 4, 1), (64, 64, 4, 1)),
+    ("default", 256): ((32, 32, 4, 1), (32, 32, 4, 1)),
+    ("interpret", 0): ((16, 16, 4, 1), (16, 16, 4, 1)),
+}
+
+
+def bwd_configs(arch: str, block_d: int):
+    """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket."""
+    if arch == "interpret":
+        return BWD_CONFIGS[("interpret", 0)]
+    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    return BWD_CONFIGS.get((arch, bucket)) or BWD_CONFIGS[("default", bucket)]
