@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from attn_cases import check_padded, check_varlen
 
 import flashtile
+from attn_cases import check_padded, check_varlen
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
