@@ -6,9 +6,9 @@ split are crossed by tiny pinned tiles.
 
 import pytest
 import torch
-from attn_cases import check_padded, check_varlen
 
 import flashtile
+from attn_cases import check_padded, check_varlen
 from flashtile.backends.triton import attn_bwd as bwd_launcher
 from flashtile.backends.triton import attn_fwd as fwd_launcher
 
