@@ -42,7 +42,10 @@ def _check_rows(data, mode, impls):
             if r["ms"][name] is not None:
                 assert r["ms"][name] > 0
                 assert r["tflops"][name] == pytest.approx(r["flops"] / (r["ms"][name] * 1e-3) / 1e12)
-        assert r["ms"]["flashtile"] is not None, r["errors"]
+        # CPU timings of tiny shapes are noisy: a bwd row may be refused as "timing noise" (fwd+bwd
+        # measured below fwd). That refusal is the tool working; any other missing time is a failure.
+        if r["ms"]["flashtile"] is None:
+            assert mode != "fwd" and "timing noise" in r["errors"]["flashtile"], r["errors"]
         assert not r["mismatch"] and 0 <= r["max_err"] < 0.01
     return rows
 
@@ -92,7 +95,8 @@ def test_bwd_quick_cpu_default_path(tmp_path, monkeypatch):
     for r in rows:
         assert r["max_err_grad"] < 0.03
         for name, parts in r["ms_parts"].items():
-            assert r["ms"][name] == pytest.approx(parts["fwdbwd"] - parts["fwd"])
+            if r["ms"][name] is not None:
+                assert r["ms"][name] == pytest.approx(parts["fwdbwd"] - parts["fwd"])
 
 
 def test_failing_peer_is_recorded_not_raised(tmp_path, monkeypatch):
