@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.flashtile-installed
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 triton==3.6.0 "numpy<2.4" pytest ruff einops
+	$(PY) -m pip install --quiet torch==2.13.0 triton==3.6.0 "numpy<2.4" pytest ruff einops "transformers>=5.0"
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -21,6 +21,7 @@ COMMANDS: dict[str, Command] = {
     "fwd": Command("flashtile.bench.attention", "forward of dense attention"),
     "bwd": Command("flashtile.bench.attention", "backward of dense attention, timed as (fwd+bwd) - fwd"),
     "fwdbwd": Command("flashtile.bench.attention", "forward + backward of dense attention (a training step)"),
+    "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128), paged too"),
     "plot": Command("flashtile.bench.plot", "re-plot a saved results JSON: plot RESULTS.json OUT.png"),
 }
 

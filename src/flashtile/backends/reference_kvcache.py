@@ -1,0 +1,111 @@
+"""``flash_attn_with_kvcache`` in plain PyTorch: the reference and the CPU path.
+
+The call is done in three visible steps, the way the contract states it:
+
+1. rotate the new keys (and the queries) with the rotary tables, at absolute cache positions;
+2. write the new keys/values into the cache, in place, at ``cache_seqlens .. cache_seqlens + s_new``
+   (through ``cache_batch_idx`` or the ``block_table`` pages);
+3. gather every row's valid keys ``[cache_leftpad, cache_seqlens + s_new)`` into a dense
+   ``(b, s, h_k, d)`` tensor and run :func:`flashtile.backends.reference.attention_ref` with
+   ``seqused_k`` giving each row its key length (bottom-right alignment then follows from it).
+
+Memory is O(cache capacity) per row (the gathered keys plus an ``(h, sq, s)`` score matrix), which
+is what a CPU decode step needs; the Triton kernels never build either.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.backends.reference import attention_ref
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               interleaved: bool) -> torch.Tensor:
+    """Rotate the first ``rotary_dim = 2 * cos.shape[1]`` channels of ``x`` (b, s, h, d).
+
+    ``positions`` (b, s) int64 index the rows of ``cos``/``sin`` (seqlen_ro, rotary_dim / 2).
+    Interleaved pairs channels (0, 1), (2, 3), ...; otherwise channel i pairs with i + rotary_dim/2.
+    The rotation runs in fp32 and is rounded once to ``x``'s dtype, as the kernels do.
+    """
+    rd = 2 * cos.shape[1]
+    wide = torch.promote_types(x.dtype, torch.float32)
+    # a position past the table (only queries beyond the cache can get there) is left unrotated,
+    # as the kernels do, instead of indexing out of bounds
+    inside = (positions < cos.shape[0]).unsqueeze(-1).unsqueeze(-1)
+    idx = positions.clamp(max=max(cos.shape[0] - 1, 0))
+    c = torch.where(inside, cos.to(wide)[idx].unsqueeze(2), 1.0)  # (b, s, 1, rd/2)
+    s = torch.where(inside, sin.to(wide)[idx].unsqueeze(2), 0.0)
+    xr = x[..., :rd].to(wide)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
+        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, page_size: int):
+    """(dim-0 index, dim-1 index) into a cache for absolute positions ``abs_pos`` (b, n) of each row."""
+    if block_table is None:
+        return batch_rows.view(-1, 1).expand_as(abs_pos), abs_pos
+    pages = torch.gather(block_table.long(), 1, abs_pos // page_size)
+    return pages, abs_pos % page_size
+
+
+def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True):
+    """Reference ``flash_attn_with_kvcache``: updates ``k_cache``/``v_cache`` in place, returns ``(out, lse)``.
+
+    Shapes as in the contract: q (b, sq, h, d); caches (b_cache, s_cache, h_k, d), or paged
+    (num_blocks, page_size, h_k, d) with ``block_table`` int (b, max_blocks); new k/v (b, s_new, h_k, d);
+    ``cache_seqlens`` int or int (b,) tensor (None: every row holds the full capacity);
+    ``cache_batch_idx``/``cache_leftpad`` int (b,). out (b, sq, h, d), lse fp32 (b, h, sq).
+    Arguments are assumed valid (``flashtile.kvcache`` checks them). Reads index tensors' values
+    on the host, so it is for CPU tensors and tests, not a CUDA hot path.
+    """
+    b, sq = q.shape[:2]
+    dev = q.device
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    if cache_seqlens is None:
+        lens = torch.full((b,), capacity, dtype=torch.long, device=dev)
+    elif isinstance(cache_seqlens, int):
+        lens = torch.full((b,), cache_seqlens, dtype=torch.long, device=dev)
+    else:
+        lens = cache_seqlens.to(dev, torch.long)
+    left = torch.zeros(b, dtype=torch.long, device=dev) if cache_leftpad is None else cache_leftpad.to(dev, torch.long)
+    rows = torch.arange(b, device=dev) if cache_batch_idx is None else cache_batch_idx.to(dev, torch.long)
+    s_new = 0 if k is None else k.shape[1]
+
+    if rotary_cos is not None:
+        t_new = torch.arange(s_new, device=dev).view(1, -1)
+        if k is not None:
+            k = rotary_ref(k, rotary_cos, rotary_sin, lens.view(-1, 1) + t_new, rotary_interleaved)
+        # queries sit at the end of the cache; without a causal/local mask FlashAttention gives all of
+        # them the first new position
+        t_q = torch.arange(sq, device=dev).view(1, -1)
+        if not (causal or window_size[0] >= 0 or window_size[1] >= 0):
+            t_q = t_q * 0
+        q = rotary_ref(q, rotary_cos, rotary_sin, lens.view(-1, 1) + t_q, rotary_interleaved)
+
+    if k is not None:
+        pos = lens.view(-1, 1) + torch.arange(s_new, device=dev).view(1, -1)
+        i0, i1 = _cache_index(pos, rows, block_table, page_size)
+        k_cache[i0, i1] = k.to(k_cache.dtype)
+        v_cache[i0, i1] = v.to(v_cache.dtype)
+
+    seqlen_k = lens + s_new - left  # each row's key length after the append
+    width = max(int(seqlen_k.max()) if b else 0, 0)
+    j = torch.arange(width, device=dev).view(1, -1)
+    # positions past a row's length are clamped into the row's valid range and masked by seqused_k
+    abs_pos = (left.view(-1, 1) + j).clamp(max=capacity - 1).clamp(min=0)
+    i0, i1 = _cache_index(abs_pos, rows, block_table, page_size)
+    keys = k_cache[i0, i1]
+    values = v_cache[i0, i1]
+    return attention_ref(q, keys, values, causal=causal, window_size=window_size, softcap=softcap,
+                         alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
+                         seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast)

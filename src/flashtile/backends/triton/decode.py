@@ -1,0 +1,204 @@
+"""Launchers of the KV-cache kernels: append (+ rotary), split-KV decode, and the split combine.
+
+Nothing here reads a tensor's values: lengths stay on the device and the grid depends on shapes
+only, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
+from flashtile.kernels.kv_append import _kv_append_kernel
+
+LOG2E = 1.4426950408889634
+H200_SMS = 132  # the split heuristic's target when no CUDA device is there to ask (interpreter)
+
+# Tests pin a tiny config here: (BLOCK_N, num_warps, num_stages).
+CONFIG_OVERRIDE: tuple[int, int, int] | None = None
+# A split of fewer key blocks than this costs more in the combine than it gains in parallelism.
+MIN_BLOCKS_PER_SPLIT = 2
+MAX_SPLITS = 128
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return H200_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _arch(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpret"
+    return "sm90" if torch.cuda.get_device_capability(device)[0] == 9 else "default"
+
+
+def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """How many ways to split the keys so ``programs * splits`` fills the GPU in whole waves.
+
+    ``programs`` = batch * kv heads * query-row blocks; ``key_blocks`` = cache capacity / BLOCK_N (an
+    upper bound on a row's key blocks: actual lengths live on the device and are not read). A grid
+    that already fills most SMs is not split. Otherwise take the fewest splits whose wave efficiency
+    (work / (waves * SMs)) is within 85% of the best, so the combine stays cheap.
+    """
+    if programs >= 0.8 * sms:
+        return 1
+    limit = max(1, min(max_splits, sms, key_blocks // MIN_BLOCKS_PER_SPLIT))
+    eff = []
+    for s in range(1, limit + 1):
+        work = programs * s
+        eff.append(work / (triton.cdiv(work, sms) * sms))
+    best = max(eff)
+    return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
+
+
+def _block_m(rows: int) -> int:
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+
+
+def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
+              rotary_cos, rotary_sin, rotary_interleaved):
+    """Write new k (rotated when cos/sin are given) and v (b, s_new, h_k, d) into the cache in place."""
+    b, s_new, h_k, d = k.shape
+    if b == 0 or s_new == 0:
+        return
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    cos = rotary_cos if rotary_cos is not None else k
+    sin = rotary_sin if rotary_sin is not None else k
+    dummy = k
+    _kv_append_kernel[(s_new, b)](
+        k, v, k_cache, v_cache,
+        cache_seqlens if cache_seqlens is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        block_table if paged else dummy, cos, sin,
+        cache_len_const, s_new, h_k, page_size, capacity, cos.shape[0] if rotary_dim else 0,
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0) if paged else 0, cos.stride(0) if rotary_dim else 0,
+        HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h_k), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
+        ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
+        num_warps=4 if h_k * d >= 1024 else 1,
+    )
+
+
+def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
+                block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
+                window_left, window_right, softcap, alibi_slopes, num_splits):
+    """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq)."""
+    b, sq, h, d = q.shape
+    h_k = k_cache.shape[2]
+    group = h // h_k
+    paged = block_table is not None
+    page_size = k_cache.shape[1]
+    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    block_d = max(16, triton.next_power_of_2(d))
+    block_n, num_warps, num_stages = CONFIG_OVERRIDE or decode_config(_arch(q.device), block_d)
+    block_m = _block_m(sq * group)
+    m_blocks = triton.cdiv(sq * group, block_m)
+
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
+    if b == 0 or sq == 0:
+        return out, lse
+    key_blocks = triton.cdiv(max(capacity, 1), block_n)
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
+    num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
+    if num_splits > 1:
+        o_part = torch.empty(num_splits, b, sq, h, d, device=q.device, dtype=torch.float32)
+        lse_part = torch.empty(num_splits, b, h, sq, device=q.device, dtype=torch.float32)
+        ops = o_part.stride()[:4]
+        lps = lse_part.stride()[:3]
+    else:
+        o_part, lse_part = out, lse
+        ops, lps = (0, 0, 0, 0), (0, 0, 0)
+
+    rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    qk_scale = softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E
+    alibi = alibi_slopes
+    dummy = lse
+    # the interior of a tile lies in one page only when pages are whole tiles and nothing shifts them
+    page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
+    grid = (num_splits, m_blocks, b * h_k)
+    _decode_kernel[grid](
+        q, k_cache, v_cache, out, lse, o_part, lse_part,
+        cache_seqlens if cache_seqlens is not None else dummy,
+        cache_batch_idx if cache_batch_idx is not None else dummy,
+        cache_leftpad if cache_leftpad is not None else dummy,
+        block_table if paged else dummy,
+        alibi if alibi is not None else dummy,
+        rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
+        qk_scale, softcap, window_left, window_right,
+        cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        *ops, *lps,
+        block_table.stride(0) if paged else 0,
+        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+        rotary_cos.stride(0) if rotary_dim else 0,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        PAGED=paged, PAGE_ALIGNED=page_aligned, HAS_SEQLENS=cache_seqlens is not None,
+        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
+        ROTARY_PER_TOKEN=bool(rotary_per_token),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        combine(o_part, lse_part, out, lse)
+    return out, lse
+
+
+def combine(out_partial, lse_partial, out, lse):
+    """Merge splits: out_partial (ns, b, sq, h, d), lse_partial (ns, b, h, sq) -> out (b, sq, h, d), lse (b, h, sq)."""
+    ns, b, sq, h, d = out_partial.shape
+    if b * sq * h == 0:
+        return out, lse
+    _combine_kernel[(sq * h, b)](
+        out_partial, lse_partial, out, lse,
+        ns, sq, h,
+        *out_partial.stride()[:4],
+        *lse_partial.stride()[:4],
+        *out.stride()[:3],
+        *lse.stride(),
+        HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        num_warps=4 if d >= 128 else 2,
+    )
+    return out, lse
+
+
+def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
+                cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
+                rotary_interleaved, alibi_slopes, num_splits):
+    """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
+    s_new = 0
+    if k is not None:
+        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
+                  rotary_cos, rotary_sin, rotary_interleaved)
+        s_new = k.shape[1]
+    rotary_per_token = causal or window_left >= 0 or window_right >= 0
+    return decode_attn(q, k_cache, v_cache, s_new=s_new, cache_seqlens=cache_seqlens,
+                       cache_len_const=cache_len_const, cache_batch_idx=cache_batch_idx,
+                       cache_leftpad=cache_leftpad, block_table=block_table, rotary_cos=rotary_cos,
+                       rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
+                       rotary_per_token=rotary_per_token, softmax_scale=softmax_scale,
+                       window_left=window_left, window_right=window_right, softcap=softcap,
+                       alibi_slopes=alibi_slopes, num_splits=num_splits)

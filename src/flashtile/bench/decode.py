@@ -1,0 +1,247 @@
+"""``decode``: one-token attention over a KV cache, flashtile beside SDPA and the HBM floor.
+
+Each row is (batch b, cache length seqlen_k) at GQA 32 query / 8 kv heads, d = 128, bf16 (the
+decode table of BASELINES.md). flashtile runs ``flash_attn_with_kvcache`` on a contiguous cache and
+on paged caches (pages scattered in a random order, as an allocator leaves them) of each
+``--pages`` size; the peers are torch SDPA's flash and cuDNN backends on (b, h, s, d) copies.
+``floor`` is the time to read the cache once at the device's measured copy bandwidth: no decode
+kernel can beat it. Times are microseconds (median).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from flashtile.bench import report
+from flashtile.bench.timing import bench
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_BATCHES = (1, 8, 32)
+DEFAULT_SEQLENS = (8192, 16384, 32768, 65536, 131072)
+DEFAULT_PAGES = (16, 256)
+PEER_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+# --quick: plumbing on CPU in a second or two
+QUICK = dict(batches=(1, 2), seqlens=(64, 200), heads=4, kv_heads=2, d=32, pages=(16,))
+# max |out - SDPA| relative to max |SDPA| above which a row is flagged (a few ulps of bf16)
+REL_TOLERANCE = 0.02
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("shapes")
+    g.add_argument("--batch", type=int, nargs="+", metavar="B", help=f"batch sizes (default {DEFAULT_BATCHES})")
+    g.add_argument("--seqlens", type=int, nargs="+", metavar="S",
+                   help=f"cache lengths seqlen_k (default {DEFAULT_SEQLENS})")
+    g.add_argument("--heads", type=int, default=None, help="query heads (default 32)")
+    g.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default 8)")
+    g.add_argument("--d", type=int, default=None, help="head dim (default 128)")
+    g.add_argument("--pages", type=int, nargs="*", metavar="P",
+                   help=f"page sizes of the paged variants (default {DEFAULT_PAGES}; none: contiguous only)")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    g.add_argument("--quick", action="store_true", help="tiny smoke-test shapes (explicit options win)")
+    r = p.add_argument_group("run")
+    r.add_argument("--peers", nargs="*", choices=tuple(PEER_BACKENDS), default=list(PEER_BACKENDS),
+                   metavar="PEER", help="SDPA backends beside flashtile: flash cudnn (default both)")
+    r.add_argument("--num-splits", type=int, default=0, help="flashtile's num_splits (0 = heuristic)")
+    r.add_argument("--cuda-graph", action="store_true",
+                   help="time a CUDA-graph replay of each call (removes Python launch overhead)")
+    r.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    r.add_argument("--warmup", type=float, default=25, metavar="MS")
+    r.add_argument("--rep", "--reps", dest="rep", type=float, default=100, metavar="MS")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--no-check", dest="check", action="store_false", help="skip comparing outputs with SDPA")
+    r.add_argument("--fail-on-mismatch", action="store_true")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="PATH.json", help="JSON results (default benchmarks/results/decode_...json)")
+
+
+def _time(fn, device: str, args) -> float:
+    """Median microseconds of ``fn()``, optionally as a CUDA-graph replay."""
+    if args.cuda_graph and torch.device(device).type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm up (compiles) outside the capture
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return bench(graph.replay, device, args.warmup, args.rep) * 1e3
+    return bench(fn, device, args.warmup, args.rep) * 1e3
+
+
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page: int, gen: torch.Generator):
+    """The same cache in pages of ``page`` tokens, stored in a random page order."""
+    b, s, h_k, d = k_cache.shape
+    per_row = -(-s // page)
+    n = b * per_row
+    order = torch.randperm(n, generator=gen, device="cpu").to(k_cache.device)
+    table = order.view(b, per_row).to(torch.int32)
+    pages_k = k_cache.new_zeros(n, page, h_k, d)
+    pages_v = v_cache.new_zeros(n, page, h_k, d)
+    pad = per_row * page - s
+    src_k = torch.nn.functional.pad(k_cache, (0, 0, 0, 0, 0, pad)).view(n, page, h_k, d)
+    src_v = torch.nn.functional.pad(v_cache, (0, 0, 0, 0, 0, pad)).view(n, page, h_k, d)
+    pages_k[order] = src_k
+    pages_v[order] = src_v
+    return pages_k, pages_v, table
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
+
+
+def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_tb_s: float | None) -> dict:
+    from flashtile import flash_attn_with_kvcache
+
+    dtype = DTYPES[args.dtype]
+    kv_bytes = 2 * b * sk * h_k * d * torch.empty((), dtype=dtype).element_size()
+    row = {"mode": "decode", "b": b, "seqlen_k": sk, "h": h, "h_k": h_k, "d": d, "dtype": args.dtype,
+           "kv_bytes": kv_bytes, "us": {}, "ratios": {}, "errors": {}, "max_rel_err": None, "mismatch": False,
+           "floor_us": kv_bytes / (copy_tb_s * 1e12) * 1e6 if copy_tb_s else None}
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + b * 1000003 + sk)
+    try:
+        q = torch.randn(b, 1, h, d, generator=gen).to(device, dtype)
+        k_cache = torch.randn(b, sk, h_k, d, generator=gen).to(device, dtype)
+        v_cache = torch.randn(b, sk, h_k, d, generator=gen).to(device, dtype)
+    except torch.cuda.OutOfMemoryError as e:
+        row["errors"]["all"] = _describe(e)
+        return row
+    lens = torch.full((b,), sk, dtype=torch.int32, device=device)
+    ref = None
+    qt = q.transpose(1, 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def check(name, out):
+        if ref is None or out is None:
+            return
+        err = (out.float() - ref.float()).abs().max().item() / max(ref.float().abs().max().item(), 1e-6)
+        row["max_rel_err"] = max(row["max_rel_err"] or 0.0, err)
+        if not err <= REL_TOLERANCE:
+            row["mismatch"] = True
+            row.setdefault("mismatched", []).append(name)
+
+    # peers first: their (b, h, s, d) copies are freed before the paged caches are built
+    kt, vt = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    if args.check:
+        try:
+            ref = sdpa(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+        except Exception as e:
+            row["check_error"] = "SDPA reference failed: " + _describe(e)
+    for name in dict.fromkeys(args.peers):
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            if name == "cudnn" and torch.device(device).type != "cuda":
+                raise RuntimeError("SDPA's cuDNN backend needs a CUDA device")
+            with sdpa_kernel(getattr(SDPBackend, PEER_BACKENDS[name])):
+                fn = lambda: sdpa(qt, kt, vt, enable_gqa=True)
+                fn()
+                row["us"][name] = _time(fn, device, args)
+        except Exception as e:
+            row["us"][name] = None
+            row["errors"][name] = _describe(e)
+    kt = vt = None  # free the copies before the paged caches are built
+
+    variants = [("flashtile", None)] + [(f"flashtile-p{p}", p) for p in (args.pages or ())]
+    for name, page in variants:
+        try:
+            if page is None:
+                kc, vc, table = k_cache, v_cache, None
+            else:
+                kc, vc, table = _paged(k_cache, v_cache, page, gen)
+            fn = lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=args.num_splits)
+            check(name, fn())
+            row["us"][name] = _time(fn, device, args)
+        except Exception as e:
+            row["us"][name] = None
+            row["errors"][name] = _describe(e)
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+        kc = vc = table = None
+    ft = row["us"].get("flashtile")
+    for name, us in row["us"].items():
+        if name != "flashtile":
+            row["ratios"][name] = us / ft if us and ft else None
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return row
+
+
+def _fmt(x, spec=".1f") -> str:
+    return report.MISSING if x is None else format(x, spec)
+
+
+def format_table(rows: list[dict], names: list[str], meta: dict) -> str:
+    head = ["b", "seqlen_k", *names, "floor", *[f"{n}/ft" for n in names if n != "flashtile"], "rel_err", "flag"]
+    body = []
+    for r in rows:
+        cells = [str(r["b"]), str(r["seqlen_k"])] + [_fmt(r["us"].get(n)) for n in names] + [_fmt(r["floor_us"])]
+        cells += [_fmt(r["ratios"].get(n), ".2f") for n in names if n != "flashtile"]
+        cells += [_fmt(r["max_rel_err"], ".1e"), "MISMATCH" if r["mismatch"] else ""]
+        body.append(cells)
+    widths = [max(len(h), *(len(c[j]) for c in body)) for j, h in enumerate(head)] if body else []
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths)).rstrip()
+    first = rows[0] if rows else {}
+    where = meta.get("gpu") or f"CPU ({meta.get('cpu')})"
+    out = [f"decode  microseconds  {first.get('dtype')}  h={first.get('h')} h_k={first.get('h_k')} "
+           f"d={first.get('d')}  {where}   (peer/ft > 1: flashtile faster)", line(head),
+           line(["-" * w for w in widths])]
+    out += [line(c) for c in body]
+    notes = sorted({f"  {n}: {e}" for r in rows for n, e in r["errors"].items()})
+    if notes:
+        out += ["", "not measured:", *notes]
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        report.eprint("error: --device cuda, but torch sees no CUDA device (use --device cpu for a smoke test)")
+        return 2
+    q = QUICK if args.quick else {}
+    batches = args.batch or q.get("batches", DEFAULT_BATCHES)
+    seqlens = args.seqlens or q.get("seqlens", DEFAULT_SEQLENS)
+    h = args.heads or q.get("heads", 32)
+    h_k = args.kv_heads or q.get("kv_heads", 8)
+    d = args.d or q.get("d", 128)
+    if args.pages is None:
+        args.pages = list(q.get("pages", DEFAULT_PAGES))
+    meta = report.collect_meta(args.argv if hasattr(args, "argv") else [], device)
+    meta.update(mode="decode", dtype=args.dtype, heads=h, kv_heads=h_k, d=d, pages=list(args.pages),
+                num_splits=args.num_splits, cuda_graph=bool(args.cuda_graph and device == "cuda"))
+    meta["timing"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "stat": "median", "unit": "us"}
+    from flashtile.bench.ceilings import copy_tb_s
+
+    try:  # the floor's bandwidth, read in this process (a smaller buffer on CPU keeps smoke runs fast)
+        nbytes = (1 << 30) if device == "cuda" else (1 << 24)
+        meta["copy_tb_s"] = copy_tb_s(device, nbytes, args.warmup, args.rep)
+    except Exception as e:
+        meta["copy_tb_s"] = None
+        report.eprint(f"note: copy bandwidth not measured ({_describe(e)}); no floor column")
+    names = ["flashtile"] + [f"flashtile-p{p}" for p in args.pages] + list(dict.fromkeys(args.peers))
+    out_path = args.out or report.default_out_path("decode", meta)
+    rows = []
+    shapes = [(b, s) for b in batches for s in seqlens]
+    t_start = time.perf_counter()
+    for i, (b, s) in enumerate(shapes, 1):
+        t0 = time.perf_counter()
+        row = run_row(b, s, h, h_k, d, args, device, meta["copy_tb_s"])
+        rows.append(row)
+        parts = " | ".join(f"{n} {_fmt(row['us'].get(n))}" for n in names)
+        report.eprint(f"[{i}/{len(shapes)}] decode b={b} seqlen_k={s}: {parts} us  floor {_fmt(row['floor_us'])}"
+                      f"{'  MISMATCH' if row['mismatch'] else ''}  ({time.perf_counter() - t0:.1f}s)")
+        report.write_json(out_path, meta, rows)
+    meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    report.write_json(out_path, meta, rows)
+    print(format_table(rows, names, meta))
+    print(f"\nwrote {out_path}")
+    mismatches = sum(r["mismatch"] for r in rows)
+    if mismatches:
+        report.eprint(f"WARNING: {mismatches} row(s) where flashtile disagrees with SDPA (MISMATCH)")
+    return 1 if mismatches and args.fail_on_mismatch else 0

@@ -1,0 +1,1 @@
+"""Integrations with other libraries; ``flashtile.integrations.hf`` registers flashtile with transformers."""

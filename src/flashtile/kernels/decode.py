@@ -1,0 +1,306 @@
+"""Split-KV attention over a KV cache ("flash decoding"), and the kernel that merges the splits.
+
+Decode is bound by reading the cache, so the kernel is laid out around that: one program owns one
+(split of the keys, block of query rows, batch row, kv head) and its query rows are *all* the
+query heads of that kv head times the ``sq`` new tokens (row r = token r // group, head
+kv_head * group + r % group). Each key/value byte is then read once per kv head, not once per
+query head, and a GQA decode step with a single token still fills a 16-row MMA tile.
+
+The keys of a batch row are ``[0, seqlen_k)`` in *relative* positions (absolute cache position
+minus ``cache_leftpad``), with ``seqlen_k = cache_seqlens + s_new - leftpad``; masking and ALiBi
+use relative positions, aligned bottom-right as in the prefill kernel. Paged caches map absolute
+position p to page ``block_table[b, p // page_size]``, row ``p % page_size``, for any page size:
+when pages are whole multiples of the key tile (and there is no left padding) one table entry
+serves the tile, otherwise each key looks its page up.
+
+The band of visible key blocks is cut in three (masked left edge, unmasked interior, masked right
+edge, as in ``attn_fwd``) and split ``NUM_SPLITS`` ways, each split taking an equal share of the
+row's *actual* blocks (lengths are read on the device, so the grid never depends on them and a
+decode step can be captured in a CUDA graph). With one split the kernel writes the final output;
+otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` merges them.
+"""
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels.kv_append import _rotary_rows
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _tanh(x):
+    # through exp2, which the interpreter also has; saturates cleanly to +-1
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
+                 stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, CHECK_N: tl.constexpr):
+    """Element offsets (int64, [BLOCK_N]) of keys ``cols`` in the K and V caches."""
+    pos = (cols + leftpad).to(tl.int64)
+    if PAGED:
+        if PAGE_ALIGNED:
+            # the whole tile lies in one page: one table read
+            page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + start_n // page_size).to(tl.int64)
+        else:
+            if CHECK_N:
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + pos // page_size,
+                               mask=cols < seqlen_k, other=0).to(tl.int64)
+            else:
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + pos // page_size).to(tl.int64)
+        in_page = pos % page_size
+        k_off = page * stride_kb + in_page * stride_kn
+        v_off = page * stride_vb + in_page * stride_vn
+    else:
+        k_off = cache_row * stride_kb + pos * stride_kn
+        v_off = cache_row * stride_vb + pos * stride_vn
+    return k_off, v_off
+
+
+@triton.jit
+def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk_hi, t, slope, offs_n, offs_d,
+                  leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right,
+                  stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+                  MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                  PAGE_ALIGNED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks."""
+    d_ok = offs_d < HEAD_DIM
+    for blk in range(blk_lo, blk_hi):
+        start_n = blk * BLOCK_N
+        cols = start_n + offs_n
+        k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
+                                    stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+                                    PAGED, PAGE_ALIGNED, MASK)
+        if MASK:
+            n_ok = cols < seqlen_k
+            kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        if HAS_SOFTCAP:
+            # qk_scale holds scale / softcap here; multiply back by softcap, in the log2 domain
+            s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
+        else:
+            s = qk * qk_scale
+        if HAS_ALIBI:
+            dist = tl.abs(t[:, None] + (seqlen_k - seqlen_q) - cols[None, :]).to(tl.float32)
+            s = s - (slope * 1.4426950408889634)[:, None] * dist
+        if MASK:
+            diag = t[:, None] + (seqlen_k - seqlen_q)
+            ok = n_ok[None, :]
+            if HAS_LEFT:
+                ok = ok & (cols[None, :] >= diag - window_left)
+            if HAS_RIGHT:
+                ok = ok & (cols[None, :] <= diag + window_right)
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = m_new
+        if MASK:
+            # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASK:
+            vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+# Lengths, window bounds and batch strides change between calls; specialising on them would only
+# recompile (and would make a captured decode step depend on them).
+@triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
+                              "seqlen_ro", "stride_qb", "stride_ob", "stride_lse_b", "stride_opb",
+                              "stride_lpb", "stride_alibi_b"])
+def _decode_kernel(
+    # pointers
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    # scalars
+    qk_scale, softcap, window_left, window_right,
+    # sizes
+    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro,
+    # strides
+    stride_qb, stride_qm, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h,
+    stride_ops, stride_opb, stride_opm, stride_oph,
+    stride_lps, stride_lpb, stride_lph,
+    stride_bt_b, stride_alibi_b, stride_cos,
+    # constexprs
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_bk = tl.program_id(2)
+    b = pid_bk // num_kv_heads
+    kv_head = pid_bk % num_kv_heads
+
+    if HAS_SEQLENS:
+        cache_len = tl.load(SEQLENS + b)
+    else:
+        cache_len = cache_len_const
+    leftpad = cache_len * 0
+    if HAS_LEFTPAD:
+        leftpad = tl.load(LEFTPAD + b)
+    seqlen_k = cache_len + s_new - leftpad
+    cache_row = b.to(tl.int64)
+    if HAS_BATCH_IDX:
+        cache_row = tl.load(BATCH_IDX + b).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // group  # query token of each row
+    head = kv_head * group + rows % group  # query head of each row
+    row_ok = rows < seqlen_q * group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh
+    if ROTARY_DIM > 0:
+        if ROTARY_PER_TOKEN:
+            pos = cache_len + t
+        else:
+            pos = cache_len + t * 0  # every query at the first new position (FlashAttention's rule)
+        q = _rotary_rows(q_ptrs, offs_d, pos, row_ok, COS, SIN, stride_cos, seqlen_ro, HEAD_DIM, ROTARY_DIM,
+                         ROTARY_INTERLEAVED).to(Q.dtype.element_ty)
+    else:
+        q = tl.load(q_ptrs[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+                    other=0.0)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + b * stride_alibi_b + head, mask=row_ok, other=0.0)
+
+    # visible key blocks of this tile's tokens [t_first, t_last]
+    t_first = (pid_m * BLOCK_M) // group
+    t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    shift = seqlen_k - seqlen_q
+    lo = 0
+    hi = tl.cdiv(seqlen_k, BLOCK_N)
+    full_lo = 0
+    full_hi = seqlen_k // BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(t_first + shift - window_left, 0) // BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(t_last + shift - window_left, 0), BLOCK_N)
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(t_last + shift + window_right + 1, 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(t_first + shift + window_right + 1, 0) // BLOCK_N)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # this split's equal share of the band
+    per_split = tl.cdiv(hi - lo, NUM_SPLITS)
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, hi)
+
+    k_base = K + kv_head * stride_kh
+    v_base = V + kv_head * stride_vh
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, m_i, l_i = _decode_inner(
+        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
+        tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
+        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _decode_inner(
+        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
+        tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
+        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+    acc, m_i, l_i = _decode_inner(
+        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
+        tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
+        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+
+    empty = l_i == 0.0
+    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
+    d_ok = offs_d[None, :] < HEAD_DIM
+    if NUM_SPLITS == 1:
+        # final result; a row that saw no key gives out 0 and lse +inf (the contract's rule)
+        lse = tl.where(empty, float("inf"), lse)
+        o_ptrs = O + b.to(tl.int64) * stride_ob + t * stride_om + head * stride_oh
+        tl.store(o_ptrs[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+        tl.store(LSE + b.to(tl.int64) * stride_lse_b + head * stride_lse_h + t, lse, mask=row_ok)
+    else:
+        # partial result; an empty split gets lse -inf so the combine gives it zero weight
+        lse = tl.where(empty, float("-inf"), lse)
+        o_ptrs = (O_PART + split.to(tl.int64) * stride_ops + b.to(tl.int64) * stride_opb + t * stride_opm
+                  + head * stride_oph)
+        tl.store(o_ptrs[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok)
+        tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head * stride_lph + t,
+                 lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["stride_ops", "stride_opb", "stride_lps", "stride_lpb", "stride_ob",
+                              "stride_lse_b"])
+def _combine_kernel(
+    O_PART, LSE_PART, O, LSE,
+    num_splits, seqlen_q, num_heads,
+    stride_ops, stride_opb, stride_opm, stride_oph,
+    stride_lps, stride_lpb, stride_lph, stride_lpm,
+    stride_ob, stride_om, stride_oh,
+    stride_lse_b, stride_lse_h, stride_lse_m,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (b, token, head)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    t = pid // num_heads
+    h = pid % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LSE_PART + offs_s * stride_lps + b * stride_lpb + h * stride_lph + t * stride_lpm,
+                    mask=s_ok, other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    empty = lse_max == float("-inf")
+    w = tl.exp(lse_s - tl.where(empty, 0.0, lse_max))
+    w_sum = tl.sum(w, 0)
+    o_part = tl.load(O_PART + offs_s[:, None] * stride_ops + b * stride_opb + t * stride_opm + h * stride_oph
+                     + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o_part * w[:, None], 0) / tl.where(empty, 1.0, w_sum)
+    lse = tl.where(empty, float("inf"), lse_max + tl.log(tl.where(empty, 1.0, w_sum)))
+    tl.store(O + b * stride_ob + t * stride_om + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+    tl.store(LSE + b * stride_lse_b + h * stride_lse_h + t * stride_lse_m, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning table: (BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket). First guesses,
+# to be replaced by measurements on the H200 (docs/inference.md); "interpret" is the tiny config
+# the CPU tests pin so the interpreter stays fast while crossing several key blocks and splits.
+DECODE_CONFIGS = {
+    ("sm90", 32): (128, 4, 3),
+    ("sm90", 64): (128, 4, 3),
+    ("sm90", 128): (64, 4, 3),
+    ("sm90", 256): (32, 4, 3),
+    ("default", 32): (64, 4, 2),
+    ("default", 64): (64, 4, 2),
+    ("default", 128): (64, 4, 2),
+    ("default", 256): (32, 4, 2),
+    ("interpret", 0): (16, 4, 1),
+}
+# Query rows per program are sq * group (tokens x query heads of one kv head), padded to a power of
+# two of at least 16 (the smallest MMA tile) and tiled beyond MAX_BLOCK_M.
+MAX_BLOCK_M = 64
+
+
+def decode_config(arch: str, block_d: int) -> tuple[int, int, int]:
+    if arch == "interpret":
+        return DECODE_CONFIGS[("interpret", 0)]
+    bucket = 32 if block_d <= 32 else 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    return DECODE_CONFIGS.get((arch, bucket), DECODE_CONFIGS[("default", bucket)])

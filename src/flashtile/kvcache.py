@@ -1,0 +1,309 @@
+"""KV-cache inference: ``flash_attn_with_kvcache`` (FlashAttention 2.8.3) and ``flash_attn_combine`` (FA3).
+
+``flash_attn_with_kvcache`` appends the new keys/values to the cache *in place*, applies the
+rotary embedding to them and to q, and attends q to the updated cache, with paged caches of any
+page size and split-KV decoding. CUDA tensors run the Triton kernels (``kernels/kv_append.py``,
+``kernels/decode.py``); CPU tensors run the PyTorch reference (``backends/reference_kvcache.py``),
+or the kernels in Triton's interpreter when ``FLASHTILE_INTERPRET=1``.
+
+The call is also the custom op ``torch.ops.flashtile.kvcache_fwd`` (mutating ``k_cache`` and
+``v_cache``) with a fake implementation, so ``torch.compile(fullgraph=True)`` keeps it in the
+graph. Argument checks read shapes, dtypes and devices only, never a CUDA tensor's values: a decode
+step can be captured in a CUDA graph.
+"""
+
+import torch
+
+from flashtile.backends.masking import normalize_window
+from flashtile.dispatch import interpret_requested
+from flashtile.validation import MAX_HEAD_DIM, check_alibi, last_dim_contiguous, window_tuple
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPES = _KERNEL_DTYPES + (torch.float64,)  # float64 only on the CPU path
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(f"flashtile.flash_attn_with_kvcache: {msg}")
+
+
+def _use_kernels(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpret_requested())
+
+
+def _check_index(name: str, x, device, batch: int, what: str, rank: int = 1):
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        _fail(f"{name} must be an int32 torch.Tensor {what}, got {type(x).__name__}", TypeError)
+    if x.dtype != torch.int32:
+        _fail(f"{name} must be int32, got {x.dtype}", TypeError)
+    if x.dim() != rank or x.shape[0] != batch:
+        _fail(f"{name} must have shape {what}, got {tuple(x.shape)}")
+    if x.device != device:
+        _fail(f"{name} must be on the same device as q ({device}), got {x.device}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capacity, cache_batch_idx, cache_leftpad,
+                       block_table):
+    """Value checks that are free on CPU tensors (on CUDA they would be host syncs, so they are skipped)."""
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    lens = cache_seqlens.long() if cache_seqlens is not None else torch.tensor([cache_len_const])
+    if (lens < 0).any():
+        _fail(f"cache_seqlens must be >= 0, got {lens.tolist()}")
+    if (lens + s_new > capacity).any():
+        _fail(f"cache_seqlens + s_new exceeds the cache capacity {capacity}: cache_seqlens {lens.tolist()}, "
+              f"s_new {s_new}")
+    if cache_leftpad is not None and ((cache_leftpad < 0).any() or (cache_leftpad.long() > lens).any()):
+        _fail(f"cache_leftpad must be in [0, cache_seqlens], got {cache_leftpad.tolist()}")
+    if cache_batch_idx is not None and ((cache_batch_idx < 0).any() or (cache_batch_idx >= k_cache.shape[0]).any()):
+        _fail(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
+    if block_table is not None and block_table.numel() and (
+            (block_table < 0).any() or (block_table >= k_cache.shape[0]).any()):
+        _fail(f"block_table entries must be in [0, num_blocks={k_cache.shape[0]})")
+
+
+def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
+         cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+         alibi_slopes, num_splits):
+    """The checked call on one backend; returns (out (b, sq, h, d), lse (b, h, sq))."""
+    if _use_kernels(q.device) and q.dtype in _KERNEL_DTYPES:
+        from flashtile.backends.triton.decode import kvcache_fwd
+
+        return kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
+                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                           window_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    if q.device.type != "cpu":
+        _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 "
+              "on CUDA; the PyTorch path takes CPU tensors)", TypeError)
+    from flashtile.backends.reference_kvcache import kvcache_ref
+
+    seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
+    return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                       alibi_slopes)
+
+
+# The custom op: torch.compile sees one opaque node that mutates the caches; eager calls skip the
+# op's dispatch overhead (microseconds matter in a decode step) and call _run directly.
+@torch.library.custom_op("flashtile::kvcache_fwd", mutates_args=("k_cache", "v_cache"))
+def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                    v: torch.Tensor | None, rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                    cache_seqlens: torch.Tensor | None, cache_len_const: int,
+                    cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
+                    block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
+                    window_right: int, softcap: float, rotary_interleaved: bool,
+                    alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
+                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
+                    softcap, rotary_interleaved, alibi_slopes, num_splits)
+    return out.contiguous(), lse.contiguous()
+
+
+@_kvcache_fwd_op.register_fake
+def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
+      cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+      alibi_slopes, num_splits):
+    b, sq, h, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q to a KV cache, after appending new keys/values to it in place.
+
+    Shapes (b = batch, sq = new query tokens, h / h_k = query / kv heads, h % h_k == 0, d <= 256):
+        q: (b, sq, h, d).
+        k_cache, v_cache: (b_cache, s_cache, h_k, d); paged (``block_table`` given):
+            (num_blocks, page_size, h_k, d), any page size. Updated in place.
+        k, v: (b, s_new, h_k, d) or None: written at ``cache_seqlens .. cache_seqlens + s_new``.
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), rotary_dim <= d, seqlen_ro >= cache
+            capacity. Rotate the new k at positions ``cache_seqlens + t`` and q at ``cache_seqlens + t``
+            when causal or local, else all of q at ``cache_seqlens``. Need k and v.
+        cache_seqlens: int or int32 (b,): tokens already in each row (absolute end index, counting
+            any left padding). None: every row holds the full cache.
+        cache_batch_idx: int32 (b,): cache row of each batch row (not with ``block_table``).
+        cache_leftpad: int32 (b,): first valid cache index of each row.
+        block_table: int32 (b, max_blocks): pages of each row, in order.
+        causal / window_size / softcap / alibi_slopes ((h,) or (b, h) fp32): as in flash_attn_func,
+            aligned bottom-right with key length ``cache_seqlens + s_new - cache_leftpad``.
+        num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys (split-KV decoding).
+    Returns out (b, sq, h, d), or (out, softmax_lse) with lse fp32 (b, h, sq) when
+    ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf.
+    """
+    # -- tensors ---------------------------------------------------------------------------
+    for name, x, layout in (("q", q, "(b, sq, h, d)"), ("k_cache", k_cache, "(b_cache, s_cache, h_k, d)"),
+                            ("v_cache", v_cache, "(b_cache, s_cache, h_k, d)")):
+        if not isinstance(x, torch.Tensor):
+            _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
+        if x.dim() != 4:
+            _fail(f"{name} must have 4 dims {layout}, got shape {tuple(x.shape)}")
+    if q.dtype not in _DTYPES:
+        _fail(f"q has unsupported dtype {q.dtype}; supported: float16, bfloat16, float32 (float64 on CPU)", TypeError)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            _fail(f"{name} must have q's dtype {q.dtype}, got {x.dtype}", TypeError)
+        if x.device != q.device:
+            _fail(f"{name} must be on q's device {q.device}, got {x.device}")
+        if x.stride(-1) != 1:
+            # the cache is written in place, so a copy would lose the update
+            _fail(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(x.stride())}")
+    b, sq, h, d = q.shape
+    if v_cache.shape != k_cache.shape:
+        _fail(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    h_k = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        _fail(f"k_cache head dim {k_cache.shape[3]} does not match q head dim {d}")
+    if d < 1 or d > MAX_HEAD_DIM:
+        _fail(f"head dim d={d} is not supported; flashtile supports 1 <= d <= {MAX_HEAD_DIM}")
+    if h_k < 1 or h % h_k != 0:
+        _fail(f"number of query heads h={h} must be a multiple of the cache's kv heads h_k={h_k}")
+    q = last_dim_contiguous(q)
+
+    # -- paging / cache rows -----------------------------------------------------------------
+    paged = block_table is not None
+    if paged:
+        if cache_batch_idx is not None:
+            _fail("block_table and cache_batch_idx cannot be used together (a paged cache maps rows "
+                  "through block_table)")
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            _fail("block_table must be an int32 tensor of shape (b, max_blocks_per_seq)", TypeError)
+        block_table = _check_index("block_table", block_table, q.device, b, f"(b, max_blocks_per_seq) with b = {b}",
+                                   rank=2)
+        page_size = k_cache.shape[1]
+        if page_size < 1:
+            _fail(f"paged k_cache must have page_size >= 1, got shape {tuple(k_cache.shape)}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+        cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, q.device, b, f"(b,) = ({b},)")
+        if cache_batch_idx is None and k_cache.shape[0] != b:
+            _fail(f"k_cache batch size {k_cache.shape[0]} does not match q batch size {b} (pass cache_batch_idx "
+                  "to map batch rows to cache rows)")
+    cache_leftpad = _check_index("cache_leftpad", cache_leftpad, q.device, b, f"(b,) = ({b},)")
+
+    # -- new keys / values ---------------------------------------------------------------------
+    if (k is None) != (v is None):
+        _fail("k and v must be given together (or both None)")
+    s_new = 0
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
+            if x.dtype != q.dtype:
+                _fail(f"{name} must have q's dtype {q.dtype}, got {x.dtype}", TypeError)
+            if x.device != q.device:
+                _fail(f"{name} must be on q's device {q.device}, got {x.device}")
+            if x.dim() != 4 or x.shape[0] != b or x.shape[2] != h_k or x.shape[3] != d:
+                _fail(f"{name} must have shape (b, s_new, h_k, d) = ({b}, s_new, {h_k}, {d}) to match q and "
+                      f"the cache, got {tuple(x.shape)}")
+        if v.shape != k.shape:
+            _fail(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        if cache_seqlens is None:
+            _fail("cache_seqlens must be given with new k/v (it says where to append them)")
+        k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+        s_new = k.shape[1]
+
+    # -- lengths --------------------------------------------------------------------------------
+    cache_len_const = -1
+    if isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = _check_index("cache_seqlens", cache_seqlens, q.device, b, f"(b,) = ({b},)")
+    elif cache_seqlens is None:
+        cache_len_const = capacity  # every row holds the whole cache
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens < 0 or cache_seqlens + s_new > capacity:
+            _fail(f"cache_seqlens={cache_seqlens} plus s_new={s_new} must lie in [0, capacity={capacity}]")
+        cache_len_const, cache_seqlens = cache_seqlens, None
+    else:
+        _fail(f"cache_seqlens must be an int or an int32 tensor of shape (b,), got {type(cache_seqlens).__name__}",
+              TypeError)
+
+    # -- rotary -----------------------------------------------------------------------------------
+    if (rotary_cos is None) != (rotary_sin is None):
+        _fail("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            _fail("rotary_cos/rotary_sin need the new k and v to rotate (pass k and v)")
+        for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                _fail(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2)", TypeError)
+            if not x.is_floating_point():
+                _fail(f"{name} must be floating point, got {x.dtype}", TypeError)
+            if x.device != q.device:
+                _fail(f"{name} must be on q's device {q.device}, got {x.device}")
+        if rotary_sin.shape != rotary_cos.shape:
+            _fail(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, got {tuple(rotary_sin.shape)}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim < 2 or rotary_dim > d:
+            _fail(f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} must be even and in [2, d={d}]")
+        if rotary_cos.shape[0] < capacity:
+            _fail(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions; they need at least the cache "
+                  f"capacity {capacity}")
+        rotary_cos, rotary_sin = rotary_cos.contiguous(), rotary_sin.contiguous()
+
+    # -- scalars ----------------------------------------------------------------------------------
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    if not isinstance(softcap, (int, float)) or softcap < 0:
+        _fail(f"softcap must be a float >= 0, got {softcap!r}")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        _fail(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+    window_left, window_right = normalize_window(window_tuple(window_size), bool(causal), capacity)
+    alibi_slopes = check_alibi(alibi_slopes, q.device, b, h)
+
+    _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capacity, cache_batch_idx, cache_leftpad,
+                       block_table)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
+            cache_leftpad, block_table, float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
+            bool(rotary_interleaved), alibi_slopes, num_splits)
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.flashtile.kvcache_fwd(*args)
+    else:
+        out, lse = _run(*args)
+    return (out, lse) if return_softmax_lse else out
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """Merge split attention results by their log-sum-exp (FlashAttention-3's ``flash_attn_combine``).
+
+    out_partial: fp32 (num_splits, b, sq, h, d); lse_partial: fp32 (num_splits, b, h, sq), natural
+    log, -inf for a split that saw no key. Returns ``(out, lse)``: out (b, sq, h, d) in ``out_dtype``
+    (default out_partial's dtype), written into ``out`` when given, and lse fp32 (b, h, sq), +inf
+    where no split saw a key (out 0 there).
+    """
+    if not isinstance(out_partial, torch.Tensor) or out_partial.dim() != 5:
+        raise ValueError("flashtile.flash_attn_combine: out_partial must have shape (num_splits, b, sq, h, d)")
+    ns, b, sq, h, d = out_partial.shape
+    if not isinstance(lse_partial, torch.Tensor) or tuple(lse_partial.shape) != (ns, b, h, sq):
+        raise ValueError(f"flashtile.flash_attn_combine: lse_partial must have shape (num_splits, b, h, sq) = "
+                         f"({ns}, {b}, {h}, {sq}), got {tuple(getattr(lse_partial, 'shape', ()))}")
+    if lse_partial.device != out_partial.device:
+        raise ValueError("flashtile.flash_attn_combine: lse_partial must be on out_partial's device")
+    if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
+        raise TypeError("flashtile.flash_attn_combine: out_partial and lse_partial must be float32")
+    if ns < 1:
+        raise ValueError("flashtile.flash_attn_combine: need at least one split")
+    dtype = out_dtype or (out.dtype if out is not None else out_partial.dtype)
+    if out is None:
+        out = torch.empty(b, sq, h, d, device=out_partial.device, dtype=dtype)
+    elif tuple(out.shape) != (b, sq, h, d) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"flashtile.flash_attn_combine: out must be a ({b}, {sq}, {h}, {d}) {dtype} tensor with a "
+                         f"contiguous last dim")
+    lse = torch.empty(b, h, sq, device=out_partial.device, dtype=torch.float32)
+    out_partial = last_dim_contiguous(out_partial)
+    if _use_kernels(out_partial.device):
+        from flashtile.backends.triton.decode import combine
+
+        return combine(out_partial, lse_partial, out, lse)
+    lse_max = lse_partial.amax(0)
+    empty = lse_max == float("-inf")
+    w = torch.exp(lse_partial - torch.where(empty, 0.0, lse_max))  # (ns, b, h, sq)
+    w_sum = w.sum(0)
+    merged = (out_partial * w.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
+    merged = merged / torch.where(empty, 1.0, w_sum).permute(0, 2, 1).unsqueeze(-1)
+    out.copy_(merged.to(dtype))
+    lse.copy_(torch.where(empty, float("inf"), lse_max + torch.log(torch.where(empty, 1.0, w_sum))))
+    return out, lse

@@ -1,0 +1,1 @@
+"""nn building blocks: rotary position embeddings (``flashtile.layers.rotary``)."""

@@ -1,0 +1,452 @@
+"""flash_attn_with_kvcache / flash_attn_combine on CPU: the PyTorch path and the Triton kernels in the interpreter.
+
+Every case is checked against ``dense_oracle``, written here independently of flashtile: a float64
+loop over batch rows that keeps the cache as a list of positions, rotates with complex numbers and
+masks with explicit index comparisons. The updated caches must match too (k close: it is rotated
+in fp32 by the kernels; v exact: it is only copied).
+"""
+
+import math
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.backends.triton import decode as launcher
+from flashtile.kvcache import flash_attn_combine, flash_attn_with_kvcache
+
+# ---------------------------------------------------------------------------------------------
+# the independent oracle
+
+
+def _rotate(x, c, s, interleaved):
+    """x (..., d) float64 rotated by (c, s) (rd/2,) on its first rd channels, as complex products."""
+    rd = 2 * c.shape[-1]
+    out = x.clone()
+    if interleaved:
+        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
+    else:
+        a, b = x[..., : rd // 2], x[..., rd // 2: rd]
+    z = torch.complex(a, b) * torch.complex(c, s)
+    if interleaved:
+        out[..., 0:rd:2], out[..., 1:rd:2] = z.real, z.imag
+    else:
+        out[..., : rd // 2], out[..., rd // 2: rd] = z.real, z.imag
+    return out
+
+
+def dense_oracle(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                 window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, **_):
+    """Returns (out, lse, new_k_cache, new_v_cache); inputs are not modified."""
+    dtype = q.dtype
+    kc, vc = k_cache.clone(), v_cache.clone()
+    b, sq, h, d = q.shape
+    h_k = kc.shape[2]
+    g = h // h_k
+    page = kc.shape[1]
+    cap = block_table.shape[1] * page if block_table is not None else kc.shape[1]
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    left, right = window_size
+    left = -1 if left >= cap else left
+    right = -1 if right >= cap else right
+    if causal:
+        right = 0
+    local = causal or left >= 0 or right >= 0
+    s_new = 0 if k is None else k.shape[1]
+    out = torch.zeros(b, sq, h, d, dtype=torch.float64)
+    lse = torch.full((b, h, sq), math.inf, dtype=torch.float64)
+    for i in range(b):
+        if cache_seqlens is None:
+            n = cap
+        elif isinstance(cache_seqlens, int):
+            n = cache_seqlens
+        else:
+            n = int(cache_seqlens[i])
+        lp = 0 if cache_leftpad is None else int(cache_leftpad[i])
+        row = i if cache_batch_idx is None else int(cache_batch_idx[i])
+
+        def slot(p, i=i, row=row):
+            if block_table is not None:
+                return int(block_table[i, p // page]), p % page
+            return row, p
+
+        for t in range(s_new):
+            kt = k[i, t].double()
+            if rotary_cos is not None:
+                kt = _rotate(kt, rotary_cos[n + t].double(), rotary_sin[n + t].double(), rotary_interleaved)
+            kc[slot(n + t)] = kt.to(dtype)
+            vc[slot(n + t)] = v[i, t]
+        keys = torch.stack([kc[slot(p)] for p in range(lp, n + s_new)]).double() if n + s_new > lp else None
+        vals = torch.stack([vc[slot(p)] for p in range(lp, n + s_new)]).double() if n + s_new > lp else None
+        sk = n + s_new - lp
+        for t in range(sq):
+            qt = q[i, t].double()
+            if rotary_cos is not None:
+                pos = n + t if local else n
+                qt = _rotate(qt, rotary_cos[pos].double(), rotary_sin[pos].double(), rotary_interleaved)
+                qt = qt.to(dtype).double()  # the kernels round the rotated q to the input dtype
+            diag = t + sk - sq
+            for hh in range(h):
+                if sk <= 0:
+                    continue
+                sc = (keys[:, hh // g] @ qt[hh]) * scale
+                if softcap > 0:
+                    sc = softcap * torch.tanh(sc / softcap)
+                j = torch.arange(sk)
+                if alibi_slopes is not None:
+                    slope = alibi_slopes[hh] if alibi_slopes.dim() == 1 else alibi_slopes[i, hh]
+                    sc = sc - float(slope) * (diag - j).abs().double()
+                ok = torch.ones(sk, dtype=torch.bool)
+                if left >= 0:
+                    ok &= j >= diag - left
+                if right >= 0:
+                    ok &= j <= diag + right
+                if not ok.any():
+                    continue
+                sc = sc.masked_fill(~ok, -math.inf)
+                m = torch.logsumexp(sc, 0)
+                lse[i, hh, t] = m
+                out[i, t, hh] = torch.exp(sc - m) @ vals[:, hh // g]
+    return out, lse, kc, vc
+
+
+# ---------------------------------------------------------------------------------------------
+# building cases
+
+
+def make_case(dtype=torch.float32, b=3, sq=1, s_new=1, h=6, h_k=2, d=16, cap=37, seqlens="rows", page=None,
+              batch_idx=False, leftpad=False, rotary=None, rotary_dim=None, alibi=None, **kw):
+    """Inputs of one call. ``seqlens``: "rows" (int32 per row), an int, or None (full cache)."""
+    q = torch.randn(b, sq, h, d, dtype=dtype)
+    args = dict(kw)
+    lens = None
+    if seqlens == "rows":
+        lens = torch.randint(0, cap - s_new + 1, (b,), dtype=torch.int32)
+        lens[0] = cap - s_new  # one row filled to the brim
+        if b > 2:
+            lens[2] = 0  # one row empty before the append
+        args["cache_seqlens"] = lens
+    elif isinstance(seqlens, int):
+        args["cache_seqlens"] = seqlens
+    if page is not None:
+        nblk = -(-cap // page)
+        pool = b * nblk + 3
+        perm = torch.randperm(pool)[: b * nblk].to(torch.int32)
+        args["block_table"] = perm.view(b, nblk)
+        cap = nblk * page
+        k_cache = torch.randn(pool, page, h_k, d, dtype=dtype)
+    else:
+        rows = b + 2 if batch_idx else b
+        k_cache = torch.randn(rows, cap, h_k, d, dtype=dtype)
+        if batch_idx:
+            args["cache_batch_idx"] = torch.randperm(rows)[:b].to(torch.int32)
+    v_cache = torch.randn_like(k_cache)
+    if s_new:
+        args["k"] = torch.randn(b, s_new, h_k, d, dtype=dtype)
+        args["v"] = torch.randn(b, s_new, h_k, d, dtype=dtype)
+    if leftpad:
+        base = lens if lens is not None else torch.full((b,), args.get("cache_seqlens", cap), dtype=torch.int32)
+        args["cache_leftpad"] = (torch.rand(b) * (base.float() + 1)).floor().to(torch.int32).clamp(max=base)
+    if rotary is not None:
+        rd = rotary_dim or d
+        angle = torch.rand(cap, rd // 2) * 6.3
+        args["rotary_cos"], args["rotary_sin"] = angle.cos().to(dtype), angle.sin().to(dtype)
+        args["rotary_interleaved"] = rotary == "interleaved"
+    if alibi == "h":
+        args["alibi_slopes"] = torch.rand(h) * 0.3
+    elif alibi == "bh":
+        args["alibi_slopes"] = torch.rand(b, h) * 0.3
+    return q, k_cache, v_cache, args
+
+
+CASES = {
+    "read_only_int_len": dict(s_new=0, seqlens=20),
+    "read_only_full_cache": dict(s_new=0, seqlens=None),
+    "append_int_len": dict(s_new=2, seqlens=11),
+    "append_rows": dict(s_new=3),
+    "batch_idx": dict(s_new=2, batch_idx=True),
+    "leftpad": dict(s_new=2, leftpad=True, causal=True, sq=2),
+    "rotary_interleaved_partial": dict(s_new=2, sq=2, rotary="interleaved", rotary_dim=8, causal=True),
+    "rotary_half_partial_noncausal": dict(s_new=3, sq=3, rotary="half", rotary_dim=12),
+    "rotary_half_full_local": dict(s_new=2, sq=2, rotary="half", window_size=(5, 1)),
+    "paged_1": dict(page=1, s_new=2, rotary="interleaved", rotary_dim=8),
+    "paged_3": dict(page=3, s_new=3, sq=3, causal=True),
+    "paged_16": dict(page=16, s_new=2, rotary="half", rotary_dim=8, causal=True, sq=2),
+    "paged_16_leftpad": dict(page=16, s_new=1, leftpad=True),
+    "causal_prefill": dict(s_new=5, sq=5, causal=True),
+    "window": dict(s_new=1, sq=3, window_size=(6, 0)),
+    "softcap": dict(s_new=1, softcap=2.0, sq=2, causal=True),
+    "alibi_h": dict(s_new=1, sq=2, alibi="h", causal=True),
+    "alibi_bh_window": dict(s_new=2, sq=2, alibi="bh", window_size=(4, 4)),
+    "gqa_8_to_1": dict(h=8, h_k=1, s_new=1),
+    "mha_odd_d": dict(h=2, h_k=2, d=24, s_new=1, scale=0.3),
+    "empty_rows": dict(s_new=0, seqlens=0, causal=True),
+}
+
+
+def _run_and_check(q, k_cache, v_cache, args, num_splits=0, atol=None):
+    args = dict(args)
+    if "scale" in args:
+        args["softmax_scale"] = args.pop("scale")
+    ref_out, ref_lse, ref_kc, ref_vc = dense_oracle(q, k_cache, v_cache, **args)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
+    fp16 = q.dtype == torch.float16
+    atol = atol or (5e-3 if fp16 else 2e-5)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
+    assert (out.double() - ref_out).abs().max().item() <= atol
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)), "rows that see no key must have lse +inf"
+    assert (lse[~fin] == math.inf).all()
+    if fin.any():
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= (5e-3 if fp16 else 1e-4)
+    assert torch.equal(vc, ref_vc), "v cache must be an exact copy of the new values"
+    assert (kc.double() - ref_kc.double()).abs().max().item() <= (1e-3 if fp16 else 1e-6)
+    return out, lse, kc
+
+
+@pytest.fixture(params=["cpu", "interp"])
+def path(request, monkeypatch):
+    """Run through the PyTorch path or through the Triton kernels in the interpreter (spied)."""
+    used = []
+    if request.param == "interp":
+        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+        monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+        monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)  # several query-row blocks once sq * group > 16
+        real = launcher.decode_attn
+
+        def spy(*a, **k):
+            used.append(k["num_splits"])
+            return real(*a, **k)
+
+        monkeypatch.setattr(launcher, "decode_attn", spy)
+    else:
+        monkeypatch.delenv("FLASHTILE_INTERPRET", raising=False)
+    yield request.param
+    assert (request.param == "interp") == bool(used), "the expected backend did not run"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_semantics_fp32(path, name):
+    q, kc, vc, args = make_case(**CASES[name])
+    _run_and_check(q, kc, vc, args)
+
+
+@pytest.mark.parametrize("name", ["append_rows", "rotary_interleaved_partial", "paged_3", "alibi_bh_window",
+                                  "leftpad", "causal_prefill"])
+def test_semantics_fp16_kernels(monkeypatch, name):
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    q, kc, vc, args = make_case(dtype=torch.float16, **CASES[name])
+    _run_and_check(q, kc, vc, args)
+
+
+@pytest.mark.parametrize("name", ["append_rows", "paged_3", "window", "rotary_half_full_local", "leftpad"])
+def test_num_splits_agree(monkeypatch, name):
+    """Splitting the keys 1 or 3 ways (or by the heuristic) gives the same result (up to fp32 rounding)."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    results = [_run_and_check(q, kc, vc, args, num_splits=n) for n in (1, 3, 0)]
+    for out, lse, kcache in results[1:]:
+        assert (out - results[0][0]).abs().max().item() <= 1e-5
+        fin = torch.isfinite(lse)
+        assert torch.equal(fin, torch.isfinite(results[0][1]))
+        assert (lse[fin] - results[0][1][fin]).abs().max().item() <= 1e-5
+        assert torch.equal(kcache, results[0][2])
+
+
+def test_return_value_forms():
+    q, kc, vc, args = make_case(s_new=1)
+    out = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    res = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args, return_softmax_lse=True)
+    assert isinstance(res, tuple) and len(res) == 2
+
+
+def test_decode_loop_matches_one_prefill(path):
+    """Appending tokens one call at a time builds the same cache as appending them all at once."""
+    b, h, h_k, d, cap, steps = 2, 4, 2, 16, 24, 5
+    angle = torch.rand(cap, d // 2) * 6
+    cos, sin = angle.cos(), angle.sin()
+    k = torch.randn(b, steps, h_k, d)
+    v = torch.randn(b, steps, h_k, d)
+    q = torch.randn(b, steps, h, d)
+    start = torch.tensor([3, 7], dtype=torch.int32)
+    kc0, vc0 = torch.randn(b, cap, h_k, d), torch.randn(b, cap, h_k, d)
+    kc1, vc1 = kc0.clone(), vc0.clone()
+    full = flash_attn_with_kvcache(q, kc1, vc1, k, v, cos, sin, cache_seqlens=start, causal=True)
+    kc2, vc2 = kc0.clone(), vc0.clone()
+    for t in range(steps):
+        o = flash_attn_with_kvcache(q[:, t:t + 1], kc2, vc2, k[:, t:t + 1], v[:, t:t + 1], cos, sin,
+                                    cache_seqlens=start + t, causal=True)
+        assert (o[:, 0] - full[:, t]).abs().max().item() < 1e-5
+    assert torch.allclose(kc1, kc2, atol=1e-6) and torch.equal(vc1, vc2)
+
+
+# ---------------------------------------------------------------------------------------------
+# flash_attn_combine
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_combine(monkeypatch, kernels):
+    if kernels:
+        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    ns, b, sq, h, d = 3, 2, 2, 3, 20
+    o_part = torch.randn(ns, b, sq, h, d)
+    lse_part = torch.randn(ns, b, h, sq)
+    lse_part[1, 0, 1, 0] = -math.inf  # an empty split
+    lse_part[:, 1, 2, 1] = -math.inf  # a row no split saw
+    out, lse = flash_attn_combine(o_part, lse_part, out_dtype=torch.float16)
+    w = torch.softmax(lse_part.double(), 0).nan_to_num(0.0)  # (ns, b, h, sq)
+    ref = (o_part.double() * w.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
+    assert out.dtype == torch.float16 and out.shape == (b, sq, h, d)
+    assert (out.double() - ref).abs().max().item() < 2e-3
+    ref_lse = torch.logsumexp(lse_part.double(), 0)
+    assert lse[1, 2, 1] == math.inf and (out[1, 1, 2] == 0).all()
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-5
+    buf = torch.empty(b, sq, h, d)
+    res, _ = flash_attn_combine(o_part, lse_part, out=buf)
+    assert res.data_ptr() == buf.data_ptr()
+
+
+def test_combine_errors():
+    with pytest.raises(ValueError, match="lse_partial"):
+        flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 1))
+    with pytest.raises(TypeError, match="float32"):
+        flash_attn_combine(torch.randn(2, 1, 1, 2, 8).half(), torch.randn(2, 1, 2, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# errors
+
+
+def _base():
+    q = torch.randn(2, 1, 4, 16)
+    kc = torch.randn(2, 10, 2, 16)
+    return q, kc, kc.clone()
+
+
+ERRORS = [
+    ("v_cache", lambda q, kc, vc: dict(v_cache=torch.randn(2, 11, 2, 16))),
+    ("k_cache batch", lambda q, kc, vc: dict(k_cache=torch.randn(3, 10, 2, 16), v_cache=torch.randn(3, 10, 2, 16))),
+    ("head dim", lambda q, kc, vc: dict(k_cache=torch.randn(2, 10, 2, 8), v_cache=torch.randn(2, 10, 2, 8))),
+    ("multiple", lambda q, kc, vc: dict(k_cache=torch.randn(2, 10, 3, 16), v_cache=torch.randn(2, 10, 3, 16))),
+    ("k and v", lambda q, kc, vc: dict(k=torch.randn(2, 1, 2, 16), cache_seqlens=1)),
+    ("shape", lambda q, kc, vc: dict(k=torch.randn(2, 1, 4, 16), v=torch.randn(2, 1, 4, 16), cache_seqlens=1)),
+    ("cache_seqlens must be given", lambda q, kc, vc: dict(k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16))),
+    ("cache_seqlens must be int32", lambda q, kc, vc: dict(cache_seqlens=torch.tensor([1, 2]))),
+    ("cache_seqlens must have shape", lambda q, kc, vc: dict(cache_seqlens=torch.tensor([1], dtype=torch.int32))),
+    ("capacity", lambda q, kc, vc: dict(cache_seqlens=torch.tensor([1, 10], dtype=torch.int32),
+                                        k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16))),
+    ("capacity", lambda q, kc, vc: dict(cache_seqlens=10, k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16))),
+    ("cache_batch_idx must be int32", lambda q, kc, vc: dict(cache_batch_idx=torch.tensor([0, 1]))),
+    ("cache_batch_idx values", lambda q, kc, vc: dict(cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32))),
+    ("cache_leftpad must be int32", lambda q, kc, vc: dict(cache_leftpad=torch.tensor([0, 1]))),
+    ("block_table and cache_batch_idx", lambda q, kc, vc: dict(
+        block_table=torch.zeros(2, 1, dtype=torch.int32), cache_batch_idx=torch.zeros(2, dtype=torch.int32))),
+    ("block_table must be int32", lambda q, kc, vc: dict(block_table=torch.zeros(2, 1, dtype=torch.int64))),
+    ("block_table must have shape", lambda q, kc, vc: dict(block_table=torch.zeros(3, 1, dtype=torch.int32))),
+    ("block_table entries", lambda q, kc, vc: dict(block_table=torch.full((2, 1), 7, dtype=torch.int32))),
+    ("rotary_dim", lambda q, kc, vc: dict(rotary_cos=torch.randn(10, 9), rotary_sin=torch.randn(10, 9),
+                                          k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=1)),
+    ("together", lambda q, kc, vc: dict(rotary_cos=torch.randn(10, 4), k=torch.randn(2, 1, 2, 16),
+                                        v=torch.randn(2, 1, 2, 16), cache_seqlens=1)),
+    ("need the new k", lambda q, kc, vc: dict(rotary_cos=torch.randn(10, 4), rotary_sin=torch.randn(10, 4))),
+    ("positions", lambda q, kc, vc: dict(rotary_cos=torch.randn(5, 4), rotary_sin=torch.randn(5, 4),
+                                         k=torch.randn(2, 1, 2, 16), v=torch.randn(2, 1, 2, 16), cache_seqlens=1)),
+    ("dtype", lambda q, kc, vc: dict(q=q.half())),
+    ("alibi_slopes", lambda q, kc, vc: dict(alibi_slopes=torch.rand(3))),
+    ("num_splits", lambda q, kc, vc: dict(num_splits=-1)),
+    ("softcap", lambda q, kc, vc: dict(softcap=-1.0)),
+    ("4 dims", lambda q, kc, vc: dict(q=q[0])),
+]
+
+
+@pytest.mark.parametrize("match,make", ERRORS, ids=[f"{i}-{e[0]}" for i, e in enumerate(ERRORS)])
+def test_errors_name_the_argument(match, make):
+    q, kc, vc = _base()
+    kw = dict(q=q, k_cache=kc, v_cache=vc)
+    kw.update(make(q, kc, vc))
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attn_with_kvcache(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile, the split heuristic, the benchmark's plumbing, the example
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    q, kc, vc, args = make_case(s_new=1, page=4, rotary="half", causal=True)
+
+    def step(q, k_cache, v_cache, k, v, cos, sin, lens, table):
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, cache_seqlens=lens,
+                                           block_table=table, causal=True, rotary_interleaved=False,
+                                           return_softmax_lse=True)
+        return out * 2, lse
+
+    inputs = (args["k"], args["v"], args["rotary_cos"], args["rotary_sin"], args["cache_seqlens"],
+              args["block_table"])
+    kc1, vc1 = kc.clone(), vc.clone()
+    ref_out, ref_lse = step(q, kc1, vc1, *inputs)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out, lse = torch.compile(step, fullgraph=True, backend="eager")(q, kc2, vc2, *inputs)
+    assert torch.allclose(out, ref_out, atol=1e-6) and torch.allclose(lse, ref_lse, atol=1e-6)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "the compiled call must update the caches in place"
+    torch.library.opcheck(torch.ops.flashtile.kvcache_fwd,
+                          (q, kc.clone(), vc.clone(), None, None, None, None, args["cache_seqlens"], -1, None,
+                           None, args["block_table"], 0.25, True, -1, 0, 0.0, True, None, 1),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_inductor():
+    torch._dynamo.reset()
+    q, kc, vc, args = make_case(s_new=1, batch_idx=True)
+    fn = lambda q, kc, vc, k, v, lens, idx: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
+                                                                     cache_batch_idx=idx) + 1
+    kc1, vc1 = kc.clone(), vc.clone()
+    ref = fn(q, kc1, vc1, args["k"], args["v"], args["cache_seqlens"], args["cache_batch_idx"])
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = torch.compile(fn, fullgraph=True)(q, kc2, vc2, args["k"], args["v"], args["cache_seqlens"],
+                                           args["cache_batch_idx"])
+    assert torch.allclose(out, ref, atol=1e-6) and torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+
+
+def test_num_splits_heuristic():
+    h = launcher.num_splits_heuristic
+    assert h(256, 2048, 132) == 1  # a grid that fills the GPU is not split
+    s = h(8, 2048, 132)  # b=1, h_k=8: split until the waves are nearly full
+    assert 8 <= s <= 33 and (8 * s) / (-(-8 * s // 132) * 132) >= 0.85
+    assert h(8, 3, 132) == 1  # too few key blocks to split
+    assert h(64, 2048, 132) == 2
+
+
+def test_bench_decode_cpu_smoke(tmp_path):
+    from flashtile.bench import main
+
+    out = tmp_path / "decode.json"
+    rc = main(["decode", "--device", "cpu", "--quick", "--warmup", "1", "--rep", "3", "--out", str(out)])
+    assert rc == 0
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "decode" and data["rows"]
+    for r in data["rows"]:
+        assert r["us"]["flashtile"] is not None, r["errors"]
+        assert not r["mismatch"]
+
+
+def test_generate_example_runs():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tokens = mod.main(["--device", "cpu", "--new-tokens", "4", "--prompt-len", "5", "--layers", "2", "--check"])
+    assert tokens.shape[-1] == 9
