@@ -1,39 +1,58 @@
-"""Autograd Functions with FlashAttention 2.8.3's ``apply`` signatures.
+"""The autograd layer: argument checks, the dropout draw, and the call into the custom ops.
 
-Each Function checks its arguments, runs the chosen backend's forward, saves q/k/v/out/lse (and the
-dropout seed inside the params) and, in backward, lets the backend write gradients straight into
-the gradient buffer: for packed inputs that buffer is the packed gradient, so no concatenation copy
-is made.
+The public functions call :func:`attention`, which runs the checks (Python errors, so outside any
+op), draws the dropout ``rng_state`` and calls ``torch.ops.flashtile.attn_fwd``. That op carries
+its own autograd formula (``torch.library.register_autograd`` in ``ops.py``), so eager, autograd
+and ``torch.compile(fullgraph=True)`` all see one op and no Python autograd.Function.
+
+FlashAttention 2.8.3's autograd Function classes (``FlashAttnFunc`` & friends) stay, with its
+``apply`` signatures, because third-party code calls them directly. They are thin wrappers over the
+same checks and ops. Packed inputs (``qkv``, ``kv``) go into the ops whole, so the gradient comes
+back as one packed tensor the backend wrote into through views: no concatenation copy, as in FA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashtile import dispatch
+from flashtile.ops import PACK_KV, PACK_NONE, PACK_QKV, draw_rng_state
 from flashtile.params import AttnParams
 from flashtile.validation import (
     check_cu_seqlens,
     check_max_seqlen,
     check_qkv,
     check_seqused,
+    last_dim_contiguous,
     make_params,
 )
 
 
-def _padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                   deterministic, return_softmax):
+def _check_dropout(dropout_p, softcap):
+    # validation.make_params checks these too, but it also draws the dropout seed, which cannot be
+    # traced by torch.compile; we call it with dropout_p=0 and draw the seed ourselves (ops.py).
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"flashtile: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if isinstance(softcap, (int, float)) and softcap > 0 and dropout_p > 0:
+        raise ValueError("flashtile: softcap > 0 cannot be combined with dropout_p > 0 (as in FlashAttention)")
+
+
+def padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                  deterministic, return_softmax):
+    """Check a padded call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
     q, k, v = check_qkv(q, k, v, varlen=False)
-    p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=dropout_p,
+    _check_dropout(dropout_p, softcap)
+    p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=0.0,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                     return_probs=return_softmax)
+    p.dropout_p = float(dropout_p)
     return q, k, v, p
 
 
-def _varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                   return_softmax, block_table=None, seqused_q=None, seqused_k=None):
+def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                  return_softmax, block_table=None, seqused_q=None, seqused_k=None):
+    """Check a varlen call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
     q, k, v = check_qkv(q, k, v, varlen=True)
     if block_table is not None:
         raise NotImplementedError("flashtile: block_table (paged KV) in flash_attn_varlen_func is not "
@@ -44,49 +63,146 @@ def _varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     check_seqused("seqused_k", seqused_k, q.device, b)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    p = make_params(q, batch=b, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
+    _check_dropout(dropout_p, softcap)
+    p = make_params(q, batch=b, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                     return_probs=return_softmax, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    seqused_q=seqused_q,
-                    seqused_k=seqused_k)
+                    seqused_q=seqused_q, seqused_k=seqused_k)
+    p.dropout_p = float(dropout_p)
     return q, k, v, p
 
 
-def _forward(ctx, q, k, v, p: AttnParams, is_grad_enabled: bool):
-    """Run the forward, save what backward needs, return the FA-shaped result."""
-    out, lse, probs = dispatch.choose("fwd", q, p).fwd(q, k, v, p)
-    if is_grad_enabled and any(x.requires_grad for x in (q, k, v)):
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.params = p
+def rng_state_for(p: AttnParams, device) -> torch.Tensor | None:
+    """The dropout ``[seed, offset]`` of one call, drawn here (outside the ops); None without dropout."""
+    return draw_rng_state(device) if p.dropout_p > 0 else None
+
+
+def fwd_op_args(q, k, v, p: AttnParams, rng_state, packing: int) -> tuple:
+    """The argument list of ``flashtile::attn_fwd`` for a checked call."""
+    return (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes, rng_state,
+            p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
+            p.window_right, p.softcap, p.deterministic, p.return_probs, packing)
+
+
+def bwd_op_scalars(p: AttnParams) -> tuple:
+    """The trailing scalars of ``flashtile::attn_bwd`` / ``attn_bwd_into`` (after the tensors)."""
+    return (p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
+            p.window_right, p.softcap, p.deterministic)
+
+
+def _packed_views(q, kv_or_none, qkv_or_none, varlen: bool):
+    """Last-dim-contiguous packed tensors and their q, k, v views (pack dim 2, varlen 1)."""
+    dim = 1 if varlen else 2
+    if qkv_or_none is not None:
+        qkv = last_dim_contiguous(qkv_or_none)
+        return qkv, None, None, qkv.unbind(dim)
+    kv = last_dim_contiguous(kv_or_none)
+    return q, kv, None, (q, *kv.unbind(dim))
+
+
+def _result(out, lse, probs, return_probs: bool):
+    return (out, lse, probs) if return_probs else out
+
+
+def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
+    """Run a checked call through ``flashtile::attn_fwd`` (autograd via the op's registered formula).
+
+    For ``PACK_QKV`` ``q`` is the packed qkv and k, v are None; for ``PACK_KV`` ``k`` is the packed kv.
+    """
+    rng_state = rng_state_for(p, q.device)
+    out, lse, probs = torch.ops.flashtile.attn_fwd(*fwd_op_args(q, k, v, p, rng_state, packing))
+    return _result(out, lse, probs, p.return_probs)
+
+
+# The public functions' bodies: check, then one op call.
+
+def flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+               return_probs):
+    q, k, v, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_probs)
+    return attention(q, k, v, p)
+
+
+def flash_attn_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic, return_probs):
+    qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=False)
+    _, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_probs)
+    return attention(qkv, None, None, p, PACK_QKV)
+
+
+def flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                        deterministic, return_probs):
+    _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=False)
+    q, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                               deterministic, return_probs)
+    return attention(q, kv, None, p, PACK_KV)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, deterministic, return_probs, block_table=None,
+                      seqused_q=None, seqused_k=None):
+    q, k, v, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                               return_probs, block_table, seqused_q, seqused_k)
+    return attention(q, k, v, p)
+
+
+def flash_attn_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
+                                softcap, alibi_slopes, deterministic, return_probs):
+    qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=True)
+    _, _, _, p = varlen_params(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                               causal, window_size, softcap, alibi_slopes, deterministic, return_probs)
+    return attention(qkv, None, None, p, PACK_QKV)
+
+
+def flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                               return_probs):
+    _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=True)
+    q, _, _, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                               return_probs)
+    return attention(q, kv, None, p, PACK_KV)
+
+
+# ------------------------------------------------------------------------------------------------------
+# FlashAttention 2.8.3's autograd Functions, kept for code that calls ``FlashAttnFunc.apply(...)``.
+# forward runs the op with autograd off (we are inside a Function) and saves what the backward op needs.
+
+def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool):
+    rng_state = rng_state_for(p, q.device)
+    args = fwd_op_args(q, k, v, p, rng_state, packing)
+    out, lse, probs = torch.ops.flashtile.attn_fwd(*args)
+    if is_grad_enabled:
+        ctx.save_for_backward(q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k,
+                              p.alibi_slopes, rng_state)
+        ctx.scalars = bwd_op_scalars(p)
+        ctx.packing = packing
     if not p.return_probs:
         return out
-    if probs is None:
-        probs = torch.empty(0, device=q.device, dtype=q.dtype)
     ctx.mark_non_differentiable(lse, probs)
     return out, lse, probs
 
 
-def _backward(ctx, dout, dq, dk, dv):
-    q, k, v, out, lse = ctx.saved_tensors
-    p = ctx.params
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    dispatch.choose("bwd", q, p).bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
+def _fn_backward(ctx, dout):
+    q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng = ctx.saved_tensors
+    return torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng,
+                                        *ctx.scalars, ctx.packing)
 
 
 class FlashAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_softmax, is_grad_enabled=True):
-        q, k, v, p = _padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_softmax)
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        q, k, v, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_softmax)
+        return _fn_forward(ctx, q, k, v, p, PACK_NONE, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _backward(ctx, dout, dq, dk, dv)
+        dq, dk, dv = _fn_backward(ctx, dout)
         return (dq, dk, dv) + (None,) * 9
 
 
@@ -94,17 +210,14 @@ class FlashAttnQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_softmax, is_grad_enabled=True):
-        q, k, v = qkv.unbind(dim=2)  # views: (b, s, h, d) each
-        q, k, v, p = _padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_softmax)
-        ctx.packed_shape = qkv.shape
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=False)
+        _, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_softmax)
+        return _fn_forward(ctx, qkv, None, None, p, PACK_QKV, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q = ctx.saved_tensors[0]
-        dqkv = torch.empty(ctx.packed_shape, dtype=q.dtype, device=q.device)
-        _backward(ctx, dout, *dqkv.unbind(dim=2))
+        dqkv = _fn_backward(ctx, dout)[0]
         return (dqkv,) + (None,) * 9
 
 
@@ -112,18 +225,14 @@ class FlashAttnKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                 deterministic, return_softmax, is_grad_enabled=True):
-        k, v = kv.unbind(dim=2)
-        q, k, v, p = _padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_softmax)
-        ctx.packed_shape = kv.shape
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=False)
+        q, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_softmax)
+        return _fn_forward(ctx, q, kv, None, p, PACK_KV, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q = ctx.saved_tensors[0]
-        dq = torch.empty_like(q)
-        dkv = torch.empty(ctx.packed_shape, dtype=q.dtype, device=q.device)
-        _backward(ctx, dout, dq, *dkv.unbind(dim=2))
+        dq, dkv, _ = _fn_backward(ctx, dout)
         return (dq, dkv) + (None,) * 9
 
 
@@ -132,17 +241,15 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, block_table=None, is_grad_enabled=True, seqused_q=None, seqused_k=None):
-        q, k, v, p = _varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_softmax, block_table,
-                                    seqused_q, seqused_k)
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        q, k, v, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_softmax, block_table,
+                                   seqused_q, seqused_k)
+        return _fn_forward(ctx, q, k, v, p, PACK_NONE, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q, k, v = ctx.saved_tensors[:3]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _backward(ctx, dout, dq, dk, dv)
+        dq, dk, dv = _fn_backward(ctx, dout)
         return (dq, dk, dv) + (None,) * 16
 
 
@@ -150,18 +257,15 @@ class FlashAttnVarlenQKVPackedFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
                 softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=True):
-        q, k, v = qkv.unbind(dim=1)  # views: (total, h, d) each
-        q, k, v, p = _varlen_params(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                                    softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    deterministic, return_softmax)
-        ctx.packed_shape = qkv.shape
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=True)
+        _, _, _, p = varlen_params(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
+                                   softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                   deterministic, return_softmax)
+        return _fn_forward(ctx, qkv, None, None, p, PACK_QKV, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q = ctx.saved_tensors[0]
-        dqkv = torch.empty(ctx.packed_shape, dtype=q.dtype, device=q.device)
-        _backward(ctx, dout, *dqkv.unbind(dim=1))
+        dqkv = _fn_backward(ctx, dout)[0]
         return (dqkv,) + (None,) * 11
 
 
@@ -170,17 +274,13 @@ class FlashAttnVarlenKVPackedFunc(torch.autograd.Function):
     def forward(ctx, q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_softmax, is_grad_enabled=True):
-        k, v = kv.unbind(dim=1)
-        q, k, v, p = _varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    dropout_p, softmax_scale, causal, window_size, softcap,
-                                    alibi_slopes, deterministic, return_softmax)
-        ctx.packed_shape = kv.shape
-        return _forward(ctx, q, k, v, p, is_grad_enabled)
+        _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=True)
+        q, _, _, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                   dropout_p, softmax_scale, causal, window_size, softcap,
+                                   alibi_slopes, deterministic, return_softmax)
+        return _fn_forward(ctx, q, kv, None, p, PACK_KV, is_grad_enabled)
 
     @staticmethod
     def backward(ctx, dout, *_):
-        q = ctx.saved_tensors[0]
-        dq = torch.empty_like(q)
-        dkv = torch.empty(ctx.packed_shape, dtype=q.dtype, device=q.device)
-        _backward(ctx, dout, dq, *dkv.unbind(dim=1))
+        dq, dkv, _ = _fn_backward(ctx, dout)
         return (dq, dkv) + (None,) * 13

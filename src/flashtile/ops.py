@@ -1,0 +1,256 @@
+"""flashtile's attention as ``torch.library`` custom ops, so torch.compile and CUDA graphs see it.
+
+Three ops, all in the ``flashtile`` namespace:
+
+``flashtile::attn_fwd(q, k?, v?, cu_seqlens_q?, cu_seqlens_k?, seqused_q?, seqused_k?, alibi_slopes?,
+rng_state?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+softcap, deterministic, return_probs, packing) -> (out, lse, S_dmask)``
+    ``packing`` says how q/k/v arrive: ``PACK_NONE`` (three tensors), ``PACK_KV`` (``k`` is the
+    packed ``kv``, ``v`` is None) or ``PACK_QKV`` (``q`` is the packed ``qkv``). Taking the packed
+    tensor itself, rather than views of it, is what lets the backward return one packed gradient:
+    autograd then has nothing to concatenate. ``lse`` is fp32 ``(b, h, sq)`` or ``(h, total_q)``
+    (fp64 for fp64 inputs); ``S_dmask`` is fp32 ``(b, h, max_sq, max_sk)`` when ``dropout_p > 0``
+    and ``return_probs``, else an empty tensor of q's dtype.
+
+``flashtile::attn_bwd(dout, q, k?, v?, out, lse, ...same tensors and scalars...) -> (dq, dk, dv)``
+    Functional: returns gradients shaped like the forward's tensor inputs (``dqkv`` / ``dkv`` for
+    packed inputs, an empty tensor in the slots whose input was None). The packed gradient is
+    allocated once and the backend writes into views of it.
+
+``flashtile::attn_bwd_into(dout, q, k, v, out, lse, dq, dk, dv, ...) -> softmax_d``
+    Writes into caller-given ``dq, dk, dv`` (FlashAttention's ``_flash_attn_backward`` contract);
+    returns ``softmax_d`` = rowsum(dout * out), fp32, shaped like ``lse``.
+
+Arguments are only what an op schema can carry (tensors, optional tensors, ints, floats, bools);
+the ops rebuild :class:`AttnParams` from them and call ``dispatch.choose(op, q, params)``, so any
+backend that plugs into dispatch runs under compile unchanged. Validation is *not* done here: it
+raises Python errors, and the public functions run it before calling the op.
+
+Dropout randomness: ``rng_state`` is an int64 ``(2,)`` tensor ``[seed, offset]`` drawn by the
+caller (see :func:`draw_rng_state`), never inside an op: an op that drew its own seed would look
+pure to the compiler (it could be deduplicated, or re-run with a new seed when the partitioner
+recomputes it for the backward), and a seed read once at trace/capture time would be frozen into
+every replay. The op only reads the two numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashtile import dispatch
+from flashtile.params import AttnParams
+from flashtile.rng import next_seed_offset
+
+PACK_NONE, PACK_KV, PACK_QKV = 0, 1, 2
+_U64 = (1 << 64) - 1
+
+
+def _signed64(x: int) -> int:
+    """An unsigned 64-bit seed as the int64 with the same bits (op ints and int64 tensors are signed)."""
+    x &= _U64
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def draw_rng_state(device: torch.device) -> Tensor:
+    """Draw one dropout call's ``[seed, offset]`` as an int64 ``(2,)`` CPU tensor.
+
+    Eager: from torch's generator of ``device`` through :func:`flashtile.rng.next_seed_offset` (on
+    CUDA the device's Philox generator, so ``torch.manual_seed`` reproduces the mask, as in
+    FlashAttention). Under torch.compile the draw is a ``torch.randint`` *in the graph*: each run
+    of the compiled code draws fresh numbers (a Python int would be burnt into the graph as a
+    constant), and the compiler knows ``randint`` is random, so it never merges two draws nor
+    recomputes one for the backward. The tensor lives on the CPU so the op reads it without a
+    device sync; it is tiny and drawn once per call.
+    """
+    if torch.compiler.is_compiling():
+        return torch.randint(0, 1 << 62, (2,), dtype=torch.int64)
+    seed, offset = next_seed_offset(device)
+    return torch.tensor([_signed64(seed), offset], dtype=torch.int64)
+
+
+def _seed_offset(rng_state: Tensor | None, dropout_p: float) -> tuple[int, int]:
+    if dropout_p <= 0:
+        return 0, 0
+    if rng_state is None:
+        raise ValueError("flashtile: dropout_p > 0 needs rng_state (the [seed, offset] of the forward)")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # The kernels take the seed by value: one read now would be frozen into every replay, giving
+        # the same dropout mask each step. Refuse rather than train on a silently fixed mask.
+        raise RuntimeError("flashtile: dropout_p > 0 is not supported inside CUDA graph capture yet (the seed "
+                           "would be fixed at capture time); use dropout_p=0 in captured code")
+    seed, offset = rng_state.tolist()  # CPU tensor: no device sync
+    return seed & _U64, offset
+
+
+def unpack(q: Tensor, k: Tensor | None, v: Tensor | None, packing: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Views ``q, k, v`` of packed inputs: the pack dim is 2 for ``(b, s, n, h, d)``, 1 for varlen."""
+    if packing == PACK_QKV:
+        return q.unbind(q.dim() - 3)
+    if packing == PACK_KV:
+        k, v = k.unbind(k.dim() - 3)
+    return q, k, v
+
+
+def params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                     window_right, softcap, deterministic, return_probs) -> AttnParams:
+    seed, offset = _seed_offset(rng_state, dropout_p)
+    return AttnParams(softmax_scale=softmax_scale, causal=causal, window_left=window_left,
+                      window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                      dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
+                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                      seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
+                      return_probs=return_probs)
+
+
+def _lse_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _lse_shape(q: Tensor, varlen: bool) -> tuple:
+    # q here is unpacked: (b, sq, h, d) or (total_q, h, d)
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+def _probs_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> tuple:
+    if cu_seqlens_q is not None:
+        return (cu_seqlens_q.shape[0] - 1, q.shape[-2], max_seqlen_q, max_seqlen_k)
+    return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------- fwd
+
+@torch.library.custom_op("flashtile::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens_q: Tensor | None,
+             cu_seqlens_k: Tensor | None, seqused_q: Tensor | None, seqused_k: Tensor | None,
+             alibi_slopes: Tensor | None, rng_state: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+             dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+             softcap: float, deterministic: bool, return_probs: bool,
+             packing: int) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = unpack(q, k, v, packing)
+    p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                         window_right, softcap, deterministic, return_probs)
+    out, lse, probs = dispatch.choose("fwd", q, p).fwd(q, k, v, p)
+    # pin dtypes to what the fake impl promises, whatever a backend chose
+    lse = lse.to(_lse_dtype(q))
+    if probs is None:
+        probs = q.new_empty(0)
+    else:
+        probs = probs.to(torch.float32)
+    return out, lse, probs
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                   softcap, deterministic, return_probs, packing):
+    q, k, v = unpack(q, k, v, packing)
+    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
+    if return_probs and dropout_p > 0:
+        probs = q.new_empty(_probs_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k), dtype=torch.float32)
+    else:
+        probs = q.new_empty(0)
+    return out, lse, probs
+
+
+# ---------------------------------------------------------------------------------------------- bwd
+
+def _run_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+             alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+             window_left, window_right, softcap, deterministic):
+    p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                         window_right, softcap, deterministic, False)
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    dispatch.choose("bwd", q, p).bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
+
+
+def _grad_buffers(q, k, v, packing):
+    """Gradient tensors shaped like the op's tensor inputs, and the unpacked views to write into."""
+    if packing == PACK_QKV:
+        dqkv = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return (dqkv, q.new_empty(0), q.new_empty(0)), dqkv.unbind(q.dim() - 3)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if packing == PACK_KV:
+        dkv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        return (dq, dkv, q.new_empty(0)), (dq, *dkv.unbind(k.dim() - 3))
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return (dq, dk, dv), (dq, dk, dv)
+
+
+@torch.library.custom_op("flashtile::attn_bwd", mutates_args=())
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: Tensor, lse: Tensor,
+             cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None, seqused_q: Tensor | None,
+             seqused_k: Tensor | None, alibi_slopes: Tensor | None, rng_state: Tensor | None,
+             max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+             window_left: int, window_right: int, softcap: float, deterministic: bool,
+             packing: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads, views = _grad_buffers(q, k, v, packing)
+    _run_bwd(dout, *unpack(q, k, v, packing), out, lse, *views, cu_seqlens_q, cu_seqlens_k, seqused_q,
+             seqused_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+             window_left, window_right, softcap, deterministic)
+    return grads
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                   rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                   window_right, softcap, deterministic, packing):
+    return _grad_buffers(q, k, v, packing)[0]
+
+
+@torch.library.custom_op("flashtile::attn_bwd_into", mutates_args=("dq", "dk", "dv"))
+def attn_bwd_into(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dq: Tensor,
+                  dk: Tensor, dv: Tensor, cu_seqlens_q: Tensor | None, cu_seqlens_k: Tensor | None,
+                  seqused_q: Tensor | None, seqused_k: Tensor | None, alibi_slopes: Tensor | None,
+                  rng_state: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
+                  softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                  deterministic: bool) -> Tensor:
+    _run_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+             alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+             window_left, window_right, softcap, deterministic)
+    return _softmax_d(dout, out, cu_seqlens_q is not None)
+
+
+def _softmax_d(dout, out, varlen):
+    """rowsum(dout * out) laid out like lse: FlashAttention's backward returns it as ``softmax_d``."""
+    d = (dout.float() * out.float()).sum(-1)  # (b, sq, h) or (total, h)
+    return d.t().contiguous() if varlen else d.transpose(1, 2).contiguous()
+
+
+@attn_bwd_into.register_fake
+def _attn_bwd_into_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                        alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                        window_left, window_right, softcap, deterministic):
+    return q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------- autograd
+
+_FWD_TENSORS = 9  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state
+
+
+def _setup_context(ctx, inputs, output):
+    out, lse, probs = output
+    ctx.save_for_backward(*inputs[:_FWD_TENSORS], out, lse)
+    # max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+    # deterministic (return_probs is forward-only), packing
+    ctx.scalars = inputs[_FWD_TENSORS:-2]
+    ctx.packing = inputs[-1]
+    ctx.mark_non_differentiable(lse, probs)
+
+
+def _backward(ctx, dout, _dlse, _dprobs):
+    q, k, v, cu_q, cu_k, su_q, su_k, alibi, rng, out, lse = ctx.saved_tensors
+    grads = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng,
+                                         *ctx.scalars, ctx.packing)
+    dq, dk, dv = grads
+    # inputs that were None (packed slots) get None; everything past the tensors is not differentiable
+    return (dq, dk if k is not None else None, dv if v is not None else None) + (None,) * 17
+
+
+torch.library.register_autograd("flashtile::attn_fwd", _backward, setup_context=_setup_context)
