@@ -64,7 +64,7 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     pre_m = 64
     _attn_bwd_preprocess_kernel[(triton.cdiv(max(seqlen_q, 1), pre_m), b * h)](
         out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
-        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, **flags)
+        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
 
     qk_scale = p.softmax_scale / p.softcap if p.softcap > 0 else p.softmax_scale * LOG2E
     common = (qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
