@@ -296,16 +296,18 @@ def test_combine(monkeypatch, kernels):
         monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     ns, b, sq, h, d = 3, 2, 2, 3, 20
     o_part = torch.randn(ns, b, sq, h, d)
-    lse_part = torch.randn(ns, b, h, sq)
-    lse_part[1, 0, 1, 0] = -math.inf  # an empty split
-    lse_part[:, 1, 2, 1] = -math.inf  # a row no split saw
+    # FlashAttention-3's layout: lse_partial (ns, b, sq, h), made as FA3 makes it (a transposed view)
+    lse_part = torch.randn(ns, b, h, sq).transpose(2, 3)
+    lse_part[1, 0, 0, 1] = -math.inf  # an empty split
+    lse_part[:, 1, 1, 2] = -math.inf  # a row no split saw
     out, lse = flash_attn_combine(o_part, lse_part, out_dtype=torch.float16)
-    w = torch.softmax(lse_part.double(), 0).nan_to_num(0.0)  # (ns, b, h, sq)
-    ref = (o_part.double() * w.permute(0, 1, 3, 2).unsqueeze(-1)).sum(0)
+    w = torch.softmax(lse_part.double(), 0).nan_to_num(0.0)  # (ns, b, sq, h)
+    ref = (o_part.double() * w.unsqueeze(-1)).sum(0)
     assert out.dtype == torch.float16 and out.shape == (b, sq, h, d)
     assert (out.double() - ref).abs().max().item() < 2e-3
-    ref_lse = torch.logsumexp(lse_part.double(), 0)
-    assert lse[1, 2, 1] == math.inf and (out[1, 1, 2] == 0).all()
+    ref_lse = torch.logsumexp(lse_part.double(), 0)  # (b, sq, h)
+    assert lse.shape == (b, sq, h)
+    assert lse[1, 1, 2] == math.inf and (out[1, 1, 2] == 0).all()
     fin = torch.isfinite(ref_lse)
     assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-5
     buf = torch.empty(b, sq, h, d)
@@ -317,7 +319,7 @@ def test_combine_errors():
     with pytest.raises(ValueError, match="lse_partial"):
         flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 1))
     with pytest.raises(TypeError, match="float32"):
-        flash_attn_combine(torch.randn(2, 1, 1, 2, 8).half(), torch.randn(2, 1, 2, 1))
+        flash_attn_combine(torch.randn(2, 1, 1, 2, 8).half(), torch.randn(2, 1, 1, 2))
 
 
 # ---------------------------------------------------------------------------------------------

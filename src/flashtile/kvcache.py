@@ -269,17 +269,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     """Merge split attention results by their log-sum-exp (FlashAttention-3's ``flash_attn_combine``).
 
-    out_partial: fp32 (num_splits, b, sq, h, d); lse_partial: fp32 (num_splits, b, h, sq), natural
-    log, -inf for a split that saw no key. Returns ``(out, lse)``: out (b, sq, h, d) in ``out_dtype``
-    (default out_partial's dtype), written into ``out`` when given, and lse fp32 (b, h, sq), +inf
-    where no split saw a key (out 0 there).
+    out_partial: fp32 (num_splits, b, sq, h, d); lse_partial: fp32 (num_splits, b, sq, h) as in
+    FlashAttention-3 (any strides; FA3's own kernels produce it as a transposed view), natural log,
+    -inf for a split that saw no key. Returns ``(out, lse)``: out (b, sq, h, d) in ``out_dtype``
+    (default out_partial's dtype), written into ``out`` when given, and lse fp32 (b, sq, h) (a
+    transposed view of (b, h, sq) storage, as FA3 returns it), +inf where no split saw a key (out 0
+    there).
     """
     if not isinstance(out_partial, torch.Tensor) or out_partial.dim() != 5:
         raise ValueError("flashtile.flash_attn_combine: out_partial must have shape (num_splits, b, sq, h, d)")
     ns, b, sq, h, d = out_partial.shape
-    if not isinstance(lse_partial, torch.Tensor) or tuple(lse_partial.shape) != (ns, b, h, sq):
-        raise ValueError(f"flashtile.flash_attn_combine: lse_partial must have shape (num_splits, b, h, sq) = "
-                         f"({ns}, {b}, {h}, {sq}), got {tuple(getattr(lse_partial, 'shape', ()))}")
+    if not isinstance(lse_partial, torch.Tensor) or tuple(lse_partial.shape) != (ns, b, sq, h):
+        raise ValueError(f"flashtile.flash_attn_combine: lse_partial must have shape (num_splits, b, sq, h) = "
+                         f"({ns}, {b}, {sq}, {h}), got {tuple(getattr(lse_partial, 'shape', ()))}")
     if lse_partial.device != out_partial.device:
         raise ValueError("flashtile.flash_attn_combine: lse_partial must be on out_partial's device")
     if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
@@ -294,10 +296,12 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
                          f"contiguous last dim")
     lse = torch.empty(b, h, sq, device=out_partial.device, dtype=torch.float32)
     out_partial = last_dim_contiguous(out_partial)
+    lse_partial = lse_partial.permute(0, 1, 3, 2)  # the kernels' (ns, b, h, sq) view
     if _use_kernels(out_partial.device):
         from flashtile.backends.triton.decode import combine
 
-        return combine(out_partial, lse_partial, out, lse)
+        out, lse = combine(out_partial, lse_partial, out, lse)
+        return out, lse.transpose(1, 2)
     lse_max = lse_partial.amax(0)
     empty = lse_max == float("-inf")
     w = torch.exp(lse_partial - torch.where(empty, 0.0, lse_max))  # (ns, b, h, sq)
@@ -306,4 +310,4 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     merged = merged / torch.where(empty, 1.0, w_sum).permute(0, 2, 1).unsqueeze(-1)
     out.copy_(merged.to(dtype))
     lse.copy_(torch.where(empty, float("inf"), lse_max + torch.log(torch.where(empty, 1.0, w_sum))))
-    return out, lse
+    return out, lse.transpose(1, 2)
