@@ -16,7 +16,7 @@ Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _tanh
+from flashtile.kernels.attn_fwd import _key_block_ranges, _sequence_bounds, _tanh
 from flashtile.kernels.philox import philox_uniform
 
 _BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
@@ -160,17 +160,9 @@ def _attn_bwd_dkdv_kernel(
     pid_bh = tl.program_id(1)
     b = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
-    q_row0 = b * 0
-    k_row0 = b * 0
-    if IS_VARLEN:
-        q_row0 = tl.load(CU_SEQLENS_Q + b)
-        k_row0 = tl.load(CU_SEQLENS_K + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
-    if HAS_SEQUSED_Q:
-        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
-    if HAS_SEQUSED_K:
-        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
+                                                          HAS_SEQUSED_K)
     start_n = pid_n * BLOCK_N
     if start_n >= seqlen_k:
         return
@@ -265,17 +257,9 @@ def _attn_bwd_dq_kernel(
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     kv_head = h // group
-    q_row0 = b * 0
-    k_row0 = b * 0
-    if IS_VARLEN:
-        q_row0 = tl.load(CU_SEQLENS_Q + b)
-        k_row0 = tl.load(CU_SEQLENS_K + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
-    if HAS_SEQUSED_Q:
-        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
-    if HAS_SEQUSED_K:
-        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
+                                                          HAS_SEQUSED_K)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -299,8 +283,8 @@ def _attn_bwd_dq_kernel(
     k_ptr = K + b64 * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
     v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
+                                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d,
                    seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
                    dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,

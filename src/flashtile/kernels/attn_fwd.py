@@ -25,13 +25,29 @@ def _tanh(x):
 
 
 @triton.jit
-def _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-                      HAS_RIGHT: tl.constexpr):
-    """Key-block indices [lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, hi) masked."""
+def _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, seqlen_q, seqlen_k,
+                     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
+    """(first q row, first k row, seqlen_q, seqlen_k) of batch entry b: padded, varlen, seqused."""
+    q_row0 = b * 0
+    k_row0 = b * 0
+    if IS_VARLEN:
+        q_row0 = tl.load(CU_SEQLENS_Q + b)
+        k_row0 = tl.load(CU_SEQLENS_K + b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
+        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
+    if HAS_SEQUSED_Q:
+        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
+    if HAS_SEQUSED_K:
+        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    return q_row0, k_row0, seqlen_q, seqlen_k
+
+
+@triton.jit
+def _key_block_ranges(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right,
+                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For query rows [first_row, last_row]: key-block indices [lo, full_lo) masked,
+    [full_lo, full_hi) unmasked, [full_hi, hi) masked; blocks outside [lo, hi) are invisible."""
     shift = seqlen_k - seqlen_q  # bottom-right alignment: row i's diagonal is column i + shift
-    first_row = start_m
-    last_row = start_m + BLOCK_M - 1
     lo = 0
     hi = tl.cdiv(seqlen_k, BLOCK_N)
     full_lo = 0
@@ -183,17 +199,9 @@ def _attn_fwd_kernel(
     h = pid_bh % num_heads
     kv_head = h // group
 
-    q_row0 = b * 0
-    k_row0 = b * 0
-    if IS_VARLEN:
-        q_row0 = tl.load(CU_SEQLENS_Q + b)
-        k_row0 = tl.load(CU_SEQLENS_K + b)
-        seqlen_q = tl.load(CU_SEQLENS_Q + b + 1) - q_row0
-        seqlen_k = tl.load(CU_SEQLENS_K + b + 1) - k_row0
-    if HAS_SEQUSED_Q:
-        seqlen_q = tl.minimum(seqlen_q, tl.load(SEQUSED_Q + b))
-    if HAS_SEQUSED_K:
-        seqlen_k = tl.minimum(seqlen_k, tl.load(SEQUSED_K + b))
+    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
+                                                          HAS_SEQUSED_K)
     start_m = pid_m * BLOCK_M
     if start_m >= seqlen_q:
         return
@@ -224,8 +232,8 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
+                                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # left edge of the band (window start), masked
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, lo, full_lo,

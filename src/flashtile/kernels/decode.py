@@ -23,6 +23,7 @@ otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` 
 import triton
 import triton.language as tl
 
+from flashtile.kernels.attn_fwd import _key_block_ranges
 from flashtile.kernels.kv_append import _rotary_rows
 
 LOG2E = 1.4426950408889634
@@ -185,20 +186,8 @@ def _decode_kernel(
     # visible key blocks of this tile's tokens [t_first, t_last]
     t_first = (pid_m * BLOCK_M) // group
     t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    shift = seqlen_k - seqlen_q
-    lo = 0
-    hi = tl.cdiv(seqlen_k, BLOCK_N)
-    full_lo = 0
-    full_hi = seqlen_k // BLOCK_N
-    if HAS_LEFT:
-        lo = tl.maximum(t_first + shift - window_left, 0) // BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(t_last + shift - window_left, 0), BLOCK_N)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, tl.cdiv(tl.maximum(t_last + shift + window_right + 1, 0), BLOCK_N))
-        full_hi = tl.minimum(full_hi, tl.maximum(t_first + shift + window_right + 1, 0) // BLOCK_N)
-    hi = tl.maximum(hi, lo)
-    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
     # this split's equal share of the band
     per_split = tl.cdiv(hi - lo, NUM_SPLITS)
     s_lo = lo + split * per_split
