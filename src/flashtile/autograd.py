@@ -27,25 +27,14 @@ from flashtile.validation import (
 )
 
 
-def _check_dropout(dropout_p, softcap):
-    # validation.make_params checks these too, but it also draws the dropout seed, which cannot be
-    # traced by torch.compile; we call it with dropout_p=0 and draw the seed ourselves (ops.py).
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"flashtile: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if isinstance(softcap, (int, float)) and softcap > 0 and dropout_p > 0:
-        raise ValueError("flashtile: softcap > 0 cannot be combined with dropout_p > 0 (as in FlashAttention)")
-
-
 def padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                   deterministic, return_softmax):
     """Check a padded call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
     q, k, v = check_qkv(q, k, v, varlen=False)
-    _check_dropout(dropout_p, softcap)
-    p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=0.0,
+    p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=dropout_p,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                    return_probs=return_softmax)
-    p.dropout_p = float(dropout_p)
+                    return_probs=return_softmax, draw_rng=False)
     return q, k, v, p
 
 
@@ -63,13 +52,11 @@ def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     check_seqused("seqused_k", seqused_k, q.device, b)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_dropout(dropout_p, softcap)
-    p = make_params(q, batch=b, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=0.0,
+    p = make_params(q, batch=b, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                    return_probs=return_softmax, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                    seqused_q=seqused_q, seqused_k=seqused_k)
-    p.dropout_p = float(dropout_p)
+                    return_probs=return_softmax, draw_rng=False, cu_seqlens_q=cu_seqlens_q,
+                    cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
     return q, k, v, p
 
 

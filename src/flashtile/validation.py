@@ -143,9 +143,14 @@ def make_params(
     alibi_slopes,
     deterministic,
     return_probs,
+    draw_rng: bool = True,
     **varlen,
 ) -> AttnParams:
-    """Check the scalar arguments shared by every function and build the call's AttnParams."""
+    """Check the scalar arguments shared by every function and build the call's AttnParams.
+
+    ``draw_rng=False`` leaves seed/offset at 0: the autograd layer draws them itself, outside the
+    custom ops, where torch.compile can trace the draw (see ops.py).
+    """
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         _fail(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
@@ -158,7 +163,7 @@ def make_params(
         _fail(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     left, right = normalize_window(window_tuple(window_size), bool(causal), max_seqlen_k)
     alibi = check_alibi(alibi_slopes, q.device, batch, q.shape[-2])
-    seed, offset = next_seed_offset(q.device) if dropout_p > 0 else (0, 0)
+    seed, offset = next_seed_offset(q.device) if dropout_p > 0 and draw_rng else (0, 0)
     return AttnParams(
         softmax_scale=float(softmax_scale),
         causal=bool(causal),
