@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.ops import PACK_KV, PACK_NONE, PACK_QKV, draw_rng_state
+from flashtile import dispatch
+from flashtile.ops import PACK_KV, PACK_NONE, PACK_QKV, draw_rng_state, unpack
 from flashtile.params import AttnParams
+from flashtile.rng import next_seed_offset
 from flashtile.validation import (
     check_cu_seqlens,
     check_max_seqlen,
@@ -97,8 +99,29 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
 
     For ``PACK_QKV`` ``q`` is the packed qkv and k, v are None; for ``PACK_KV`` ``k`` is the packed kv.
     """
+    if _eager_inference(q, k, v):
+        return _direct_forward(q, k, v, p, packing)
     rng_state = rng_state_for(p, q.device)
     out, lse, probs = torch.ops.flashtile.attn_fwd(*fwd_op_args(q, k, v, p, rng_state, packing))
+    return _result(out, lse, probs, p.return_probs)
+
+
+def _eager_inference(*tensors) -> bool:
+    """An eager call that needs no gradient: the custom-op dispatcher (tens of microseconds of host
+    time, which short sequences feel) buys nothing there, so the backend is called directly."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def _direct_forward(q, k, v, p: AttnParams, packing: int):
+    """What ``flashtile::attn_fwd`` computes, without the dispatcher (same backends, same results)."""
+    q, k, v = unpack(q, k, v, packing)
+    if p.dropout_p > 0:
+        p.seed, p.offset = next_seed_offset(q.device)
+    out, lse, probs = dispatch.choose("fwd", q, p).fwd(q, k, v, p)
+    if probs is None:
+        probs = q.new_empty(0)
     return _result(out, lse, probs, p.return_probs)
 
 
