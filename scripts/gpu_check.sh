@@ -1,29 +1,55 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks on the H200 (torch/triton preinstalled, no network).
-# Usage: OUT=/some/dir bash scripts/gpu_check.sh [tests|tune|bench|all]   (default: all)
-# Writes logs and JSON under $OUT (default ./out) and prints a short summary table last.
+#
+# Usage: OUT=/some/dir bash scripts/gpu_check.sh [STEP ...]     (default: tests bench)
+# Steps:
+#   tests         every gpu-marked test (tests/test_gpu_*.py)
+#   tune          forward config sweep (scripts/tune_fwd.py)      tune-bwd   backward sweep (scripts/tune_bwd.py)
+#   bench         forward benchmark + sliding-window/varlen extras
+#   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
+# Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
+# returns at most 8 files), with $OUT/summary.txt holding the tables; the summary prints last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
-what=${1:-all}
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(tests bench)
+summary="$OUT/summary.txt"
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)" \
-  | tee "$OUT/env.txt"
+  | tee "$summary"
 status=0
-if [[ $what == all || $what == tests ]]; then
-  python3 -m pytest -q -m gpu --maxfail=10 --durations=15 -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log" \
-    | tail -n 25
-  status=${PIPESTATUS[0]}
-fi
-if [[ $what == all || $what == tune ]]; then
-  python3 scripts/tune_fwd.py ${TUNE_ARGS:-} --out "$OUT/tune_fwd.json" 2> "$OUT/tune_fwd.log"
-fi
-if [[ $what == all || $what == bench ]]; then
-  python3 -m flashtile.bench fwd --ceilings --out "$OUT/fwd.json" --plot "$OUT/fwd.png" 2> "$OUT/bench_fwd.log" \
-    | tee "$OUT/bench_fwd.txt"
-  python3 scripts/bench_fwd_extras.py --out "$OUT/fwd_extras.json" 2>> "$OUT/bench_fwd.log" | tee -a "$OUT/bench_fwd.txt"
-fi
-echo "== gpu_check: tests exit status $status; files in $OUT =="
-ls "$OUT"
+for step in "${steps[@]}"; do
+  echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
+  case $step in
+    tests)
+      python3 -m pytest -q -m gpu --maxfail=20 --durations=10 -p no:cacheprovider tests > "$WORK/gpu_tests.log" 2>&1
+      status=$?
+      tail -n 25 "$WORK/gpu_tests.log" >> "$summary" ;;
+    tune)
+      python3 scripts/tune_fwd.py ${TUNE_ARGS:-} --out "$WORK/tune_fwd.json" --emit-table "$WORK/fwd_table.json" \
+        2> "$WORK/tune_fwd.log" | tail -n 16 >> "$summary" ;;
+    tune-bwd)
+      python3 scripts/tune_bwd.py --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
+        2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
+    bench)
+      python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
+        2> "$WORK/bench_fwd.log" >> "$summary"
+      python3 scripts/bench_fwd_extras.py --out "$WORK/fwd_extras.json" 2>> "$WORK/bench_fwd.log" >> "$summary" ;;
+    bench-bwd)
+      python3 -m flashtile.bench bwd --out "$WORK/bwd.json" --plot "$WORK/bwd.png" 2> "$WORK/bench_bwd.log" >> "$summary"
+      python3 -m flashtile.bench fwdbwd --out "$WORK/fwdbwd.json" --plot "$WORK/fwdbwd.png" \
+        2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+    bench-decode)
+      python3 -m flashtile.bench decode --out "$WORK/decode.json" 2> "$WORK/bench_decode.log" >> "$summary"
+      python3 -m flashtile.bench decode --cuda-graph --out "$WORK/decode_graph.json" 2>> "$WORK/bench_decode.log" \
+        >> "$summary" ;;
+    *) echo "unknown step: $step" | tee -a "$summary"; status=2 ;;
+  esac
+done
+tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
+echo "== gpu_check done: tests exit status $status; results in $OUT/gpu_check.tgz" | tee -a "$summary"
+cat "$summary"
 exit $status

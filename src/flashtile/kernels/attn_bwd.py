@@ -315,9 +315,12 @@ BWD_CONFIGS = {
 }
 
 
-def bwd_configs(arch: str, block_d: int):
-    """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket."""
+def bwd_configs(arch: str, block_d: int, overrides=None):
+    """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket; ``overrides`` wins."""
     if arch == "interpret":
         return BWD_CONFIGS[("interpret", 0)]
     bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-    return BWD_CONFIGS.get((arch, bucket)) or BWD_CONFIGS[("default", bucket)]
+    for table in (overrides or {}, BWD_CONFIGS):
+        if (arch, bucket) in table:
+            return table[(arch, bucket)]
+    return BWD_CONFIGS[("default", bucket)]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 
@@ -16,6 +19,24 @@ from flashtile.params import AttnParams
 
 # Tests pin a config pair here: ((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)).
 CONFIG_OVERRIDE = None
+_TABLE_OVERRIDES: dict | None = None
+
+
+def config_overrides() -> dict:
+    """BWD_CONFIGS rows from the JSON file named by FLASHTILE_BWD_CONFIGS (tuning runs), if any.
+
+    The file maps "arch,bucket" (e.g. "sm90,128") to [[dkdv BM, BN, warps, stages], [dq ...]].
+    """
+    global _TABLE_OVERRIDES
+    if _TABLE_OVERRIDES is None:
+        _TABLE_OVERRIDES = {}
+        path = os.environ.get("FLASHTILE_BWD_CONFIGS")
+        if path:
+            with open(path) as f:
+                for key, (kv_cfg, q_cfg) in json.load(f).items():
+                    arch, bucket = key.split(",")
+                    _TABLE_OVERRIDES[(arch, int(bucket))] = (tuple(kv_cfg), tuple(q_cfg))
+    return _TABLE_OVERRIDES
 
 
 def _strides3(x: torch.Tensor, varlen: bool):
@@ -30,7 +51,8 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, triton.next_power_of_2(d))
-    (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(arch_of(q.device), block_d)
+    (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(
+        arch_of(q.device), block_d, config_overrides())
     if p.varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
