@@ -108,20 +108,40 @@ def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_rows_base, lse_base, bh, block_lo, block_hi,
+def _load_rows(base, desc, b, row0, head, start, offs, offs_d, n_rows, stride_row,
+               HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+               IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
+    """A [BLOCK_ROWS, BLOCK_D] tile of rows start.. of one head: a tensor-descriptor load (rows past
+    the tensor come back as zeros; rows past a varlen sequence are masked by the caller's math) or a
+    masked pointer load from ``base`` (already offset to the head and the sequence's first row)."""
+    if USE_TMA:
+        if IS_VARLEN:
+            t = desc.load([row0 + start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+        else:
+            t = desc.load([b, start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        rows = start + offs
+        mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+        t = tl.load(base + rows[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0)
+    return t
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base, bh, block_lo, block_hi,
                 offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
                 qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks."""
-    d_ok = offs_d[None, :] < HEAD_DIM
     for blk in range(block_lo, block_hi):
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q
-        q = tl.load(Q + q_rows_base + offs_m[:, None] * stride_qm + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :], mask=row_ok[:, None] & d_ok, other=0.0)
+        q = _load_rows(Q, desc_q, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm,
+                       HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
+        do = _load_rows(DO, desc_do, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_dom,
+                        HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
         # rows past the sequence get lse = +inf, which zeroes their probabilities
         lse2 = tl.load(LSE + lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + lse_base + offs_m, mask=row_ok, other=0.0)
@@ -144,7 +164,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_rows_base, lse_base, bh, bloc
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
     seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
@@ -154,7 +174,7 @@ def _attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -186,24 +206,24 @@ def _attn_bwd_dkdv_kernel(
         if HAS_ALIBI:
             slope = tl.load(ALIBI + b * stride_alibi_b + h)
         bh = b * num_heads + h
-        q_base = b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
+        q_ptr = Q + b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
         do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
         lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, lo, full_lo,
-                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
-                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
-                             rng_offset, True, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                             HAS_DROPOUT, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, full_lo, full_hi,
-                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
-                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
-                             rng_offset, False, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                             HAS_DROPOUT, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, do_ptr, LSE, DELTA, q_base, lse_base, bh, full_hi, hi,
-                             offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
-                             qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
-                             rng_offset, True, HEAD_DIM, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                             HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, False, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dk = dk * grad_scale
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -212,19 +232,20 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs_n_base, offs_d,
-              seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
-              dropout_p, seed_lo, seed_hi, rng_offset,
-              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, bh, block_lo, block_hi, offs_m,
+              offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
+              window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N])."""
-    d_ok = offs_d[None, :] < HEAD_DIM
     for blk in range(block_lo, block_hi):
         cols = blk * BLOCK_N + offs_n_base
-        col_ok = cols < seqlen_k
-        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=col_ok[:, None] & d_ok, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_d[None, :], mask=col_ok[:, None] & d_ok, other=0.0)
+        k = _load_rows(K, desc_k, b, k_row0, kv_head, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn,
+                       HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA)
+        v = _load_rows(V, desc_v, b, k_row0, kv_head, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_vn,
+                       HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                            qk_scale, softcap, slope, window_left, window_right, MASK,
@@ -240,7 +261,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
     seqlen_q, seqlen_k, num_heads, group,
@@ -250,7 +271,7 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -285,18 +306,21 @@ def _attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
                                                  window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d,
-                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
-                   dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d,
-                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
-                   dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d,
-                   seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right,
-                   dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT, HAS_RIGHT,
-                   HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, lo, full_lo, offs_m,
+                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
+                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                   DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_lo, full_hi, offs_m,
+                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N,
+                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                   DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_hi, hi, offs_m,
+                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
+                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                   DOT_PRECISION)
     dq = dq * grad_scale
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)

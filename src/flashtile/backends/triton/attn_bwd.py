@@ -8,7 +8,7 @@ import os
 import torch
 import triton
 
-from flashtile.backends.triton.attn_fwd import LOG2E, arch_of
+from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -19,6 +19,20 @@ from flashtile.params import AttnParams
 
 # Tests pin a config pair here: ((dkdv BM, BN, warps, stages), (dq BM, BN, warps, stages)).
 CONFIG_OVERRIDE = None
+# Tensor-descriptor (TMA) loads of the streamed tiles: off by default until measured on the H200
+# (FLASHTILE_BWD_TMA=1 turns them on where the strides allow); tests force either path.
+TMA_OVERRIDE: bool | None = None
+
+
+def use_tma(*tensors) -> bool:
+    if TMA_OVERRIDE is not None:
+        return TMA_OVERRIDE
+    if os.environ.get("FLASHTILE_BWD_TMA", "0") in ("", "0"):
+        return False
+    q = tensors[0]
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return all(_tma_ok(x) for x in tensors)
 _TABLE_OVERRIDES: dict | None = None
 
 
@@ -95,14 +109,21 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     feature_flags = dict(HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
                          HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    tma = use_tma(q, k, v, dout)
+    if tma:
+        desc_q, desc_do = _descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)
+        desc_k, desc_v = _descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)
+    else:
+        desc_q, desc_do, desc_k, desc_v = q, dout, k, v
+    feature_flags["USE_TMA"] = tma
     _attn_bwd_dkdv_kernel[(triton.cdiv(max(seqlen_k, 1), bn_kv), b * h_k)](
-        q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, used_q, used_k, alibi, *common,
+        q, k, v, dout, lse, delta, dk, dv, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
         num_warps=w_kv, num_stages=s_kv)
     _attn_bwd_dq_kernel[(triton.cdiv(max(seqlen_q, 1), bm_q), b * h)](
-        q, k, v, dout, lse, delta, dq, cu_q, cu_k, used_q, used_k, alibi, *common,
+        q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
         num_warps=w_q, num_stages=s_q)
