@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--emit-table", default=None)
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--s", type=int, default=4096)
+    ap.add_argument("--tma", choices=("off", "on", "both"), default="both",
+                    help="tensor-descriptor loads in the backward (FLASHTILE_BWD_TMA)")
     args = ap.parse_args()
     rows, best = [], {}
     for d in args.d:
@@ -47,8 +49,9 @@ def main():
         for causal in (False, True):
             out = flashtile.flash_attn_func(q, k, v, causal=causal)
             flops = 2.5 * 4 * b * h * args.s * args.s * d / (2 if causal else 1)
-            for kv_cfg, q_cfg in itertools.product(DKDV[d], DQ[d]):
-                launcher.CONFIG_OVERRIDE = (kv_cfg, q_cfg)
+            tma_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.tma]
+            for tma, kv_cfg, q_cfg in itertools.product(tma_modes, DKDV[d], DQ[d]):
+                launcher.CONFIG_OVERRIDE, launcher.TMA_OVERRIDE = (kv_cfg, q_cfg), tma
                 try:
                     ms = triton.testing.do_bench(
                         lambda o=out, x=(q, k, v), g=g: torch.autograd.grad(o, x, g, retain_graph=True),
@@ -56,26 +59,26 @@ def main():
                     tf, err = flops / ms / 1e9, None
                 except Exception as exc:  # shared-memory or register limits: record and go on
                     ms, tf, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
-                row = dict(d=d, s=args.s, causal=causal, dkdv=kv_cfg, dq=q_cfg, ms=ms, tflops=tf, error=err)
+                row = dict(d=d, s=args.s, causal=causal, tma=tma, dkdv=kv_cfg, dq=q_cfg, ms=ms, tflops=tf, error=err)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 if tf and tf > best.get((d, causal), (0,))[0]:
-                    best[(d, causal)] = (tf, kv_cfg, q_cfg)
-    launcher.CONFIG_OVERRIDE = None
+                    best[(d, causal)] = (tf, kv_cfg, q_cfg, tma)
+    launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print("best per (d, causal): TFLOP/s, dkdv cfg, dq cfg")
+    print("best per (d, causal): TFLOP/s, dkdv cfg, dq cfg, tma")
     for key, val in sorted(best.items()):
-        print(key, f"{val[0]:.0f}", val[1], val[2])
+        print(key, f"{val[0]:.0f}", val[1], val[2], val[3])
     if args.emit_table:
         # one row per head-dim bucket: the config pair with the best causal + non-causal sum
         table = {}
         for d in args.d:
             score = {}
             for r in rows:
-                if r["d"] == d and r["tflops"]:
+                if r["d"] == d and r["tflops"] and r["tma"] == best[(d, False)][3]:
                     key = (tuple(r["dkdv"]), tuple(r["dq"]))
                     score[key] = score.get(key, 0.0) + r["tflops"]
             if score:
