@@ -78,7 +78,7 @@ def main():
         for d in args.d:
             score = {}
             for r in rows:
-                if r["d"] == d and r["tflops"] and r["tma"] == best[(d, False)][3]:
+                if r["d"] == d and r["tflops"] and r["tma"] == best.get((d, False), (0, 0, 0, False))[3]:
                     key = (tuple(r["dkdv"]), tuple(r["dq"]))
                     score[key] = score.get(key, 0.0) + r["tflops"]
             if score:
