@@ -21,6 +21,7 @@ from flashtile.params import AttnParams
 from flashtile.rng import next_seed_offset
 from flashtile.validation import (
     check_cu_seqlens,
+    check_fp8,
     check_max_seqlen,
     check_qkv,
     check_seqused,
@@ -30,21 +31,26 @@ from flashtile.validation import (
 
 
 def padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  deterministic, return_softmax):
-    """Check a padded call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
-    q, k, v = check_qkv(q, k, v, varlen=False)
+                  deterministic, return_softmax, descales=None):
+    """Check a padded call; return last-dim-contiguous q, k, v and its params (no rng drawn).
+
+    ``descales`` (fp8 entry points only): ``(q_descale, k_descale, v_descale)``; its presence is
+    what lets e4m3 q/k/v through (other functions refuse fp8 with a message saying which take it).
+    """
+    q, k, v = check_qkv(q, k, v, varlen=False, allow_fp8=descales is not None)
+    fp8 = check_fp8(q, k, v, q.shape[0], dropout_p, *(descales or (None,) * 3), extra=[("alibi_slopes", alibi_slopes)])
     p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=dropout_p,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                    return_probs=return_softmax, draw_rng=False)
+                    return_probs=return_softmax, draw_rng=False, **fp8)
     return q, k, v, p
 
 
 def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_softmax, block_table=None, seqused_q=None, seqused_k=None):
+                  return_softmax, block_table=None, seqused_q=None, seqused_k=None, descales=None):
     """Check a varlen call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
-    q, k, v = check_qkv(q, k, v, varlen=True)
+    q, k, v = check_qkv(q, k, v, varlen=True, allow_fp8=descales is not None)
     if block_table is not None:
         raise NotImplementedError("flashtile: block_table (paged KV) in flash_attn_varlen_func is not "
                                   "implemented yet")
@@ -54,11 +60,12 @@ def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     check_seqused("seqused_k", seqused_k, q.device, b)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    fp8 = check_fp8(q, k, v, b, dropout_p, *(descales or (None,) * 3), extra=[("alibi_slopes", alibi_slopes)])
     p = make_params(q, batch=b, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                     return_probs=return_softmax, draw_rng=False, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k)
+                    cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, **fp8)
     return q, k, v, p
 
 
@@ -71,7 +78,8 @@ def fwd_op_args(q, k, v, p: AttnParams, rng_state, packing: int) -> tuple:
     """The argument list of ``flashtile::attn_fwd`` for a checked call."""
     return (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes, rng_state,
             p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
-            p.window_right, p.softcap, p.deterministic, p.return_probs, packing)
+            p.window_right, p.softcap, p.deterministic, p.return_probs, packing,
+            p.q_descale, p.k_descale, p.v_descale)
 
 
 def bwd_op_scalars(p: AttnParams) -> tuple:
@@ -119,7 +127,7 @@ def _direct_forward(q, k, v, p: AttnParams, packing: int):
     q, k, v = unpack(q, k, v, packing)
     if p.dropout_p > 0:
         p.seed, p.offset = next_seed_offset(q.device)
-    out, lse, probs = dispatch.choose("fwd", q, p).fwd(q, k, v, p)
+    out, lse, probs = dispatch.forward(q, k, v, p)
     if probs is None:
         probs = q.new_empty(0)
     return _result(out, lse, probs, p.return_probs)
@@ -128,9 +136,9 @@ def _direct_forward(q, k, v, p: AttnParams, packing: int):
 # The public functions' bodies: check, then one op call.
 
 def flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_probs):
+               return_probs, q_descale=None, k_descale=None, v_descale=None):
     q, k, v, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs)
+                               deterministic, return_probs, (q_descale, k_descale, v_descale))
     return attention(q, k, v, p)
 
 
@@ -152,10 +160,11 @@ def flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, so
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_probs, block_table=None,
-                      seqused_q=None, seqused_k=None):
+                      seqused_q=None, seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
     q, k, v, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                               return_probs, block_table, seqused_q, seqused_k)
+                               return_probs, block_table, seqused_q, seqused_k,
+                               (q_descale, k_descale, v_descale))
     return attention(q, k, v, p)
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
+
+import torch
 
 from flashtile.params import AttnParams
 
@@ -48,3 +51,24 @@ def choose(op: str, q, p: AttnParams):
         f"flashtile: no backend can run attention {op} for {q.dtype} tensors on {q.device}:\n"
         + "\n".join(reasons)
     )
+
+
+def forward(q, k, v, p: AttnParams):
+    """Run the forward on the chosen backend: ``(out, lse, probs-or-None)``.
+
+    fp8 (e4m3) inputs go to backends that declare ``FP8_FWD = True`` (the Triton kernels) as they
+    are. Any other backend (the CPU path) gets them dequantised to fp32 here, with the descales
+    applied, so it needs no fp8 code of its own; the output is cast to bf16, FlashAttention-3's fp8
+    output dtype.
+    """
+    mod = choose("fwd", q, p)
+    if q.dtype != torch.float8_e4m3fn or getattr(mod, "FP8_FWD", False):
+        return mod.fwd(q, k, v, p)
+    from flashtile.fp8 import dequantize
+
+    cu_q, cu_k = p.cu_seqlens_q, p.cu_seqlens_k
+    q = dequantize(q, p.q_descale, cu_seqlens=cu_q)
+    k = dequantize(k, p.k_descale, cu_seqlens=cu_k)
+    v = dequantize(v, p.v_descale, cu_seqlens=cu_k)
+    out, lse, probs = mod.fwd(q, k, v, replace(p, q_descale=None, k_descale=None, v_descale=None))
+    return out.to(torch.bfloat16), lse, probs

@@ -58,14 +58,22 @@ _COMMON_DOC = """
 """
 
 
+_FP8_DOC = """
+    fp8 (FlashAttention-3 extension, forward only): q, k, v all ``torch.float8_e4m3fn`` with the
+    keyword-only fp32 ``q_descale, k_descale, v_descale`` of shape ``(b, h_k)`` (None = 1.0); attention
+    runs on ``x.float() * x_descale[batch, kv_head]`` (query head h uses its kv head's q_descale) and
+    ``out`` is bf16. No dropout, no gradients. ``flashtile.fp8.quantize_qkv`` makes all six tensors."""
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                    q_descale=None, k_descale=None, v_descale=None):
     """Attention over padded batches.
 
     q: (b, sq, h, d); k, v: (b, sk, h_k, d). Returns out (b, sq, h, d).
     """
     return _ag.flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          deterministic, return_attn_probs)
+                          deterministic, return_attn_probs, q_descale, k_descale, v_descale)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -91,7 +99,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None):
+                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
     """Attention over variable-length sequences packed along the first dim.
 
     q: (total_q, h, d); k, v: (total_k, h_k, d); cu_seqlens_q/k: int32 (b+1,) starting at 0;
@@ -101,7 +109,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     return _ag.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                 return_attn_probs, block_table, seqused_q, seqused_k)
+                                 return_attn_probs, block_table, seqused_q, seqused_k, q_descale, k_descale,
+                                 v_descale)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
@@ -125,6 +134,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 for _fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
             flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):
     _fn.__doc__ = (_fn.__doc__ or "") + "\n    Keywords:" + _COMMON_DOC
+for _fn in (flash_attn_func, flash_attn_varlen_func):
+    _fn.__doc__ += _FP8_DOC
 
 
 # ------------------------------------------------------------------------------------------------------

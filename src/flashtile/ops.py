@@ -4,13 +4,15 @@ Three ops, all in the ``flashtile`` namespace:
 
 ``flashtile::attn_fwd(q, k?, v?, cu_seqlens_q?, cu_seqlens_k?, seqused_q?, seqused_k?, alibi_slopes?,
 rng_state?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-softcap, deterministic, return_probs, packing) -> (out, lse, S_dmask)``
+softcap, deterministic, return_probs, packing, q_descale?, k_descale?, v_descale?) -> (out, lse, S_dmask)``
     ``packing`` says how q/k/v arrive: ``PACK_NONE`` (three tensors), ``PACK_KV`` (``k`` is the
     packed ``kv``, ``v`` is None) or ``PACK_QKV`` (``q`` is the packed ``qkv``). Taking the packed
     tensor itself, rather than views of it, is what lets the backward return one packed gradient:
     autograd then has nothing to concatenate. ``lse`` is fp32 ``(b, h, sq)`` or ``(h, total_q)``
     (fp64 for fp64 inputs); ``S_dmask`` is fp32 ``(b, h, max_sq, max_sk)`` when ``dropout_p > 0``
-    and ``return_probs``, else an empty tensor of q's dtype.
+    and ``return_probs``, else an empty tensor of q's dtype. fp8 (e4m3) q/k/v take the optional
+    fp32 ``(b, h_k)`` descales (last, with defaults, so older positional calls still bind) and give
+    a bf16 ``out``; the fp8 forward has no backward (the public functions refuse grad up front).
 
 ``flashtile::attn_bwd(dout, q, k?, v?, out, lse, ...same tensors and scalars...) -> (dq, dk, dv)``
     Functional: returns gradients shaped like the forward's tensor inputs (``dqkv`` / ``dkv`` for
@@ -94,14 +96,21 @@ def unpack(q: Tensor, k: Tensor | None, v: Tensor | None, packing: int) -> tuple
 
 def params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                     window_right, softcap, deterministic, return_probs) -> AttnParams:
+                     window_right, softcap, deterministic, return_probs, q_descale=None, k_descale=None,
+                     v_descale=None) -> AttnParams:
     seed, offset = _seed_offset(rng_state, dropout_p)
     return AttnParams(softmax_scale=softmax_scale, causal=causal, window_left=window_left,
                       window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
                       dropout_p=dropout_p, seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                       seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
-                      return_probs=return_probs)
+                      return_probs=return_probs, q_descale=q_descale, k_descale=k_descale,
+                      v_descale=v_descale)
+
+
+def _out_dtype(q: Tensor) -> torch.dtype:
+    # FlashAttention-3: fp8 inputs give a bf16 output
+    return torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
 
 
 def _lse_dtype(q: Tensor) -> torch.dtype:
@@ -127,12 +136,13 @@ def attn_fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens_q: Tensor
              alibi_slopes: Tensor | None, rng_state: Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
              dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
              softcap: float, deterministic: bool, return_probs: bool,
-             packing: int) -> tuple[Tensor, Tensor, Tensor]:
+             packing: int, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
+             v_descale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     q, k, v = unpack(q, k, v, packing)
     p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic, return_probs)
-    out, lse, probs = dispatch.choose("fwd", q, p).fwd(q, k, v, p)
+                         window_right, softcap, deterministic, return_probs, q_descale, k_descale, v_descale)
+    out, lse, probs = dispatch.forward(q, k, v, p)
     # pin dtypes to what the fake impl promises, whatever a backend chose
     lse = lse.to(_lse_dtype(q))
     if probs is None:
@@ -145,9 +155,10 @@ def attn_fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens_q: Tensor
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-                   softcap, deterministic, return_probs, packing):
+                   softcap, deterministic, return_probs, packing, q_descale=None, k_descale=None,
+                   v_descale=None):
     q, k, v = unpack(q, k, v, packing)
-    out = q.new_empty(*q.shape[:-1], v.shape[-1])
+    out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=_out_dtype(q))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
     if return_probs and dropout_p > 0:
         probs = q.new_empty(_probs_shape(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k), dtype=torch.float32)
@@ -232,15 +243,18 @@ def _attn_bwd_into_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_se
 # ----------------------------------------------------------------------------------------- autograd
 
 _FWD_TENSORS = 9  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state
+_FWD_SCALARS = 9  # max_seqlen_q .. deterministic; then return_probs (forward-only), packing, descales
 
 
 def _setup_context(ctx, inputs, output):
     out, lse, probs = output
     ctx.save_for_backward(*inputs[:_FWD_TENSORS], out, lse)
     # max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-    # deterministic (return_probs is forward-only), packing
-    ctx.scalars = inputs[_FWD_TENSORS:-2]
-    ctx.packing = inputs[-1]
+    # deterministic (return_probs is forward-only), packing; the fp8 descales are not saved: fp8 has no
+    # backward and the public functions refuse to record a graph for it
+    ctx.scalars = inputs[_FWD_TENSORS:_FWD_TENSORS + _FWD_SCALARS]
+    ctx.packing = inputs[_FWD_TENSORS + _FWD_SCALARS + 1]
+    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse, probs)
 
 
@@ -250,7 +264,7 @@ def _backward(ctx, dout, _dlse, _dprobs):
                                          *ctx.scalars, ctx.packing)
     dq, dk, dv = grads
     # inputs that were None (packed slots) get None; everything past the tensors is not differentiable
-    return (dq, dk if k is not None else None, dv if v is not None else None) + (None,) * 17
+    return (dq, dk if k is not None else None, dv if v is not None else None) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd("flashtile::attn_fwd", _backward, setup_context=_setup_context)

@@ -14,6 +14,8 @@ class AttnParams:
     ``window_left``/``window_right`` are normalised (-1 = unbounded, causal already folded into
     right = 0). Varlen calls carry ``cu_seqlens_q/k`` (int32, (b+1,)) and the max lengths; padded
     calls leave them None. ``seed``/``offset`` key the dropout Philox stream (see ``rng.py``).
+    ``q_descale/k_descale/v_descale`` (fp32 ``(b, h_k)``, fp8 calls only; None = 1) dequantise
+    e4m3 inputs (see ``fp8.py``).
     """
 
     softmax_scale: float
@@ -33,6 +35,9 @@ class AttnParams:
     seqused_k: torch.Tensor | None = None
     deterministic: bool = False
     return_probs: bool = False
+    q_descale: torch.Tensor | None = None
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
 
     @property
     def varlen(self) -> bool:

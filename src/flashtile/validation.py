@@ -17,6 +17,8 @@ from flashtile.rng import next_seed_offset
 
 # float64 is for gradcheck on the CPU path; the kernels refuse it.
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# FlashAttention-3's fp8 forward: flash_attn_func and flash_attn_varlen_func only (see fp8.py)
+FP8_DTYPE = torch.float8_e4m3fn
 MAX_HEAD_DIM = 256
 
 
@@ -29,22 +31,25 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def check_tensor(name: str, x, rank: int, layout: str):
+def check_tensor(name: str, x, rank: int, layout: str, allow_fp8: bool = False):
     if not isinstance(x, torch.Tensor):
         _fail(f"{name} must be a torch.Tensor, got {type(x).__name__}", TypeError)
     if x.dim() != rank:
         _fail(f"{name} must have {rank} dims {layout}, got shape {tuple(x.shape)}")
-    if x.dtype not in SUPPORTED_DTYPES:
+    if x.dtype == FP8_DTYPE and not allow_fp8:
+        _fail(f"{name} is {x.dtype}: fp8 inputs are supported by flash_attn_func and flash_attn_varlen_func "
+              f"(forward only), not by this function", TypeError)
+    if x.dtype not in SUPPORTED_DTYPES and not (allow_fp8 and x.dtype == FP8_DTYPE):
         names = ", ".join(str(t).replace("torch.", "") for t in SUPPORTED_DTYPES)
         _fail(f"{name} has unsupported dtype {x.dtype}; supported: {names}", TypeError)
 
 
-def check_qkv(q, k, v, varlen: bool):
+def check_qkv(q, k, v, varlen: bool, allow_fp8: bool = False):
     """Check q/k/v ranks, dtypes, devices and shapes; return them with a contiguous last dim."""
     rank = 3 if varlen else 4
-    check_tensor("q", q, rank, "(total_q, h, d)" if varlen else "(b, sq, h, d)")
-    check_tensor("k", k, rank, "(total_k, h_k, d)" if varlen else "(b, sk, h_k, d)")
-    check_tensor("v", v, rank, "(total_k, h_k, d)" if varlen else "(b, sk, h_k, d)")
+    check_tensor("q", q, rank, "(total_q, h, d)" if varlen else "(b, sq, h, d)", allow_fp8)
+    check_tensor("k", k, rank, "(total_k, h_k, d)" if varlen else "(b, sk, h_k, d)", allow_fp8)
+    check_tensor("v", v, rank, "(total_k, h_k, d)" if varlen else "(b, sk, h_k, d)", allow_fp8)
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype:
             _fail(f"q and {name} must have the same dtype, got q {q.dtype} and {name} {x.dtype}", TypeError)
@@ -62,6 +67,47 @@ def check_qkv(q, k, v, varlen: bool):
     if h_k < 1 or h % h_k != 0:
         _fail(f"number of query heads h={h} must be a multiple of key/value heads h_k={h_k}")
     return last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+
+
+def check_descale(name: str, x, q, batch: int, h_k: int):
+    """An fp8 call's ``q/k/v_descale``: fp32 ``(b, h_k)`` on q's device, or None (= 1)."""
+    if x is None:
+        return None
+    if q.dtype != FP8_DTYPE:
+        _fail(f"{name} is only for fp8 ({FP8_DTYPE}) q/k/v, but q is {q.dtype}; drop {name} or pass e4m3 "
+              f"inputs (flashtile.fp8.quantize_qkv makes both)", TypeError)
+    if not isinstance(x, torch.Tensor):
+        _fail(f"{name} must be a float32 torch.Tensor of shape (b, h_k), got {type(x).__name__}", TypeError)
+    if x.dtype != torch.float32:
+        _fail(f"{name} must be float32, got {x.dtype}", TypeError)
+    if tuple(x.shape) != (batch, h_k):
+        _fail(f"{name} must have shape (b, h_k) = ({batch}, {h_k}), got {tuple(x.shape)}")
+    if x.device != q.device:
+        _fail(f"{name} must be on the same device as q ({q.device}), got {x.device}")
+    return x
+
+
+def check_fp8(q, k, v, batch: int, dropout_p, q_descale, k_descale, v_descale, extra=()) -> dict:
+    """The fp8-only rules; returns the descales as AttnParams fields (all None for other dtypes).
+
+    fp8 is forward only (as in FlashAttention-3): a call that would record a graph for backward is
+    refused here, at the forward, rather than failing obscurely later in ``.backward()``.
+    """
+    h_k = k.shape[-2]
+    descales = {name: check_descale(name, x, q, batch, h_k)
+                for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))}
+    if q.dtype != FP8_DTYPE:
+        return descales
+    if isinstance(dropout_p, (int, float)) and dropout_p > 0:
+        _fail(f"dropout_p must be 0 with fp8 inputs (the fp8 forward has no dropout), got {dropout_p}")
+    if torch.is_grad_enabled():
+        named = [("q", q), ("k", k), ("v", v), *descales.items(), *extra]
+        wanting = [name for name, x in named if isinstance(x, torch.Tensor) and x.requires_grad]
+        if wanting:
+            _fail(f"fp8 attention is forward only (no backward, as in FlashAttention-3), but "
+                  f"{', '.join(wanting)} require grad; call it under torch.no_grad() / torch.inference_mode() "
+                  f"or pass detached tensors", RuntimeError)
+    return descales
 
 
 def check_cu_seqlens(name: str, cu, device, batch: int | None = None) -> int:

@@ -51,6 +51,7 @@ def attention_ref(
     key_padding_mask=None,
     upcast=True,
     reorder_ops=False,
+    probs_hook=None,
 ):
     """Reference attention. Returns ``(out, lse)``.
 
@@ -63,7 +64,9 @@ def attention_ref(
     ``dropout_mask`` (b, h, sq, sk) bool keep-mask (varlen: padded to the max lengths) applies
     dropout with ``dropout_p``; without it no dropout is applied. Rows that see no key give out 0
     and lse +inf. ``upcast=False`` computes in the input dtype (the "same precision PyTorch" run of
-    the tolerance rule); ``reorder_ops`` scales k instead of q before the product.
+    the tolerance rule); ``reorder_ops`` scales k instead of q before the product. ``probs_hook``, a
+    function of the (b, h, sq, sk) probabilities, runs just before ``P @ V`` (the fp8 reference uses it
+    to round P the way the fp8 kernel does).
     """
     varlen = cu_seqlens_q is not None
     dtype = q.dtype
@@ -122,6 +125,8 @@ def attention_ref(
     probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
     if dropout_mask is not None and dropout_p > 0:
         probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
+    if probs_hook is not None:
+        probs = probs_hook(probs)
     out = torch.einsum("bhts,bshd->bthd", probs.to(v.dtype), v)
     out = out.masked_fill(empty.permute(0, 2, 1).unsqueeze(-1), 0.0)
 

@@ -9,6 +9,7 @@ from flashtile.params import AttnParams
 
 NAME = "triton"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_FWD = True  # e4m3 inputs go to the fp8 kernel as they are (dispatch.forward dequantises for others)
 
 
 def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
@@ -17,12 +18,22 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
         return "CPU tensors need FLASHTILE_INTERPRET=1 (and TRITON_INTERPRET=1) to run the kernels"
     if q.device.type not in ("cpu", "cuda"):
         return f"runs CUDA tensors only (got {q.device.type})"
+    if q.dtype == torch.float8_e4m3fn:
+        if op != "fwd":
+            return "fp8 has a forward kernel only"
+        if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+            return "the fp8 kernel needs compute capability >= 8.9 (Ada / Hopper) for e4m3 tensor-core dots"
+        return None
     if q.dtype not in KERNEL_DTYPES:
-        return f"the kernels take fp16, bf16 and fp32, not {q.dtype}"
+        return f"the kernels take fp16, bf16 and fp32 (and e4m3 forward), not {q.dtype}"
     return None
 
 
 def fwd(q, k, v, p: AttnParams):
+    if q.dtype == torch.float8_e4m3fn:
+        from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
+
+        return attn_fwd_fp8(q, k, v, p)
     from flashtile.backends.triton.attn_fwd import attn_fwd
 
     return attn_fwd(q, k, v, p)
