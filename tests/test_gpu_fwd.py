@@ -126,3 +126,12 @@ def test_varlen_over_a_million_tokens():
 
 def test_backward_through_the_kernels():
     check_padded(1, 200, 300, 4, 2, 64, torch.bfloat16, device=DEV, causal=True, grads=True)
+
+
+def test_more_than_65535_batch_heads():
+    # CUDA caps grid y/z at 65535: b * h beyond that must still launch (the kernels use a flat grid)
+    lens = [3] * 2100
+    h = 32
+    from attn_cases import check_varlen
+
+    check_varlen(lens, lens, h, 8, 64, torch.bfloat16, device=DEV, causal=True, grads=True)

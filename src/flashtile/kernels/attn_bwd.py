@@ -31,8 +31,9 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q,
                                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                                 IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr):
     """delta[b, h, i] = sum_d dO * O, in fp32, laid out like lse."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid: see _attn_fwd_kernel
+    pid_m = tl.program_id(0) % num_m
+    pid_bh = tl.program_id(0) // num_m
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     row0 = b * 0
@@ -176,8 +177,9 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_n = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), 1)  # flat grid: see _attn_fwd_kernel
+    pid_n = tl.program_id(0) % num_n
+    pid_bh = tl.program_id(0) // num_n
     b = pid_bh // num_kv_heads
     kv_head = pid_bh % num_kv_heads
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -273,8 +275,9 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid: see _attn_fwd_kernel
+    pid_m = tl.program_id(0) % num_m
+    pid_bh = tl.program_id(0) // num_m
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     kv_head = h // group

@@ -193,8 +193,11 @@ def _attn_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # one flat grid axis (CUDA caps grid y/z at 65535, which b * h can exceed): query blocks vary
+    # fastest, so neighbouring programs share K/V in L2
+    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)
+    pid_m = tl.program_id(0) % num_m
+    pid_bh = tl.program_id(0) // num_m
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     kv_head = h // group
