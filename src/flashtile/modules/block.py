@@ -13,7 +13,7 @@ import torch.nn as nn
 from flashtile.modules.mha import MHA
 from flashtile.modules.mlp import Mlp
 
-__all__ = ["Block"]
+__all__ = ["Block", "StochasticDepth"]
 
 
 def _norm(norm, x):
@@ -22,23 +22,54 @@ def _norm(norm, x):
     return norm(x.to(weight.dtype) if weight is not None else x)
 
 
+class StochasticDepth(nn.Module):
+    """Drop whole samples (rows of dim 0) with probability ``p`` in training, scaling survivors by 1/(1-p).
+
+    torchvision's ``StochasticDepth(p, mode="row")``, which FlashAttention's Block uses; identity in eval
+    mode or when ``p == 0``.
+    """
+
+    def __init__(self, p: float = 0.0):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"flashtile: drop path probability must be in [0, 1], got {p}")
+        self.p = p
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        survival = 1.0 - self.p
+        noise = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)
+        noise.bernoulli_(survival)
+        if survival > 0.0:
+            noise.div_(survival)
+        return x * noise
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class Block(nn.Module):
     """Attention ("mixer") + MLP with residual connections, pre-norm or post-norm.
 
     Pre-norm (``prenorm=True``, GPT-2/LLaMA style) keeps the residual stream outside the norms and
     passes it between blocks, so each block does one "dropout + add + norm" per sub-layer::
 
-        residual = dropout1(hidden) + residual;  hidden = mixer(norm1(residual))
-        residual = dropout2(hidden) + residual;  hidden = mlp(norm2(residual))
+        residual = drop_path1(dropout1(hidden)) + residual;  hidden = mixer(norm1(residual))
+        residual = drop_path2(dropout2(hidden)) + residual;  hidden = mlp(norm2(residual))
         return hidden, residual          # the caller applies the final dropout + add + norm
 
     Post-norm (``prenorm=False``, original Transformer/BERT)::
 
-        hidden = norm1(dropout1(mixer(hidden)) + hidden)
-        hidden = norm2(dropout2(mlp(hidden)) + hidden)
+        hidden = norm1(drop_path1(dropout1(mixer(hidden))) + hidden)
+        hidden = norm2(drop_path2(dropout2(mlp(hidden))) + hidden)
         return hidden
 
-    Args:
+    With ``mlp_cls=nn.Identity`` the second sub-layer is skipped entirely (no dropout2, drop_path2,
+    residual add or norm2; those modules are not created), as in FlashAttention: pre-norm then
+    returns ``(mixer output, residual)`` and post-norm ``norm1(...)``.
+
+    Args (FlashAttention 2.8.3's order; ``device`` / ``dtype`` are keyword-only):
         dim: e, model width.
         mixer_cls: builds the attention layer from ``dim`` (default ``MHA`` with 64-wide heads).
         mlp_cls: builds the MLP from ``dim`` (default ``Mlp`` with 4x hidden width).
@@ -46,9 +77,16 @@ class Block(nn.Module):
         dropout_cls: builds a dropout from a probability (default ``nn.Dropout``).
         prenorm: pre-norm (True) or post-norm (False).
         resid_dropout1, resid_dropout2: dropout on the mixer / MLP outputs before each residual add.
+        drop_path1, drop_path2: stochastic depth (drop the whole sub-layer output of a sample, training
+            only) on the mixer / MLP outputs.
+        fused_dropout_add_ln: False only (flashtile has no fused dropout + add + LayerNorm kernel).
+        return_residual: the mixer and MLP return ``(out, input)`` pairs (post-norm only), as
+            FlashAttention's ``MHA(return_residual=True)`` / ``Mlp(return_residual=True)`` do.
         residual_in_fp32: keep the residual stream in fp32 (pre-norm only) so low-precision models do
             not lose the small updates each block adds to it.
-        mixer_cls / mlp_cls / norm_cls receive ``device`` / ``dtype`` when given here.
+        sequence_parallel: False only (no tensor parallelism in flashtile).
+        mark_shared_params: tag the norm parameters with ``_shared_params = True``.
+        device, dtype: passed to mixer_cls / mlp_cls / norm_cls when given.
 
     ``forward(hidden_states, residual=None, mixer_subset=None, mixer_kwargs=None)``: pre-norm returns
     ``(hidden_states, residual)``; post-norm returns ``hidden_states``. ``mixer_kwargs`` (e.g.
@@ -57,13 +95,24 @@ class Block(nn.Module):
     """
 
     def __init__(self, dim, mixer_cls=None, mlp_cls=None, norm_cls=nn.LayerNorm, dropout_cls=nn.Dropout,
-                 prenorm=True, resid_dropout1=0.0, resid_dropout2=0.0, residual_in_fp32=False, device=None,
-                 dtype=None):
+                 prenorm=True, resid_dropout1=0.0, resid_dropout2=0.0, drop_path1=0.0, drop_path2=0.0,
+                 fused_dropout_add_ln=False, return_residual=False, residual_in_fp32=False,
+                 sequence_parallel=False, mark_shared_params=False, *, device=None, dtype=None):
         super().__init__()
         factory = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
         if residual_in_fp32 and not prenorm:
             raise ValueError("flashtile: residual_in_fp32 only applies to pre-norm blocks")
+        if fused_dropout_add_ln:
+            raise NotImplementedError("flashtile: Block(fused_dropout_add_ln=True) is not supported (no fused "
+                                      "dropout + add + LayerNorm kernel); pass fused_dropout_add_ln=False")
+        if sequence_parallel:
+            raise NotImplementedError("flashtile: Block(sequence_parallel=True) is not supported (no tensor "
+                                      "parallelism); pass sequence_parallel=False")
+        if return_residual and prenorm:
+            raise ValueError("flashtile: Block(return_residual=True) only applies to post-norm blocks")
         self.prenorm = prenorm
+        self.fused_dropout_add_ln = False
+        self.return_residual = return_residual
         self.residual_in_fp32 = residual_in_fp32
         if mixer_cls is None:
             mixer_cls = partial(MHA, num_heads=max(1, dim // 64))
@@ -71,10 +120,18 @@ class Block(nn.Module):
             mlp_cls = partial(Mlp, hidden_features=4 * dim)
         self.mixer = mixer_cls(dim, **factory)
         self.dropout1 = dropout_cls(resid_dropout1)
+        self.drop_path1 = StochasticDepth(drop_path1)
         self.norm1 = norm_cls(dim, **factory)
         self.mlp = mlp_cls(dim, **factory)
-        self.dropout2 = dropout_cls(resid_dropout2)
-        self.norm2 = norm_cls(dim, **factory)
+        if not isinstance(self.mlp, nn.Identity):
+            self.dropout2 = dropout_cls(resid_dropout2)
+            self.drop_path2 = StochasticDepth(drop_path2)
+            self.norm2 = norm_cls(dim, **factory)
+        if mark_shared_params:
+            for norm in (self.norm1, getattr(self, "norm2", None)):
+                if norm is not None:
+                    for p in norm.parameters():
+                        p._shared_params = True
 
     def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
         """The mixer's KV cache (see ``MHA.allocate_inference_cache``)."""
@@ -92,13 +149,23 @@ class Block(nn.Module):
         if mixer_subset is not None:
             raise NotImplementedError("flashtile: Block(mixer_subset=...) is not supported")
         mixer_kwargs = mixer_kwargs or {}
+        has_mlp = not isinstance(self.mlp, nn.Identity)
         if self.prenorm:
-            hidden, residual = self._add_norm(self.norm1, self.dropout1(hidden_states), residual)
+            hidden, residual = self._add_norm(self.norm1, self.drop_path1(self.dropout1(hidden_states)), residual)
             hidden = self.mixer(hidden, **mixer_kwargs)
-            hidden, residual = self._add_norm(self.norm2, self.dropout2(hidden), residual)
-            hidden = self.mlp(hidden)
+            if has_mlp:
+                hidden, residual = self._add_norm(self.norm2, self.drop_path2(self.dropout2(hidden)), residual)
+                hidden = self.mlp(hidden)
             return hidden, residual
+        if residual is not None:
+            raise ValueError("flashtile: a post-norm Block takes no residual")
         mixed = self.mixer(hidden_states, **mixer_kwargs)
-        hidden = _norm(self.norm1, self.dropout1(mixed) + hidden_states)
+        if self.return_residual:  # the mixer returns (out, its input)
+            mixed, hidden_states = mixed
+        hidden = _norm(self.norm1, self.drop_path1(self.dropout1(mixed)) + hidden_states)
+        if not has_mlp:
+            return hidden
         out = self.mlp(hidden)
-        return _norm(self.norm2, self.dropout2(out) + hidden)
+        if self.return_residual:
+            out, hidden = out
+        return _norm(self.norm2, self.drop_path2(self.dropout2(out)) + hidden)
