@@ -1,0 +1,128 @@
+"""Launcher of the fp8 (e4m3) forward kernel: V^T copy, allocation, strides, descriptors, grid, config."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of, device_guard
+from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
+from flashtile.params import AttnParams
+
+LOG2E = 1.4426950408889634
+
+# Tests pin a config or force a load path with these (as for the bf16 launcher).
+CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
+TMA_OVERRIDE: bool | None = None
+
+
+def transpose_v(v: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """V^T with the key index contiguous: (b, h_k, d, sk) padded, (h_k, d, total_k) varlen.
+
+    The fp8 wgmma takes its B operand K-major only; in ``P @ V`` the reduction runs over keys. The
+    key dim is allocated rounded up to 16 elements so every stride is a 16-byte multiple (TMA); the
+    returned view has the true length, so descriptors zero-fill past it and never read the padding.
+    """
+    n = v.shape[0] if varlen else v.shape[1]
+    n_pad = (n + 15) // 16 * 16
+    if varlen:
+        vt = torch.empty(v.shape[1], v.shape[2], n_pad, device=v.device, dtype=v.dtype)[..., :n]
+        vt.copy_(v.permute(1, 2, 0))
+    else:
+        vt = torch.empty(v.shape[0], v.shape[2], v.shape[3], n_pad, device=v.device, dtype=v.dtype)[..., :n]
+        vt.copy_(v.permute(0, 2, 3, 1))
+    return vt
+
+
+def _vt_descriptor(vt: torch.Tensor, block_n: int, block_d: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, block_d, block_n])
+
+
+def _use_tma(q, k, vt) -> bool:
+    # descriptors need 16-byte strides: with 1-byte elements, d % 16 == 0 (an override cannot lift that)
+    aligned = all(_tma_ok(x) for x in (q, k, vt))
+    if TMA_OVERRIDE is not None:
+        return TMA_OVERRIDE and aligned
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return aligned
+
+
+def attn_fwd_fp8(q, k, v, p: AttnParams):
+    """fp8 forward on e4m3 q (b, sq, h, d) / (total_q, h, d); returns (out bf16, lse fp32, None)."""
+    with device_guard(q):  # Triton launches on the current device: make it q's
+        return _attn_fwd_fp8(q, k, v, p)
+
+
+def _attn_fwd_fp8(q, k, v, p: AttnParams):
+    if p.dropout_p > 0:
+        raise ValueError("flashtile: the fp8 forward has no dropout (dropout_p must be 0)")
+    d = q.shape[-1]
+    h, h_k = q.shape[-2], k.shape[-2]
+    block_d = max(32, triton.next_power_of_2(d))  # fp8 dots need a reduction dim >= 32
+    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_fp8_config(arch_of(q.device), block_d,
+                                                                                p.causal)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.bfloat16)
+    if p.varlen:
+        b = p.cu_seqlens_q.numel() - 1
+        seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
+        # rows cut off by seqused_q are never visited by the kernel: they keep out 0 / lse +inf
+        if p.seqused_q is not None:
+            lse = torch.full((h, q.shape[0]), float("inf"), device=q.device, dtype=torch.float32)
+            out.zero_()
+        else:
+            lse = torch.empty(h, q.shape[0], device=q.device, dtype=torch.float32)
+        sq_b, sq_m, sq_h = 0, q.stride(0), q.stride(1)
+        sk_b, sk_n, sk_h = 0, k.stride(0), k.stride(1)
+        so_b, so_m, so_h = 0, out.stride(0), out.stride(1)
+        lse_b, lse_h = 0, lse.stride(0)
+    else:
+        b, seqlen_q = q.shape[:2]
+        seqlen_k = k.shape[1]
+        lse = torch.empty(b, h, seqlen_q, device=q.device, dtype=torch.float32)
+        sq_b, sq_m, sq_h = q.stride(0), q.stride(1), q.stride(2)
+        sk_b, sk_n, sk_h = k.stride(0), k.stride(1), k.stride(2)
+        so_b, so_m, so_h = out.stride(0), out.stride(1), out.stride(2)
+        lse_b, lse_h = lse.stride(0), lse.stride(1)
+    if b * h == 0 or seqlen_q == 0:
+        return out, lse, None
+    vt = transpose_v(v, p.varlen)
+    svt_b, svt_h, svt_d = (0, *vt.stride()[:2]) if p.varlen else vt.stride()[:3]
+
+    tma = _use_tma(q, k, vt)
+    if tma:
+        desc_q = _descriptor(q, block_m, block_d)
+        desc_k = _descriptor(k, block_n, block_d)
+        # varlen V^T is read through pointers (see _load_vt_tile)
+        desc_vt = vt if p.varlen else _vt_descriptor(vt, block_n, block_d)
+    else:
+        desc_q, desc_k, desc_vt = q, k, vt
+
+    qk_scale = p.softmax_scale / p.softcap if p.softcap > 0 else p.softmax_scale * LOG2E
+    descales = [x.contiguous() if x is not None else None for x in (p.q_descale, p.k_descale, p.v_descale)]
+    alibi = p.alibi_slopes
+    alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
+    dummy = lse
+    grid = (triton.cdiv(max(seqlen_q, 1), block_m), b * h)
+    _attn_fwd_fp8_kernel[grid](
+        q, k, vt, out, lse, desc_q, desc_k, desc_vt,
+        p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
+        p.seqused_q if p.seqused_q is not None else dummy,
+        p.seqused_k if p.seqused_k is not None else dummy,
+        alibi if alibi is not None else dummy,
+        *(x if x is not None else dummy for x in descales),
+        qk_scale, p.softcap, p.window_left, p.window_right,
+        seqlen_q, seqlen_k, h, h // h_k,
+        sq_b, sq_m, sq_h, sk_b, sk_n, sk_h, svt_b, svt_h, svt_d, so_b, so_m, so_h,
+        lse_b, lse_h, alibi_stride_b,
+        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
+        HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
+        HAS_ALIBI=alibi is not None, HAS_Q_DESCALE=descales[0] is not None,
+        HAS_K_DESCALE=descales[1] is not None, HAS_V_DESCALE=descales[2] is not None,
+        USE_TMA=tma, SOFT_ROUND_P=q.device.type == "cpu",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse, None
