@@ -92,3 +92,61 @@ def test_docs_layers_examples_run():
     exec(compile(blocks[2], "layers.md#generation", "exec"), ns)
     if importlib.util.find_spec("transformers") is not None:
         exec(compile(blocks[3], "layers.md#transformers", "exec"), {})
+
+
+class _Linear(torch.nn.Module):
+    """A tiny mixer: a linear map (returns (out, input) with return_residual, like FlashAttention's MHA)."""
+
+    def __init__(self, dim, return_residual=False, **kw):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim, **kw)
+        self.return_residual = return_residual
+
+    def forward(self, x, **kw):
+        y = self.lin(x)
+        return (y, x) if self.return_residual else y
+
+
+def test_identity_mlp_skips_second_sublayer():
+    """FlashAttention's Block with mlp_cls=nn.Identity creates no dropout2/norm2 and skips the second add."""
+    x, res = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    blk = Block(8, mixer_cls=_Linear, mlp_cls=torch.nn.Identity)
+    assert not hasattr(blk, "norm2") and not hasattr(blk, "dropout2") and not hasattr(blk, "drop_path2")
+    hidden, residual = blk(x, res)
+    torch.testing.assert_close(residual, x + res)
+    torch.testing.assert_close(hidden, blk.mixer(blk.norm1(x + res)))
+    post = Block(8, mixer_cls=_Linear, mlp_cls=torch.nn.Identity, prenorm=False)
+    torch.testing.assert_close(post(x), post.norm1(post.mixer(x) + x))
+
+
+def test_flash_attn_keywords_and_order():
+    """FlashAttention 2.8.3's positional order, drop_path, return_residual, and the unsupported flags."""
+    blk = Block(8, _Linear, partial(Mlp, hidden_features=16), torch.nn.LayerNorm, torch.nn.Dropout, True, 0.0, 0.0,
+                0.5, 0.5, False, False, False, False, True)
+    assert blk.drop_path1.p == 0.5 and blk.drop_path2.p == 0.5
+    assert all(getattr(p, "_shared_params", False) for p in (*blk.norm1.parameters(), *blk.norm2.parameters()))
+    # stochastic depth: per sample, training only
+    sd = Block(8, _Linear, torch.nn.Identity, drop_path1=0.5)  # Identity mlp: residual = drop_path1(x) + res
+    x, res = torch.randn(64, 3, 8), torch.randn(64, 3, 8)
+    with torch.no_grad():
+        sd.eval()
+        _, r_eval = sd(x, res)
+        torch.testing.assert_close(r_eval, x + res)
+        sd.train()
+        torch.manual_seed(0)
+        _, r_train = sd(x, res)  # residual = drop_path1(x) + res: each sample adds 0 or 2x
+    dropped = torch.isclose(r_train, res).flatten(1).all(1)
+    kept = torch.isclose(r_train, 2 * x + res, atol=1e-5).flatten(1).all(1)
+    assert bool((dropped | kept).all()) and 0 < int(dropped.sum()) < 64
+    # post-norm with return_residual: sub-layers return (out, input) pairs
+    post = Block(8, partial(_Linear, return_residual=True), partial(Mlp, hidden_features=16, return_residual=True),
+                 prenorm=False, return_residual=True)
+    h = post.norm1(post.mixer.lin(x) + x)
+    torch.testing.assert_close(post(x), post.norm2(post.mlp.fc2(F.gelu(post.mlp.fc1(h))) + h))
+    with pytest.raises(NotImplementedError, match="fused_dropout_add_ln"):
+        Block(8, _Linear, fused_dropout_add_ln=True)
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        Block(8, _Linear, sequence_parallel=True)
+    # device / dtype are keyword-only: they never take FlashAttention's positional slots
+    blk64 = Block(8, _Linear, dtype=torch.float64)
+    assert blk64.norm1.weight.dtype == torch.float64 and blk64.mixer.lin.weight.dtype == torch.float64

@@ -101,3 +101,51 @@ def test_mistral_sliding_window_model():
     ids = torch.randint(0, 97, (2, 11))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, eager(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_position_ids_match_separate_documents(calls):
+    """No mask + position_ids restarting inside the row (DataCollatorWithFlattening): documents stay apart."""
+    eager, ours = _pair(llama_config())
+    ids_a, ids_b = torch.randint(0, 97, (1, 5)), torch.randint(0, 97, (1, 7))
+    packed = torch.cat([ids_a, ids_b], 1)
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).view(1, -1)
+    with torch.no_grad():
+        alone_a, alone_b = eager(ids_a).logits[0], eager(ids_b).logits[0]
+        got = ours(packed, position_ids=pos).logits[0]
+    assert len(calls) == 2
+    torch.testing.assert_close(got[:5], alone_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[5:], alone_b, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_position_ids_several_rows():
+    """Packing detected per row of a batch; a row's first token always starts a document."""
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    # row 0: docs of 4 and 5 tokens; row 1: the tail of a document (positions 3..5), then one of 6
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4], [3, 4, 5, 0, 1, 2, 3, 4, 5]])
+    out, _ = hf.flashtile_attention_forward(Layer(), q, k, v, None, position_ids=pos)
+    for row, bounds in ((0, [(0, 4), (4, 9)]), (1, [(0, 3), (3, 9)])):
+        for lo, hi in bounds:
+            alone, _ = hf.flashtile_attention_forward(Layer(), q[row:row + 1, :, lo:hi], k[row:row + 1, :, lo:hi],
+                                                      v[row:row + 1, :, lo:hi], None)
+            torch.testing.assert_close(out[row:row + 1, lo:hi], alone, atol=1e-5, rtol=1e-5)
+    # plain increasing positions: the dense path, same result as without position_ids
+    ref, _ = hf.flashtile_attention_forward(Layer(), q, k, v, None)
+    same, _ = hf.flashtile_attention_forward(Layer(), q, k, v, None, position_ids=torch.arange(9).expand(2, 9))
+    torch.testing.assert_close(same, ref)
+
+
+def test_per_head_4d_mask_raises():
+    class Layer(torch.nn.Module):
+        is_causal = True
+
+    q, k, v = torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask = causal.expand(1, 2, 6, 6).clone()
+    out_same, _ = hf.flashtile_attention_forward(Layer(), q, k, v, mask)  # every head alike: accepted
+    torch.testing.assert_close(out_same, hf.flashtile_attention_forward(Layer(), q, k, v, None)[0])
+    mask[0, 1, :, 0] = False  # head 1 may not see key 0
+    with pytest.raises(ValueError, match="per-head"):
+        hf.flashtile_attention_forward(Layer(), q, k, v, mask)

@@ -116,8 +116,11 @@ def dense_oracle(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_si
 
 
 def make_case(dtype=torch.float32, b=3, sq=1, s_new=1, h=6, h_k=2, d=16, cap=37, seqlens="rows", page=None,
-              batch_idx=False, leftpad=False, rotary=None, rotary_dim=None, alibi=None, **kw):
-    """Inputs of one call. ``seqlens``: "rows" (int32 per row), an int, or None (full cache)."""
+              batch_idx=False, leftpad=False, rotary=None, rotary_dim=None, alibi=None, extra_rows=0, **kw):
+    """Inputs of one call. ``seqlens``: "rows" (int32 per row), an int, or None (full cache).
+
+    ``extra_rows``: the cache has that many rows more than the batch (without cache_batch_idx,
+    FlashAttention uses rows 0..b-1 and leaves the rest alone)."""
     q = torch.randn(b, sq, h, d, dtype=dtype)
     args = dict(kw)
     lens = None
@@ -137,7 +140,7 @@ def make_case(dtype=torch.float32, b=3, sq=1, s_new=1, h=6, h_k=2, d=16, cap=37,
         cap = nblk * page
         k_cache = torch.randn(pool, page, h_k, d, dtype=dtype)
     else:
-        rows = b + 2 if batch_idx else b
+        rows = b + 2 if batch_idx else b + extra_rows
         k_cache = torch.randn(rows, cap, h_k, d, dtype=dtype)
         if batch_idx:
             args["cache_batch_idx"] = torch.randperm(rows)[:b].to(torch.int32)
@@ -182,6 +185,8 @@ CASES = {
     "gqa_8_to_1": dict(h=8, h_k=1, s_new=1),
     "mha_odd_d": dict(h=2, h_k=2, d=24, s_new=1, scale=0.3),
     "empty_rows": dict(s_new=0, seqlens=0, causal=True),
+    "larger_cache_than_batch": dict(s_new=2, sq=2, extra_rows=3, rotary="half", rotary_dim=8, causal=True),
+    "larger_cache_read_only": dict(s_new=0, seqlens=None, extra_rows=2),
 }
 
 
@@ -318,8 +323,35 @@ def test_combine(monkeypatch, kernels):
 def test_combine_errors():
     with pytest.raises(ValueError, match="lse_partial"):
         flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 1))
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="out_partial must be float32"):
         flash_attn_combine(torch.randn(2, 1, 1, 2, 8).half(), torch.randn(2, 1, 1, 2))
+    with pytest.raises(TypeError, match="lse_partial must be float32"):
+        flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 2).half())
+    with pytest.raises(ValueError, match="out must be on out_partial's device"):
+        flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 2),
+                           out=torch.empty(1, 1, 2, 8, device="meta"))
+
+
+def test_kernel_grids_are_flat(monkeypatch):
+    """Batch (x kv heads) goes on grid axis 0 in every launch: CUDA caps axes 1 and 2 at 65535."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+    grids = {}
+    for name in ("_decode_kernel", "_kv_append_kernel", "_combine_kernel"):
+        real = getattr(launcher, name)
+
+        class Spy:
+            def __getitem__(self, grid, real=real, name=name):
+                grids[name] = grid
+                return real[grid]
+
+        monkeypatch.setattr(launcher, name, Spy())
+    # b=3, h_k=2, sq * group = 3 * 6 = 18 rows -> 2 row blocks of 16, 3 splits, 2 new tokens
+    q, kc, vc, args = make_case(b=3, sq=3, s_new=2, h=12, h_k=2, cap=70, causal=True)
+    _run_and_check(q, kc, vc, args, num_splits=3)
+    assert grids == {"_kv_append_kernel": (2 * 3,), "_decode_kernel": (3 * 2 * 3 * 2,),
+                     "_combine_kernel": (3 * 3 * 12,)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +366,7 @@ def _base():
 
 ERRORS = [
     ("v_cache", lambda q, kc, vc: dict(v_cache=torch.randn(2, 11, 2, 16))),
-    ("k_cache batch", lambda q, kc, vc: dict(k_cache=torch.randn(3, 10, 2, 16), v_cache=torch.randn(3, 10, 2, 16))),
+    ("k_cache batch", lambda q, kc, vc: dict(k_cache=torch.randn(1, 10, 2, 16), v_cache=torch.randn(1, 10, 2, 16))),
     ("head dim", lambda q, kc, vc: dict(k_cache=torch.randn(2, 10, 2, 8), v_cache=torch.randn(2, 10, 2, 8))),
     ("multiple", lambda q, kc, vc: dict(k_cache=torch.randn(2, 10, 3, 16), v_cache=torch.randn(2, 10, 3, 16))),
     ("k and v", lambda q, kc, vc: dict(k=torch.randn(2, 1, 2, 16), cache_seqlens=1)),

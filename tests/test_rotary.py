@@ -203,3 +203,90 @@ def test_bad_arguments():
         apply_rotary_emb(torch.randn(1, 6, 1, 8), cos, sin, seqlen_offsets=4)
     with pytest.raises(TypeError, match="cu_seqlens"):
         apply_rotary_emb(torch.randn(6, 1, 8), cos, sin, cu_seqlens=torch.tensor([0, 6]), max_seqlen=6)
+
+
+def _fa2_xpos_tables(dim, scale_base, n, base=10000.0):
+    """FlashAttention's XPos tables built at exactly length n, all in fp32: (cos, sin, cos_k, sin_k)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), inv)
+    scale = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)
+    s = scale ** ((torch.arange(n, dtype=torch.float32) - n // 2) / scale_base).unsqueeze(-1)
+    return torch.cos(freqs) * s, torch.sin(freqs) * s, torch.cos(freqs) / s, torch.sin(freqs) / s
+
+
+def test_rotary_embedding_cache_from_inference_mode_trains():
+    """A table built under inference_mode is rebuilt for training (else: 'cannot be saved for backward')."""
+    rot = RotaryEmbedding(8)
+    with torch.inference_mode():
+        rot(torch.randn(1, 4, 3, 2, 8))
+    assert rot._cos_cached.is_inference()
+    leaf = torch.randn(1, 4, 3, 2, 8, requires_grad=True)
+    rot(leaf.clone()).sum().backward()
+    assert leaf.grad is not None and not rot._cos_cached.is_inference()
+
+
+def test_xpos_table_does_not_depend_on_growth_or_half():
+    rot = RotaryEmbedding(8, scale_base=512)
+    rot(torch.randn(1, 10, 3, 2, 8))
+    rot(torch.randn(1, 15, 3, 2, 8))  # grows: rebuilt at exactly 15 (the scale is centred on seqlen // 2)
+    cos, sin, cos_k, sin_k = _fa2_xpos_tables(8, 512, 15)
+    assert rot._seq_len_cached == 15 and rot._cos_cached.shape[0] == 15
+    for got, want in zip((rot._cos_cached, rot._sin_cached, rot._cos_k_cached, rot._sin_k_cached),
+                         (cos, sin, cos_k, sin_k)):
+        torch.testing.assert_close(got, want)
+    # after .half() the scale is still computed in fp32 (the fp16 `scale` buffer is not used)
+    rot = RotaryEmbedding(64, scale_base=64).half()
+    rot(torch.randn(1, 2048, 3, 1, 64, dtype=torch.float16))
+    cos, _, cos_k, _ = _fa2_xpos_tables(64, 64, 2048)
+    assert torch.equal(rot._cos_cached, cos.half()) and torch.equal(rot._cos_k_cached, cos_k.half())
+
+
+def test_tensor_offset_without_max_seqlen_uses_cache():
+    """FlashAttention: a tensor seqlen_offset with max_seqlen=None uses the existing table."""
+    rot = RotaryEmbedding(16, base=500.0)
+    rot(torch.randn(2, 20, 3, 2, 16))  # table of 20 positions
+    qkv = torch.randn(2, 3, 3, 2, 16)
+    ref = qkv.clone()
+    offsets = torch.tensor([5, 15], dtype=torch.int32)
+    rot(qkv, seqlen_offset=offsets)
+    cos, sin = rot._cos_cached, rot._sin_cached
+    assert cos.shape[0] >= 20
+    torch.testing.assert_close(qkv[:, :, 0], rotary_ref(ref[:, :, 0], cos, sin, False, offsets))
+    # no table yet: one is built for the tokens themselves; positions past it stay unrotated
+    fresh = RotaryEmbedding(16)
+    q, kv = torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 2, 16)
+    fresh(q, kv, seqlen_offset=offsets)
+    assert fresh._seq_len_cached >= 3
+
+
+def test_argument_errors_name_the_argument():
+    cos, sin = tables(8, 8)
+    x = torch.randn(2, 4, 1, 8)
+    with pytest.raises(TypeError, match="cos and sin"):
+        apply_rotary_emb(x, cos, sin.double())
+    with pytest.raises(TypeError, match="cos and sin"):
+        apply_rotary_emb(x, cos.to(torch.int32), sin.to(torch.int32))
+    with pytest.raises(ValueError, match="seqlen_offsets must be on"):
+        apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.zeros(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="cu_seqlens must be on"):
+        apply_rotary_emb(torch.randn(6, 1, 8), cos, sin, max_seqlen=6,
+                         cu_seqlens=torch.tensor([0, 6], dtype=torch.int32, device="meta"))
+
+
+def test_kernel_grid_is_flat(monkeypatch):
+    """batch * heads goes on grid axis 0 (CUDA caps axes 1 and 2 at 65535)."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "BLOCK_M_OVERRIDE", 4)
+    grids = []
+    real = launcher._rotary_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(launcher, "_rotary_kernel", Spy())
+    cos, sin = tables(16, 8)
+    x = torch.randn(3, 10, 5, 8)
+    torch.testing.assert_close(apply_rotary_emb(x, cos, sin, seqlen_offsets=2), rotary_ref(x, cos, sin, False, 2))
+    assert grids == [(3 * 5 * 3,)]  # cdiv(10, 4) row blocks x 5 heads x 3 batch

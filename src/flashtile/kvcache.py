@@ -125,7 +125,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             when causal or local, else all of q at ``cache_seqlens``. Need k and v.
         cache_seqlens: int or int32 (b,): tokens already in each row (absolute end index, counting
             any left padding). None: every row holds the full cache.
-        cache_batch_idx: int32 (b,): cache row of each batch row (not with ``block_table``).
+        cache_batch_idx: int32 (b,): cache row of each batch row (not with ``block_table``). Without
+            it, batch row i uses cache row i (``b_cache >= b``; rows past b are left untouched).
         cache_leftpad: int32 (b,): first valid cache index of each row.
         block_table: int32 (b, max_blocks): pages of each row, in order.
         causal / window_size / softcap / alibi_slopes ((h,) or (b, h) fp32): as in flash_attn_func,
@@ -180,8 +181,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     else:
         capacity = k_cache.shape[1]
         cache_batch_idx = _check_index("cache_batch_idx", cache_batch_idx, q.device, b, f"(b,) = ({b},)")
-        if cache_batch_idx is None and k_cache.shape[0] != b:
-            _fail(f"k_cache batch size {k_cache.shape[0]} does not match q batch size {b} (pass cache_batch_idx "
+        if cache_batch_idx is None and k_cache.shape[0] < b:
+            # FlashAttention accepts a larger cache and uses its rows 0..b-1
+            _fail(f"k_cache batch size {k_cache.shape[0]} is smaller than q batch size {b} (pass cache_batch_idx "
                   "to map batch rows to cache rows)")
     cache_leftpad = _check_index("cache_leftpad", cache_leftpad, q.device, b, f"(b,) = ({b},)")
 
@@ -284,8 +286,9 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
                          f"({ns}, {b}, {sq}, {h}), got {tuple(getattr(lse_partial, 'shape', ()))}")
     if lse_partial.device != out_partial.device:
         raise ValueError("flashtile.flash_attn_combine: lse_partial must be on out_partial's device")
-    if out_partial.dtype != torch.float32 or lse_partial.dtype != torch.float32:
-        raise TypeError("flashtile.flash_attn_combine: out_partial and lse_partial must be float32")
+    for name, x in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if x.dtype != torch.float32:
+            raise TypeError(f"flashtile.flash_attn_combine: {name} must be float32, got {x.dtype}")
     if ns < 1:
         raise ValueError("flashtile.flash_attn_combine: need at least one split")
     dtype = out_dtype or (out.dtype if out is not None else out_partial.dtype)
@@ -294,6 +297,9 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     elif tuple(out.shape) != (b, sq, h, d) or out.dtype != dtype or out.stride(-1) != 1:
         raise ValueError(f"flashtile.flash_attn_combine: out must be a ({b}, {sq}, {h}, {d}) {dtype} tensor with a "
                          f"contiguous last dim")
+    elif out.device != out_partial.device:
+        raise ValueError(f"flashtile.flash_attn_combine: out must be on out_partial's device {out_partial.device}, "
+                         f"got {out.device}")
     lse = torch.empty(b, h, sq, device=out_partial.device, dtype=torch.float32)
     out_partial = last_dim_contiguous(out_partial)
     lse_partial = lse_partial.permute(0, 1, 3, 2)  # the kernels' (ns, b, h, sq) view

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.backends.reference import attention_ref
+from flashtile.layers.rotary import rotate_at_positions
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -26,24 +27,11 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
 
     ``positions`` (b, s) int64 index the rows of ``cos``/``sin`` (seqlen_ro, rotary_dim / 2).
     Interleaved pairs channels (0, 1), (2, 3), ...; otherwise channel i pairs with i + rotary_dim/2.
-    The rotation runs in fp32 and is rounded once to ``x``'s dtype, as the kernels do.
+    The rotation runs in fp32 and is rounded once to ``x``'s dtype, as the kernels do; a position
+    past the table (only queries beyond the cache can get there) is left unrotated. The math is the
+    rotary layer's PyTorch path (:func:`flashtile.layers.rotary.rotate_at_positions`).
     """
-    rd = 2 * cos.shape[1]
-    wide = torch.promote_types(x.dtype, torch.float32)
-    # a position past the table (only queries beyond the cache can get there) is left unrotated,
-    # as the kernels do, instead of indexing out of bounds
-    inside = (positions < cos.shape[0]).unsqueeze(-1).unsqueeze(-1)
-    idx = positions.clamp(max=max(cos.shape[0] - 1, 0))
-    c = torch.where(inside, cos.to(wide)[idx].unsqueeze(2), 1.0)  # (b, s, 1, rd/2)
-    s = torch.where(inside, sin.to(wide)[idx].unsqueeze(2), 0.0)
-    xr = x[..., :rd].to(wide)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    else:
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
+    return rotate_at_positions(x, cos, sin, positions, interleaved)
 
 
 def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, page_size: int):

@@ -11,9 +11,11 @@ model then hands the attention a 2-D padding mask ``(b, kv_len)`` (True = real t
 dense 4-D mask; padded batches are unpadded into flashtile's varlen layout and padded back.
 Handled: padding (left or right), GQA/MQA, causal (bottom-right aligned, so decoding with a KV
 cache works), sliding windows (``sliding_window=w``: each token sees itself and ``w - 1`` before),
-logit softcapping, dropout, and packed sequences passed as ``cu_seq_lens_q/k`` + ``max_length_q/k``
-keywords (transformers' ``DataCollatorWithFlattening``). A dense 4-D mask (a caller's own) is
-accepted when it is a padding + causal/window pattern; anything else raises.
+logit softcapping, dropout, and packed sequences (several documents in one row), either passed as
+``cu_seq_lens_q/k`` + ``max_length_q/k`` keywords or, as transformers' FlashAttention-2 path does
+for ``DataCollatorWithFlattening``, read from ``position_ids`` that restart inside a row when there
+is no padding mask. A dense 4-D mask (a caller's own) is accepted when it is a padding +
+causal/window pattern shared by all heads; anything else raises.
 
 Shapes (transformers' convention): query ``(b, h, sq, d)``, key/value ``(b, h_k, sk, d)``; the
 function returns ``(out (b, sq, h, d), None)``.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.bert_padding import pad_input, unpad_input
+from flashtile.bert_padding import index_first_axis, pad_input, unpad_input
 from flashtile.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
 
 __all__ = ["NAME", "flashtile_attention_forward", "flashtile_attention_mask", "register"]
@@ -57,10 +59,8 @@ def _window(causal: bool, sliding_window) -> tuple[int, int]:
 
 def _mask_from_4d(mask: torch.Tensor, sq: int, sk: int, causal: bool, window) -> torch.Tensor:
     """A dense (b, 1|h, sq, sk) mask -> the (b, sk) key padding it encodes; raises if it encodes more."""
-    allowed = mask if mask.dtype == torch.bool else mask == 0
-    allowed = allowed[:, 0]
-    if (allowed != (mask[:, :1] if mask.dtype == torch.bool else mask[:, :1] == 0).squeeze(1)).any():
-        raise ValueError("flashtile: per-head 4-D attention masks are not supported")
+    allowed_all = mask if mask.dtype == torch.bool else mask == 0  # (b, 1|h, sq, sk)
+    allowed = allowed_all[:, 0]
     keys = allowed.any(dim=1)  # (b, sk): a key is real if some query may see it
     rows = torch.arange(sq, device=mask.device).view(sq, 1) + (sk - sq)
     cols = torch.arange(sk, device=mask.device).view(1, sk)
@@ -72,11 +72,49 @@ def _mask_from_4d(mask: torch.Tensor, sq: int, sk: int, causal: bool, window) ->
     expect = band.unsqueeze(0) & keys.unsqueeze(1)
     # compare on rows of real queries only: transformers un-masks fully padded query rows
     real_q = keys[:, -sq:] if sq <= sk else torch.ones(mask.shape[0], sq, dtype=torch.bool, device=mask.device)
-    if ((expect != allowed) & real_q.unsqueeze(-1)).any():
+    per_head = (allowed_all != allowed_all[:, :1]).any()  # every head must see the same mask
+    not_padding = ((expect != allowed) & real_q.unsqueeze(-1)).any()
+    per_head, not_padding = torch.stack((per_head, not_padding)).tolist()  # one host sync for both checks
+    if per_head:
+        raise ValueError(f"flashtile: per-head 4-D attention masks are not supported (the mask of shape "
+                         f"{tuple(mask.shape)} differs between heads); pass one mask for all heads (b, 1, sq, sk)")
+    if not_padding:
         raise ValueError("flashtile: this 4-D attention mask is not a padding + causal/window pattern; the "
                          "flashtile attention takes 2-D padding masks (transformers builds one when the model "
                          "is loaded with attn_implementation='flashtile')")
     return keys
+
+
+def _packed_cu_seqlens(position_ids, b: int, s: int):
+    """(cu_seqlens int32 (n + 1,), max_seqlen) of the documents packed in (b, s) rows, or None if none are.
+
+    A document starts where the position equals the smallest position id (0, or e.g. RoBERTa's
+    ``padding_idx + 1``) and at the start of every row. Uses transformers'
+    ``prepare_fa_kwargs_from_position_ids`` for a single flattened row when it exists.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[-1] != s or s < 2:
+        return None
+    if position_ids.shape[0] != b:
+        if position_ids.shape[0] != 1:
+            return None
+        position_ids = position_ids.expand(b, s)
+    starts = position_ids == position_ids.min()
+    # one host sync for both: documents starting inside a row, and whether every row starts one
+    inner, rows_start = torch.stack((starts[:, 1:].sum(), starts[:, 0].all().long())).tolist()
+    if inner == 0:  # one document per row: not packed
+        return None
+    if b == 1 and rows_start:
+        try:
+            from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
+        except ImportError:
+            prepare_fa_kwargs_from_position_ids = None
+        if prepare_fa_kwargs_from_position_ids is not None:
+            (cu, _), (max_len, _) = prepare_fa_kwargs_from_position_ids(position_ids)
+            return cu.to(torch.int32), int(max_len)
+    starts[:, 0] = True  # a row never continues the previous row's document
+    idx = starts.reshape(-1).nonzero().view(-1)
+    cu = torch.cat((idx.to(torch.int32), torch.full((1,), b * s, dtype=torch.int32, device=idx.device)))
+    return cu, int(cu.diff().max())
 
 
 def flashtile_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -113,6 +151,13 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, dropo
               softcap=float(softcap) if softcap else 0.0)
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if attention_mask is None and (cu_q is None or cu_k is None) and sq == sk:
+        # transformers' FlashAttention-2 rule: without a padding mask, position_ids that restart inside
+        # a row mark packed documents (DataCollatorWithFlattening); attend within each document only
+        packed = _packed_cu_seqlens(kwargs.get("position_ids"), b, sq)
+        if packed is not None:
+            cu_q = cu_k = packed[0]
+            kwargs = dict(kwargs, max_length_q=packed[1], max_length_k=packed[1])
     if attention_mask is None and cu_q is not None and cu_k is not None:
         # packed sequences (one row holding several documents): varlen over the flattened row
         out = flash_attn_varlen_func(q.reshape(-1, h, d), k.reshape(-1, k.shape[2], d), v.reshape(-1, v.shape[2], d),
@@ -125,10 +170,12 @@ def flashtile_attention_forward(module, query, key, value, attention_mask, dropo
         if attention_mask.dim() == 4:
             attention_mask = _mask_from_4d(attention_mask, sq, sk, causal and sq > 1, window)
         key_mask = attention_mask[:, -sk:].bool()
-        k_unpad, _, cu_k, max_k, _ = unpad_input(k, key_mask)
-        v_unpad = unpad_input(v, key_mask)[0]
+        # the key mask is unpadded once (its host syncs: indices and max length); v and, for a
+        # prefill, q reuse its indices
+        k_unpad, k_idx, cu_k, max_k, _ = unpad_input(k, key_mask)
+        v_unpad = index_first_axis(v.reshape(b * sk, *v.shape[2:]), k_idx)
         if sq == sk:
-            q_unpad, q_idx, cu_q, max_q, _ = unpad_input(q, key_mask)
+            q_unpad, q_idx, cu_q, max_q = index_first_axis(q.reshape(b * sq, h, d), k_idx), k_idx, cu_k, max_k
         elif sq == 1:  # decoding: every new token is real
             q_unpad, q_idx = q.reshape(b, h, d), None
             cu_q, max_q = torch.arange(b + 1, dtype=torch.int32, device=q.device), 1

@@ -23,17 +23,11 @@ otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` 
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges
+from flashtile.kernels.attn_fwd import _key_block_ranges, _tanh
 from flashtile.kernels.kv_append import _rotary_rows
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _tanh(x):
-    # through exp2, which the interpreter also has; saturates cleanly to +-1
-    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
 
 
 @triton.jit
@@ -120,14 +114,14 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
 # recompile (and would make a captured decode step depend on them).
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
                               "seqlen_ro", "stride_qb", "stride_ob", "stride_lse_b", "stride_opb",
-                              "stride_lpb", "stride_alibi_b"])
+                              "stride_lpb", "stride_alibi_b", "num_m_blocks"])
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
-    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro,
+    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks,
     # strides
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -144,9 +138,13 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    split = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_bk = tl.program_id(2)
+    # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
+    # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    pid_mb = pid // NUM_SPLITS
+    pid_m = pid_mb % num_m_blocks
+    pid_bk = pid_mb // num_m_blocks
     b = pid_bk // num_kv_heads
     kv_head = pid_bk % num_kv_heads
 
@@ -165,10 +163,12 @@ def _decode_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     t = rows // group  # query token of each row
     head = kv_head * group + rows % group  # query head of each row
+    t64 = t.to(tl.int64)  # element offsets in int64: t * stride can pass 2^31 on large outputs
+    head64 = head.to(tl.int64)
     row_ok = rows < seqlen_q * group
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + t * stride_qm + head * stride_qh
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + t64 * stride_qm + head64 * stride_qh
     if ROTARY_DIM > 0:
         if ROTARY_PER_TOKEN:
             pos = cache_len + t
@@ -221,17 +221,17 @@ def _decode_kernel(
     if NUM_SPLITS == 1:
         # final result; a row that saw no key gives out 0 and lse +inf (the contract's rule)
         lse = tl.where(empty, float("inf"), lse)
-        o_ptrs = O + b.to(tl.int64) * stride_ob + t * stride_om + head * stride_oh
+        o_ptrs = O + b.to(tl.int64) * stride_ob + t64 * stride_om + head64 * stride_oh
         tl.store(o_ptrs[:, None] + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
-        tl.store(LSE + b.to(tl.int64) * stride_lse_b + head * stride_lse_h + t, lse, mask=row_ok)
+        tl.store(LSE + b.to(tl.int64) * stride_lse_b + head64 * stride_lse_h + t64, lse, mask=row_ok)
     else:
         # partial result; an empty split gets lse -inf so the combine gives it zero weight
         lse = tl.where(empty, float("-inf"), lse)
-        o_ptrs = (O_PART + split.to(tl.int64) * stride_ops + b.to(tl.int64) * stride_opb + t * stride_opm
-                  + head * stride_oph)
+        o_ptrs = (O_PART + split.to(tl.int64) * stride_ops + b.to(tl.int64) * stride_opb + t64 * stride_opm
+                  + head64 * stride_oph)
         tl.store(o_ptrs[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok)
-        tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head * stride_lph + t,
-                 lse, mask=row_ok)
+        tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head64 * stride_lph
+                 + t64, lse, mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["stride_ops", "stride_opb", "stride_lps", "stride_lpb", "stride_ob",
@@ -245,12 +245,17 @@ def _combine_kernel(
     stride_lse_b, stride_lse_h, stride_lse_m,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (b, token, head)."""
-    pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    t = pid // num_heads
+    """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (b, token, head).
+
+    Flat grid (axis 0): program = (b * seqlen_q + t) * num_heads + h. Offsets are int64: a split's
+    stride times the split index passes 2^31 on large partial outputs.
+    """
+    pid = tl.program_id(0).to(tl.int64)
     h = pid % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
+    bt = pid // num_heads
+    t = bt % seqlen_q
+    b = bt // seqlen_q
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
     lse_s = tl.load(LSE_PART + offs_s * stride_lps + b * stride_lpb + h * stride_lph + t * stride_lpm,

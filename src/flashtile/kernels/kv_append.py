@@ -59,8 +59,10 @@ def _kv_append_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    b = tl.program_id(1)
+    # flat grid (axis 0, up to 2^31 - 1 programs; axis 1 would cap the batch at 65535): pid = b * s_new + t
+    pid = tl.program_id(0)
+    t = pid % s_new
+    b = pid // s_new
     if HAS_SEQLENS:
         cache_len = tl.load(SEQLENS + b)
     else:
@@ -82,13 +84,14 @@ def _kv_append_kernel(
                 row = tl.load(BATCH_IDX + b).to(tl.int64)
             k_dst = K_CACHE + row * stride_kcb + pos.to(tl.int64) * stride_kcn
             v_dst = V_CACHE + row * stride_vcb + pos.to(tl.int64) * stride_vcn
-        k_src = K_NEW + b64 * stride_knb + t * stride_knt + offs_h * stride_knh
+        k_src = K_NEW + b64 * stride_knb + t.to(tl.int64) * stride_knt + offs_h * stride_knh
         if ROTARY_DIM > 0:
             k = _rotary_rows(k_src, offs_d, pos + offs_h * 0, h_ok, COS, SIN, stride_cos, seqlen_ro,
                              HEAD_DIM, ROTARY_DIM, INTERLEAVED)
         else:
             k = tl.load(k_src[:, None] + offs_d[None, :], mask=mask, other=0.0)
         tl.store(k_dst + offs_h[:, None] * stride_kch + offs_d[None, :], k.to(K_CACHE.dtype.element_ty), mask=mask)
-        v = tl.load(V_NEW + b64 * stride_vnb + t * stride_vnt + offs_h[:, None] * stride_vnh + offs_d[None, :],
+        v = tl.load(V_NEW + b64 * stride_vnb + t.to(tl.int64) * stride_vnt + offs_h[:, None] * stride_vnh
+                    + offs_d[None, :],
                     mask=mask, other=0.0)
         tl.store(v_dst + offs_h[:, None] * stride_vch + offs_d[None, :], v.to(V_CACHE.dtype.element_ty), mask=mask)

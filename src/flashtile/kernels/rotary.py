@@ -1,5 +1,7 @@
 """Rotary position embedding kernel: one program rotates BLOCK_M rows of one (batch, head).
 
+The grid is flat (axis 0 only): ``cdiv(seqlen, BLOCK_M) * heads * batch`` programs.
+
 The first ``ROTARY_DIM`` channels of each row are split into pairs ``(x0, x1)`` -- channels
 ``(2i, 2i+1)`` when ``INTERLEAVED`` (GPT-J style), else ``(i, i + ROTARY_DIM/2)`` (GPT-NeoX style) --
 and each pair is rotated by the angle of its position: ``x0*cos - x1*sin, x0*sin + x1*cos``.
@@ -15,7 +17,7 @@ import triton.language as tl
 @triton.jit
 def _rotary_kernel(
     X, OUT, COS, SIN, CU_SEQLENS, SEQLEN_OFFSETS,
-    seqlen, seqlen_ro, offset_scalar,
+    seqlen, seqlen_ro, offset_scalar, num_heads, num_m_blocks,
     stride_xb, stride_xm, stride_xh,
     stride_ob, stride_om, stride_oh,
     stride_cos_m, stride_sin_m,
@@ -23,9 +25,13 @@ def _rotary_kernel(
     INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr, IS_VARLEN: tl.constexpr,
     HAS_OFFSET_TENSOR: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    b = tl.program_id(2)
+    # one flat grid axis (CUDA allows 2^31 - 1 programs there but only 65535 on axes 1 and 2, which
+    # batch * heads can exceed): program = (b * num_heads + head) * num_m_blocks + pid_m
+    pid = tl.program_id(0)
+    pid_m = pid % num_m_blocks
+    bh = pid // num_m_blocks
+    head = bh % num_heads
+    b = bh // num_heads
 
     if IS_VARLEN:
         # varlen rows are packed: batch b owns rows [cu[b], cu[b+1]) and positions restart at 0

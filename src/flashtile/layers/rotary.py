@@ -48,6 +48,9 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     if cos.device != x.device or sin.device != x.device:
         raise ValueError(f"flashtile: cos/sin must be on x's device {x.device}, got {cos.device}/{sin.device}")
+    if not cos.is_floating_point() or cos.dtype != sin.dtype:
+        raise TypeError(f"flashtile: cos and sin must be floating point tensors of one dtype, got cos {cos.dtype} "
+                        f"and sin {sin.dtype}")
     rotary_dim = 2 * cos.shape[1]
     if rotary_dim > x.shape[-1]:
         raise ValueError(f"flashtile: rotary_dim (2 * cos.shape[1] = {rotary_dim}) must be <= head dim "
@@ -56,6 +59,8 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:
         if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
             raise TypeError(f"flashtile: cu_seqlens must be a 1-D int32 tensor, got {cu_seqlens.dtype} "
                             f"{tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != x.device:
+            raise ValueError(f"flashtile: cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
         if max_seqlen is None:
             raise ValueError("flashtile: max_seqlen is required with cu_seqlens")
         batch = cu_seqlens.numel() - 1
@@ -68,6 +73,9 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:
         if seqlen_offsets.dtype not in (torch.int32, torch.int64) or seqlen_offsets.shape != (batch,):
             raise TypeError(f"flashtile: seqlen_offsets must be an int or an int32 ({batch},) tensor, got "
                             f"{seqlen_offsets.dtype} {tuple(seqlen_offsets.shape)}")
+        if seqlen_offsets.device != x.device:
+            raise ValueError(f"flashtile: seqlen_offsets must be on x's device {x.device}, got "
+                             f"{seqlen_offsets.device}")
 
 
 def _positions(x, seqlen_offsets, cu_seqlens):
@@ -88,13 +96,18 @@ def _positions(x, seqlen_offsets, cu_seqlens):
     return pos + int(seqlen_offsets)
 
 
-def _rotary_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace, conjugate):
-    """The kernel's math in PyTorch (fp32 compute, fp64 for fp64 inputs); any device."""
+def rotate_at_positions(x, cos, sin, positions, interleaved, inplace=False, conjugate=False):
+    """Rotate the first ``2 * cos.shape[1]`` channels of x at explicit ``positions`` in PyTorch; any device.
+
+    ``positions`` (int64) has x's shape without the last two dims ((b, s) or (total,)) and indexes the
+    rows of ``cos``/``sin``; a position past the table is left unrotated. Computes in fp32 (fp64 for
+    fp64 inputs) and rounds once to x's dtype, as the kernels do. Shared by the rotary layer's CPU
+    path and the KV-cache reference (``flashtile.backends.reference_kvcache``).
+    """
     rotary_dim = 2 * cos.shape[1]
     wide = torch.promote_types(x.dtype, torch.float32)
-    pos = _positions(x, seqlen_offsets, cu_seqlens)
-    in_table = pos < cos.shape[0]
-    idx = pos.clamp(max=cos.shape[0] - 1)
+    in_table = positions < cos.shape[0]
+    idx = positions.clamp(max=max(cos.shape[0] - 1, 0))
     c = torch.where(in_table.unsqueeze(-1), cos[idx].to(wide), 1.0).unsqueeze(-2)  # (..., 1, rotary_dim/2)
     s = torch.where(in_table.unsqueeze(-1), sin[idx].to(wide), 0.0).unsqueeze(-2)
     if conjugate:
@@ -112,6 +125,12 @@ def _rotary_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace,
     if rotary_dim == x.shape[-1]:
         return rot.to(x.dtype)
     return torch.cat((rot.to(x.dtype), x[..., rotary_dim:]), dim=-1)
+
+
+def _rotary_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace, conjugate):
+    """The kernel's math in PyTorch (fp32 compute, fp64 for fp64 inputs); any device."""
+    pos = _positions(x, seqlen_offsets, cu_seqlens)
+    return rotate_at_positions(x, cos, sin, pos, interleaved, inplace, conjugate)
 
 
 def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None, interleaved=False,
@@ -300,7 +319,8 @@ class RotaryEmbedding(torch.nn.Module):
         qkv (b, s, 3, h, d) (or (b, s, h_q + 2*h_k, d) with num_heads_q) is rotated in place and
         returned; with ``kv`` given, ``qkv`` is q (b, s, h, d) and kv (b, s, 2, h_k, d): both are
         rotated in place and ``(q, kv)`` returned. ``seqlen_offset`` is an int or an int32 (b,)
-        tensor; with a tensor, pass ``max_seqlen`` so the cache covers every position.
+        tensor; with a tensor, pass ``max_seqlen`` so the cache covers every position (without it
+        the existing cache is used, and positions past it are left unrotated).
     """
 
     def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, scale_base: float | None = None,
@@ -326,12 +346,23 @@ class RotaryEmbedding(torch.nn.Module):
         return 1.0 / (self.base ** (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim))
 
     def _update_cos_sin_cache(self, seqlen: int, device=None, dtype=None) -> None:
-        """Rebuild the tables when they are too short or on another device/dtype (doubling growth)."""
-        if (self._cos_cached is not None and seqlen <= self._seq_len_cached
-                and self._cos_cached.device == device and self._cos_cached.dtype == dtype):
+        """Rebuild the tables when they are too short, on another device/dtype, or unusable for autograd.
+
+        Without XPos the table grows geometrically (row p only depends on p, so a longer table is the
+        same table). With XPos every row depends on the table length (``seqlen // 2`` centres the
+        scale), so it is rebuilt at exactly the needed length, as FlashAttention does. A table built
+        under ``torch.inference_mode()`` cannot be saved for backward: it is rebuilt when used
+        outside inference mode with autograd on (FlashAttention rebuilds it when training).
+        """
+        cached = self._cos_cached
+        stale_inference = (cached is not None and cached.is_inference() and not torch.is_inference_mode_enabled()
+                           and (self.training or torch.is_grad_enabled()))
+        if (cached is not None and seqlen <= self._seq_len_cached and cached.device == device
+                and cached.dtype == dtype and not stale_inference):
             return
-        # grow geometrically so step-by-step decoding does not rebuild the table at every token
-        seqlen = max(seqlen, 2 * self._seq_len_cached if self._cos_cached is not None else seqlen)
+        if self.scale is None and cached is not None:
+            # grow geometrically so step-by-step decoding does not rebuild the table at every token
+            seqlen = max(seqlen, 2 * self._seq_len_cached)
         self._seq_len_cached = seqlen
         if self.pos_idx_in_fp32:
             t = torch.arange(seqlen, device=device, dtype=torch.float32)
@@ -348,7 +379,10 @@ class RotaryEmbedding(torch.nn.Module):
             self._cos_k_cached = self._sin_k_cached = None
         else:
             power = (torch.arange(seqlen, device=device, dtype=torch.float32) - seqlen // 2) / self.scale_base
-            scale = self.scale.to(device).unsqueeze(0) ** power.unsqueeze(1)
+            # recomputed in fp32 rather than read: model.half() also casts the ``scale`` buffer
+            base = torch.arange(0, self.dim, 2, device=device, dtype=torch.float32)
+            base = (base + 0.4 * self.dim) / (1.4 * self.dim)
+            scale = base.unsqueeze(0) ** power.unsqueeze(1)
             self._cos_cached = (torch.cos(freqs) * scale).to(dtype)
             self._sin_cached = (torch.sin(freqs) * scale).to(dtype)
             self._cos_k_cached = (torch.cos(freqs) / scale).to(dtype)
@@ -361,7 +395,9 @@ class RotaryEmbedding(torch.nn.Module):
         elif isinstance(seqlen_offset, int):
             self._update_cos_sin_cache(seqlen + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
         else:
-            raise ValueError("flashtile: a tensor seqlen_offset needs max_seqlen (the cache length to build)")
+            # a tensor offset without max_seqlen uses the existing table (FlashAttention's rule), built
+            # to at least seqlen; positions past it are left unrotated
+            self._update_cos_sin_cache(max(seqlen, self._seq_len_cached), device=qkv.device, dtype=qkv.dtype)
         if kv is None:
             return apply_rotary_emb_qkv_(qkv, self._cos_cached, self._sin_cached, self._cos_k_cached,
                                          self._sin_k_cached, interleaved=self.interleaved,

@@ -115,11 +115,11 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
-    if tma:
-        desc_q, desc_do = _descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)
-        desc_k, desc_v = _descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)
-    else:
-        desc_q, desc_do, desc_k, desc_v = q, dout, k, v
+    # Triton 3.6's ptxas segfaults on the dQ kernel's descriptor loads when they are software
+    # pipelined (num_stages >= 2; tests/test_sm90_compile.py), so dQ takes them only unpipelined.
+    tma_dq = tma and s_q == 1
+    desc_q, desc_do = (_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma else (q, dout)
+    desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
     _attn_bwd_dkdv_kernel[(triton.cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,)](
         q, k, v, dout, lse, delta, dk, dv, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
@@ -127,6 +127,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
         num_warps=w_kv, num_stages=s_kv)
+    feature_flags["USE_TMA"] = tma_dq
     _attn_bwd_dq_kernel[(triton.cdiv(max(seqlen_q, 1), bm_q) * b * h,)](
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,

@@ -6,6 +6,7 @@ only, so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -60,6 +61,11 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
 
 
+def _device_guard(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it the tensors' device for the launch."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _block_m(rows: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
@@ -77,22 +83,23 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     cos = rotary_cos if rotary_cos is not None else k
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
-    _kv_append_kernel[(s_new, b)](
-        k, v, k_cache, v_cache,
-        cache_seqlens if cache_seqlens is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        block_table if paged else dummy, cos, sin,
-        cache_len_const, s_new, h_k, page_size, capacity, cos.shape[0] if rotary_dim else 0,
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0) if paged else 0, cos.stride(0) if rotary_dim else 0,
-        HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h_k), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
-        ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
-        num_warps=4 if h_k * d >= 1024 else 1,
-    )
+    with _device_guard(k):
+        _kv_append_kernel[(s_new * b,)](  # flat grid: axis 1 would cap the batch at 65535
+            k, v, k_cache, v_cache,
+            cache_seqlens if cache_seqlens is not None else dummy,
+            cache_batch_idx if cache_batch_idx is not None else dummy,
+            block_table if paged else dummy, cos, sin,
+            cache_len_const, s_new, h_k, page_size, capacity, cos.shape[0] if rotary_dim else 0,
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_table.stride(0) if paged else 0, cos.stride(0) if rotary_dim else 0,
+            HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h_k), BLOCK_D=max(16, triton.next_power_of_2(d)),
+            HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
+            ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
+            num_warps=4 if h_k * d >= 1024 else 1,
+        )
 
 
 def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
@@ -133,35 +140,37 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     dummy = lse
     # the interior of a tile lies in one page only when pages are whole tiles and nothing shifts them
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
-    grid = (num_splits, m_blocks, b * h_k)
-    _decode_kernel[grid](
-        q, k_cache, v_cache, out, lse, o_part, lse_part,
-        cache_seqlens if cache_seqlens is not None else dummy,
-        cache_batch_idx if cache_batch_idx is not None else dummy,
-        cache_leftpad if cache_leftpad is not None else dummy,
-        block_table if paged else dummy,
-        alibi if alibi is not None else dummy,
-        rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
-        qk_scale, softcap, window_left, window_right,
-        cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0,
-        q.stride(0), q.stride(1), q.stride(2),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        *ops, *lps,
-        block_table.stride(0) if paged else 0,
-        0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-        rotary_cos.stride(0) if rotary_dim else 0,
-        HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        PAGED=paged, PAGE_ALIGNED=page_aligned, HAS_SEQLENS=cache_seqlens is not None,
-        HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
-        HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
-        ROTARY_PER_TOKEN=bool(rotary_per_token),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
+    grid = (num_splits * m_blocks * b * h_k,)
+    with _device_guard(q):
+        _decode_kernel[grid](
+            q, k_cache, v_cache, out, lse, o_part, lse_part,
+            cache_seqlens if cache_seqlens is not None else dummy,
+            cache_batch_idx if cache_batch_idx is not None else dummy,
+            cache_leftpad if cache_leftpad is not None else dummy,
+            block_table if paged else dummy,
+            alibi if alibi is not None else dummy,
+            rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
+            qk_scale, softcap, window_left, window_right,
+            cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            *ops, *lps,
+            block_table.stride(0) if paged else 0,
+            0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
+            rotary_cos.stride(0) if rotary_dim else 0,
+            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            PAGED=paged, PAGE_ALIGNED=page_aligned, HAS_SEQLENS=cache_seqlens is not None,
+            HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
+            HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
+            ROTARY_PER_TOKEN=bool(rotary_per_token),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
     if num_splits > 1:
         combine(o_part, lse_part, out, lse)
     return out, lse
@@ -172,16 +181,17 @@ def combine(out_partial, lse_partial, out, lse):
     ns, b, sq, h, d = out_partial.shape
     if b * sq * h == 0:
         return out, lse
-    _combine_kernel[(sq * h, b)](
-        out_partial, lse_partial, out, lse,
-        ns, sq, h,
-        *out_partial.stride()[:4],
-        *lse_partial.stride()[:4],
-        *out.stride()[:3],
-        *lse.stride(),
-        HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=4 if d >= 128 else 2,
-    )
+    with _device_guard(out):
+        _combine_kernel[(b * sq * h,)](  # flat grid: the batch on axis 1 would be capped at 65535
+            out_partial, lse_partial, out, lse,
+            ns, sq, h,
+            *out_partial.stride()[:4],
+            *lse_partial.stride()[:4],
+            *out.stride()[:3],
+            *lse.stride(),
+            HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+            num_warps=4 if d >= 128 else 2,
+        )
     return out, lse
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -41,22 +43,30 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_off
         batch, seqlen, nheads = x.shape[0], x.shape[1], x.shape[2]
         sx = (x.stride(0), x.stride(1), x.stride(2))
         so = (out.stride(0), out.stride(1), out.stride(2))
-    if x.stride(-1) != 1 or out.stride(-1) != 1:
+    if x.stride(-1) != 1:
         raise ValueError("flashtile: rotary kernel needs a contiguous last dim of x")
+    if out.stride(-1) != 1:
+        raise ValueError("flashtile: rotary kernel needs a contiguous last dim of out")
     block_m, num_warps = rotary_config(rotary_dim)
     block_m = BLOCK_M_OVERRIDE or block_m
     block_k = triton.next_power_of_2(max(rotary_dim // 2, 1))
     offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
     dummy = cos  # never read: the matching HAS_/IS_ flag is off
-    grid = (triton.cdiv(max(seqlen, 1), block_m), nheads, batch)
-    _rotary_kernel[grid](
-        x, out, cos, sin,
-        cu_seqlens if varlen else dummy,
-        seqlen_offsets if offsets_is_tensor else dummy,
-        seqlen, cos.shape[0], 0 if offsets_is_tensor else int(seqlen_offsets),
-        *sx, *so, cos.stride(0), sin.stride(0),
-        ROTARY_DIM=rotary_dim, BLOCK_M=block_m, BLOCK_K=block_k,
-        INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=varlen,
-        HAS_OFFSET_TENSOR=offsets_is_tensor, num_warps=num_warps,
-    )
+    m_blocks = triton.cdiv(max(seqlen, 1), block_m)
+    grid = (m_blocks * nheads * batch,)  # flat: axes 1 and 2 would cap batch * heads at 65535
+    if grid[0] == 0:
+        return out
+    # Triton launches on the current device; make it x's device (a tensor on cuda:1 with cuda:0 current)
+    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _rotary_kernel[grid](
+            x, out, cos, sin,
+            cu_seqlens if varlen else dummy,
+            seqlen_offsets if offsets_is_tensor else dummy,
+            seqlen, cos.shape[0], 0 if offsets_is_tensor else int(seqlen_offsets), nheads, m_blocks,
+            *sx, *so, cos.stride(0), sin.stride(0),
+            ROTARY_DIM=rotary_dim, BLOCK_M=block_m, BLOCK_K=block_k,
+            INTERLEAVED=interleaved, CONJUGATE=conjugate, IS_VARLEN=varlen,
+            HAS_OFFSET_TENSOR=offsets_is_tensor, num_warps=num_warps,
+        )
     return out

@@ -1,0 +1,50 @@
+"""Compile a flashtile kernel for Hopper (sm_90) on a machine without a GPU, through ptxas.
+
+Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
+    python tests/aot_sm90.py MODULE KERNEL '{"CONSTEXPR": value, ...}' '{"arg": "type", ...}' WARPS STAGES
+Arguments not named get a type from their name: ``desc_*`` tensor descriptors need explicit types,
+``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer.
+Prints ``WGMMA <number of warp-group dots> SHARED <bytes>``.
+"""
+
+import importlib
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
+INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
+FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
+
+
+def main(module, kernel, constexprs, types, warps, stages):
+    kern = getattr(importlib.import_module(module), kernel)
+    sig, consts = {}, {}
+    for i, name in enumerate(kern.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            consts[(i,)] = constexprs[name]
+        elif name in types:
+            sig[name] = types[name]
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        elif name in INT_POINTERS:
+            sig[name] = "*i32"
+        elif name in FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name.isupper() or name.startswith("desc"):
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "i32"
+    compiled = triton.compile(ASTSource(kern, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))
+    dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
+    print("WGMMA", len(dots), "SHARED", compiled.metadata.shared)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5]),
+         int(sys.argv[6]))
