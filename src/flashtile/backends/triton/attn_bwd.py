@@ -6,9 +6,9 @@ import json
 import os
 
 import torch
-import triton
 
-from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of, device_guard
+from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -69,7 +69,7 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
 def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(
         arch_of(q.device), block_d, config_overrides())
     if p.varlen:
@@ -103,7 +103,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     so = _strides3(out, p.varlen)
     sdo = _strides3(dout, p.varlen)
     pre_m = 64
-    _attn_bwd_preprocess_kernel[(triton.cdiv(max(seqlen_q, 1), pre_m) * b * h,)](
+    _attn_bwd_preprocess_kernel[(cdiv(max(seqlen_q, 1), pre_m) * b * h,)](
         out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
         HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
 
@@ -121,14 +121,14 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     desc_q, desc_do = (_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma else (q, dout)
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
-    _attn_bwd_dkdv_kernel[(triton.cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,)](
+    _attn_bwd_dkdv_kernel[(cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,)](
         q, k, v, dout, lse, delta, dk, dv, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
         num_warps=w_kv, num_stages=s_kv)
     feature_flags["USE_TMA"] = tma_dq
-    _attn_bwd_dq_kernel[(triton.cdiv(max(seqlen_q, 1), bm_q) * b * h,)](
+    _attn_bwd_dq_kernel[(cdiv(max(seqlen_q, 1), bm_q) * b * h,)](
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,

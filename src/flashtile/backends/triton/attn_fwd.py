@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import torch
-import triton
 
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
 from flashtile.params import AttnParams
 
@@ -69,10 +68,6 @@ def use_tma(q, k, v) -> bool:
     return all(_tma_ok(x) for x in (q, k, v))
 
 
-def device_guard(x: torch.Tensor):
-    """Triton launches on the current device and stream; make that the tensors' device."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
 
 def attn_fwd(q, k, v, p: AttnParams):
     """Forward on q (b, sq, h, d) / (total_q, h, d); returns (out, lse, probs-or-None)."""
@@ -83,7 +78,7 @@ def attn_fwd(q, k, v, p: AttnParams):
 def _attn_fwd(q, k, v, p: AttnParams):
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     arch = arch_of(q.device)
     max_k = p.max_seqlen_k if p.varlen else k.shape[1]
     block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(
@@ -140,7 +135,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
     alibi = p.alibi_slopes
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     dummy = lse
-    grid = (triton.cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: the kernel splits it
+    grid = (cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: the kernel splits it
     if b * h == 0 or seqlen_q == 0:
         return out, lse, probs
     _attn_fwd_kernel[grid](

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
-from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of, device_guard
+from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
 
@@ -61,7 +61,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
         raise ValueError("flashtile: the fp8 forward has no dropout (dropout_p must be 0)")
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
-    block_d = max(32, triton.next_power_of_2(d))  # fp8 dots need a reduction dim >= 32
+    block_d = max(32, next_pow2(d))  # fp8 dots need a reduction dim >= 32
     block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_fp8_config(arch_of(q.device), block_d,
                                                                                 p.causal)
     out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.bfloat16)
@@ -105,7 +105,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
     alibi = p.alibi_slopes
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     dummy = lse
-    grid = (triton.cdiv(max(seqlen_q, 1), block_m), b * h)
+    grid = (cdiv(max(seqlen_q, 1), block_m), b * h)
     _attn_fwd_fp8_kernel[grid](
         q, k, vt, out, lse, desc_q, desc_k, desc_vt,
         p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,

@@ -6,12 +6,11 @@ only, so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
-import triton
 
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
 
@@ -42,6 +41,7 @@ def _arch(device: torch.device) -> str:
     return "sm90" if torch.cuda.get_device_capability(device)[0] == 9 else "default"
 
 
+@functools.lru_cache(maxsize=4096)  # pure function of a few ints, called on every decode step
 def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
     """How many ways to split the keys so ``programs * splits`` fills the GPU in whole waves.
 
@@ -56,18 +56,14 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     eff = []
     for s in range(1, limit + 1):
         work = programs * s
-        eff.append(work / (triton.cdiv(work, sms) * sms))
+        eff.append(work / (cdiv(work, sms) * sms))
     best = max(eff)
     return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
 
 
-def _device_guard(t: torch.Tensor):
-    """Triton launches on the *current* CUDA device: make it the tensors' device for the launch."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
-
 
 def _block_m(rows: int) -> int:
-    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    return min(MAX_BLOCK_M, max(16, next_pow2(rows)))
 
 
 def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
@@ -83,7 +79,7 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     cos = rotary_cos if rotary_cos is not None else k
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
-    with _device_guard(k):
+    with device_guard(k):
         _kv_append_kernel[(s_new * b,)](  # flat grid: axis 1 would cap the batch at 65535
             k, v, k_cache, v_cache,
             cache_seqlens if cache_seqlens is not None else dummy,
@@ -95,7 +91,7 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0) if paged else 0, cos.stride(0) if rotary_dim else 0,
-            HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(h_k), BLOCK_D=max(16, triton.next_power_of_2(d)),
+            HEAD_DIM=d, BLOCK_H=next_pow2(h_k), BLOCK_D=max(16, next_pow2(d)),
             HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
             ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
             num_warps=4 if h_k * d >= 1024 else 1,
@@ -112,16 +108,16 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     paged = block_table is not None
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_pow2(d))
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or decode_config(_arch(q.device), block_d)
     block_m = _block_m(sq * group)
-    m_blocks = triton.cdiv(sq * group, block_m)
+    m_blocks = cdiv(sq * group, block_m)
 
     out = torch.empty_like(q)
     lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
     if b == 0 or sq == 0:
         return out, lse
-    key_blocks = triton.cdiv(max(capacity, 1), block_n)
+    key_blocks = cdiv(max(capacity, 1), block_n)
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
@@ -142,7 +138,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * m_blocks * b * h_k,)
-    with _device_guard(q):
+    with device_guard(q):
         _decode_kernel[grid](
             q, k_cache, v_cache, out, lse, o_part, lse_part,
             cache_seqlens if cache_seqlens is not None else dummy,
@@ -181,7 +177,7 @@ def combine(out_partial, lse_partial, out, lse):
     ns, b, sq, h, d = out_partial.shape
     if b * sq * h == 0:
         return out, lse
-    with _device_guard(out):
+    with device_guard(out):
         _combine_kernel[(b * sq * h,)](  # flat grid: the batch on axis 1 would be capped at 65535
             out_partial, lse_partial, out, lse,
             ns, sq, h,
@@ -189,7 +185,7 @@ def combine(out_partial, lse_partial, out, lse):
             *lse_partial.stride()[:4],
             *out.stride()[:3],
             *lse.stride(),
-            HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(ns)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+            HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
             num_warps=4 if d >= 128 else 2,
         )
     return out, lse

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import triton
 
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
 from flashtile.kernels.rotary import _rotary_kernel, rotary_config
 
 # Tests pin a small block so interpreter runs cross several row blocks on short sequences.
@@ -49,16 +47,14 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_off
         raise ValueError("flashtile: rotary kernel needs a contiguous last dim of out")
     block_m, num_warps = rotary_config(rotary_dim)
     block_m = BLOCK_M_OVERRIDE or block_m
-    block_k = triton.next_power_of_2(max(rotary_dim // 2, 1))
+    block_k = next_pow2(max(rotary_dim // 2, 1))
     offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
     dummy = cos  # never read: the matching HAS_/IS_ flag is off
-    m_blocks = triton.cdiv(max(seqlen, 1), block_m)
+    m_blocks = cdiv(max(seqlen, 1), block_m)
     grid = (m_blocks * nheads * batch,)  # flat: axes 1 and 2 would cap batch * heads at 65535
     if grid[0] == 0:
         return out
-    # Triton launches on the current device; make it x's device (a tensor on cuda:1 with cuda:0 current)
-    guard = torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(x):
         _rotary_kernel[grid](
             x, out, cos, sin,
             cu_seqlens if varlen else dummy,
