@@ -128,8 +128,9 @@ def _attn_fwd_fp8_kernel(
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     USE_TMA: tl.constexpr, SOFT_ROUND_P: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid, as in _attn_fwd_kernel
+    pid_m = tl.program_id(0) % num_m
+    pid_bh = tl.program_id(0) // num_m
     b = pid_bh // num_heads
     h = pid_bh % num_heads
     kv_head = h // group

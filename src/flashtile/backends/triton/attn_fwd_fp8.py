@@ -105,7 +105,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
     alibi = p.alibi_slopes
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     dummy = lse
-    grid = (cdiv(max(seqlen_q, 1), block_m), b * h)
+    grid = (cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: b * h may exceed grid y's 65535
     _attn_fwd_fp8_kernel[grid](
         q, k, vt, out, lse, desc_q, desc_k, desc_vt,
         p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
