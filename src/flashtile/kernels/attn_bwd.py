@@ -16,7 +16,7 @@ Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _sequence_bounds, _tanh
+from flashtile.kernels.attn_fwd import _key_block_ranges, _sequence_bounds, _tanh, _tile_coords
 from flashtile.kernels.philox import philox_uniform
 
 _BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
@@ -31,11 +31,7 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q,
                                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                                 IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr):
     """delta[b, h, i] = sum_d dO * O, in fp32, laid out like lse."""
-    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid: see _attn_fwd_kernel
-    pid_m = tl.program_id(0) % num_m
-    pid_bh = tl.program_id(0) // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
+    pid_m, b, h, _ = _tile_coords(seqlen_q, num_heads, 1, BLOCK_M)
     row0 = b * 0
     if IS_VARLEN:
         row0 = tl.load(CU_SEQLENS_Q + b)
@@ -177,11 +173,7 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    num_n = tl.maximum(tl.cdiv(seqlen_k, BLOCK_N), 1)  # flat grid: see _attn_fwd_kernel
-    pid_n = tl.program_id(0) % num_n
-    pid_bh = tl.program_id(0) // num_n
-    b = pid_bh // num_kv_heads
-    kv_head = pid_bh % num_kv_heads
+    pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
                                                           HAS_SEQUSED_K)
@@ -275,12 +267,7 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid: see _attn_fwd_kernel
-    pid_m = tl.program_id(0) % num_m
-    pid_bh = tl.program_id(0) // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    kv_head = h // group
+    pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
                                                           HAS_SEQUSED_K)

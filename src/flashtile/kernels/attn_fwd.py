@@ -25,6 +25,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _tile_coords(seqlen_max, num_heads, group, BLOCK: tl.constexpr):
+    """(row block, batch, head, kv head) of this program. The grid is one flat axis (CUDA caps grid
+    y/z at 65535, which b * h can exceed) with row blocks varying fastest, so neighbouring programs
+    share K/V in L2."""
+    num_blocks = tl.maximum(tl.cdiv(seqlen_max, BLOCK), 1)
+    pid_bh = tl.program_id(0) // num_blocks
+    h = pid_bh % num_heads
+    return tl.program_id(0) % num_blocks, pid_bh // num_heads, h, h // group
+
+
+@triton.jit
 def _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, seqlen_q, seqlen_k,
                      IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr):
     """(first q row, first k row, seqlen_q, seqlen_k) of batch entry b: padded, varlen, seqused."""
@@ -193,14 +204,7 @@ def _attn_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # one flat grid axis (CUDA caps grid y/z at 65535, which b * h can exceed): query blocks vary
-    # fastest, so neighbouring programs share K/V in L2
-    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)
-    pid_m = tl.program_id(0) % num_m
-    pid_bh = tl.program_id(0) // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    kv_head = h // group
+    pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
 
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,

@@ -27,7 +27,7 @@ pre-rounding both give the same e4m3 values, so interpreter tests check the GPU'
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _load_k_tile, _scores, _sequence_bounds
+from flashtile.kernels.attn_fwd import _key_block_ranges, _load_k_tile, _scores, _sequence_bounds, _tile_coords
 
 P_SHIFT = 8.0  # log2 of the scale of P before its e4m3 cast (see the module docstring)
 
@@ -128,12 +128,7 @@ def _attn_fwd_fp8_kernel(
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
     USE_TMA: tl.constexpr, SOFT_ROUND_P: tl.constexpr,
 ):
-    num_m = tl.maximum(tl.cdiv(seqlen_q, BLOCK_M), 1)  # flat grid, as in _attn_fwd_kernel
-    pid_m = tl.program_id(0) % num_m
-    pid_bh = tl.program_id(0) // num_m
-    b = pid_bh // num_heads
-    h = pid_bh % num_heads
-    kv_head = h // group
+    pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
 
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
