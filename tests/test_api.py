@@ -160,7 +160,7 @@ def test_varlen_errors():
     _err(ValueError, "must have 3 dims", f, q[None], k, v, cu, cu, 5, 5)
     _err(TypeError, "max_seqlen_q", f, q, k, v, cu, cu, 5.5, 5)
     _err(TypeError, "seqused_k must be an int32", f, q, k, v, cu, cu, 5, 5, seqused_k=torch.tensor([1, 2]))
-    _err(NotImplementedError, "block_table", f, q, k, v, cu, cu, 5, 5, block_table=torch.zeros(2, 1))
+    _err(TypeError, "block_table must be an int32", f, q, k, v, cu, cu, 5, 5, block_table=torch.zeros(2, 1))
 
 
 def test_dispatch_error_lists_every_backend():

@@ -17,6 +17,7 @@ import torch
 
 from flashtile import dispatch
 from flashtile.ops import PACK_KV, PACK_NONE, PACK_QKV, draw_rng_state, unpack
+from flashtile.paged import paged_to_varlen
 from flashtile.params import AttnParams
 from flashtile.rng import next_seed_offset
 from flashtile.validation import (
@@ -50,10 +51,10 @@ def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                   return_softmax, block_table=None, seqused_q=None, seqused_k=None, descales=None):
     """Check a varlen call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
+    if block_table is not None:  # paged KV: gathered into the varlen layout (flashtile/paged.py)
+        check_max_seqlen("max_seqlen_k", max_seqlen_k)
+        k, v, cu_seqlens_k, seqused_k = paged_to_varlen(k, v, block_table, cu_seqlens_k, max_seqlen_k, seqused_k)
     q, k, v = check_qkv(q, k, v, varlen=True, allow_fp8=descales is not None)
-    if block_table is not None:
-        raise NotImplementedError("flashtile: block_table (paged KV) in flash_attn_varlen_func is not "
-                                  "implemented yet")
     b = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device, batch=b)
     check_seqused("seqused_q", seqused_q, q.device, b)

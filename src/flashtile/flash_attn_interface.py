@@ -104,6 +104,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     q: (total_q, h, d); k, v: (total_k, h_k, d); cu_seqlens_q/k: int32 (b+1,) starting at 0;
     max_seqlen_q/k: Python ints. Returns out (total_q, h, d); lse (h, total_q).
+    block_table: int32 (b, max_blocks) for paged KV: k, v are then caches (num_blocks, page_size,
+    h_k, d), any page size, and cu_seqlens_k gives the key lengths (forward: flashtile/paged.py).
     seqused_q/seqused_k (FlashAttention-3 extension): int32 (b,), only the first seqused tokens of
     each sequence take part (the rest of its rows get out 0, lse +inf).
     """

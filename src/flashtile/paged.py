@@ -1,0 +1,54 @@
+"""Paged KV for the varlen functions: ``flash_attn_varlen_func(..., block_table=...)``.
+
+The paged cache ``(num_blocks, page_size, h_k, d)`` is gathered into the packed varlen layout with
+one ``max_seqlen_k``-long slot per sequence, and each sequence's true length goes to ``seqused_k``,
+so the ordinary varlen kernels run unchanged and no value leaves the device (no host sync). Any
+page size works. This costs one gather of the keys a call reads (prefill reads them once anyway);
+a kernel that follows the block table itself is the optimisation still to come.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fail(msg: str, exc=ValueError):
+    raise exc(f"flashtile: {msg}")
+
+
+def paged_to_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k: int, seqused_k=None):
+    """Gather a paged cache for the varlen kernels.
+
+    k_cache, v_cache: (num_blocks, page_size, h_k, d); block_table: int32 (b, max_blocks), row i
+    listing the pages of sequence i in order; cu_seqlens_k: int32 (b+1,) with the key lengths.
+    Returns ``(k, v, cu_seqlens_k, seqused_k)`` with k, v (b * max_seqlen_k, h_k, d).
+    """
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        _fail("block_table must be an int32 tensor of shape (b, max_blocks)", TypeError)
+    for name, x in (("k", k_cache), ("v", v_cache)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            _fail(f"with block_table, {name} must be a paged cache (num_blocks, page_size, h_k, d), "
+                  f"got shape {tuple(getattr(x, 'shape', ()))}")
+    if v_cache.shape != k_cache.shape:
+        _fail(f"v must have the same shape as k, got k {tuple(k_cache.shape)} and v {tuple(v_cache.shape)}")
+    if block_table.device != k_cache.device:
+        _fail(f"block_table must be on the same device as k ({k_cache.device}), got {block_table.device}")
+    b = block_table.shape[0]
+    if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.shape != (b + 1,):
+        _fail(f"cu_seqlens_k must have shape (b+1,) = ({b + 1},) to match block_table's {b} rows")
+    num_blocks, page_size = k_cache.shape[:2]
+    if block_table.shape[1] * page_size < max_seqlen_k:
+        _fail(f"block_table holds {block_table.shape[1]} pages of {page_size} tokens, fewer than "
+              f"max_seqlen_k={max_seqlen_k}")
+    pos = torch.arange(max_seqlen_k, device=k_cache.device)
+    rows = block_table[:, pos // page_size].long() * page_size + pos % page_size  # (b, max_seqlen_k)
+    # slots past a sequence's length may name unused (even invalid) pages: keep the gather in range,
+    # seqused_k masks those keys out
+    rows = rows.clamp_(0, num_blocks * page_size - 1).flatten()
+    k = k_cache.flatten(0, 1)[rows]
+    v = v_cache.flatten(0, 1)[rows]
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    if seqused_k is not None:
+        lens = torch.minimum(lens, seqused_k)
+    cu_dense = torch.arange(b + 1, device=k_cache.device, dtype=torch.int32) * max_seqlen_k
+    return k, v, cu_dense, lens
