@@ -135,3 +135,19 @@ def test_more_than_65535_batch_heads():
     from attn_cases import check_varlen
 
     check_varlen(lens, lens, h, 8, 64, torch.bfloat16, device=DEV, causal=True, grads=True)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 256])
+def test_paged_varlen_prefill(page_size):
+    from test_paged_varlen import _paged
+
+    lens_q, lens_k = [100, 1, 700], [300, 0, 1500]
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    kc, vc, table = _paged(k, v, lens_k, page_size)
+    q, k, v, kc, vc, table, cu_q, cu_k = (x.to(DEV) for x in (q, k, v, kc, vc, table, cu_q, cu_k))
+    want = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 700, 1500, causal=True)
+    got = flashtile.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 700, 1500, causal=True, block_table=table)
+    assert torch.equal(got, want)
