@@ -150,4 +150,4 @@ def test_paged_varlen_prefill(page_size):
     q, k, v, kc, vc, table, cu_q, cu_k = (x.to(DEV) for x in (q, k, v, kc, vc, table, cu_q, cu_k))
     want = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 700, 1500, causal=True)
     got = flashtile.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 700, 1500, causal=True, block_table=table)
-    assert torch.equal(got, want)
+    assert (got.float() - want.float()).abs().max().item() < 1e-2
