@@ -254,3 +254,24 @@ def test_cuda_matches_cpu():
     out, idx, *_ = unpad_input(xg, mask.cuda(), unused.cuda())
     pad_input(out, idx, batch, seqlen).sum().backward()
     torch.testing.assert_close(xg.grad.cpu(), (mask | unused)[..., None, None].expand_as(x).float())
+
+
+def test_unpad_input_for_concatenated_sequences():
+    from flashtile.bert_padding import unpad_input_for_concatenated_sequences
+
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    x = torch.randn(3, 6, 4)
+    out, indices, cu, max_len = unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu.tolist() == [0, 2, 5, 8, 10, 16] and cu.dtype == torch.int32 and max_len == 6
+    assert indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+    assert torch.equal(out, x.reshape(18, 4)[indices])
+
+
+def test_index_first_axis_residual_grads():
+    from flashtile.bert_padding import index_first_axis_residual
+
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    idx = torch.tensor([5, 0, 2])
+    assert torch.autograd.gradcheck(lambda t: index_first_axis_residual(t, idx), (x,))
+    rows, res = index_first_axis_residual(x, idx)
+    assert torch.equal(rows, x[idx]) and torch.equal(res, x)

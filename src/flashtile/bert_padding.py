@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["index_first_axis", "index_put_first_axis", "pad_input", "unpad_input"]
+__all__ = ["index_first_axis", "index_first_axis_residual", "index_put_first_axis", "pad_input", "unpad_input",
+           "unpad_input_for_concatenated_sequences"]
 
 
 def _row_index(indices: torch.Tensor, width: int) -> torch.Tensor:
@@ -65,6 +66,34 @@ class IndexPutFirstAxis(torch.autograd.Function):
         grad_flat = grad_output.reshape(grad_output.shape[0], width)
         grad_values = torch.gather(grad_flat, 0, _row_index(indices, width))
         return grad_values.reshape(indices.shape[0], *other_shape), None, None
+
+
+class IndexFirstAxisResidual(torch.autograd.Function):
+    """``(input[indices], input)``: the gathered rows plus the whole input as a residual output.
+
+    Both outputs are differentiable; the input's gradient is the residual's gradient plus the gathered
+    rows' gradient scattered back (a fused-MLP helper in FlashAttention uses this shape of op).
+    """
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, indices: torch.Tensor):
+        ctx.save_for_backward(indices)
+        return input[indices], input.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor, grad_residual: torch.Tensor):
+        (indices,) = ctx.saved_tensors
+        grad_input = grad_residual.clone()
+        grad_input.index_add_(0, indices.to(torch.long), grad_output)
+        return grad_input, None
+
+
+def index_first_axis_residual(input: torch.Tensor, indices: torch.Tensor):
+    """Returns ``(input[indices], input)`` with gradients flowing into ``input`` from both outputs.
+
+    input: (n, ...); indices: (total,) -> ((total, ...), (n, ...)).
+    """
+    return IndexFirstAxisResidual.apply(input, indices)
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -146,3 +175,25 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
     """
     output = index_put_first_axis(hidden_states, indices, batch * seqlen)
     return output.reshape(batch, seqlen, *hidden_states.shape[1:])
+
+
+def unpad_input_for_concatenated_sequences(hidden_states: torch.Tensor, attention_mask_in_length: torch.Tensor):
+    """Unpad rows that each hold several samples packed end to end.
+
+    hidden_states: (b, s, ...); attention_mask_in_length: (b, s) int, row i listing the lengths of
+    the samples packed into row i, then zeros (e.g. ``[2, 3, 0, 0, 0, 0]``: tokens 0-1 are one
+    sample, 2-4 another, 5 is padding). Every sample becomes its own varlen sequence.
+    Returns ``(hidden_states_unpad (total, ...), indices (total,), cu_seqlens int32 (n_samples + 1,),
+    max_seqlen_in_batch int)``.
+    """
+    b, s = attention_mask_in_length.shape
+    used = attention_mask_in_length.sum(-1)  # tokens in use per row
+    keep = torch.arange(s, device=used.device).unsqueeze(0) < used.unsqueeze(1)
+    indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
+    flat_lengths = attention_mask_in_length.flatten()
+    seqlens = flat_lengths[flat_lengths > 0].to(torch.int32)  # samples in row-major order
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(seqlens, 0, dtype=torch.int32), (1, 0))
+    max_seqlen = int(seqlens.max().item()) if seqlens.numel() else 0
+    flat = hidden_states.reshape(b * s, *hidden_states.shape[2:])
+    return index_first_axis(flat, indices), indices, cu_seqlens, max_seqlen
+
