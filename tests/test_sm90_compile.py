@@ -55,3 +55,25 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
     # ptxas (Triton 3.6) segfaults on the pipelined variant, so the launcher never asks for it.
     stages = 1 if tma else 2
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, stages) == 9
+
+
+DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
+               "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32"}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_kernels_compile_for_sm90(tmp_path, paged):
+    d = 128
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=paged,
+              HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
+              HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
+              DOT_PRECISION="tf32")
+    # 16-row tiles (one token's GQA group) are below warp-group MMA's 64 rows: Triton uses mma.sync
+    # there, fine for a memory-bound kernel. The check is that it compiles through ptxas.
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 2)
+    cx = dict(HEAD_DIM=d, BLOCK_S=4, BLOCK_D=d)
+    _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", cx, {"O_PART": "*fp32", "LSE_PART": "*fp32"},
+             4, 1)
+    cx = dict(HEAD_DIM=d, BLOCK_H=8, BLOCK_D=d, HAS_SEQLENS=True, HAS_BATCH_IDX=False, PAGED=paged, ROTARY_DIM=64,
+              INTERLEAVED=True)
+    _compile(tmp_path, "_kv_append_kernel", "flashtile.kernels.kv_append", cx, DECODE_INTS, 4, 1)
