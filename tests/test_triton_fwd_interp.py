@@ -133,3 +133,12 @@ def test_forward_and_backward_both_run_the_kernels(monkeypatch):
     used = _spy_backend(monkeypatch)
     check_padded(1, 18, 18, 2, 1, 16, torch.float32, causal=True, grads=True)
     assert ("fwd", "triton") in used and ("bwd", "triton") in used
+
+
+def test_varlen_with_no_keys_at_all(interpreter):
+    # total_k = 0: no tensor descriptor can describe k, the launcher must fall back to pointer loads
+    from attn_cases import varlen_inputs
+
+    q, k, v, cu_q, cu_k = varlen_inputs([3, 4], [0, 0], 2, 1, 16, torch.float32, grads=False)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0, return_attn_probs=True)
+    assert (out == 0).all() and torch.isinf(lse).all()

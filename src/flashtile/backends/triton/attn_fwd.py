@@ -47,9 +47,10 @@ def arch_of(device: torch.device) -> str:
 
 
 def _tma_ok(x: torch.Tensor) -> bool:
-    """TMA needs a 16-byte aligned base and 16-byte multiples for every stride but the last."""
+    """TMA needs a non-empty tensor, a 16-byte aligned base and 16-byte multiples for every stride but
+    the last (an all-empty varlen key set, total_k = 0, has no valid descriptor)."""
     es = x.element_size()
-    return x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:-1])
+    return x.numel() > 0 and x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:-1])
 
 
 def _descriptor(x: torch.Tensor, block_rows: int, block_d: int):
@@ -61,8 +62,8 @@ def _descriptor(x: torch.Tensor, block_rows: int, block_d: int):
 
 
 def use_tma(q, k, v) -> bool:
-    if TMA_OVERRIDE is not None:
-        return TMA_OVERRIDE
+    if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
+        return TMA_OVERRIDE and all(x.numel() > 0 for x in (q, k, v))
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
     return all(_tma_ok(x) for x in (q, k, v))
