@@ -142,3 +142,10 @@ def test_varlen_with_no_keys_at_all(interpreter):
     q, k, v, cu_q, cu_k = varlen_inputs([3, 4], [0, 0], 2, 1, 16, torch.float32, grads=False)
     out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 0, return_attn_probs=True)
     assert (out == 0).all() and torch.isinf(lse).all()
+
+
+def test_padded_with_zero_keys(interpreter):
+    q = torch.randn(2, 5, 2, 16)
+    k = torch.randn(2, 0, 2, 16)
+    out, lse, _ = flashtile.flash_attn_func(q, k, k, return_attn_probs=True)
+    assert out.shape == q.shape and (out == 0).all() and torch.isinf(lse).all()
