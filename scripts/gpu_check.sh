@@ -6,6 +6,7 @@
 #   tests         every gpu-marked test (tests/test_gpu_*.py)
 #   tune          forward config sweep (scripts/tune_fwd.py)      tune-bwd   backward sweep (scripts/tune_bwd.py)
 #   bench         forward benchmark + sliding-window/varlen extras
+#   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files), with $OUT/summary.txt holding the tables; the summary prints last.
@@ -38,6 +39,9 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
         2> "$WORK/bench_fwd.log" >> "$summary"
       python3 scripts/bench_fwd_extras.py --out "$WORK/fwd_extras.json" 2>> "$WORK/bench_fwd.log" >> "$summary" ;;
+    bench-graph)
+      python3 -m flashtile.bench fwd --cuda-graph --out "$WORK/fwd_graph.json" --plot "$WORK/fwd_graph.png" \
+        2> "$WORK/bench_fwd_graph.log" >> "$summary" ;;
     bench-bwd)
       python3 -m flashtile.bench bwd --out "$WORK/bwd.json" --plot "$WORK/bwd.png" 2> "$WORK/bench_bwd.log" >> "$summary"
       python3 -m flashtile.bench fwdbwd --out "$WORK/fwdbwd.json" --plot "$WORK/fwdbwd.png" \

@@ -25,7 +25,7 @@ from flashtile.bench.shapes import (
     make_shapes,
     tflops,
 )
-from flashtile.bench.timing import bench
+from flashtile.bench.timing import bench, bench_graph
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Max |flashtile - SDPA| on outputs above which a row is flagged. Inputs are randn, outputs O(1):
@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--warmup", type=float, default=100, metavar="MS", help="warmup per measurement, ms")
     r.add_argument("--rep", "--reps", dest="rep", type=float, default=100, metavar="MS",
                    help="measured time per measurement, ms")
+    r.add_argument("--cuda-graph", action="store_true",
+                   help="fwd mode: time CUDA-graph replays for every implementation (kernel time without the "
+                        "host launch path; the default timing includes it, as users see it)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--no-check", dest="check", action="store_false",
                    help="skip comparing flashtile's output to SDPA before timing")
@@ -152,7 +155,8 @@ def _time(attn, tensors, mode: str, device: str, args) -> tuple[float, dict]:
     step = lambda: attn(q, k, v).backward(do)
     if mode == "fwd":
         with torch.no_grad():  # inference forward: nothing saved for backward
-            return bench(one, device, args.warmup, args.rep), {}
+            timer = bench_graph if getattr(args, "cuda_graph", False) else bench
+            return timer(one, device, args.warmup, args.rep), {}
     step_ms = bench(step, device, args.warmup, args.rep, grad_to_none=[q, k, v])
     if mode == "fwdbwd":
         return step_ms, {}
@@ -256,6 +260,8 @@ def run(args) -> int:
                       "method": "triton.testing.do_bench" if device == "cuda" else "time.perf_counter"}
     if mode == "bwd":
         meta["timing"]["bwd"] = "(fwd+bwd) - fwd"
+    if mode == "fwd" and getattr(args, "cuda_graph", False):
+        meta["timing"]["cuda_graph"] = True
     impls = [FLASHTILE] + [PEERS[p] for p in dict.fromkeys(args.peers)]
     meta["impls"] = {i.name: i.description for i in impls}
     tol = TOLERANCE[args.dtype]

@@ -16,7 +16,7 @@ import time
 import torch
 
 from flashtile.bench import report
-from flashtile.bench.timing import bench
+from flashtile.bench.timing import bench, bench_graph
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_BATCHES = (1, 8, 32)
@@ -60,16 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _time(fn, device: str, args) -> float:
     """Median microseconds of ``fn()``, optionally as a CUDA-graph replay."""
     if args.cuda_graph and torch.device(device).type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm up (compiles) outside the capture
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return bench(graph.replay, device, args.warmup, args.rep) * 1e3
+        return bench_graph(fn, device, args.warmup, args.rep) * 1e3
     return bench(fn, device, args.warmup, args.rep) * 1e3
 
 

@@ -71,3 +71,21 @@ def bench(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: 
         return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
                               return_mode="median"))
     return _cpu(fn, warmup_ms, rep_ms, grad_to_none)
+
+
+def bench_graph(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds of replaying a CUDA graph of ``fn()``: the kernels' time without the host
+    launch path (Python, argument checks, launch latency). Falls back to :func:`bench` off CUDA."""
+    if torch.device(device).type != "cuda":
+        return bench(fn, device, warmup_ms, rep_ms)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and warm up outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench(graph.replay, device, warmup_ms, rep_ms)
+
