@@ -3,7 +3,8 @@
 #
 # Usage: OUT=/some/dir bash scripts/gpu_check.sh [STEP ...]     (default: tests bench)
 # Steps:
-#   tests         every gpu-marked test (tests/test_gpu_*.py)
+#   tests         every gpu-marked test (tests/test_gpu_*.py); over 300 tests, likely more than one
+#                 10-minute device call: tests-fwd, tests-bwd, tests-kv, tests-rest split them
 #   tune          forward config sweep (scripts/tune_fwd.py)      tune-bwd   backward sweep (scripts/tune_bwd.py)
 #   bench         forward benchmark + sliding-window/varlen extras
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
@@ -25,10 +26,19 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests)
-      python3 -m pytest -q -m gpu --maxfail=20 --durations=10 -p no:cacheprovider tests > "$WORK/gpu_tests.log" 2>&1
-      status=$?
-      tail -n 25 "$WORK/gpu_tests.log" >> "$summary" ;;
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest)
+      case $step in
+        tests) files=(tests) ;;
+        tests-fwd) files=(tests/test_gpu_fwd.py) ;;
+        tests-bwd) files=(tests/test_gpu_bwd.py) ;;
+        tests-kv) files=(tests/test_gpu_kvcache.py) ;;
+        tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py) ;;
+      esac
+      python3 -m pytest -q -m gpu --maxfail=20 --durations=10 -p no:cacheprovider "${files[@]}" \
+        > "$WORK/gpu_$step.log" 2>&1
+      rc=$?
+      [[ $rc -ne 0 ]] && status=$rc
+      tail -n 25 "$WORK/gpu_$step.log" >> "$summary" ;;
     tune)
       python3 scripts/tune_fwd.py ${TUNE_ARGS:-} --out "$WORK/tune_fwd.json" --emit-table "$WORK/fwd_table.json" \
         2> "$WORK/tune_fwd.log" | tail -n 16 >> "$summary" ;;
