@@ -39,8 +39,11 @@ def main():
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--tma", choices=("off", "on", "both"), default="both",
                     help="tensor-descriptor loads in the backward (FLASHTILE_BWD_TMA)")
+    ap.add_argument("--fused-dq", action="store_true",
+                    help="time the fused dK/dV + atomic-dQ variant (FLASHTILE_BWD_FUSED_DQ) instead of the split")
     args = ap.parse_args()
     rows, best = [], {}
+    launcher.FUSED_OVERRIDE = bool(args.fused_dq)
     for d in args.d:
         h, b = 2048 // d, 16384 // args.s
         q, k, v = (torch.randn(b, args.s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -59,12 +62,13 @@ def main():
                     tf, err = flops / ms / 1e9, None
                 except Exception as exc:  # shared-memory or register limits: record and go on
                     ms, tf, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
-                row = dict(d=d, s=args.s, causal=causal, tma=tma, dkdv=kv_cfg, dq=q_cfg, ms=ms, tflops=tf, error=err)
+                row = dict(d=d, s=args.s, causal=causal, tma=tma, fused_dq=bool(args.fused_dq), dkdv=kv_cfg, dq=q_cfg,
+                           ms=ms, tflops=tf, error=err)
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 if tf and tf > best.get((d, causal), (0,))[0]:
                     best[(d, causal)] = (tf, kv_cfg, q_cfg, tma)
-    launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = None
+    launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
     with open(args.out, "w") as f:

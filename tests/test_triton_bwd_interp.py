@@ -102,3 +102,20 @@ def test_tensor_descriptor_path(monkeypatch, kw):
     monkeypatch.setattr(fwd_launcher, "TMA_OVERRIDE", True)
     check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
     check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2),
+                                dict(softcap=2.0)])
+def test_fused_atomic_dq_variant(monkeypatch, kw):
+    # dQ accumulated inside the dK/dV kernel with atomics (off by default until measured)
+    monkeypatch.setattr(bwd_launcher, "FUSED_OVERRIDE", True)
+    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
+    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
+
+
+def test_deterministic_never_takes_the_atomic_path(monkeypatch):
+    from flashtile.params import AttnParams
+
+    monkeypatch.setattr(bwd_launcher, "FUSED_OVERRIDE", True)
+    assert not bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0, deterministic=True))
+    assert bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0))

@@ -21,7 +21,7 @@ from flashtile.kernels.philox import philox_uniform
 
 _BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
                       "stride_qb", "stride_kb", "stride_vb", "stride_dob", "stride_dqb", "stride_dkb",
-                      "stride_dvb", "stride_lse_b", "stride_lse_h", "stride_alibi_b"]
+                      "stride_dvb", "stride_dqab", "stride_lse_b", "stride_lse_h", "stride_alibi_b"]
 
 
 @triton.jit
@@ -127,6 +127,7 @@ def _load_rows(base, desc, b, row0, head, start, offs, offs_d, n_rows, stride_ro
 def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base, bh, block_lo, block_hi,
                 offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
                 qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
+                DQ_ACC, stride_dqam, FUSED_DQ: tl.constexpr,
                 MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -156,22 +157,28 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :]) * factor
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if FUSED_DQ:
+            # this key block's share of dQ, added into an fp32 buffer (scaled and cast afterwards);
+            # atomics make the sum order vary run to run, so deterministic=True never takes this path
+            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
+            tl.atomic_add(DQ_ACC + offs_m[:, None] * stride_dqam + offs_d[None, :], dq_part,
+                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
     seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -203,20 +210,24 @@ def _attn_bwd_dkdv_kernel(
         q_ptr = Q + b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
         do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
         lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
+        dq_acc = DQ_ACC + b64 * stride_dqab + q_row0.to(tl.int64) * stride_dqam + h * stride_dqah
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
                              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, False, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, False, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
                              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
                              HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dk = dk * grad_scale
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],

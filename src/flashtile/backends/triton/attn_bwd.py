@@ -24,6 +24,20 @@ CONFIG_OVERRIDE = None
 TMA_OVERRIDE: bool | None = None
 
 
+# dQ fused into the dK/dV kernel with fp32 atomics, instead of its own kernel: saves recomputing
+# QK^T and dO V^T, costs atomics and run-to-run bit differences (never used with deterministic=True).
+# Off by default until measured on the H200 (FLASHTILE_BWD_FUSED_DQ=1); tests force it.
+FUSED_OVERRIDE: bool | None = None
+
+
+def use_fused_dq(p: AttnParams) -> bool:
+    if p.deterministic:
+        return False
+    if FUSED_OVERRIDE is not None:
+        return FUSED_OVERRIDE
+    return os.environ.get("FLASHTILE_BWD_FUSED_DQ", "0") not in ("", "0")
+
+
 def use_tma(*tensors) -> bool:
     if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
         return TMA_OVERRIDE and all(x.numel() > 0 for x in tensors)
@@ -121,12 +135,19 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     desc_q, desc_do = (_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma else (q, dout)
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
+    fused = use_fused_dq(p)
+    # the fused variant accumulates dQ in fp32 with atomics (zeroed first), then scales and casts once
+    dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
     _attn_bwd_dkdv_kernel[(cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,)](
-        q, k, v, dout, lse, delta, dk, dv, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
-        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
+        *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
+        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags, FUSED_DQ=fused,
         num_warps=w_kv, num_stages=s_kv)
+    if fused:
+        dq.copy_(dq_acc.mul_(p.softmax_scale))
+        return
     feature_flags["USE_TMA"] = tma_dq
     _attn_bwd_dq_kernel[(cdiv(max(seqlen_q, 1), bm_q) * b * h,)](
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
