@@ -142,6 +142,23 @@ def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, w
 
 
 @triton.jit
+def _softmax_update(s, m_i, l_i, acc, MASK: tl.constexpr, P_SHIFT: tl.constexpr):
+    """One online-softmax step in base 2 over a score tile: returns the tile's probabilities (times
+    2**P_SHIFT), the new running max, and the running sum and accumulator rescaled to that max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = m_new
+    if MASK:
+        # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if P_SHIFT != 0:
+        p = tl.math.exp2(s - (m_use - P_SHIFT)[:, None])
+    else:
+        p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+
+
+@triton.jit
 def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, bh, block_lo, block_hi,
                     offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
                     qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
@@ -158,15 +175,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
         cols = start_n + offs_n
         s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
                     window_right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:
-            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
         if HAS_DROPOUT:
             u = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :])
             p = tl.where(u >= dropout_p, p, 0.0)

@@ -27,7 +27,14 @@ pre-rounding both give the same e4m3 values, so interpreter tests check the GPU'
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _load_k_tile, _scores, _sequence_bounds, _tile_coords
+from flashtile.kernels.attn_fwd import (
+    _key_block_ranges,
+    _load_k_tile,
+    _scores,
+    _sequence_bounds,
+    _softmax_update,
+    _tile_coords,
+)
 
 P_SHIFT = 8.0  # log2 of the scale of P before its e4m3 cast (see the module docstring)
 
@@ -83,16 +90,9 @@ def _attn_fwd_fp8_inner(acc, m_i, l_i, q, K, VT, desc_k, desc_vt, k_row0, kv_hea
         # fp8 x fp8 -> fp32; the precision argument only matters for fp32 operands
         s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
                     window_right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, "ieee")
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:
-            # a row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # P scaled by 2**P_SHIFT for free: the shift is applied to the (per-row) max
-        p = tl.math.exp2(s - (m_use - 8.0)[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # P scaled by 2**P_SHIFT (= 2**8) for free (the shift is applied to the per-row max): keeps small
+        # probabilities out of e4m3's subnormal range
+        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 8.0)
         if SOFT_ROUND_P:
             p = _round_to_e4m3_grid(p)
         vt = _load_vt_tile(VT, desc_vt, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_vtd,

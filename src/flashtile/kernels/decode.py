@@ -23,7 +23,7 @@ otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` 
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _tanh
+from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
 from flashtile.kernels.kv_append import _rotary_rows
 
 LOG2E = 1.4426950408889634
@@ -92,15 +92,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
             if HAS_RIGHT:
                 ok = ok & (cols[None, :] <= diag + window_right)
             s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = m_new
-        if MASK:
-            # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
         if MASK:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         else:
