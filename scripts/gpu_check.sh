@@ -9,14 +9,27 @@
 #   bench         forward benchmark + sliding-window/varlen extras
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
+#   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
+# Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
+# TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
-# returns at most 8 files), with $OUT/summary.txt holding the tables; the summary prints last.
+# returns at most 8 files) after every step, so a call cut by its time limit still returns the
+# finished steps; $OUT/summary.txt holds the tables and prints last.
+# Test steps run on GPU_TEST_WORKERS pytest-xdist workers (default 8) when xdist is installed:
+# compiling Triton kernels is most of their time, and it is CPU work that parallelises.
+# Compiled kernels are kept in .triton_cache/ (git-ignored), so a later call on a warm machine reuses them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+xdist=()
+if python3 -c "import xdist" 2>/dev/null && [[ ${GPU_TEST_WORKERS:-8} -gt 1 ]]; then
+  xdist=(-n "${GPU_TEST_WORKERS:-8}")
+fi
+pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(tests bench)
 summary="$OUT/summary.txt"
@@ -34,7 +47,7 @@ for step in "${steps[@]}"; do
         tests-kv) files=(tests/test_gpu_kvcache.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py) ;;
       esac
-      python3 -m pytest -q -m gpu --maxfail=20 --durations=10 -p no:cacheprovider "${files[@]}" \
+      python3 -m pytest -q -m gpu --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" "${files[@]}" \
         > "$WORK/gpu_$step.log" 2>&1
       rc=$?
       [[ $rc -ne 0 ]] && status=$rc
@@ -43,7 +56,7 @@ for step in "${steps[@]}"; do
       python3 scripts/tune_fwd.py ${TUNE_ARGS:-} --out "$WORK/tune_fwd.json" --emit-table "$WORK/fwd_table.json" \
         2> "$WORK/tune_fwd.log" | tail -n 16 >> "$summary" ;;
     tune-bwd)
-      python3 scripts/tune_bwd.py --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
+      python3 scripts/tune_bwd.py ${TUNE_BWD_ARGS:---fused-dq --jobs 8} --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
     bench)
       python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
@@ -53,17 +66,22 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench fwd --cuda-graph --out "$WORK/fwd_graph.json" --plot "$WORK/fwd_graph.png" \
         2> "$WORK/bench_fwd_graph.log" >> "$summary" ;;
     bench-bwd)
-      python3 -m flashtile.bench bwd --out "$WORK/bwd.json" --plot "$WORK/bwd.png" 2> "$WORK/bench_bwd.log" >> "$summary"
-      python3 -m flashtile.bench fwdbwd --out "$WORK/fwdbwd.json" --plot "$WORK/fwdbwd.png" \
-        2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+      python3 -m flashtile.bench bwd ${BENCH_ARGS:-} --out "$WORK/bwd.json" --plot "$WORK/bwd.png" \
+        2> "$WORK/bench_bwd.log" >> "$summary"
+      pack
+      [[ ${BENCH_FWDBWD:-1} == 1 ]] && python3 -m flashtile.bench fwdbwd ${BENCH_ARGS:-} --out "$WORK/fwdbwd.json" \
+        --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+    bench-fp8)
+      python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
+        --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
     bench-decode)
       python3 -m flashtile.bench decode --out "$WORK/decode.json" 2> "$WORK/bench_decode.log" >> "$summary"
       python3 -m flashtile.bench decode --cuda-graph --out "$WORK/decode_graph.json" 2>> "$WORK/bench_decode.log" \
         >> "$summary" ;;
     *) echo "unknown step: $step" | tee -a "$summary"; status=2 ;;
   esac
+  pack
 done
-tar czf "$OUT/gpu_check.tgz" -C "$WORK" .
 echo "== gpu_check done: tests exit status $status; results in $OUT/gpu_check.tgz" | tee -a "$summary"
 cat "$summary"
 exit $status

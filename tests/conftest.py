@@ -5,6 +5,7 @@ machines without a GPU. Kernel tests then opt in per test with FLASHTILE_INTERPR
 """
 
 import os
+import sys
 import zlib
 
 import pytest
@@ -28,3 +29,11 @@ def _fresh_seed(request):
     # A different but reproducible draw per test: never the same inputs everywhere.
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+    if "gpu" in request.node.keywords and torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:  # a kernel fault is sticky: it must be charged to this test, not to every later one
+            torch.cuda.synchronize()
+        except Exception as e:
+            sys.stderr.write(f"\n{request.node.nodeid}: CUDA error after the test: {e}\n")
+            if os.environ.get("PYTEST_XDIST_WORKER"):
+                os._exit(3)  # xdist reports the crash against this test and starts a fresh worker
+            raise

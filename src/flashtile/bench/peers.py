@@ -48,6 +48,26 @@ def _flashtile_build(shape: Shape, device: str) -> AttnFn:
     return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
 
 
+def _flashtile_fp8_build(shape: Shape, device: str) -> AttnFn:
+    """flashtile on e4m3 inputs: the row's bf16 q, k, v are quantised once (untimed, cached by
+    storage) with per-(batch, kv-head) scales, then every call runs the fp8 kernel."""
+    from flashtile import flash_attn_func
+    from flashtile.fp8 import quantize_qkv
+
+    causal = shape.causal
+    cache: dict = {}
+
+    def attn(q, k, v):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in cache:
+            cache.clear()
+            cache[key] = quantize_qkv(q.detach(), k.detach(), v.detach())
+        q8, k8, v8, qd, kd, vd = cache[key]
+        return flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    return attn
+
+
 # -- torch SDPA backends ----------------------------------------------------------------------
 
 def _sdpa_backend(name: str):
@@ -126,6 +146,13 @@ def _flex_build(shape: Shape, device: str) -> AttnFn:
 
 FLASHTILE = Impl("flashtile", "bshd", "flashtile.flash_attn_func", _flashtile_unavailable,
                  _flashtile_build)
+
+# --dtype fp8: flashtile's fp8 kernel is the row's subject; its own bf16 forward becomes a peer
+# (the ratio "flashtile-bf16" is the fp8 speed-up) beside the bf16 peers.
+FLASHTILE_FP8 = Impl("flashtile", "bshd", "flashtile.flash_attn_func on e4m3 q/k/v (flashtile.fp8.quantize_qkv, "
+                     "untimed) with descales, bf16 output", _flashtile_unavailable, _flashtile_fp8_build)
+FLASHTILE_BF16 = Impl("flashtile-bf16", "bshd", "flashtile.flash_attn_func, bf16", _flashtile_unavailable,
+                      _flashtile_build)
 
 # Order here is the column order of tables and plots.
 PEERS: dict[str, Impl] = {

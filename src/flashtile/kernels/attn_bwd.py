@@ -19,9 +19,11 @@ import triton.language as tl
 from flashtile.kernels.attn_fwd import _key_block_ranges, _sequence_bounds, _tanh, _tile_coords
 from flashtile.kernels.philox import philox_uniform
 
-_BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
-                      "stride_qb", "stride_kb", "stride_vb", "stride_dob", "stride_dqb", "stride_dkb",
-                      "stride_dvb", "stride_dqab", "stride_lse_b", "stride_lse_h", "stride_alibi_b"]
+# Lengths, windows and seeds change every call: specialising on them would only recompile. Strides
+# stay specialised: Triton vectorises a load (16-byte cp.async) only when it can prove every term of
+# the address 16-byte aligned, and an unspecialised batch stride made all q/k/v/dO loads 2-byte ones
+# (about half the backward's speed). At most two variants per stride (divisible by 16 or not).
+_BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset"]
 
 
 @triton.jit
@@ -328,11 +330,12 @@ def _attn_bwd_dq_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.
-# First guesses; to be replaced by a measured sweep on the H200 (docs/backward.md).
+# Measured on the H200 (scripts/tune_bwd.py, bf16, s=4096, benchmarks/results/tune_bwd_h200_*.json):
+# dK/dV programs stream small query blocks (32) past 64-128 keys; dQ takes 128-query blocks.
 BWD_CONFIGS = {
-    ("sm90", 64): ((64, 128, 8, 2), (128, 64, 8, 2)),
-    ("sm90", 128): ((64, 128, 8, 2), (128, 64, 8, 2)),
-    ("sm90", 256): ((32, 64, 8, 1), (64, 32, 8, 1)),
+    ("sm90", 64): ((32, 128, 4, 2), (128, 64, 4, 3)),
+    ("sm90", 128): ((32, 64, 4, 2), (128, 64, 8, 3)),
+    ("sm90", 256): ((64, 64, 8, 2), (128, 64, 8, 1)),
     ("default", 64): ((64, 64, 4, 2), (64, 64, 4, 2)),
     ("default", 128): ((64, 64, 4, 1), (64, 64, 4, 1)),
     ("default", 256): ((32, 32, 4, 1), (32, 32, 4, 1)),

@@ -186,10 +186,11 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
     return acc, m_i, l_i
 
 
-# Lengths, seeds and batch strides change every call; specialising on them would only recompile.
+# Lengths and seeds change every call; specialising on them would only recompile. Strides stay
+# specialised: an unspecialised batch stride hides the 16-byte alignment of every pointer-path load
+# and Triton falls back to 2-byte loads (see kernels/attn_bwd.py).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi",
-                              "rng_offset", "stride_qb", "stride_kb", "stride_vb", "stride_ob", "stride_lse_b",
-                              "stride_lse_h", "stride_alibi_b", "stride_pb", "stride_ph", "stride_pm"])
+                              "rng_offset"])
 def _attn_fwd_kernel(
     # pointers (desc_* are tensor descriptors when USE_TMA, else the same tensors again)
     Q, K, V, O, LSE, PROBS, desc_q, desc_k, desc_v,

@@ -102,9 +102,9 @@ def _attn_fwd_fp8_inner(acc, m_i, l_i, q, K, VT, desc_k, desc_vt, k_row0, kv_hea
     return acc, m_i, l_i
 
 
-# Lengths and batch strides change every call; specialising on them would only recompile.
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "stride_qb", "stride_kb",
-                              "stride_vtb", "stride_ob", "stride_lse_b", "stride_lse_h", "stride_alibi_b"])
+# Lengths change every call; specialising on them would only recompile. Strides stay specialised
+# so pointer-path loads can be vectorised (see kernels/attn_bwd.py).
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right"])
 def _attn_fwd_fp8_kernel(
     # pointers (desc_* are tensor descriptors when USE_TMA, else the same tensors again)
     Q, K, VT, O, LSE, desc_q, desc_k, desc_vt,

@@ -102,11 +102,10 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
     return acc, m_i, l_i
 
 
-# Lengths, window bounds and batch strides change between calls; specialising on them would only
-# recompile (and would make a captured decode step depend on them).
+# Lengths and window bounds change between calls; specialising on them would only recompile (and
+# would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "stride_qb", "stride_ob", "stride_lse_b", "stride_opb",
-                              "stride_lpb", "stride_alibi_b", "num_m_blocks"])
+                              "seqlen_ro", "num_m_blocks"])
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
@@ -226,8 +225,7 @@ def _decode_kernel(
                  + t64, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["stride_ops", "stride_opb", "stride_lps", "stride_lpb", "stride_ob",
-                              "stride_lse_b"])
+@triton.jit
 def _combine_kernel(
     O_PART, LSE_PART, O, LSE,
     num_splits, seqlen_q, num_heads,

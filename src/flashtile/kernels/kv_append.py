@@ -41,9 +41,9 @@ def _rotary_rows(row_ptrs, offs_d, pos, row_ok, COS, SIN, stride_cos, seqlen_ro,
     return x.to(tl.float32) * c + sign[None, :] * xp.to(tl.float32) * s
 
 
-# Lengths and batch strides change between calls; specialising on them would only recompile.
-@triton.jit(do_not_specialize=["cache_len_const", "s_new", "stride_knb", "stride_vnb", "stride_kcb",
-                              "stride_vcb", "seqlen_ro", "capacity"])
+# Lengths change between calls; specialising on them would only recompile. Strides stay specialised
+# so the stores can be vectorised (see kernels/attn_bwd.py).
+@triton.jit(do_not_specialize=["cache_len_const", "s_new", "seqlen_ro", "capacity"])
 def _kv_append_kernel(
     # pointers
     K_NEW, V_NEW, K_CACHE, V_CACHE, SEQLENS, BATCH_IDX, BLOCK_TABLE, COS, SIN,
