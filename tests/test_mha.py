@@ -27,9 +27,10 @@ def torch_mha(m: MHA, x, x_kv=None, key_padding_mask=None):
     k = k.repeat_interleave(h // hk, dim=2)
     v = v.repeat_interleave(h // hk, dim=2)
     scores = torch.einsum("bshd,bthd->bhst", q.double(), k.double()) / math.sqrt(d)
-    i = torch.arange(sq).view(sq, 1) + sk - sq
-    j = torch.arange(sk).view(1, sk)
-    ok = torch.ones(sq, sk, dtype=torch.bool)
+    dev = x.device
+    i = torch.arange(sq, device=dev).view(sq, 1) + sk - sq
+    j = torch.arange(sk, device=dev).view(1, sk)
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=dev)
     left, right = m.window_size
     if m.causal:
         right = 0
@@ -38,7 +39,7 @@ def torch_mha(m: MHA, x, x_kv=None, key_padding_mask=None):
     if right >= 0:
         ok &= j <= i + right
     if m.use_alibi:
-        slopes = torch.tensor(get_alibi_slopes(h), dtype=torch.float64).view(1, h, 1, 1)
+        slopes = torch.tensor(get_alibi_slopes(h), dtype=torch.float64, device=dev).view(1, h, 1, 1)
         scores = scores - slopes * (i - j).abs()
     ok = ok.expand(b, 1, sq, sk)
     if key_padding_mask is not None:
