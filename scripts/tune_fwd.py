@@ -30,6 +30,14 @@ REFINE = {
 }
 
 
+# --fp8: the e4m3 kernel (kernels/attn_fwd_fp8.py), TMA path; first guesses and their neighbours
+FP8 = {
+    64: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 4, 3), (128, 64, 8, 4)],
+    128: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 4), (128, 64, 8, 3), (64, 128, 4, 3)],
+    256: [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3)],
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_fwd.json")
@@ -38,10 +46,25 @@ def main():
     ap.add_argument("--seqlens-by-d", default=None,
                     help='per-head-dim seqlens, e.g. "64:512,4096;128:1024,8192" (overrides --seqlens)')
     ap.add_argument("--refine", action="store_true", help="sweep REFINE (TMA only) instead of CONFIGS")
+    ap.add_argument("--fp8", action="store_true", help="sweep FP8 configs of the e4m3 kernel (TMA path)")
     ap.add_argument("--emit-table", default=None,
                     help="write the winners as a FLASHTILE_FWD_CONFIGS file (short rows for s <= 1024)")
     args = ap.parse_args()
     table, paths = (REFINE, (True,)) if args.refine else (CONFIGS, (True, False))
+    call = lambda q, k, v, c: flashtile.flash_attn_func(q, k, v, causal=c)  # noqa: E731
+    if args.fp8:
+        from flashtile.backends.triton import attn_fwd_fp8 as launcher_fp8
+        from flashtile.fp8 import quantize_qkv
+
+        table, paths = FP8, (True,)
+        fp8_cache = {}
+
+        def call(q, k, v, c):
+            if id(q) not in fp8_cache:
+                fp8_cache.clear()
+                fp8_cache[id(q)] = quantize_qkv(q, k, v)
+            q8, k8, v8, qd, kd, vd = fp8_cache[id(q)]
+            return flashtile.flash_attn_func(q8, k8, v8, causal=c, q_descale=qd, k_descale=kd, v_descale=vd)
     rows = []
     by_d = {}
     if args.seqlens_by_d:
@@ -58,10 +81,12 @@ def main():
                 for tma in paths:
                     for cfg in table[d]:
                         launcher.CONFIG_OVERRIDE, launcher.TMA_OVERRIDE = cfg, tma
+                        if args.fp8:
+                            launcher_fp8.CONFIG_OVERRIDE = cfg
                         t0 = time.time()
                         try:
                             ms = triton.testing.do_bench(
-                                lambda q=q, k=k, v=v, c=causal: flashtile.flash_attn_func(q, k, v, causal=c),
+                                lambda q=q, k=k, v=v, c=causal: call(q, k, v, c),
                                 warmup=25, rep=100, return_mode="median")
                             tf, err = flops / ms / 1e9, None
                         except Exception as exc:  # a config can exceed shared memory: record it
@@ -71,6 +96,8 @@ def main():
                         rows.append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
     launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = None
+    if args.fp8:
+        launcher_fp8.CONFIG_OVERRIDE = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     with open(args.out, "w") as f:
