@@ -213,18 +213,19 @@ def _attn_fwd_fp8_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Tuning table: (BLOCK_M, BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket, causal).
-# NOT yet measured: first guesses from the bf16 table (an e4m3 tile is half the bytes of a bf16 one,
-# so wider key blocks fit the same shared memory). fp8 dots need a reduction dim >= 32, hence
-# BLOCK_N >= 32 and BLOCK_D >= 32 everywhere, the interpreter row included.
+# d = 128 and 256: measured on the H200 (scripts/tune_fwd.py --fp8, s = 4096,
+# benchmarks/results/tune_fp8_h200_2026-11-29.json): one warp group on 64 query rows beat every
+# 128-row, 8-warp tile by 10-30%. d <= 64: first guesses, not yet measured. fp8 dots need a
+# reduction dim >= 32, hence BLOCK_N >= 32 and BLOCK_D >= 32 everywhere, the interpreter row included.
 FWD_FP8_CONFIGS = {
     ("sm90", 32, False): (128, 64, 4, 3),
     ("sm90", 32, True): (128, 64, 4, 3),
     ("sm90", 64, False): (128, 128, 8, 3),
     ("sm90", 64, True): (128, 128, 8, 3),
-    ("sm90", 128, False): (128, 128, 8, 3),
-    ("sm90", 128, True): (128, 128, 8, 3),
-    ("sm90", 256, False): (128, 64, 8, 2),
-    ("sm90", 256, True): (128, 64, 8, 2),
+    ("sm90", 128, False): (64, 128, 4, 3),
+    ("sm90", 128, True): (64, 128, 4, 3),
+    ("sm90", 256, False): (64, 64, 4, 3),
+    ("sm90", 256, True): (64, 64, 4, 3),
     ("default", 32, False): (64, 64, 4, 2),
     ("default", 64, False): (64, 64, 4, 2),
     ("default", 128, False): (64, 64, 4, 2),
