@@ -205,12 +205,13 @@ def test_error_backward_is_refused_at_the_forward():
 
 def test_error_fp8_in_functions_without_fp8():
     q8, k8, v8 = (x.to(F8) for x in _qkv(sq=40))
-    with pytest.raises(TypeError, match="fp8 inputs are supported by flash_attn_func and flash_attn_varlen_func"):
+    with pytest.raises(TypeError, match="fp8 inputs are supported by flash_attn_func, flash_attn_varlen_func"):
         flashtile.flash_attn_qkvpacked_func(torch.stack([q8.float(), q8.float(), q8.float()], 2).to(F8))
     with pytest.raises(TypeError, match="fp8 inputs are supported by"):
         flashtile.flash_attn_kvpacked_func(q8, torch.stack([k8.float(), v8.float()], 2).to(F8))
-    with pytest.raises(TypeError):
-        flashtile.flash_attn_with_kvcache(q8, k8, v8)
+    # flash_attn_with_kvcache takes fp8 (tests/test_kvcache_fp8.py), but not mixed with bf16 caches
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        flashtile.flash_attn_with_kvcache(q8, k8.to(torch.bfloat16), v8.to(torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------ accuracy

@@ -191,3 +191,41 @@ def test_long_sequence_and_no_descale():
     ref, _ = attention_ref_fp8(q8[:, -256:], k8, v8, causal=True)
     rel = ((out[:, -256:].float() - ref).norm() / ref.norm()).item()
     assert rel < 0.03, f"last rows relative error {rel:.4f}"
+
+
+@pytest.mark.parametrize("page", [None, 16, 256])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_fp8_kv_cache_decode(page, num_splits):
+    """flash_attn_with_kvcache on e4m3 caches (GQA 32/8, d 128, 8k cache) against the PyTorch path
+    on the same e4m3 tensors (which dequantises and runs the reference): outputs and the appended
+    cache bytes."""
+    from flashtile.backends.reference_kvcache import kvcache_ref
+    from flashtile.fp8 import quantize
+
+    b, h, h_k, d, cap = 2, 32, 8, 128, 8192
+    q8, qd = quantize(torch.randn(b, 1, h, d, device=DEV), h_k)
+    full_k, full_v = torch.randn(b, cap + 1, h_k, d, device=DEV), torch.randn(b, cap + 1, h_k, d, device=DEV)
+    k8_all, kd = quantize(full_k, h_k)
+    v8_all, vd = quantize(full_v, h_k)
+    kc8, vc8 = k8_all[:, :cap].contiguous(), v8_all[:, :cap].contiguous()
+    k8, v8 = k8_all[:, cap:].contiguous(), v8_all[:, cap:].contiguous()
+    lens = torch.tensor([cap - 1, 3000], device=DEV, dtype=torch.int32)
+    args = dict(k=k8, v=v8, cache_seqlens=lens, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    if page is not None:
+        n = cap // page
+        table = torch.randperm(b * n, device=DEV).view(b, n).to(torch.int32)
+        pk = torch.empty(b * n, page, h_k, d, device=DEV, dtype=FP8_DTYPE)
+        pv = torch.empty_like(pk)
+        pk.view(torch.uint8)[table.long()] = kc8.view(torch.uint8).view(b, n, page, h_k, d)
+        pv.view(torch.uint8)[table.long()] = vc8.view(torch.uint8).view(b, n, page, h_k, d)
+        kc8, vc8, args["block_table"] = pk, pv, table
+    rk, rv = kc8.clone(), vc8.clone()
+    ref, ref_lse = kvcache_ref(q8, rk, rv, **{n: x for n, x in args.items() if n != "causal"}, causal=True)
+    poison_allocator()
+    out, lse = flashtile.flash_attn_with_kvcache(q8, kc8, vc8, **args, num_splits=num_splits, return_softmax_lse=True)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err < 2e-2, f"max err {err:.3e}"
+    assert (lse - ref_lse).abs().max().item() < 2e-3
+    assert torch.equal(kc8.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc8.view(torch.uint8), rv.view(torch.uint8))

@@ -433,7 +433,7 @@ def test_torch_compile_fullgraph():
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "the compiled call must update the caches in place"
     torch.library.opcheck(torch.ops.flashtile.kvcache_fwd,
                           (q, kc.clone(), vc.clone(), None, None, None, None, args["cache_seqlens"], -1, None,
-                           None, args["block_table"], 0.25, True, -1, 0, 0.0, True, None, 1),
+                           None, args["block_table"], 0.25, True, -1, 0, 0.0, True, None, 1, None, None, None),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -62,7 +62,8 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
 
 
 DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
-               "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32"}
+               "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32",
+               "K_DESCALE": "*fp32", "V_DESCALE": "*fp32"}
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -71,7 +72,7 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=paged,
               HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-              DOT_PRECISION="tf32")
+              DOT_PRECISION="tf32", IS_FP8=False)
     # 16-row tiles (one token's GQA group) are below warp-group MMA's 64 rows: Triton uses mma.sync
     # there, fine for a memory-bound kernel. The check is that it compiles through ptxas.
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 2)
@@ -81,3 +82,14 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     cx = dict(HEAD_DIM=d, BLOCK_H=8, BLOCK_D=d, HAS_SEQLENS=True, HAS_BATCH_IDX=False, PAGED=paged, ROTARY_DIM=64,
               INTERLEAVED=True)
     _compile(tmp_path, "_kv_append_kernel", "flashtile.kernels.kv_append", cx, DECODE_INTS, 4, 1)
+
+
+def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
+    # e4m3 q and caches, bf16 output, descales; the tiles are upcast to fp16 for the dots
+    d = 128
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=1, PAGED=True, PAGE_ALIGNED=False,
+              HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
+              HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
+              DOT_PRECISION="tf32", IS_FP8=True)
+    types = dict(DECODE_INTS, Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv")
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, 4, 2)

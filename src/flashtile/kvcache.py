@@ -16,9 +16,10 @@ import torch
 
 from flashtile.backends.masking import normalize_window
 from flashtile.dispatch import interpret_requested
-from flashtile.validation import MAX_HEAD_DIM, check_alibi, last_dim_contiguous, window_tuple
+from flashtile.fp8 import FP8_DTYPE
+from flashtile.validation import MAX_HEAD_DIM, check_alibi, check_descale, last_dim_contiguous, window_tuple
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 _DTYPES = _KERNEL_DTYPES + (torch.float64,)  # float64 only on the CPU path
 
 
@@ -66,14 +67,15 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-         alibi_slopes, num_splits):
+         alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None):
     """The checked call on one backend; returns (out (b, sq, h, d), lse (b, h, sq))."""
     if _use_kernels(q.device) and q.dtype in _KERNEL_DTYPES:
         from flashtile.backends.triton.decode import kvcache_fwd
 
         return kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
-                           window_right, softcap, rotary_interleaved, alibi_slopes, num_splits)
+                           window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                           descales=(q_descale, k_descale, v_descale))
     if q.device.type != "cpu":
         _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 "
               "on CUDA; the PyTorch path takes CPU tensors)", TypeError)
@@ -82,7 +84,7 @@ def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache
     seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
     return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                       alibi_slopes)
+                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 # The custom op: torch.compile sees one opaque node that mutates the caches; eager calls skip the
@@ -94,25 +96,29 @@ def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     cache_batch_idx: torch.Tensor | None, cache_leftpad: torch.Tensor | None,
                     block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                     window_right: int, softcap: float, rotary_interleaved: bool,
-                    alibi_slopes: torch.Tensor | None, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    alibi_slopes: torch.Tensor | None, num_splits: int, q_descale: torch.Tensor | None,
+                    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                    softcap, rotary_interleaved, alibi_slopes, num_splits)
+                    softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale)
     return out.contiguous(), lse.contiguous()
 
 
 @_kvcache_fwd_op.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits):
+      alibi_slopes, num_splits, q_descale, k_descale, v_descale):
     b, sq, h, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h, sq), dtype=torch.float32)
+    dtype = torch.bfloat16 if q.dtype == FP8_DTYPE else q.dtype
+    return q.new_empty(q.shape, dtype=dtype), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
+                            q_descale=None, k_descale=None, v_descale=None):
     """Attention of q to a KV cache, after appending new keys/values to it in place.
 
     Shapes (b = batch, sq = new query tokens, h / h_k = query / kv heads, h % h_k == 0, d <= 256):
@@ -132,6 +138,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         causal / window_size / softcap / alibi_slopes ((h,) or (b, h) fp32): as in flash_attn_func,
             aligned bottom-right with key length ``cache_seqlens + s_new - cache_leftpad``.
         num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys (split-KV decoding).
+        q_descale, k_descale, v_descale: keyword-only, FlashAttention-3's fp8 extension: with
+            ``torch.float8_e4m3fn`` q, caches and new k/v, fp32 (b, h_k) descales (None = 1.0);
+            attention runs on ``x.float() * x_descale[batch row, kv head]`` and out is bf16. The
+            new k/v are appended as they are (quantise them with the cache row's scale). No
+            rotary with fp8.
     Returns out (b, sq, h, d), or (out, softmax_lse) with lse fp32 (b, h, sq) when
     ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf.
     """
@@ -143,7 +154,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if x.dim() != 4:
             _fail(f"{name} must have 4 dims {layout}, got shape {tuple(x.shape)}")
     if q.dtype not in _DTYPES:
-        _fail(f"q has unsupported dtype {q.dtype}; supported: float16, bfloat16, float32 (float64 on CPU)", TypeError)
+        _fail(f"q has unsupported dtype {q.dtype}; supported: float16, bfloat16, float32, float8_e4m3fn "
+              "(float64 on CPU)", TypeError)
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if x.dtype != q.dtype:
             _fail(f"{name} must have q's dtype {q.dtype}, got {x.dtype}", TypeError)
@@ -223,6 +235,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(f"cache_seqlens must be an int or an int32 tensor of shape (b,), got {type(cache_seqlens).__name__}",
               TypeError)
 
+    # -- fp8 ------------------------------------------------------------------------------------
+    q_descale, k_descale, v_descale = (
+        check_descale(name, x, q, b, h_k)
+        for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    if q.dtype == FP8_DTYPE and rotary_cos is not None:
+        _fail("rotary_cos/rotary_sin are not supported with fp8 (e4m3) inputs yet: rotate q and the new k "
+              "before quantising them")
+
     # -- rotary -----------------------------------------------------------------------------------
     if (rotary_cos is None) != (rotary_sin is None):
         _fail("rotary_cos and rotary_sin must be given together")
@@ -260,7 +280,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        block_table)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
             cache_leftpad, block_table, float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-            bool(rotary_interleaved), alibi_slopes, num_splits)
+            bool(rotary_interleaved), alibi_slopes, num_splits, q_descale, k_descale, v_descale)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtile.kvcache_fwd(*args)
     else:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 from flashtile.backends.reference import attention_ref
+from flashtile.backends.reference_fp8 import attention_ref_fp8
+from flashtile.fp8 import FP8_DTYPE
 from flashtile.layers.rotary import rotate_at_positions
 
 
@@ -44,7 +46,8 @@ def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, p
 
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
-                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True):
+                window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True,
+                q_descale=None, k_descale=None, v_descale=None):
     """Reference ``flash_attn_with_kvcache``: updates ``k_cache``/``v_cache`` in place, returns ``(out, lse)``.
 
     Shapes as in the contract: q (b, sq, h, d); caches (b_cache, s_cache, h_k, d), or paged
@@ -53,7 +56,12 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     ``cache_batch_idx``/``cache_leftpad`` int (b,). out (b, sq, h, d), lse fp32 (b, h, sq).
     Arguments are assumed valid (``flashtile.kvcache`` checks them). Reads index tensors' values
     on the host, so it is for CPU tensors and tests, not a CUDA hot path.
+
+    fp8 (e4m3) q, caches and new k/v: the append copies the e4m3 bytes, and attention runs on the
+    dequantised values (``x.float() * x_descale[batch row, kv head]``, descales fp32 (b, h_k) or
+    None = 1) through :func:`attention_ref_fp8`; out is bf16 (as the kernels return it).
     """
+    fp8 = q.dtype == FP8_DTYPE
     b, sq = q.shape[:2]
     dev = q.device
     paged = block_table is not None
@@ -83,8 +91,12 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     if k is not None:
         pos = lens.view(-1, 1) + torch.arange(s_new, device=dev).view(1, -1)
         i0, i1 = _cache_index(pos, rows, block_table, page_size)
-        k_cache[i0, i1] = k.to(k_cache.dtype)
-        v_cache[i0, i1] = v.to(v_cache.dtype)
+        if fp8:  # indexing ops are not all implemented for float8: move the bytes
+            k_cache.view(torch.uint8)[i0, i1] = k.view(torch.uint8)
+            v_cache.view(torch.uint8)[i0, i1] = v.view(torch.uint8)
+        else:
+            k_cache[i0, i1] = k.to(k_cache.dtype)
+            v_cache[i0, i1] = v.to(v_cache.dtype)
 
     seqlen_k = lens + s_new - left  # each row's key length after the append
     width = max(int(seqlen_k.max()) if b else 0, 0)
@@ -92,6 +104,13 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     # positions past a row's length are clamped into the row's valid range and masked by seqused_k
     abs_pos = (left.view(-1, 1) + j).clamp(max=capacity - 1).clamp(min=0)
     i0, i1 = _cache_index(abs_pos, rows, block_table, page_size)
+    if fp8:
+        keys = k_cache.view(torch.uint8)[i0, i1].view(FP8_DTYPE)
+        values = v_cache.view(torch.uint8)[i0, i1].view(FP8_DTYPE)
+        out, lse = attention_ref_fp8(q, keys, values, q_descale, k_descale, v_descale, causal=causal,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     softmax_scale=softmax_scale, seqused_k=seqlen_k.clamp(min=0).to(torch.int32))
+        return out.to(torch.bfloat16), lse
     keys = k_cache[i0, i1]
     values = v_cache[i0, i1]
     return attention_ref(q, keys, values, causal=causal, window_size=window_size, softcap=softcap,

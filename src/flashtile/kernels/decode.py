@@ -75,7 +75,8 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         else:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        # fp8 caches: e4m3 -> fp16 is exact; the descales are folded into qk_scale and the output
+        qk = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION)
         if HAS_SOFTCAP:
             # qk_scale holds scale / softcap here; multiply back by softcap, in the log2 domain
             s = _tanh(qk * qk_scale) * (softcap * 1.4426950408889634)
@@ -97,7 +98,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(q.dtype), vt.to(q.dtype), acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -109,6 +110,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
+    Q_DESCALE, K_DESCALE, V_DESCALE,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
@@ -121,13 +123,14 @@ def _decode_kernel(
     stride_lse_b, stride_lse_h,
     stride_ops, stride_opb, stride_opm, stride_oph,
     stride_lps, stride_lpb, stride_lph,
-    stride_bt_b, stride_alibi_b, stride_cos,
+    stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b,
     # constexprs
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
@@ -170,6 +173,15 @@ def _decode_kernel(
     else:
         q = tl.load(q_ptrs[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
                     other=0.0)
+    v_scale = 1.0
+    if IS_FP8:
+        # e4m3 q/k/v with per-(batch, kv head) descales: the dots run in fp16 on exactly upcast tiles
+        # (decode is bound by reading the cache, which stays fp8); q and k descales scale the scores,
+        # the v descale the output
+        q = q.to(tl.float16)
+        ds = b.to(tl.int64) * stride_ds_b + kv_head
+        qk_scale = qk_scale * tl.load(Q_DESCALE + ds) * tl.load(K_DESCALE + ds)
+        v_scale = tl.load(V_DESCALE + ds)
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(ALIBI + b * stride_alibi_b + head, mask=row_ok, other=0.0)
@@ -206,7 +218,7 @@ def _decode_kernel(
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
 
     empty = l_i == 0.0
-    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    out = acc * (tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i)) * v_scale)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
     d_ok = offs_d[None, :] < HEAD_DIM
     if NUM_SPLITS == 1:

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
 
@@ -72,6 +73,8 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     b, s_new, h_k, d = k.shape
     if b == 0 or s_new == 0:
         return
+    if k.dtype == FP8_DTYPE:  # appending e4m3 values is a byte copy (fp8 takes no rotary)
+        k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
     paged = block_table is not None
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
@@ -100,8 +103,12 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
 
 def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
-                window_left, window_right, softcap, alibi_slopes, num_splits):
-    """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq)."""
+                window_left, window_right, softcap, alibi_slopes, num_splits, descales=(None, None, None)):
+    """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq).
+
+    fp8 (e4m3) q and caches take ``descales`` = (q, k, v) fp32 (b, h_k) tensors or None (= 1); the
+    output is then bf16.
+    """
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     group = h // h_k
@@ -113,10 +120,22 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
 
-    out = torch.empty_like(q)
+    is_fp8 = q.dtype == FP8_DTYPE
+    out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16) if is_fp8 else torch.empty_like(q)
     lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
     if b == 0 or sq == 0:
         return out, lse
+    if is_fp8:
+        ones = None
+        ds = []
+        for x in descales:
+            if x is None:
+                ones = ones if ones is not None else torch.ones(b, h_k, device=q.device, dtype=torch.float32)
+                x = ones
+            ds.append(x.contiguous())  # one (h_k, 1) stride pair serves all three in the kernel
+        q_ds, k_ds, v_ds = ds
+    else:
+        q_ds = k_ds = v_ds = lse
     key_blocks = cdiv(max(capacity, 1), block_n)
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
@@ -147,6 +166,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             block_table if paged else dummy,
             alibi if alibi is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
+            q_ds, k_ds, v_ds,
             qk_scale, softcap, window_left, window_right,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
             q.stride(0), q.stride(1), q.stride(2),
@@ -157,14 +177,14 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             *ops, *lps,
             block_table.stride(0) if paged else 0,
             0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
-            rotary_cos.stride(0) if rotary_dim else 0,
+            rotary_cos.stride(0) if rotary_dim else 0, q_ds.stride(0) if is_fp8 else 0,
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             PAGED=paged, PAGE_ALIGNED=page_aligned, HAS_SEQLENS=cache_seqlens is not None,
             HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
             HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
             ROTARY_PER_TOKEN=bool(rotary_per_token),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
             num_warps=num_warps, num_stages=num_stages,
         )
     if num_splits > 1:
@@ -193,7 +213,7 @@ def combine(out_partial, lse_partial, out, lse):
 
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
-                rotary_interleaved, alibi_slopes, num_splits):
+                rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0
     if k is not None:
@@ -207,4 +227,4 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                        rotary_per_token=rotary_per_token, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap,
-                       alibi_slopes=alibi_slopes, num_splits=num_splits)
+                       alibi_slopes=alibi_slopes, num_splits=num_splits, descales=descales)
