@@ -70,7 +70,7 @@ DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK
 def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     d = 128
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=paged,
-              HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
+              PAGE_SHIFT=8, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
               DOT_PRECISION="tf32", IS_FP8=False)
     # 16-row tiles (one token's GQA group) are below warp-group MMA's 64 rows: Triton uses mma.sync
@@ -87,7 +87,7 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
 def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
     # e4m3 q and caches, bf16 output, descales; the tiles are upcast to fp16 for the dots
     d = 128
-    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=1, PAGED=True, PAGE_ALIGNED=False,
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=1, PAGED=True, PAGE_ALIGNED=False, PAGE_SHIFT=4,
               HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
               DOT_PRECISION="tf32", IS_FP8=True)

@@ -33,23 +33,35 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
                  stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, CHECK_N: tl.constexpr):
-    """Element offsets (int64, [BLOCK_N]) of keys ``cols`` in the K and V caches."""
-    pos = (cols + leftpad).to(tl.int64)
+                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, CHECK_N: tl.constexpr):
+    """Element offsets (int64, [BLOCK_N]) of keys ``cols`` in the K and V caches.
+
+    Page arithmetic stays in int32 and never divides a vector by the runtime page size: a 64-bit
+    division per key costs about as much issue time as the tile's loads in this memory-bound loop.
+    Power-of-two pages (PAGE_SHIFT >= 0) use shifts; a tile inside one page needs one scalar divide.
+    """
     if PAGED:
+        pos = cols + leftpad  # int32: cache positions are < 2^31
         if PAGE_ALIGNED:
-            # the whole tile lies in one page: one table read
-            page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + start_n // page_size).to(tl.int64)
+            # the whole tile lies in one page: one table read, offsets inside the page by subtraction
+            page_idx = start_n // page_size
+            page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx).to(tl.int64)
+            in_page = pos - page_idx * page_size
         else:
+            if PAGE_SHIFT >= 0:
+                page_idx = pos >> PAGE_SHIFT
+            else:
+                page_idx = pos // page_size
+            in_page = pos - page_idx * page_size
             if CHECK_N:
-                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + pos // page_size,
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx,
                                mask=cols < seqlen_k, other=0).to(tl.int64)
             else:
-                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + pos // page_size).to(tl.int64)
-        in_page = pos % page_size
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx).to(tl.int64)
         k_off = page * stride_kb + in_page * stride_kn
         v_off = page * stride_vb + in_page * stride_vn
     else:
+        pos = (cols + leftpad).to(tl.int64)
         k_off = cache_row * stride_kb + pos * stride_kn
         v_off = cache_row * stride_vb + pos * stride_vn
     return k_off, v_off
@@ -60,7 +72,8 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
                   leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right,
                   stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
                   MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                  PAGE_ALIGNED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_LEFT: tl.constexpr,
+                  HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks."""
     d_ok = offs_d < HEAD_DIM
@@ -69,7 +82,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
                                     stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                                    PAGED, PAGE_ALIGNED, MASK)
+                                    PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK)
         if MASK:
             n_ok = cols < seqlen_k
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
@@ -126,7 +139,8 @@ def _decode_kernel(
     stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b,
     # constexprs
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -205,17 +219,20 @@ def _decode_kernel(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
         tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        DOT_PRECISION)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
         tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        DOT_PRECISION)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc * (tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i)) * v_scale)[:, None]
