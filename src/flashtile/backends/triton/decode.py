@@ -117,6 +117,11 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     block_d = max(16, next_pow2(d))
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or decode_config(_arch(q.device), block_d)
+    if paged and CONFIG_OVERRIDE is None and num_stages > 1:
+        # Triton's pipeliner gives the block-table load its own stage ahead of the K/V loads that
+        # depend on it: at the contiguous path's depth the K/V tiles got one smem buffer instead of
+        # two (sm_90 TTGIR), so half as many bytes in flight. Two more stages restore two buffers.
+        num_stages += 2
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
 
