@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.backends.triton.host import capability
 from flashtile.dispatch import interpret_requested
 from flashtile.params import AttnParams
 
@@ -21,7 +22,7 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
     if q.dtype == torch.float8_e4m3fn:
         if op != "fwd":
             return "fp8 has a forward kernel only"
-        if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        if q.device.type == "cuda" and capability(q.device) < (8, 9):
             return "the fp8 kernel needs compute capability >= 8.9 (Ada / Hopper) for e4m3 tensor-core dots"
         return None
     if q.dtype not in KERNEL_DTYPES:

@@ -8,7 +8,7 @@ import os
 import torch
 
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -44,7 +44,7 @@ def use_tma(*tensors) -> bool:
     if os.environ.get("FLASHTILE_BWD_TMA", "0") in ("", "0"):
         return False
     q = tensors[0]
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return all(_tma_ok(x) for x in tensors)
 _TABLE_OVERRIDES: dict | None = None

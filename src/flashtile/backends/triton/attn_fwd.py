@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
 from flashtile.params import AttnParams
 
@@ -42,7 +42,7 @@ def config_overrides() -> dict:
 def arch_of(device: torch.device) -> str:
     if device.type != "cuda":
         return "interpret"
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = capability(device)
     return "sm90" if major == 9 else "default"
 
 
@@ -64,7 +64,7 @@ def _descriptor(x: torch.Tensor, block_rows: int, block_d: int):
 def use_tma(q, k, v) -> bool:
     if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
         return TMA_OVERRIDE and all(x.numel() > 0 for x in (q, k, v))
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return all(_tma_ok(x) for x in (q, k, v))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
 
@@ -45,7 +45,7 @@ def _use_tma(q, k, vt) -> bool:
     aligned = all(_tma_ok(x) for x in (q, k, vt))
     if TMA_OVERRIDE is not None:
         return TMA_OVERRIDE and aligned
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return aligned
 

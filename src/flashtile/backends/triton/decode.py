@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
@@ -39,7 +39,7 @@ def num_sms(device: torch.device) -> int:
 def _arch(device: torch.device) -> str:
     if device.type != "cuda":
         return "interpret"
-    return "sm90" if torch.cuda.get_device_capability(device)[0] == 9 else "default"
+    return "sm90" if capability(device)[0] == 9 else "default"
 
 
 @functools.lru_cache(maxsize=4096)  # pure function of a few ints, called on every decode step

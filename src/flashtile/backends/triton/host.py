@@ -9,6 +9,7 @@ decode call).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -25,3 +26,14 @@ def next_pow2(x: int) -> int:
 def device_guard(x: torch.Tensor):
     """Triton launches on the *current* CUDA device and stream: make that the tensors' device."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, asked of the driver once per device: it is on every launch
+    path, and torch's lookup costs about a microsecond each time."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
