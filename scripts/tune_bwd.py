@@ -24,7 +24,7 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import attn_bwd as launcher
-from flashtile.kernels.attn_bwd import bwd_configs
+from flashtile.kernels.attn_bwd import SHORT_SEQLEN, bwd_configs
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). dK/dV programs own BLOCK_N keys and stream BLOCK_M
 # queries; dQ programs own BLOCK_M queries and stream BLOCK_N keys. Pruned on CPU first with ptxas -v
@@ -41,9 +41,9 @@ DQ = {
 }
 
 
-def candidates(d, fused):
+def candidates(d, fused, causal=False, s=0):
     """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase."""
-    cur_kv, cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)))
+    cur_kv, cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, s)
     out = [("split", kv, tuple(cur_q)) for kv in DKDV[d]]
     out += [("split", None, q) for q in DQ[d]]
     if fused:
@@ -85,7 +85,7 @@ def compile_shard(args, shard, nshards):
     for d in args.d:
         for causal in (False, True):
             for tma in args.tma_modes:
-                for kind, kv, qc in candidates(d, args.fused_dq):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
                     # dQ phase: the dK/dV config is unknown yet; the dQ kernel compiles the same for any
                     kv = kv or DKDV[d][0]
                     jobs.append((d, causal, tma, kind, kv, qc))
@@ -127,7 +127,7 @@ def main():
             q, k, v, g, out, flops = inputs(d, args.s, causal)
             for tma in args.tma_modes:
                 win_kv, win_ms = None, float("inf")
-                for kind, kv, qc in candidates(d, args.fused_dq):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
                     phase = "fused" if kind == "fused" else "dkdv" if kv is not None else "dq"
                     if phase == "dq":
                         kv = win_kv or DKDV[d][0]
@@ -150,22 +150,20 @@ def main():
     for key, val in sorted(best.items()):
         print(key, f"{val[0]:.0f}", *val[1:])
     if args.emit_table:
-        # one split-kernel row per head-dim bucket: the dK/dV config with the least causal + non-causal
-        # time (dQ fixed), then the dQ config likewise (its kernel's time does not depend on dK/dV's)
+        # one split-kernel row per (head dim, causal): the dK/dV config with the least time (dQ fixed),
+        # then the dQ config likewise (its kernel's time does not depend on dK/dV's); rows from a
+        # sweep at s <= SHORT_SEQLEN are "short" rows, used only for sequences that short
         table = {}
+        short = ",short" if args.s <= SHORT_SEQLEN else ""
         for d in args.d:
-            pick = []
-            for phase, field in (("dkdv", "dkdv"), ("dq", "dq")):
-                total = {}
-                for r in rows:
-                    if r["d"] == d and r["phase"] == phase and not r["tma"]:
-                        t = total.setdefault(tuple(r[field]), [0.0, 0])
-                        t[0] += r["ms"] if r["ms"] else float("inf")
-                        t[1] += 1
-                ok = {key: t for key, (t, n) in total.items() if n == 2}
-                pick.append(list(min(ok, key=ok.get)) if ok else None)
-            if all(pick):
-                table[f"sm90,{d}"] = pick
+            for causal in (False, True):
+                pick = []
+                for phase in ("dkdv", "dq"):
+                    ok = {tuple(r[phase]): r["ms"] for r in rows
+                          if r["d"] == d and r["causal"] == causal and r["phase"] == phase and not r["tma"] and r["ms"]}
+                    pick.append(list(min(ok, key=ok.get)) if ok else None)
+                if all(pick):
+                    table[f"sm90,{d},{causal}{short}"] = pick
         with open(args.emit_table, "w") as f:
             json.dump(table, f, indent=1)
         print("table:", json.dumps(table))

@@ -16,7 +16,7 @@ Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _sequence_bounds, _tanh, _tile_coords
+from flashtile.kernels.attn_fwd import SHORT_SEQLEN, _key_block_ranges, _sequence_bounds, _tanh, _tile_coords
 from flashtile.kernels.philox import philox_uniform
 
 # Lengths, windows and seeds change every call: specialising on them would only recompile. Strides
@@ -343,12 +343,21 @@ BWD_CONFIGS = {
 }
 
 
-def bwd_configs(arch: str, block_d: int, overrides=None):
-    """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket; ``overrides`` wins."""
+def bwd_configs(arch: str, block_d: int, overrides=None, causal: bool = False, max_seqlen: int = 0):
+    """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket; ``overrides`` wins.
+
+    Rows are keyed (arch, bucket); a more specific row (arch, bucket, causal) and, for sequences of
+    at most SHORT_SEQLEN (max of sq, sk), (arch, bucket, causal, "short") take precedence when
+    present (the forward table's scheme).
+    """
     if arch == "interpret":
         return BWD_CONFIGS[("interpret", 0)]
     bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    keys = [(arch, bucket, causal), (arch, bucket)]
+    if 0 < max_seqlen <= SHORT_SEQLEN:
+        keys.insert(0, (arch, bucket, causal, "short"))
     for table in (overrides or {}, BWD_CONFIGS):
-        if (arch, bucket) in table:
-            return table[(arch, bucket)]
+        for key in keys:
+            if key in table:
+                return table[key]
     return BWD_CONFIGS[("default", bucket)]

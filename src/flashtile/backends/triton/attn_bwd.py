@@ -53,7 +53,8 @@ _TABLE_OVERRIDES: dict | None = None
 def config_overrides() -> dict:
     """BWD_CONFIGS rows from the JSON file named by FLASHTILE_BWD_CONFIGS (tuning runs), if any.
 
-    The file maps "arch,bucket" (e.g. "sm90,128") to [[dkdv BM, BN, warps, stages], [dq ...]].
+    The file maps "arch,bucket[,causal[,short]]" (e.g. "sm90,128" or "sm90,128,True,short") to
+    [[dkdv BM, BN, warps, stages], [dq ...]].
     """
     global _TABLE_OVERRIDES
     if _TABLE_OVERRIDES is None:
@@ -62,8 +63,10 @@ def config_overrides() -> dict:
         if path:
             with open(path) as f:
                 for key, (kv_cfg, q_cfg) in json.load(f).items():
-                    arch, bucket = key.split(",")
-                    _TABLE_OVERRIDES[(arch, int(bucket))] = (tuple(kv_cfg), tuple(q_cfg))
+                    parts = key.split(",")
+                    parsed = (parts[0], int(parts[1]), *([parts[2] == "True"] if len(parts) > 2 else []),
+                              *parts[3:])
+                    _TABLE_OVERRIDES[parsed] = (tuple(kv_cfg), tuple(q_cfg))
     return _TABLE_OVERRIDES
 
 
@@ -84,8 +87,9 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
+    max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if p.varlen else max(q.shape[1], k.shape[1])
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(
-        arch_of(q.device), block_d, config_overrides())
+        arch_of(q.device), block_d, config_overrides(), p.causal, max_seqlen)
     if p.varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k

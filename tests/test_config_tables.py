@@ -1,0 +1,31 @@
+"""Tuning-table lookups: the backward's (arch, bucket[, causal[, "short"]]) rows and the file override."""
+
+import json
+
+from flashtile.backends.triton import attn_bwd as launcher
+from flashtile.kernels.attn_bwd import BWD_CONFIGS, SHORT_SEQLEN, bwd_configs
+
+A = ((16, 32, 4, 1), (32, 16, 4, 1))
+B = ((32, 32, 4, 2), (64, 16, 4, 2))
+
+
+def test_bwd_lookup_prefers_the_most_specific_row():
+    base = BWD_CONFIGS[("sm90", 128)]
+    assert bwd_configs("sm90", 128) == base
+    table = {("sm90", 128, True, "short"): A, ("sm90", 128, False): B}
+    assert bwd_configs("sm90", 128, table, True, SHORT_SEQLEN) == A
+    assert bwd_configs("sm90", 128, table, True, SHORT_SEQLEN + 1) == base  # not short: falls back
+    assert bwd_configs("sm90", 128, table, False, 512) == B  # no short row for non-causal: causal row
+    assert bwd_configs("sm90", 100, table, False, 512) == B  # d = 100 is in the 128 bucket
+    assert bwd_configs("interpret", 128, table, True, 512) == BWD_CONFIGS[("interpret", 0)]
+
+
+def test_bwd_override_file_keys(tmp_path, monkeypatch):
+    path = tmp_path / "bwd_table.json"
+    path.write_text(json.dumps({"sm90,64": [list(A[0]), list(A[1])],
+                                "sm90,128,True,short": [list(B[0]), list(B[1])]}))
+    monkeypatch.setenv("FLASHTILE_BWD_CONFIGS", str(path))
+    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
+    table = launcher.config_overrides()
+    assert table == {("sm90", 64): A, ("sm90", 128, True, "short"): B}
+    assert bwd_configs("sm90", 128, table, True, 256) == B
