@@ -51,6 +51,9 @@ def main():
     ap.add_argument("--emit-table", default=None,
                     help="write the winners as a FLASHTILE_FWD_CONFIGS file (short rows for s <= 1024)")
     args = ap.parse_args()
+    if args.fp8 and args.emit_table:
+        ap.error("--emit-table writes FLASHTILE_FWD_CONFIGS rows for the bf16 kernel; fp8 winners go into "
+                 "FWD_FP8_CONFIGS (kernels/attn_fwd_fp8.py) by hand")
     table, paths = (REFINE, (True,)) if args.refine else (CONFIGS, (True, False))
     call = lambda q, k, v, c: flashtile.flash_attn_func(q, k, v, causal=c)  # noqa: E731
     if args.fp8:

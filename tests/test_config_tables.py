@@ -29,3 +29,15 @@ def test_bwd_override_file_keys(tmp_path, monkeypatch):
     table = launcher.config_overrides()
     assert table == {("sm90", 64): A, ("sm90", 128, True, "short"): B}
     assert bwd_configs("sm90", 128, table, True, 256) == B
+
+
+def test_bwd_override_file_rejects_bad_keys(tmp_path, monkeypatch):
+    import pytest
+
+    path = tmp_path / "bwd_table.json"
+    path.write_text(json.dumps({"sm90,128,short": [list(A[0]), list(A[1])]}))
+    monkeypatch.setenv("FLASHTILE_BWD_CONFIGS", str(path))
+    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
+    with pytest.raises(ValueError, match="bad key 'sm90,128,short'"):
+        launcher.config_overrides()
+    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)

@@ -77,8 +77,8 @@ def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache
                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
                            descales=(q_descale, k_descale, v_descale))
     if q.device.type != "cpu":
-        _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 "
-              "on CUDA; the PyTorch path takes CPU tensors)", TypeError)
+        _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 and "
+              "float8_e4m3fn on CUDA; the PyTorch path takes CPU tensors)", TypeError)
     from flashtile.backends.reference_kvcache import kvcache_ref
 
     seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
@@ -239,6 +239,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     q_descale, k_descale, v_descale = (
         check_descale(name, x, q, b, h_k)
         for name, x in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)))
+    if q.dtype == FP8_DTYPE and q.device.type == "cuda":
+        from flashtile.backends.triton.host import capability
+
+        if capability(q.device) < (8, 9):
+            _fail(f"fp8 (e4m3) caches need compute capability >= 8.9 (Ada / Hopper); {q.device} is "
+                  f"{capability(q.device)}", TypeError)
     if q.dtype == FP8_DTYPE and rotary_cos is not None:
         _fail("rotary_cos/rotary_sin are not supported with fp8 (e4m3) inputs yet: rotate q and the new k "
               "before quantising them")

@@ -58,8 +58,9 @@ def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, pa
                                mask=cols < seqlen_k, other=0).to(tl.int64)
             else:
                 page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx).to(tl.int64)
-        k_off = page * stride_kb + in_page * stride_kn
-        v_off = page * stride_vb + in_page * stride_vn
+        # the multiplies in int64: a page-major cache view can have a row stride near 2^31 / page_size
+        k_off = page * stride_kb + in_page.to(tl.int64) * stride_kn
+        v_off = page * stride_vb + in_page.to(tl.int64) * stride_vn
     else:
         pos = (cols + leftpad).to(tl.int64)
         k_off = cache_row * stride_kb + pos * stride_kn

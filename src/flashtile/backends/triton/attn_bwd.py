@@ -58,15 +58,22 @@ def config_overrides() -> dict:
     """
     global _TABLE_OVERRIDES
     if _TABLE_OVERRIDES is None:
-        _TABLE_OVERRIDES = {}
+        table = {}
         path = os.environ.get("FLASHTILE_BWD_CONFIGS")
         if path:
             with open(path) as f:
                 for key, (kv_cfg, q_cfg) in json.load(f).items():
                     parts = key.split(",")
+                    ok = (2 <= len(parts) <= 4 and parts[1].isdigit()
+                          and (len(parts) < 3 or parts[2] in ("True", "False"))
+                          and (len(parts) < 4 or parts[3] == "short"))
+                    if not ok:
+                        raise ValueError(f"FLASHTILE_BWD_CONFIGS ({path}): bad key {key!r}; expected "
+                                         f"'arch,bucket[,True|False[,short]]', e.g. 'sm90,128,True,short'")
                     parsed = (parts[0], int(parts[1]), *([parts[2] == "True"] if len(parts) > 2 else []),
                               *parts[3:])
-                    _TABLE_OVERRIDES[parsed] = (tuple(kv_cfg), tuple(q_cfg))
+                    table[parsed] = (tuple(kv_cfg), tuple(q_cfg))
+        _TABLE_OVERRIDES = table
     return _TABLE_OVERRIDES
 
 
