@@ -151,3 +151,18 @@ def test_cuda_requested_without_cuda_fails_cleanly(capsys):
         pytest.skip("a CUDA device is present")
     assert main(["fwd", "--device", "cuda", "--quick"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_fwd_fp8_quick_cpu(tmp_path):
+    """--dtype fp8: flashtile on e4m3 inputs, its own bf16 forward as the reference column."""
+    out = tmp_path / "fp8.json"
+    fast = [a if a != "fp16" else "fp8" for a in FAST]
+    assert main(["fwd", *fast, "--peers", "flash", "--out", str(out)]) == 0
+    rows = _load(out)["rows"]
+    assert len(rows) == 4 and all(r["dtype"] == "fp8" for r in rows)
+    for r in rows:
+        assert list(r["ms"]) == ["flashtile", "flashtile-bf16", "flash"]
+        assert r["ms"]["flashtile"] and r["ms"]["flashtile-bf16"]
+        assert r["ratios"]["flashtile-bf16"] == pytest.approx(r["ms"]["flashtile-bf16"] / r["ms"]["flashtile"])
+        assert r["max_err"] is not None and r["max_err"] < 0.25  # e4m3 on randn: checked, and bounded
+    assert main(["bwd", *fast, "--out", str(tmp_path / "x.json")]) == 2  # fp8 is forward only
