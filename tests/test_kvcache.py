@@ -212,11 +212,14 @@ def _run_and_check(q, k_cache, v_cache, args, num_splits=0, atol=None):
     return out, lse, kc
 
 
-@pytest.fixture(params=["cpu", "interp"])
+@pytest.fixture(params=["cpu", "interp", "interp_append_kernel"])
 def path(request, monkeypatch):
-    """Run through the PyTorch path or through the Triton kernels in the interpreter (spied)."""
+    """Run through the PyTorch path or through the Triton kernels in the interpreter (spied), with the
+    append fused into the decode kernel (the default) or as its own kernel first."""
     used = []
-    if request.param == "interp":
+    if request.param == "interp_append_kernel":
+        monkeypatch.setattr(launcher, "FUSED_APPEND", False)
+    if request.param != "cpu":
         monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
         monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
         monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)  # several query-row blocks once sq * group > 16
@@ -230,7 +233,7 @@ def path(request, monkeypatch):
     else:
         monkeypatch.delenv("FLASHTILE_INTERPRET", raising=False)
     yield request.param
-    assert (request.param == "interp") == bool(used), "the expected backend did not run"
+    assert (request.param != "cpu") == bool(used), "the expected backend did not run"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -332,8 +335,11 @@ def test_combine_errors():
                            out=torch.empty(1, 1, 2, 8, device="meta"))
 
 
-def test_kernel_grids_are_flat(monkeypatch):
-    """Batch (x kv heads) goes on grid axis 0 in every launch: CUDA caps axes 1 and 2 at 65535."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_append", "append_kernel"])
+def test_kernel_grids_are_flat(monkeypatch, fused):
+    """Batch (x kv heads) goes on grid axis 0 in every launch: CUDA caps axes 1 and 2 at 65535.
+    With the append fused into the decode kernel there is no separate append launch."""
+    monkeypatch.setattr(launcher, "FUSED_APPEND", fused)
     monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
     monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
@@ -350,8 +356,10 @@ def test_kernel_grids_are_flat(monkeypatch):
     # b=3, h_k=2, sq * group = 3 * 6 = 18 rows -> 2 row blocks of 16, 3 splits, 2 new tokens
     q, kc, vc, args = make_case(b=3, sq=3, s_new=2, h=12, h_k=2, cap=70, causal=True)
     _run_and_check(q, kc, vc, args, num_splits=3)
-    assert grids == {"_kv_append_kernel": (2 * 3,), "_decode_kernel": (3 * 2 * 3 * 2,),
-                     "_combine_kernel": (3 * 3 * 12,)}
+    expected = {"_decode_kernel": (3 * 2 * 3 * 2,), "_combine_kernel": (3 * 3 * 12,)}
+    if not fused:
+        expected["_kv_append_kernel"] = (2 * 3,)
+    assert grids == expected
 
 
 # ---------------------------------------------------------------------------------------------

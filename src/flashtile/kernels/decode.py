@@ -72,11 +72,18 @@ def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, pa
 def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk_hi, t, slope, offs_n, offs_d,
                   leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right,
                   stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+                  K_NEW, V_NEW, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos, seqlen_ro,
                   MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks."""
+                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
+    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
+
+    NEW (implies MASK): the blocks hold this call's new keys at relative positions >= new_start;
+    those come straight from K_NEW / V_NEW (rotated at ``cache_len + t`` and rounded to the cache
+    dtype, exactly what the cache receives), the older ones from the cache.
+    """
     d_ok = offs_d < HEAD_DIM
     for blk in range(blk_lo, blk_hi):
         start_n = blk * BLOCK_N
@@ -86,6 +93,20 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
                                     PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK)
         if MASK:
             n_ok = cols < seqlen_k
+        if NEW:
+            fresh = n_ok & (cols >= new_start)
+            tn = (cols - new_start).to(tl.int64)  # negative for cache keys: those lanes are masked off
+            kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & (cols < new_start)[None, :],
+                         other=0.0)
+            if ROTARY_DIM > 0:
+                kn = _rotary_rows(K_NEW + tn * stride_knt, offs_d, cache_len + (cols - new_start), fresh, COS, SIN,
+                                  stride_cos, seqlen_ro, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
+                kn = tl.trans(kn.to(K.dtype.element_ty))
+            else:
+                kn = tl.load(K_NEW + tn[None, :] * stride_knt + offs_d[:, None], mask=d_ok[:, None] & fresh[None, :],
+                             other=0.0)
+            kt = tl.where(fresh[None, :], kn, kt)
+        elif MASK:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         else:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
@@ -108,7 +129,13 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
                 ok = ok & (cols[None, :] <= diag + window_right)
             s = tl.where(ok, s, float("-inf"))
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
-        if MASK:
+        if NEW:
+            vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=(cols < new_start)[:, None] & d_ok[None, :],
+                         other=0.0)
+            vn = tl.load(V_NEW + tn[:, None] * stride_vnt + offs_d[None, :], mask=fresh[:, None] & d_ok[None, :],
+                         other=0.0)
+            vt = tl.where(fresh[:, None], vn, vt)
+        elif MASK:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         else:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
@@ -120,15 +147,15 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
 # Lengths and window bounds change between calls; specialising on them would only recompile (and
 # would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "num_m_blocks"])
+                              "seqlen_ro", "num_m_blocks", "capacity"])
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE,
+    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
-    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks,
+    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks, capacity,
     # strides
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -138,6 +165,7 @@ def _decode_kernel(
     stride_ops, stride_opb, stride_opm, stride_oph,
     stride_lps, stride_lpb, stride_lph,
     stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b,
+    stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     # constexprs
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr,
@@ -145,7 +173,7 @@ def _decode_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr,
 ):
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
@@ -213,27 +241,68 @@ def _decode_kernel(
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
+    new_start = seqlen_k - s_new  # relative position of this call's first new key
+    kn_base = K_NEW + b.to(tl.int64) * stride_knb + kv_head * stride_knh
+    vn_base = V_NEW + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh
+    new_blk = hi
+    if FUSED_NEW:
+        # The new keys/values (the append, fused): every program reads them from K_NEW / V_NEW in
+        # its last blocks, and one program per (batch row, kv head) writes them into the cache for
+        # later calls. No program reads the cache positions being written, so there is no race.
+        new_blk = tl.maximum(new_start, 0) // BLOCK_N
+        if (split == 0) & (pid_m == 0):
+            for t0 in range(0, s_new, BLOCK_N):
+                tn = t0 + offs_n
+                ok = (tn < s_new) & (cache_len + tn < capacity)  # never write past the cache's end
+                w_ok = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+                k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, 0, cache_len - leftpad + tn, leftpad,
+                                            seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
+                                            stride_bt_b, PAGED, False, PAGE_SHIFT, True)
+                if ROTARY_DIM > 0:
+                    kw = _rotary_rows(kn_base + tn.to(tl.int64) * stride_knt, offs_d, cache_len + tn, ok, COS, SIN,
+                                      stride_cos, seqlen_ro, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
+                else:
+                    kw = tl.load(kn_base + tn.to(tl.int64)[:, None] * stride_knt + offs_d[None, :], mask=w_ok,
+                                 other=0.0)
+                tl.store(k_base + k_off[:, None] + offs_d[None, :], kw.to(K.dtype.element_ty), mask=w_ok)
+                vw = tl.load(vn_base + tn.to(tl.int64)[:, None] * stride_vnt + offs_d[None, :], mask=w_ok, other=0.0)
+                tl.store(v_base + v_off[:, None] + offs_d[None, :], vw.to(V.dtype.element_ty), mask=w_ok)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
-        tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
-        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        tl.minimum(tl.minimum(full_lo, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
+        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
+        stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
+        seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
-        tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
-        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
+        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
+        stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
+        seqlen_ro,
         False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
-        tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size,
-        qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+        tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
+        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
+        stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
+        seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
+    if FUSED_NEW:  # the blocks holding new keys, all masked
+        acc, m_i, l_i = _decode_inner(
+            acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(tl.maximum(lo, s_lo), new_blk),
+            tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
+            page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
+            stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
+            seqlen_ro,
+            True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED)
 
     empty = l_i == 0.0
     out = acc * (tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i)) * v_scale)[:, None]

@@ -20,6 +20,9 @@ H200_SMS = 132  # the split heuristic's target when no CUDA device is there to a
 
 # Tests pin a tiny config here: (BLOCK_N, num_warps, num_stages).
 CONFIG_OVERRIDE: tuple[int, int, int] | None = None
+# The append runs inside the decode kernel (one launch fewer per step); False = the separate
+# append kernel first (kept for comparison; tests run both).
+FUSED_APPEND = True
 # A split of fewer key blocks than this costs more in the combine than it gains in parallelism.
 MIN_BLOCKS_PER_SPLIT = 2
 MAX_SPLITS = 128
@@ -103,11 +106,13 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
 
 def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
-                window_left, window_right, softcap, alibi_slopes, num_splits, descales=(None, None, None)):
+                window_left, window_right, softcap, alibi_slopes, num_splits, descales=(None, None, None),
+                k_new=None, v_new=None):
     """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq).
 
     fp8 (e4m3) q and caches take ``descales`` = (q, k, v) fp32 (b, h_k) tensors or None (= 1); the
-    output is then bf16.
+    output is then bf16. ``k_new``/``v_new`` (b, s_new, h_k, d): this call's new keys/values, appended
+    by the kernel itself (the cache then is not yet updated when this is called).
     """
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
@@ -155,6 +160,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
         ops, lps = (0, 0, 0, 0), (0, 0, 0)
 
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
+    fused = k_new is not None and k_new.shape[1] > 0
     qk_scale = softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E
     alibi = alibi_slopes
     dummy = lse
@@ -171,9 +177,10 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             block_table if paged else dummy,
             alibi if alibi is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
-            q_ds, k_ds, v_ds,
+            q_ds, k_ds, v_ds, k_new if fused else dummy, v_new if fused else dummy,
             qk_scale, softcap, window_left, window_right,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
+            capacity,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -183,6 +190,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             block_table.stride(0) if paged else 0,
             0 if alibi is None or alibi.dim() == 1 else alibi.stride(0),
             rotary_cos.stride(0) if rotary_dim else 0, q_ds.stride(0) if is_fp8 else 0,
+            *(k_new.stride()[:3] if fused else (0, 0, 0)), *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             PAGED=paged, PAGE_ALIGNED=page_aligned,
             PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
@@ -191,7 +199,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0, HAS_SOFTCAP=softcap > 0,
             HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
             ROTARY_PER_TOKEN=bool(rotary_per_token),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             num_warps=num_warps, num_stages=num_stages,
         )
     if num_splits > 1:
@@ -222,11 +230,12 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
-    s_new = 0
-    if k is not None:
+    s_new = 0 if k is None else k.shape[1]
+    # the decode kernel appends by itself, unless it has no program to do it (no query rows)
+    fused = FUSED_APPEND and s_new > 0 and q.shape[0] > 0 and q.shape[1] > 0
+    if k is not None and not fused:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved)
-        s_new = k.shape[1]
     rotary_per_token = causal or window_left >= 0 or window_right >= 0
     return decode_attn(q, k_cache, v_cache, s_new=s_new, cache_seqlens=cache_seqlens,
                        cache_len_const=cache_len_const, cache_batch_idx=cache_batch_idx,
@@ -234,4 +243,5 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                        rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
                        rotary_per_token=rotary_per_token, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap,
-                       alibi_slopes=alibi_slopes, num_splits=num_splits, descales=descales)
+                       alibi_slopes=alibi_slopes, num_splits=num_splits, descales=descales,
+                       k_new=k if fused else None, v_new=v if fused else None)
