@@ -75,9 +75,11 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
     bench-decode)
-      python3 -m flashtile.bench decode --out "$WORK/decode.json" 2> "$WORK/bench_decode.log" >> "$summary"
-      python3 -m flashtile.bench decode --cuda-graph --out "$WORK/decode_graph.json" 2>> "$WORK/bench_decode.log" \
-        >> "$summary" ;;
+      python3 -m flashtile.bench decode --out "$WORK/decode.json" --plot "$WORK/decode.png" \
+        2> "$WORK/bench_decode.log" >> "$summary"
+      pack
+      python3 -m flashtile.bench decode --cuda-graph --out "$WORK/decode_graph.json" --plot "$WORK/decode_graph.png" \
+        2>> "$WORK/bench_decode.log" >> "$summary" ;;
     *) echo "unknown step: $step" | tee -a "$summary"; status=2 ;;
   esac
   pack

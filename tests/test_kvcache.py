@@ -471,8 +471,11 @@ def test_bench_decode_cpu_smoke(tmp_path):
     from flashtile.bench import main
 
     out = tmp_path / "decode.json"
-    rc = main(["decode", "--device", "cpu", "--quick", "--warmup", "1", "--rep", "3", "--out", str(out)])
+    png = tmp_path / "decode.png"
+    rc = main(["decode", "--device", "cpu", "--quick", "--warmup", "1", "--rep", "3", "--out", str(out),
+               "--plot", str(png)])
     assert rc == 0
+    assert png.stat().st_size > 10_000  # a real image, one panel per batch size
     import json
 
     data = json.loads(out.read_text())

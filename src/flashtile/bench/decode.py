@@ -48,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cuda-graph", action="store_true",
                    help="time a CUDA-graph replay of each call (removes Python launch overhead)")
     r.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
+    r.add_argument("--plot", metavar="PATH.png", help="also draw time over the HBM floor per batch size")
     r.add_argument("--warmup", type=float, default=25, metavar="MS")
     r.add_argument("--rep", "--reps", dest="rep", type=float, default=100, metavar="MS")
     r.add_argument("--seed", type=int, default=0)
@@ -232,6 +233,14 @@ def run(args) -> int:
     report.write_json(out_path, meta, rows)
     print(format_table(rows, names, meta))
     print(f"\nwrote {out_path}")
+    if args.plot:
+        from flashtile.bench.plot import plot_decode
+
+        try:
+            plot_decode({"meta": meta, "rows": rows}, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError as e:  # the numbers are already saved; a plot can be made later
+            report.eprint(f"note: no plot ({e}); later: python -m flashtile.bench plot {out_path} {args.plot}")
     mismatches = sum(r["mismatch"] for r in rows)
     if mismatches:
         report.eprint(f"WARNING: {mismatches} row(s) where flashtile disagrees with SDPA (MISMATCH)")

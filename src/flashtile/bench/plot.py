@@ -1,4 +1,4 @@
-"""Grouped bar charts of TFLOP/s: one panel per head dim, one bar per implementation."""
+"""Grouped bar charts: TFLOP/s per head dim (fwd/bwd/fwdbwd), or decode time over the HBM floor per batch size."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def plot_results(data: dict, path: str) -> None:
     rows, meta = data["rows"], data.get("meta", {})
     if not rows:
         raise ValueError("no rows to plot")
+    if rows[0].get("mode") == "decode":
+        plot_decode(data, path)
+        return
     impls = _impl_order(rows)
     dims = sorted({r["d"] for r in rows})
     per_dim = {d: [r for r in rows if r["d"] == d] for d in dims}
@@ -72,8 +75,56 @@ def plot_results(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_decode(data: dict, path: str) -> None:
+    """Decode rows: one panel per batch size, bars = each implementation's time over the HBM floor
+    (1.0 = reading the cache at copy bandwidth; the issue's bars are 1.15 at long caches, 2 at b=1 8k)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows, meta = data["rows"], data.get("meta", {})
+    impls = list(dict.fromkeys(["flashtile"] + [name for r in rows for name in r["us"]]))
+    batches = sorted({r["b"] for r in rows})
+    per_b = {b: [r for r in rows if r["b"] == b] for b in batches}
+    widest = max(len(v) for v in per_b.values())
+    fig = Figure(figsize=(max(7.0, 0.35 * widest * (len(impls) + 1)), 3.0 * len(batches)))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
+    bar_w = 0.8 / len(impls)
+    for ax, b in zip(axes, batches):
+        rs = per_b[b]
+        top = 1.0
+        for j, name in enumerate(impls):
+            xs = [i + (j - (len(impls) - 1) / 2) * bar_w for i in range(len(rs))]
+            vals = [r["us"].get(name) / r["floor_us"] if r["us"].get(name) and r.get("floor_us") else None
+                    for r in rs]
+            top = max([top] + [v for v in vals if v is not None])
+            ax.bar(xs, [v or 0.0 for v in vals], bar_w, label=name, color=f"C{j}")
+            for x, v, r in zip(xs, vals, rs):
+                if v is None:
+                    ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)
+                elif name == "flashtile":
+                    ax.text(x, v, f"{r['us'][name]:.0f}us", ha="center", va="bottom", fontsize=6)
+        for level, style in ((1.0, "-"), (1.15, ":")):
+            ax.axhline(level, color="k", linestyle=style, linewidth=0.8)
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels([f"{r['seqlen_k'] // 1024}k" + ("\nMISMATCH" if r.get("mismatch") else "") for r in rs],
+                           fontsize=7)
+        ax.set_ylim(0, top * 1.2)
+        ax.set_ylabel("time / HBM floor")
+        ax.set_title(f"batch {b}  (h={rs[0]['h']}, h_k={rs[0]['h_k']}, d={rs[0]['d']})", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0].legend(fontsize=7, ncols=len(impls), loc="upper right")
+    axes[-1].set_xlabel("cache length seqlen_k (labels: flashtile's time)", fontsize=8)
+    graph = " (CUDA-graph replays)" if "--cuda-graph" in str(meta.get("command", "")) else ""
+    fig.suptitle(f"decode {rows[0].get('dtype', '')}  {meta.get('gpu') or 'CPU'}  {meta.get('date', '')[:10]}{graph}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", metavar="RESULTS.json", help="a file written by fwd/bwd/fwdbwd")
+    p.add_argument("results", metavar="RESULTS.json", help="a file written by fwd/bwd/fwdbwd/decode")
     p.add_argument("png", metavar="OUT.png")
 
 
