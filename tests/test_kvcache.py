@@ -495,3 +495,22 @@ def test_generate_example_runs():
     spec.loader.exec_module(mod)
     tokens = mod.main(["--device", "cpu", "--new-tokens", "4", "--prompt-len", "5", "--layers", "2", "--check"])
     assert tokens.shape[-1] == 9
+
+
+def test_new_kv_aliasing_the_cache(monkeypatch):
+    """k/v passed as views of the very cache slots they are appended to (with rotary): the result
+    must equal the same call on separate copies (the launcher then uses the separate append kernel)."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    g = torch.Generator().manual_seed(3)
+    b, cap, h, h_k, d, n, s_new = 2, 40, 4, 2, 16, 21, 3
+    q = torch.randn(b, s_new, h, d, generator=g)
+    kc, vc = torch.randn(b, cap, h_k, d, generator=g), torch.randn(b, cap, h_k, d, generator=g)
+    angle = torch.rand(cap, 4, generator=g) * 6.3
+    kw = dict(cache_seqlens=n, rotary_cos=angle.cos(), rotary_sin=angle.sin(), causal=True, return_softmax_lse=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ref_out, ref_lse = flash_attn_with_kvcache(q, kc2, vc2, kc[:, n:n + s_new].clone(), vc[:, n:n + s_new].clone(),
+                                               **kw)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, kc[:, n:n + s_new], vc[:, n:n + s_new], **kw)
+    assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)

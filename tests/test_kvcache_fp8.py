@@ -72,11 +72,14 @@ def _oracle(q8, kc8, vc8, args, **kw):
     return dense_oracle(_dequantize(q8, qd), kcf, vcf, **oracle_args, **kw)
 
 
-@pytest.fixture(params=["cpu", "interp"])
+@pytest.fixture(params=["cpu", "interp", "interp_append_kernel"])
 def path(request, monkeypatch):
-    """The PyTorch path, or the Triton kernels in the interpreter (spied: they must have run)."""
+    """The PyTorch path, or the Triton kernels in the interpreter (spied: they must have run), with
+    the append inside the decode kernel (default) or as its own kernel."""
     used = []
-    if request.param == "interp":
+    if request.param == "interp_append_kernel":
+        monkeypatch.setattr(launcher, "FUSED_APPEND", False)
+    if request.param != "cpu":
         monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
         monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
         real = launcher.decode_attn
@@ -89,7 +92,7 @@ def path(request, monkeypatch):
     else:
         monkeypatch.delenv("FLASHTILE_INTERPRET", raising=False)
     yield request.param
-    assert (request.param == "interp") == bool(used), "the expected backend did not run"
+    assert (request.param != "cpu") == bool(used), "the expected backend did not run"
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0)), dict(softcap=5.0, causal=True),

@@ -255,7 +255,10 @@ def _decode_kernel(
                 tn = t0 + offs_n
                 ok = (tn < s_new) & (cache_len + tn < capacity)  # never write past the cache's end
                 w_ok = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-                k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, 0, cache_len - leftpad + tn, leftpad,
+                # rows that are not written get a column past seqlen_k, which masks their page lookup
+                # (an unchecked cache_seqlens + s_new > capacity must not read past the table row)
+                k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, 0,
+                                            tl.where(ok, cache_len - leftpad + tn, seqlen_k), leftpad,
                                             seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
                                             stride_bt_b, PAGED, False, PAGE_SHIFT, True)
                 if ROTARY_DIM > 0:

@@ -54,7 +54,7 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     that already fills most SMs is not split. Otherwise take the fewest splits whose wave efficiency
     (work / (waves * SMs)) is within 85% of the best, so the combine stays cheap.
     """
-    if programs >= 0.8 * sms:
+    if programs <= 0 or programs >= 0.8 * sms:
         return 1
     limit = max(1, min(max_splits, sms, key_blocks // MIN_BLOCKS_PER_SPLIT))
     eff = []
@@ -226,13 +226,20 @@ def combine(out_partial, lse_partial, out, lse):
     return out, lse
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
-    # the decode kernel appends by itself, unless it has no program to do it (no query rows)
-    fused = FUSED_APPEND and s_new > 0 and q.shape[0] > 0 and q.shape[1] > 0
+    # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
+    # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
+    # programs still read as new keys (the separate kernel reads and writes each slot in one program).
+    fused = (FUSED_APPEND and s_new > 0 and q.numel() > 0
+             and not any(_shares_storage(x, c) for x in (k, v) for c in (k_cache, v_cache)))
     if k is not None and not fused:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved)
