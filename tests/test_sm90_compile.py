@@ -70,9 +70,10 @@ DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK
 def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     d = 128
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=paged,
-              PAGE_SHIFT=8, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
+              PAGE_SHIFT=8, HAS_SEQLENS=True, HAS_BATCH_IDX=not paged, HAS_LEFTPAD=not paged, HAS_LEFT=False,
+              HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-              DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=paged)
+              DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=not paged)  # the fp8 test compiles paged + fused
     # 16-row tiles (one token's GQA group) are below warp-group MMA's 64 rows: Triton uses mma.sync
     # there, fine for a memory-bound kernel. The check is that it compiles through ptxas.
     # paged launches pipeline two stages deeper (the block-table load takes one of its own)
