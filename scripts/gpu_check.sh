@@ -10,6 +10,7 @@
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
+#   tune-short    the open sweeps: backward at s=512, fp8 at s=4096, forward d=128 at s=512
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
@@ -58,6 +59,17 @@ for step in "${steps[@]}"; do
     tune-bwd)
       python3 scripts/tune_bwd.py ${TUNE_BWD_ARGS:---fused-dq --jobs 8} --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
+    tune-short)
+      # the open tuning questions after session 2: backward rows for s <= 1024, the fp8 kernel at
+      # s = 4096 (causal especially), the forward's d = 128 causal row at s = 512
+      python3 scripts/tune_bwd.py --s 512 --jobs 8 --out "$WORK/tune_bwd_s512.json" \
+        --emit-table "$WORK/bwd_table_s512.json" 2> "$WORK/tune_bwd_s512.log" | tail -n 8 >> "$summary"
+      pack
+      python3 scripts/tune_fwd.py --fp8 --d 128 256 --seqlens 4096 --out "$WORK/tune_fp8_s4096.json" \
+        2> "$WORK/tune_fp8.log" | tail -n 6 >> "$summary"
+      pack
+      python3 scripts/tune_fwd.py --d 128 --seqlens 512 --out "$WORK/tune_fwd_d128_s512.json" \
+        --emit-table "$WORK/fwd_table_d128_s512.json" 2> "$WORK/tune_fwd_s512.log" | tail -n 6 >> "$summary" ;;
     bench)
       python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
         2> "$WORK/bench_fwd.log" >> "$summary"
