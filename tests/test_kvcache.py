@@ -475,7 +475,12 @@ def test_bench_decode_cpu_smoke(tmp_path):
     rc = main(["decode", "--device", "cpu", "--quick", "--warmup", "1", "--rep", "3", "--out", str(out),
                "--plot", str(png)])
     assert rc == 0
-    assert png.stat().st_size > 10_000  # a real image, one panel per batch size
+    try:
+        import matplotlib  # noqa: F401  (an optional extra: without it the run still succeeds, unplotted)
+    except ImportError:
+        assert not png.exists()
+    else:
+        assert png.stat().st_size > 10_000  # a real image, one panel per batch size
     import json
 
     data = json.loads(out.read_text())
