@@ -519,3 +519,29 @@ def test_new_kv_aliasing_the_cache(monkeypatch):
     out, lse = flash_attn_with_kvcache(q, kc, vc, kc[:, n:n + s_new], vc[:, n:n + s_new], **kw)
     assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("name", ["append_rows", "paged_3", "window", "rotary_half_full_local", "leftpad",
+                                  "causal_prefill"])
+def test_fused_combine(monkeypatch, name):
+    """The split merge inside the decode kernel (off by default until run on the GPU): same results
+    as the reference, and every counter back at zero afterwards (the next call, or a CUDA-graph
+    replay, starts clean)."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+    monkeypatch.setattr(launcher, "FUSED_COMBINE", True)
+    launched = []
+    real = launcher._combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(launcher, "_combine_kernel", Spy())
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    for n in (3, 5):
+        _run_and_check(q, kc, vc, args, num_splits=n)
+    assert not launched, "the fused merge must replace the combine launch"
+    assert all(int(buf.abs().sum()) == 0 for buf in launcher._COUNTERS.values())

@@ -63,7 +63,7 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
 
 DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
                "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32",
-               "K_DESCALE": "*fp32", "V_DESCALE": "*fp32"}
+               "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "COUNTER": "*i32"}
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
@@ -73,7 +73,8 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
               PAGE_SHIFT=8, HAS_SEQLENS=True, HAS_BATCH_IDX=not paged, HAS_LEFTPAD=not paged, HAS_LEFT=False,
               HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-              DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=not paged)  # the fp8 test compiles paged + fused
+              DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=not paged,  # the fp8 test compiles paged + fused
+              FUSED_COMBINE=not paged)
     # 16-row tiles (one token's GQA group) are below warp-group MMA's 64 rows: Triton uses mma.sync
     # there, fine for a memory-bound kernel. The check is that it compiles through ptxas.
     # paged launches pipeline two stages deeper (the block-table load takes one of its own)
@@ -92,6 +93,6 @@ def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=1, PAGED=True, PAGE_ALIGNED=False, PAGE_SHIFT=4,
               HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-              DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True)
+              DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True, FUSED_COMBINE=False)
     types = dict(DECODE_INTS, Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", K_NEW="*fp8e4nv", V_NEW="*fp8e4nv")
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, 4, 2)

@@ -151,7 +151,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW,
+    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
@@ -173,7 +173,7 @@ def _decode_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr,
+    IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
@@ -325,6 +325,38 @@ def _decode_kernel(
         tl.store(o_ptrs[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok)
         tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head64 * stride_lph
                  + t64, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            # The last split of this row block to finish merges all of them (no combine launch). A
+            # device-side counter per row block says which one is last; the merger resets it, so
+            # the next call and every CUDA-graph replay start from zero. The barrier and the
+            # acquire-release atomic order every thread's partial stores before the count, and the
+            # merger reads the partials past L1 (.cg).
+            tl.debug_barrier()
+            done = tl.atomic_add(COUNTER + pid_mb, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                lse_ptrs = LSE_PART + b.to(tl.int64) * stride_lpb + head64 * stride_lph + t64
+                o_ptrs = O_PART + b.to(tl.int64) * stride_opb + t64 * stride_opm + head64 * stride_oph
+                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for sp in range(NUM_SPLITS):
+                    m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * stride_lps, mask=row_ok, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                none = m_all == float("-inf")
+                m_safe = tl.where(none, 0.0, m_all)
+                w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+                for sp in range(NUM_SPLITS):
+                    w = tl.exp(tl.load(lse_ptrs + sp * stride_lps, mask=row_ok, other=float("-inf"),
+                                       cache_modifier=".cg") - m_safe)
+                    o_sp = tl.load(o_ptrs[:, None] + sp * stride_ops + offs_d[None, :], mask=row_ok[:, None] & d_ok,
+                                   other=0.0, cache_modifier=".cg")
+                    merged += o_sp * w[:, None]
+                    w_sum += w
+                final = merged / tl.where(none, 1.0, w_sum)[:, None]
+                final_lse = tl.where(none, float("inf"), m_all + tl.log(tl.where(none, 1.0, w_sum)))
+                f_ptrs = O + b.to(tl.int64) * stride_ob + t64 * stride_om + head64 * stride_oh
+                tl.store(f_ptrs[:, None] + offs_d[None, :], final.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+                tl.store(LSE + b.to(tl.int64) * stride_lse_b + head64 * stride_lse_h + t64, final_lse, mask=row_ok)
+                tl.atomic_xchg(COUNTER + pid_mb, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

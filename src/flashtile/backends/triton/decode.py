@@ -7,6 +7,7 @@ only, so a decode step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -23,6 +24,29 @@ CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 # The append runs inside the decode kernel (one launch fewer per step); False = the separate
 # append kernel first (kept for comparison; tests run both).
 FUSED_APPEND = True
+# The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
+# off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
+# FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
+FUSED_COMBINE = os.environ.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
+
+# Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
+# Grown, never freed: a captured CUDA graph keeps the address it was captured with.
+_COUNTERS: dict = {}
+_RETIRED: list = []
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    # one set per stream: calls running concurrently on two streams must not share counters
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # no allocation inside a capture: that call uses the combine kernel
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+        _COUNTERS[key] = buf
+    return buf
 # A split of fewer key blocks than this costs more in the combine than it gains in parallelism.
 MIN_BLOCKS_PER_SPLIT = 2
 MAX_SPLITS = 128
@@ -150,6 +174,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
+    counters = None
+    if num_splits > 1 and FUSED_COMBINE:
+        counters = _merge_counters(q.device, b * h_k * m_blocks)
     if num_splits > 1:
         o_part = torch.empty(num_splits, b, sq, h, d, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, b, h, sq, device=q.device, dtype=torch.float32)
@@ -178,6 +205,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             alibi if alibi is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
             q_ds, k_ds, v_ds, k_new if fused else dummy, v_new if fused else dummy,
+            counters if counters is not None else dummy,
             qk_scale, softcap, window_left, window_right,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
             capacity,
@@ -200,9 +228,10 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             HAS_ALIBI=alibi is not None, ROTARY_DIM=rotary_dim, ROTARY_INTERLEAVED=bool(rotary_interleaved),
             ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
+            FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
-    if num_splits > 1:
+    if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse)
     return out, lse
 
