@@ -11,6 +11,7 @@
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   tune-short    the open sweeps: backward at s=512, fp8 at s=4096, forward d=128 at s=512
+#   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches)
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
@@ -70,6 +71,8 @@ for step in "${steps[@]}"; do
       pack
       python3 scripts/tune_fwd.py --d 128 --seqlens 512 --out "$WORK/tune_fwd_d128_s512.json" \
         --emit-table "$WORK/fwd_table_d128_s512.json" 2> "$WORK/tune_fwd_s512.log" | tail -n 6 >> "$summary" ;;
+    tune-decode)
+      python3 scripts/tune_decode.py --out "$WORK/tune_decode.json" 2> "$WORK/tune_decode.log" | tail -n 14 >> "$summary" ;;
     bench)
       python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
         2> "$WORK/bench_fwd.log" >> "$summary"

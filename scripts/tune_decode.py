@@ -1,0 +1,83 @@
+"""Sweep decode kernel configs (BLOCK_N, num_warps, num_stages) and split counts on the GPU.
+
+Usage (H200): PYTHONPATH=src python scripts/tune_decode.py --out $OUT/tune_decode.json
+Times CUDA-graph replays of one decode step (GQA 32/8, d 128, bf16, one query token, no new keys)
+on contiguous and paged caches, so the numbers are kernel time without the host launch path.
+Paged launches add two pipeline stages on top of the config's (see backends/triton/decode.py), so
+a config's stages mean the same pipeline depth for both layouts. The winners go into DECODE_CONFIGS
+(src/flashtile/kernels/decode.py) by hand, with the JSON committed.
+"""
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import torch
+import triton
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode as launcher
+from flashtile.bench.timing import bench_graph
+
+CONFIGS = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3)]  # NUM_SPLITS is a constexpr: keep the product small
+SPLITS = [0, 32]  # 0 = the heuristic
+
+
+def caches(b, sk, h_k, d, page):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if page is None:
+        kc = torch.randn(b, sk, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        return kc, torch.randn_like(kc), None
+    n = sk // page
+    kc = torch.randn(b * n, page, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    table = torch.randperm(b * n, device="cuda", generator=g).view(b, n).to(torch.int32)
+    return kc, torch.randn_like(kc), table
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tune_decode.json")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 65536])
+    ap.add_argument("--pages", type=int, nargs="*", default=[16, 256], help="paged variants besides contiguous")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_decode.py times CUDA graphs: it needs a GPU")
+    h, h_k, d = 32, 8, 128
+    rows = []
+    for b, sk, page in itertools.product(args.batch, args.seqlens, [None, *args.pages]):
+        kc, vc, table = caches(b, sk, h_k, d, page)
+        q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
+        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        floor_bytes = 2 * b * sk * h_k * d * 2
+        for cfg, splits in itertools.product(CONFIGS, SPLITS):
+            launcher.CONFIG_OVERRIDE = cfg if page is None else (cfg[0], cfg[1], cfg[2] + 2)
+            try:
+                us = 1e3 * bench_graph(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                                       causal=True, num_splits=splits), "cuda")
+                err = None
+            except Exception as exc:  # shared memory limits: record and go on
+                us, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
+            finally:
+                launcher.CONFIG_OVERRIDE = None
+            row = dict(b=b, seqlen_k=sk, page=page, cfg=cfg, num_splits=splits, us=us,
+                       gb_s=floor_bytes / us / 1e3 if us else None, error=err)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del kc, vc, table
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print("best per (b, seqlen_k, page): us, GB/s, cfg, num_splits")
+    for key in dict.fromkeys((r["b"], r["seqlen_k"], r["page"]) for r in rows):
+        ok = [r for r in rows if (r["b"], r["seqlen_k"], r["page"]) == key and r["us"]]
+        if ok:
+            best = min(ok, key=lambda r: r["us"])
+            print(key, f"{best['us']:.1f}", f"{best['gb_s']:.0f}", best["cfg"], best["num_splits"])
+
+
+if __name__ == "__main__":
+    main()
