@@ -36,6 +36,13 @@ def caches(b, sk, h_k, d, page):
     return kc, torch.randn_like(kc), table
 
 
+def time_step(q, kc, vc, lens, table, splits) -> float:
+    """Microseconds of one decode step replayed from a CUDA graph."""
+    step = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,  # noqa: E731
+                                           causal=True, num_splits=splits)
+    return 1e3 * bench_graph(step, "cuda")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_decode.json")
@@ -55,9 +62,7 @@ def main():
         for cfg, splits in itertools.product(CONFIGS, SPLITS):
             launcher.CONFIG_OVERRIDE = cfg if page is None else (cfg[0], cfg[1], cfg[2] + 2)
             try:
-                us = 1e3 * bench_graph(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
-                                                                       causal=True, num_splits=splits), "cuda")
-                err = None
+                us, err = time_step(q, kc, vc, lens, table, splits), None
             except Exception as exc:  # shared memory limits: record and go on
                 us, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:
