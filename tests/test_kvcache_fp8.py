@@ -9,7 +9,7 @@ and kv head), append the new e4m3 keys/values byte for byte, and return bf16.
 import pytest
 import torch
 
-from flashtile.backends.triton import decode as launcher
+import test_kvcache
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kvcache import flash_attn_with_kvcache
 from test_kvcache import dense_oracle
@@ -72,27 +72,9 @@ def _oracle(q8, kc8, vc8, args, **kw):
     return dense_oracle(_dequantize(q8, qd), kcf, vcf, **oracle_args, **kw)
 
 
-@pytest.fixture(params=["cpu", "interp", "interp_append_kernel"])
-def path(request, monkeypatch):
-    """The PyTorch path, or the Triton kernels in the interpreter (spied: they must have run), with
-    the append inside the decode kernel (default) or as its own kernel."""
-    used = []
-    if request.param == "interp_append_kernel":
-        monkeypatch.setattr(launcher, "FUSED_APPEND", False)
-    if request.param != "cpu":
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-        monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-        real = launcher.decode_attn
-
-        def spy(*a, **k):
-            used.append(k["descales"])
-            return real(*a, **k)
-
-        monkeypatch.setattr(launcher, "decode_attn", spy)
-    else:
-        monkeypatch.delenv("FLASHTILE_INTERPRET", raising=False)
-    yield request.param
-    assert (request.param != "cpu") == bool(used), "the expected backend did not run"
+# the backends of test_kvcache.py: PyTorch path, interpreter kernels with the fused append, and with
+# the separate append kernel (spied: the kernels must have run)
+path = test_kvcache.path
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0)), dict(softcap=5.0, causal=True),

@@ -255,8 +255,10 @@ def combine(out_partial, lse_partial, out, lse):
     return out, lse
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+def _aliases_cache(new: tuple, caches: tuple) -> bool:
+    """Whether any new k/v tensor lives in a cache's storage (a host-side pointer compare)."""
+    cache_ptrs = {c.untyped_storage().data_ptr() for c in caches}
+    return any(x.untyped_storage().data_ptr() in cache_ptrs for x in new)
 
 
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
@@ -268,7 +270,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).
     fused = (FUSED_APPEND and s_new > 0 and q.numel() > 0
-             and not any(_shares_storage(x, c) for x in (k, v) for c in (k_cache, v_cache)))
+             and not _aliases_cache((k, v), (k_cache, v_cache)))
     if k is not None and not fused:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved)
