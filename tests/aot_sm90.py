@@ -3,7 +3,8 @@
 Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
     python tests/aot_sm90.py MODULE KERNEL '{"CONSTEXPR": value, ...}' '{"arg": "type", ...}' WARPS STAGES
 Arguments not named get a type from their name: ``desc_*`` tensor descriptors need explicit types,
-``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer.
+``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
+strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Prints ``WGMMA <number of warp-group dots> SHARED <bytes>``.
 """
 
@@ -22,7 +23,7 @@ FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
 
 def main(module, kernel, constexprs, types, warps, stages):
     kern = getattr(importlib.import_module(module), kernel)
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kern.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -39,7 +40,11 @@ def main(module, kernel, constexprs, types, warps, stages):
             sig[name] = "*bf16"
         else:
             sig[name] = "i32"
-    compiled = triton.compile(ASTSource(kern, sig, consts), target=GPUTarget("cuda", 90, 32),
+        # as the JIT specialises aligned tensors and strides: vector widths, and so the shared
+        # memory of pipelined loads, depend on it
+        if sig[name].startswith("*") or name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared)

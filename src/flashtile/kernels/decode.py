@@ -85,7 +85,10 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
     dtype, exactly what the cache receives), the older ones from the cache.
     """
     d_ok = offs_d < HEAD_DIM
-    for blk in range(blk_lo, blk_hi):
+    # The NEW blocks (one or two per call) are not pipelined: their extra loads (new keys, rotary
+    # tables) would each get a buffer per stage, 2-4x the smem of a cache block (over the sm_90
+    # limit with rotary), for a loop too short to overlap anything.
+    for blk in tl.range(blk_lo, blk_hi, num_stages=1 if NEW else None):
         start_n = blk * BLOCK_N
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
