@@ -10,8 +10,10 @@
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
-#   tune-short    the open sweeps: backward at s=512, fp8 at s=4096, forward d=128 at s=512
-#   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches)
+#   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
+#   tune-bwd-short  backward rows at s=512                  tune-short = the three above
+#   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches;
+#                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
@@ -32,8 +34,11 @@ if python3 -c "import xdist" 2>/dev/null && [[ ${GPU_TEST_WORKERS:-8} -gt 1 ]]; 
   xdist=(-n "${GPU_TEST_WORKERS:-8}")
 fi
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
-steps=("$@")
-[[ ${#steps[@]} -eq 0 ]] && steps=(tests bench)
+steps=()
+for a in "$@"; do  # tune-short: the three open sweeps
+  if [[ $a == tune-short ]]; then steps+=(tune-fwd-short tune-fp8 tune-bwd-short); else steps+=("$a"); fi
+done
+[[ $# -eq 0 ]] && steps=(tests bench)
 summary="$OUT/summary.txt"
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)" \
   | tee "$summary"
@@ -60,19 +65,19 @@ for step in "${steps[@]}"; do
     tune-bwd)
       python3 scripts/tune_bwd.py ${TUNE_BWD_ARGS:---fused-dq --jobs 8} --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
-    tune-short)
-      # the open tuning questions after session 2: backward rows for s <= 1024, the fp8 kernel at
-      # s = 4096 (causal especially), the forward's d = 128 causal row at s = 512
-      python3 scripts/tune_bwd.py --s 512 --jobs 8 --out "$WORK/tune_bwd_s512.json" \
-        --emit-table "$WORK/bwd_table_s512.json" 2> "$WORK/tune_bwd_s512.log" | tail -n 8 >> "$summary"
-      pack
+    tune-fwd-short)
+      # the forward's d = 128 rows at s <= 1024 (the "short" table rows), TMA path
+      python3 scripts/tune_fwd.py --refine --d 128 --seqlens 512 1024 --out "$WORK/tune_fwd_d128_short.json" \
+        2> "$WORK/tune_fwd_short.log" | tail -n 6 >> "$summary" ;;
+    tune-fp8)
       python3 scripts/tune_fwd.py --fp8 --d 128 256 --seqlens 4096 --out "$WORK/tune_fp8_s4096.json" \
-        2> "$WORK/tune_fp8.log" | tail -n 6 >> "$summary"
-      pack
-      python3 scripts/tune_fwd.py --d 128 --seqlens 512 --out "$WORK/tune_fwd_d128_s512.json" \
-        --emit-table "$WORK/fwd_table_d128_s512.json" 2> "$WORK/tune_fwd_s512.log" | tail -n 6 >> "$summary" ;;
+        2> "$WORK/tune_fp8.log" | tail -n 6 >> "$summary" ;;
+    tune-bwd-short)
+      python3 scripts/tune_bwd.py --s 512 --jobs 8 --out "$WORK/tune_bwd_s512.json" \
+        --emit-table "$WORK/bwd_table_s512.json" 2> "$WORK/tune_bwd_s512.log" | tail -n 8 >> "$summary" ;;
     tune-decode)
-      python3 scripts/tune_decode.py --out "$WORK/tune_decode.json" 2> "$WORK/tune_decode.log" | tail -n 14 >> "$summary" ;;
+      python3 scripts/tune_decode.py ${TUNE_DECODE_ARGS:-} --out "$WORK/tune_decode.json" 2> "$WORK/tune_decode.log" \
+        | tail -n 24 >> "$summary" ;;
     bench)
       python3 -m flashtile.bench fwd --ceilings --out "$WORK/fwd.json" --plot "$WORK/fwd.png" \
         2> "$WORK/bench_fwd.log" >> "$summary"

@@ -25,14 +25,20 @@ CONFIGS = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3)]  # NUM_SPLITS is a c
 SPLITS = [0, 32]  # 0 = the heuristic
 
 
-def caches(b, sk, h_k, d, page):
+def caches(b, sk, h_k, d, page, order="random"):
     g = torch.Generator(device="cuda").manual_seed(0)
     if page is None:
         kc = torch.randn(b, sk, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g)
         return kc, torch.randn_like(kc), None
     n = sk // page
     kc = torch.randn(b * n, page, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    table = torch.randperm(b * n, device="cuda", generator=g).view(b, n).to(torch.int32)
+    # random: pages scattered as an allocator leaves them (the benchmark's layout); sequential: in
+    # memory order, which tells the cost of the page lookup apart from that of the scattered reads
+    if order == "random":
+        perm = torch.randperm(b * n, device="cuda", generator=g)
+    else:
+        perm = torch.arange(b * n, device="cuda")
+    table = perm.view(b, n).to(torch.int32)
     return kc, torch.randn_like(kc), table
 
 
@@ -49,17 +55,22 @@ def main():
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 65536])
     ap.add_argument("--pages", type=int, nargs="*", default=[16, 256], help="paged variants besides contiguous")
+    ap.add_argument("--page-orders", nargs="+", default=["random"], choices=["random", "sequential"],
+                    help="page orders of the paged variants")
+    ap.add_argument("--configs", default=None, help='override the config list, e.g. "64,4,3;128,8,3"')
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_decode.py times CUDA graphs: it needs a GPU")
     h, h_k, d = 32, 8, 128
     rows = []
-    for b, sk, page in itertools.product(args.batch, args.seqlens, [None, *args.pages]):
-        kc, vc, table = caches(b, sk, h_k, d, page)
+    configs = [tuple(map(int, c.split(","))) for c in args.configs.split(";")] if args.configs else CONFIGS
+    layouts = [(None, None)] + [(p, o) for p in args.pages for o in args.page_orders]
+    for b, sk, (page, order) in itertools.product(args.batch, args.seqlens, layouts):
+        kc, vc, table = caches(b, sk, h_k, d, page, order)
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
         lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
         floor_bytes = 2 * b * sk * h_k * d * 2
-        for cfg, splits in itertools.product(CONFIGS, SPLITS):
+        for cfg, splits in itertools.product(configs, SPLITS):
             launcher.CONFIG_OVERRIDE = cfg if page is None else (cfg[0], cfg[1], cfg[2] + 2)
             try:
                 us, err = time_step(q, kc, vc, lens, table, splits), None
@@ -67,7 +78,7 @@ def main():
                 us, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:
                 launcher.CONFIG_OVERRIDE = None
-            row = dict(b=b, seqlen_k=sk, page=page, cfg=cfg, num_splits=splits, us=us,
+            row = dict(b=b, seqlen_k=sk, page=page, order=order, cfg=cfg, num_splits=splits, us=us,
                        gb_s=floor_bytes / us / 1e3 if us else None, error=err)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
@@ -76,9 +87,10 @@ def main():
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv))
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print("best per (b, seqlen_k, page): us, GB/s, cfg, num_splits")
-    for key in dict.fromkeys((r["b"], r["seqlen_k"], r["page"]) for r in rows):
-        ok = [r for r in rows if (r["b"], r["seqlen_k"], r["page"]) == key and r["us"]]
+    print("best per (b, seqlen_k, page, order): us, GB/s, cfg, num_splits")
+    shape = lambda r: (r["b"], r["seqlen_k"], r["page"], r["order"])  # noqa: E731
+    for key in dict.fromkeys(shape(r) for r in rows):
+        ok = [r for r in rows if shape(r) == key and r["us"]]
         if ok:
             best = min(ok, key=lambda r: r["us"])
             print(key, f"{best['us']:.1f}", f"{best['gb_s']:.0f}", best["cfg"], best["num_splits"])

@@ -101,3 +101,22 @@ def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
               DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True, FUSED_COMBINE=False)
     types = dict(DECODE_INTS, Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", K_NEW="*fp8e4nv", V_NEW="*fp8e4nv")
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, 4, 2)
+
+
+@pytest.mark.parametrize("d,paged,dtype", [(128, False, "bf16"), (128, True, "bf16"), (256, True, "bf16"),
+                                           (128, True, "fp32")])  # paged: 2 stages deeper, the largest
+def test_decode_launch_configs_fit_sm90_shared_memory(tmp_path, d, paged, dtype):
+    # the configs the launcher really picks on sm_90, at their largest shared-memory footprint: a
+    # full 64-row query block, full rotary and new keys fused, split merge fused
+    from flashtile.backends.triton.decode import launch_config
+
+    block_n, warps, stages = launch_config("sm90", d, paged, 4 if dtype == "fp32" else 2)
+    cx = dict(HEAD_DIM=d, BLOCK_M=64, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=False,
+              PAGE_SHIFT=4, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=d, ROTARY_INTERLEAVED=False,
+              ROTARY_PER_TOKEN=True, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", IS_FP8=False,
+              FUSED_NEW=True, FUSED_COMBINE=True)
+    types = dict(DECODE_INTS)
+    if dtype == "fp32":
+        types.update({name: "*fp32" for name in ("Q", "K", "V", "O", "K_NEW", "V_NEW")})
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, warps, stages)

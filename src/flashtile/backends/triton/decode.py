@@ -90,6 +90,23 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
 
 
 
+def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a decode launch: the table's row, adjusted for the layout.
+
+    The table is tuned for 2-byte caches; fp32 caches halve BLOCK_N so a pipeline stage holds as
+    many bytes (and fits sm_90's shared memory; tests/test_sm90_compile.py checks these configs).
+    """
+    block_n, num_warps, num_stages = decode_config(arch, block_d)
+    if cache_elem_bytes >= 4:
+        block_n = max(16, block_n // 2)
+    if paged and num_stages > 1:
+        # Triton's pipeliner gives the block-table load its own stage ahead of the K/V loads that
+        # depend on it: at the contiguous path's depth the K/V tiles got one smem buffer instead of
+        # two (sm_90 TTGIR), so half as many bytes in flight. Two more stages restore two buffers.
+        num_stages += 2
+    return block_n, num_warps, num_stages
+
+
 def _block_m(rows: int) -> int:
     return min(MAX_BLOCK_M, max(16, next_pow2(rows)))
 
@@ -145,12 +162,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     block_d = max(16, next_pow2(d))
-    block_n, num_warps, num_stages = CONFIG_OVERRIDE or decode_config(_arch(q.device), block_d)
-    if paged and CONFIG_OVERRIDE is None and num_stages > 1:
-        # Triton's pipeliner gives the block-table load its own stage ahead of the K/V loads that
-        # depend on it: at the contiguous path's depth the K/V tiles got one smem buffer instead of
-        # two (sm_90 TTGIR), so half as many bytes in flight. Two more stages restore two buffers.
-        num_stages += 2
+    block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(_arch(q.device), block_d, paged,
+                                                                      k_cache.element_size())
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
 
