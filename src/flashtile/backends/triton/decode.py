@@ -50,6 +50,8 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # A split of fewer key blocks than this costs more in the combine than it gains in parallelism.
 MIN_BLOCKS_PER_SPLIT = 2
 MAX_SPLITS = 128
+# A grid of at least this many programs per SM is not split.
+SPLIT_FREE_FILL = 0.8
 
 
 @functools.cache
@@ -78,7 +80,7 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     that already fills most SMs is not split. Otherwise take the fewest splits whose wave efficiency
     (work / (waves * SMs)) is within 85% of the best, so the combine stays cheap.
     """
-    if programs <= 0 or programs >= 0.8 * sms:
+    if programs <= 0 or programs >= SPLIT_FREE_FILL * sms:
         return 1
     limit = max(1, min(max_splits, sms, key_blocks // MIN_BLOCKS_PER_SPLIT))
     eff = []
@@ -90,15 +92,21 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
 
 
 
-def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int) -> tuple[int, int, int]:
+def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, page_size: int = 0,
+                  grid_full: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a decode launch: the table's row, adjusted for the layout.
 
     The table is tuned for 2-byte caches; fp32 caches halve BLOCK_N so a pipeline stage holds as
     many bytes (and fits sm_90's shared memory; tests/test_sm90_compile.py checks these configs).
+    Small pages (< 64 tokens) on a grid that fills the GPU unsplit take 64-key tiles: measured
+    (tune_decode_b32_h200_2026-11-29.json, b=32, 16-token pages) 1.08x of contiguous at 64 keys
+    against 1.20x at 128, while split launches (b <= 8) ran faster with 128.
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
     if cache_elem_bytes >= 4:
         block_n = max(16, block_n // 2)
+    if paged and grid_full and page_size < 64 < block_n:
+        block_n = 64
     if paged and num_stages > 1:
         # Triton's pipeliner gives the block-table load its own stage ahead of the K/V loads that
         # depend on it: at the contiguous path's depth the K/V tiles got one smem buffer instead of
@@ -162,10 +170,11 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_size = k_cache.shape[1]
     capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
     block_d = max(16, next_pow2(d))
-    block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(_arch(q.device), block_d, paged,
-                                                                      k_cache.element_size())
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
+    grid_full = b * h_k * m_blocks >= SPLIT_FREE_FILL * num_sms(q.device)
+    block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
+        _arch(q.device), block_d, paged, k_cache.element_size(), page_size, grid_full)
 
     is_fp8 = q.dtype == FP8_DTYPE
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16) if is_fp8 else torch.empty_like(q)
