@@ -2,8 +2,10 @@
 
 The public functions call :func:`attention`, which runs the checks (Python errors, so outside any
 op), draws the dropout ``rng_state`` and calls ``torch.ops.flashtile.attn_fwd``. That op carries
-its own autograd formula (``torch.library.register_autograd`` in ``ops.py``), so eager, autograd
-and ``torch.compile(fullgraph=True)`` all see one op and no Python autograd.Function.
+its own autograd formula (``torch.library.register_autograd`` in ``ops.py``), so
+``torch.compile(fullgraph=True)`` sees one op. Eager calls skip the op's dispatcher, whose host
+time short calls feel: inference calls the backend directly, training calls go through
+``ops.EagerAttention``, the same formula as a plain autograd.Function.
 
 FlashAttention 2.8.3's autograd Function classes (``FlashAttnFunc`` & friends) stay, with its
 ``apply`` signatures, because third-party code calls them directly. They are thin wrappers over the
@@ -16,7 +18,16 @@ from __future__ import annotations
 import torch
 
 from flashtile import dispatch
-from flashtile.ops import PACK_KV, PACK_NONE, PACK_QKV, draw_rng_state, unpack
+from flashtile.ops import (
+    PACK_KV,
+    PACK_NONE,
+    PACK_QKV,
+    EagerAttention,
+    attn_bwd_impl,
+    attn_fwd_impl,
+    draw_rng_state,
+    unpack,
+)
 from flashtile.paged import paged_to_varlen
 from flashtile.params import AttnParams
 from flashtile.rng import next_seed_offset
@@ -111,7 +122,11 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
     if _eager_inference(q, k, v):
         return _direct_forward(q, k, v, p, packing)
     rng_state = rng_state_for(p, q.device)
-    out, lse, probs = torch.ops.flashtile.attn_fwd(*fwd_op_args(q, k, v, p, rng_state, packing))
+    args = fwd_op_args(q, k, v, p, rng_state, packing)
+    if torch.compiler.is_compiling():
+        out, lse, probs = torch.ops.flashtile.attn_fwd(*args)
+    else:  # eager training: the op's autograd formula without its dispatcher (host time)
+        out, lse, probs = EagerAttention.apply(*args)
     return _result(out, lse, probs, p.return_probs)
 
 
@@ -194,7 +209,7 @@ def flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool):
     rng_state = rng_state_for(p, q.device)
     args = fwd_op_args(q, k, v, p, rng_state, packing)
-    out, lse, probs = torch.ops.flashtile.attn_fwd(*args)
+    out, lse, probs = _fwd_fn()(*args)
     if is_grad_enabled:
         ctx.save_for_backward(q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k,
                               p.alibi_slopes, rng_state)
@@ -208,8 +223,13 @@ def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool
 
 def _fn_backward(ctx, dout):
     q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng = ctx.saved_tensors
-    return torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng,
-                                        *ctx.scalars, ctx.packing)
+    bwd = torch.ops.flashtile.attn_bwd if torch.compiler.is_compiling() else attn_bwd_impl
+    return bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
+
+
+def _fwd_fn():
+    # inside a Function the op's autograd is not needed; eager calls skip its dispatcher (host time)
+    return torch.ops.flashtile.attn_fwd if torch.compiler.is_compiling() else attn_fwd_impl
 
 
 class FlashAttnFunc(torch.autograd.Function):

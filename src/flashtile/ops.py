@@ -138,6 +138,15 @@ def attn_fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens_q: Tensor
              softcap: float, deterministic: bool, return_probs: bool,
              packing: int, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
              v_descale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                         softcap, deterministic, return_probs, packing, q_descale, k_descale, v_descale)
+
+
+def attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                  max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                  softcap, deterministic, return_probs, packing, q_descale=None, k_descale=None, v_descale=None):
+    """The body of ``flashtile::attn_fwd`` as a plain function (eager calls skip the op dispatcher)."""
     q, k, v = unpack(q, k, v, packing)
     p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
@@ -200,6 +209,15 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: T
              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
              window_left: int, window_right: int, softcap: float, deterministic: bool,
              packing: int) -> tuple[Tensor, Tensor, Tensor]:
+    return attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                         rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                         window_right, softcap, deterministic, packing)
+
+
+def attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                  rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                  window_right, softcap, deterministic, packing):
+    """The body of ``flashtile::attn_bwd`` as a plain function (eager calls skip the op dispatcher)."""
     grads, views = _grad_buffers(q, k, v, packing)
     _run_bwd(dout, *unpack(q, k, v, packing), out, lse, *views, cu_seqlens_q, cu_seqlens_k, seqused_q,
              seqused_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -258,13 +276,36 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, probs)
 
 
-def _backward(ctx, dout, _dlse, _dprobs):
+def _input_grads(ctx, dout, bwd):
     q, k, v, cu_q, cu_k, su_q, su_k, alibi, rng, out, lse = ctx.saved_tensors
-    grads = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng,
-                                         *ctx.scalars, ctx.packing)
-    dq, dk, dv = grads
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
     # inputs that were None (packed slots) get None; everything past the tensors is not differentiable
     return (dq, dk if k is not None else None, dv if v is not None else None) + (None,) * (ctx.n_inputs - 3)
 
 
+def _backward(ctx, dout, _dlse, _dprobs):
+    return _input_grads(ctx, dout, torch.ops.flashtile.attn_bwd)
+
+
 torch.library.register_autograd("flashtile::attn_fwd", _backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """``flashtile::attn_fwd`` with its registered autograd formula, without the op dispatcher.
+
+    Eager training calls take this; torch.compile traces the op instead (``attention`` in
+    autograd.py picks). Same arguments, same saved tensors, same backend calls, so the results are
+    the op's bit for bit; what it saves is host time: the op's argument handling (``fill_defaults``
+    for 23 arguments) and its autograd wrapper cost about 300 us per forward + backward on a CPU
+    profile, against about 40 us here, and short training steps are bound by that host time.
+    """
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = attn_fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, _dlse, _dprobs):
+        return _input_grads(ctx, dout, attn_bwd_impl)
