@@ -99,6 +99,17 @@ def test_bwd_quick_cpu_default_path(tmp_path, monkeypatch):
                 assert r["ms"][name] == pytest.approx(parts["fwdbwd"] - parts["fwd"])
 
 
+def test_bwd_cuda_graph_option_quick_cpu(tmp_path):
+    # off CUDA the graph timer falls back to plain timing; the bwd step (forward + autograd.grad)
+    # must still run for every implementation and be recorded as graph-timed
+    out = tmp_path / "bwd.json"
+    assert main(["bwd", *FAST, "--peers", "flash", "--cuda-graph", "--out", str(out)]) == 0
+    data = _load(out)
+    assert data["meta"]["timing"]["cuda_graph"] is True
+    for r in _check_rows(data, "bwd", ["flashtile", "flash"]):
+        assert all(ms is not None and ms > 0 for ms in r["ms"].values())
+
+
 def test_failing_peer_is_recorded_not_raised(tmp_path, monkeypatch):
     def boom(shape, device):
         raise RuntimeError("no kernel for this shape")
