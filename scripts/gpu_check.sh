@@ -10,6 +10,8 @@
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
+#   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
+#   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
 #   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
 #   tune-bwd-short  backward rows at s=512                  tune-short = the three above
 #   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches;
@@ -91,6 +93,18 @@ for step in "${steps[@]}"; do
       pack
       [[ ${BENCH_FWDBWD:-1} == 1 ]] && python3 -m flashtile.bench fwdbwd ${BENCH_ARGS:-} --out "$WORK/fwdbwd.json" \
         --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+    bench-bwd-short)
+      # s <= 1024 backward: as users see it, then as CUDA-graph replays (kernel time alone); the gap
+      # between the two is host time (docs/backward.md, "short sequences are host-bound")
+      python3 -m flashtile.bench bwd --seqlens 512 1024 --peers flash cudnn --out "$WORK/bwd_short.json" \
+        2> "$WORK/bench_bwd_short.log" >> "$summary"
+      pack
+      python3 -m flashtile.bench bwd --seqlens 512 1024 --peers flash cudnn --cuda-graph \
+        --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
+    bench-decode-fused-combine)
+      # the split merge fused into the decode kernel (off by default) against the combine kernel
+      FLASHTILE_DECODE_FUSED_COMBINE=1 python3 -m flashtile.bench decode --cuda-graph --batch 1 8 \
+        --out "$WORK/decode_graph_fused_combine.json" 2> "$WORK/bench_decode_fc.log" >> "$summary" ;;
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
