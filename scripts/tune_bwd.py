@@ -24,7 +24,10 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import attn_bwd as launcher
+from flashtile.backends.triton import host
 from flashtile.kernels.attn_bwd import SHORT_SEQLEN, bwd_configs
+
+host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). dK/dV programs own BLOCK_N keys and stream BLOCK_M
 # queries; dQ programs own BLOCK_M queries and stream BLOCK_N keys. Pruned on CPU first with ptxas -v

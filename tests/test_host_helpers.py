@@ -27,3 +27,58 @@ def test_capability_is_asked_once_per_device(monkeypatch):
         assert calls == [1]
     finally:
         host._capability.cache_clear()
+
+
+class _SmallSharedMemoryKernel:
+    """Stands in for a JIT kernel on a GPU whose shared memory fits at most ``fits`` stages."""
+
+    __name__ = "_fake_kernel"
+
+    def __init__(self, fits, name="shared memory"):
+        self.fits, self.name, self.tried = fits, name, []
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, num_stages, **meta):
+            from triton.runtime.errors import OutOfResources
+
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(50000 * num_stages, 101376, self.name)
+            return ("ran", grid, num_stages, meta)
+
+        return run
+
+
+def test_launch_drops_stages_until_the_config_fits_and_remembers(monkeypatch):
+    import pytest
+
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(host, "_REDUCED_STAGES", {})
+    kern = _SmallSharedMemoryKernel(fits=2)
+    x = torch.zeros(4, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="_fake_kernel with 4 pipeline stages"):
+        assert host.launch(kern, (3,), x, 7, num_warps=4, num_stages=4, BLOCK=64) == ("ran", (3,), 2, {"BLOCK": 64})
+    assert kern.tried == [4, 3, 2]
+    kern.tried.clear()
+    assert host.launch(kern, (3,), x, 7, num_warps=4, num_stages=4, BLOCK=64)[2] == 2
+    assert kern.tried == [2]  # remembered: no failing attempts on later calls
+    # another dtype or constexpr is another config, tried at its own table value first
+    kern.tried.clear()
+    host.launch(kern, (3,), x.float(), 7, num_warps=4, num_stages=2, BLOCK=64)
+    assert kern.tried == [2]
+
+
+def test_launch_reraises_what_fewer_stages_cannot_fix(monkeypatch):
+    import pytest
+    from triton.runtime.errors import OutOfResources
+
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(host, "_REDUCED_STAGES", {})
+    with pytest.raises(OutOfResources):  # registers: stages are not the problem
+        host.launch(_SmallSharedMemoryKernel(fits=0, name="registers"), (1,), num_warps=4, num_stages=3)
+    kern = _SmallSharedMemoryKernel(fits=0)
+    with pytest.raises(OutOfResources), pytest.warns(RuntimeWarning):
+        host.launch(kern, (1,), num_warps=4, num_stages=2)
+    assert kern.tried == [2, 1]

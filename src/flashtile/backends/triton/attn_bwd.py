@@ -8,7 +8,7 @@ import os
 import torch
 
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -149,7 +149,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     fused = use_fused_dq(p)
     # the fused variant accumulates dQ in fp32 with atomics (zeroed first), then scales and casts once
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
-    _attn_bwd_dkdv_kernel[(cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,)](
+    launch(
+        _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),
         q, k, v, dout, lse, delta, dk, dv, dq_acc, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
@@ -160,7 +161,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         dq.copy_(dq_acc.mul_(p.softmax_scale))
         return
     feature_flags["USE_TMA"] = tma_dq
-    _attn_bwd_dq_kernel[(cdiv(max(seqlen_q, 1), bm_q) * b * h,)](
+    launch(
+        _attn_bwd_dq_kernel, (cdiv(max(seqlen_q, 1), bm_q) * b * h,),
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
 from flashtile.params import AttnParams
 
@@ -139,7 +139,8 @@ def _attn_fwd(q, k, v, p: AttnParams):
     grid = (cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: the kernel splits it
     if b * h == 0 or seqlen_q == 0:
         return out, lse, probs
-    _attn_fwd_kernel[grid](
+    launch(
+        _attn_fwd_kernel, grid,
         q, k, v, out, lse, probs_arg, desc_q, desc_k, desc_v,
         p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
         p.seqused_q if p.seqused_q is not None else dummy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
 
@@ -106,7 +106,8 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
     alibi_stride_b = 0 if alibi is None or alibi.dim() == 1 else alibi.stride(0)
     dummy = lse
     grid = (cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: b * h may exceed grid y's 65535
-    _attn_fwd_fp8_kernel[grid](
+    launch(
+        _attn_fwd_fp8_kernel, grid,
         q, k, vt, out, lse, desc_q, desc_k, desc_vt,
         p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
         p.seqused_q if p.seqused_q is not None else dummy,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from flashtile.backends.triton.host import capability, cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
@@ -218,7 +218,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * m_blocks * b * h_k,)
     with device_guard(q):
-        _decode_kernel[grid](
+        launch(
+            _decode_kernel, grid,
             q, k_cache, v_cache, out, lse, o_part, lse_part,
             cache_seqlens if cache_seqlens is not None else dummy,
             cache_batch_idx if cache_batch_idx is not None else dummy,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 
@@ -37,3 +38,47 @@ def capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device, asked of the driver once per device: it is on every launch
     path, and torch's lookup costs about a microsecond each time."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Launch configs that had to drop pipeline stages on this machine: (kernel, device, dtypes, warps,
+# stages, constexprs) -> the stages that fit. Empty on GPUs the tables were tuned for, so the
+# common launch path pays one dict truthiness test.
+_REDUCED_STAGES: dict = {}
+# Config sweeps turn this off: a config that does not fit must fail, not run as another config.
+REDUCE_STAGES_ON_OOR = True
+
+
+def _launch_key(kernel, args, num_warps, num_stages, meta) -> tuple:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    device = tensors[0].device if tensors else None
+    return (kernel, device, tuple(t.dtype for t in tensors), num_warps, num_stages, tuple(sorted(meta.items())))
+
+
+def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
+    """``kernel[grid](*args, num_warps=, num_stages=, **meta)``, with fewer pipeline stages if needed.
+
+    The config tables are tuned on Hopper (227 KiB of shared memory per block). A GPU with less
+    (about 99 KiB on Ada and consumer Ampere, 163 KiB on the A100) can refuse a config at its
+    first launch with Triton's ``OutOfResources``; fewer stages need less shared memory and
+    compute the same result, so the launch is retried one stage shallower at a time, with a
+    warning once per config, and the stages that fit are remembered.
+    """
+    if _REDUCED_STAGES:
+        num_stages = _REDUCED_STAGES.get(_launch_key(kernel, args, num_warps, num_stages, meta), num_stages)
+    from triton.runtime.errors import OutOfResources
+
+    stages = num_stages
+    while True:
+        try:
+            return kernel[grid](*args, num_warps=num_warps, num_stages=stages, **meta)
+        except OutOfResources as exc:
+            if not REDUCE_STAGES_ON_OOR or getattr(exc, "name", "") != "shared memory" or stages <= 1:
+                raise
+            stages -= 1
+            key = _launch_key(kernel, args, num_warps, num_stages, meta)
+            if key not in _REDUCED_STAGES:
+                warnings.warn(f"flashtile: {getattr(kernel, '__name__', kernel)} with {num_stages} pipeline stages "
+                              f"needs more shared memory than this GPU has ({exc}); retrying with {stages}. "
+                              "A tuned table for this GPU avoids the retry (docs/architecture.md).",
+                              RuntimeWarning, stacklevel=2)
+            _REDUCED_STAGES[key] = stages
