@@ -2,21 +2,20 @@
 
 Plain Triton lowers ``tl.dot`` to an async wgmma but waits for QK^T right after issuing it, so the
 softmax of a key block runs while the tensor cores sit idle. Gluon exposes the wgmma issue and the
-``wgmma.wait_group`` count directly, so this kernel keeps up to two MMAs in flight across the softmax:
+``wgmma.wait_group`` count directly, so this kernel keeps two MMAs in flight across each softmax:
 
-    iteration j (S_j = Q K_j^T is already in registers; O += P_{j-1} V_{j-1} may still run)
-      issue  S_{j+1} = Q K_{j+1}^T                       in flight: PV_{j-1}, S_{j+1}
-      softmax(S_j) -> P_j, alpha_j    <- overlaps both MMAs above
-      wait(1): PV_{j-1} done          (wgmma groups retire in issue order)
+    iteration j (S_j = Q K_j^T is in registers; O += P_{j-1} V_{j-1} is still running)
+      issue  S_{j+1} = Q K_{j+1}^T            in flight: PV_{j-1}, S_{j+1}
+      softmax(S_j) -> P_j, alpha_j            <- runs under both MMAs
+      wait(0)                                 PV_{j-1} and S_{j+1} retired
       refill the ring slot of block j-1; O *= alpha_j
-      issue  O += P_j V_j                                in flight: S_{j+1}, PV_j
-      wait(1): S_{j+1} done; PV_j runs on into the next softmax
+      issue  O += P_j V_j                     in flight into iteration j+1
 
 One CTA owns BLOCK_M query rows of one (batch, head); all its warps compute (no producer warp):
 the TMA loads are issued by the same warps, ahead of use, into a NUM_BUFFERS-deep ring of K/V
-tiles. See docs/gluon.md for the full picture and what is not done.
+tiles. See docs/gluon.md for the full picture, the ptxas constraints that shaped it, and what is
+not done.
 """
-
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -111,8 +110,8 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_rea
     s_next = _issue_qk(q_tile, k_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK)
-    # one full wait for both. (A finer wait(1) between them would retire PV_{j-1} alone, but ptxas
-    # then proves too little about which group is pending and serialises every wgmma; see docs/gluon.md.)
+    # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
+    # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
     o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
     # block j-1's slot is free now (its K retired with S_{j-1}, its V with PV_{j-1}): refill it. The
@@ -209,8 +208,9 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
                                        off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout, o_layout,
                                        p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True)
 
-    # last block: no QK^T left to issue; its softmax still overlaps PV of the block before. Masking
-    # it unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
+    # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
+    # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
+    # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
     p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
                                             True)
@@ -246,5 +246,6 @@ def _epilogue(o, m_i, l_i, q_smem, q_tile, desc_o, LSE, stride_lb, stride_lh, of
 
 
 def fwd_config(head_dim: int, causal: bool) -> dict:
-    """Tile sizes and warps: two warpgroups over 128 query rows, a three-deep K/V ring."""
+    """Tile sizes and warps: two warpgroups over 128 query rows, a three-deep K/V ring. One config for
+    both head dims for now (untuned; d = 128 already uses 255 registers and ~224 KiB of shared memory)."""
     return dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8)
