@@ -41,3 +41,21 @@ def test_bwd_override_file_rejects_bad_keys(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="bad key 'sm90,128,short'"):
         launcher.config_overrides()
     monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
+
+
+def test_decode_launch_config_rules():
+    from flashtile.backends.triton.decode import launch_config
+    from flashtile.kernels.decode import DECODE_CONFIGS
+
+    bn, w, st = DECODE_CONFIGS[("sm90", 128)]
+    assert launch_config("sm90", 128, False, 2) == (bn, w, st)
+    # paged: two more stages (the block-table load takes one of its own)
+    assert launch_config("sm90", 128, True, 2, page_size=256) == (bn, w, st + 2)
+    # small pages on a grid that is full without splitting: 64-key tiles; split launches keep the table's
+    assert launch_config("sm90", 128, True, 2, page_size=16, grid_full=True) == (64, w, st + 2)
+    assert launch_config("sm90", 128, True, 2, page_size=16, grid_full=False) == (bn, w, st + 2)
+    assert launch_config("sm90", 128, True, 2, page_size=64, grid_full=True) == (bn, w, st + 2)
+    # fp32 caches: half the keys per tile, so a stage holds as many bytes
+    assert launch_config("sm90", 128, False, 4) == (bn // 2, w, st)
+    # the interpreter's tiny row is left alone (no paging extras beyond the stage rule)
+    assert launch_config("interpret", 128, False, 2) == DECODE_CONFIGS[("interpret", 0)]

@@ -58,3 +58,41 @@ def test_public_functions_train_through_the_eager_path():
     assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
     out.sum().backward()
     assert qkv.grad is not None and qkv.grad.shape == qkv.shape
+
+
+def test_second_derivative_fails_loudly():
+    # the kernels' gradients carry no graph: a gradient penalty must raise, never silently add zero
+    q, k, v = (_leaf(1, 8, 2, 16, seed=i) for i in range(3))
+    for out in (flashtile.flash_attn_func(q, k, v, causal=True),
+                flashtile.flash_attn_interface.FlashAttnFunc.apply(q, k, v, 0.0, None, True, (-1, -1), 0.0, None,
+                                                                   False, False)):
+        (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError):
+            torch.autograd.grad(dq.pow(2).sum(), q)
+
+
+def test_meta_tensors_trace_through_the_op():
+    # tracers and meta/fake tensors need the op's fake implementation, with or without grad
+    q, k, v = (torch.empty(2, 9, 4, 16, device="meta", requires_grad=True) for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (2, 9, 4, 16) and out.device.type == "meta"
+    with torch.no_grad():
+        assert flashtile.flash_attn_func(q, k, v).shape == (2, 9, 4, 16)
+
+
+def test_varlen_partial_grads_and_probs_match_op():
+    total, h, d = 23, 2, 16
+    q, k, v = (_leaf(total, h, d, seed=i) for i in range(3))
+    k.requires_grad_(False)  # only q and v want gradients
+    cu = torch.tensor([0, 9, 23], dtype=torch.int32)
+    _, _, _, p = ag.varlen_params(q, k, v, cu, cu, 14, 14, 0.25, None, True, (-1, -1), 0.0, None, False, True)
+    rng_state = torch.tensor([77, 0], dtype=torch.int64)
+    dout = torch.randn(total, h, d, generator=torch.Generator().manual_seed(5))
+    eager = ag.EagerAttention.apply(*ag.fwd_op_args(q, k, v, p, rng_state, PACK_NONE))
+    op = torch.ops.flashtile.attn_fwd(*ag.fwd_op_args(q, k, v, p, rng_state, PACK_NONE))
+    for got, want in zip(eager, op):  # out, lse and the dropout probabilities
+        assert torch.equal(got, want)
+    got = torch.autograd.grad(eager[0], (q, v), dout)
+    want = torch.autograd.grad(op[0], (q, v), dout)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

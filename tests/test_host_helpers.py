@@ -79,6 +79,41 @@ def test_launch_reraises_what_fewer_stages_cannot_fix(monkeypatch):
     with pytest.raises(OutOfResources):  # registers: stages are not the problem
         host.launch(_SmallSharedMemoryKernel(fits=0, name="registers"), (1,), num_warps=4, num_stages=3)
     kern = _SmallSharedMemoryKernel(fits=0)
-    with pytest.raises(OutOfResources), pytest.warns(RuntimeWarning):
+    with pytest.raises(OutOfResources):  # nothing fits: the error, no warning about a retry that failed
         host.launch(kern, (1,), num_warps=4, num_stages=2)
     assert kern.tried == [2, 1]
+
+
+def test_launch_memo_is_keyed_by_the_table_value(monkeypatch):
+    import pytest
+
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(host, "_REDUCED_STAGES", {})
+    kern = _SmallSharedMemoryKernel(fits=2)
+    with pytest.warns(RuntimeWarning, match="with 3 pipeline stages .* runs with 2"):
+        host.launch(kern, (1,), num_warps=4, num_stages=3)
+    kern.fits, kern.tried = 1, []  # e.g. another alignment specialisation needs less
+    host.launch(kern, (1,), num_warps=4, num_stages=3)
+    assert kern.tried == [2, 1]
+    assert list(host._REDUCED_STAGES.values()) == [1]  # one entry, under the table's 3
+    kern.tried = []
+    host.launch(kern, (1,), num_warps=4, num_stages=3)
+    assert kern.tried == [1]
+
+
+def test_sweeps_see_the_table_config_fail(monkeypatch):
+    import pytest
+    from triton.runtime.errors import OutOfResources
+
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(host, "_REDUCED_STAGES", {})
+    kern = _SmallSharedMemoryKernel(fits=2)
+    with pytest.warns(RuntimeWarning):
+        host.launch(kern, (1,), num_warps=4, num_stages=3)
+    monkeypatch.setattr(host, "REDUCE_STAGES_ON_OOR", False)
+    kern.tried = []
+    with pytest.raises(OutOfResources):  # neither the memo nor a retry: the config as asked
+        host.launch(kern, (1,), num_warps=4, num_stages=3)
+    assert kern.tried == [3]

@@ -26,6 +26,7 @@ from flashtile.ops import (
     attn_bwd_impl,
     attn_fwd_impl,
     draw_rng_state,
+    traced,
     unpack,
 )
 from flashtile.paged import paged_to_varlen
@@ -123,7 +124,7 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
         return _direct_forward(q, k, v, p, packing)
     rng_state = rng_state_for(p, q.device)
     args = fwd_op_args(q, k, v, p, rng_state, packing)
-    if torch.compiler.is_compiling():
+    if traced(q):
         out, lse, probs = torch.ops.flashtile.attn_fwd(*args)
     else:  # eager training: the op's autograd formula without its dispatcher (host time)
         out, lse, probs = EagerAttention.apply(*args)
@@ -133,7 +134,7 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
 def _eager_inference(*tensors) -> bool:
     """An eager call that needs no gradient: the custom-op dispatcher (tens of microseconds of host
     time, which short sequences feel) buys nothing there, so the backend is called directly."""
-    if torch.compiler.is_compiling():
+    if traced(tensors[0]):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
@@ -209,7 +210,7 @@ def flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool):
     rng_state = rng_state_for(p, q.device)
     args = fwd_op_args(q, k, v, p, rng_state, packing)
-    out, lse, probs = _fwd_fn()(*args)
+    out, lse, probs = (torch.ops.flashtile.attn_fwd if traced(q) else attn_fwd_impl)(*args)
     if is_grad_enabled:
         ctx.save_for_backward(q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k,
                               p.alibi_slopes, rng_state)
@@ -221,15 +222,12 @@ def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool
     return out, lse, probs
 
 
+@torch.autograd.function.once_differentiable  # no second derivative: fail loudly, never a silent zero
 def _fn_backward(ctx, dout):
     q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng = ctx.saved_tensors
-    bwd = torch.ops.flashtile.attn_bwd if torch.compiler.is_compiling() else attn_bwd_impl
+    # eager calls skip the op's dispatcher (host time); tracers need the op's fake implementation
+    bwd = torch.ops.flashtile.attn_bwd if traced(dout) else attn_bwd_impl
     return bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
-
-
-def _fwd_fn():
-    # inside a Function the op's autograd is not needed; eager calls skip its dispatcher (host time)
-    return torch.ops.flashtile.attn_fwd if torch.compiler.is_compiling() else attn_fwd_impl
 
 
 class FlashAttnFunc(torch.autograd.Function):

@@ -290,6 +290,13 @@ def _backward(ctx, dout, _dlse, _dprobs):
 torch.library.register_autograd("flashtile::attn_fwd", _backward, setup_context=_setup_context)
 
 
+def traced(x: Tensor) -> bool:
+    """True when the op itself must be called: torch.compile, or a tracer / tensor subclass that
+    needs its fake implementation (FakeTensor, meta tensors, make_fx and other dispatch modes)."""
+    return (torch.compiler.is_compiling() or type(x) is not torch.Tensor or x.is_meta
+            or torch._C._len_torch_dispatch_stack() > 0)
+
+
 class EagerAttention(torch.autograd.Function):
     """``flashtile::attn_fwd`` with its registered autograd formula, without the op dispatcher.
 
@@ -307,5 +314,8 @@ class EagerAttention(torch.autograd.Function):
         return output
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse, _dprobs):
-        return _input_grads(ctx, dout, attn_bwd_impl)
+        # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
+        # second derivative must fail loudly (the op path raises too), never come back as zero
+        return _input_grads(ctx, dout, torch.ops.flashtile.attn_bwd if traced(dout) else attn_bwd_impl)

@@ -61,24 +61,32 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     (about 99 KiB on Ada and consumer Ampere, 163 KiB on the A100) can refuse a config at its
     first launch with Triton's ``OutOfResources``; fewer stages need less shared memory and
     compute the same result, so the launch is retried one stage shallower at a time, with a
-    warning once per config, and the stages that fit are remembered.
+    warning once per config, and the stages that fit are remembered under the table's value.
+    (Triton's alignment specialisations are not in the key: if one needs fewer stages than
+    another, the memo keeps the smaller count, which is slower for the other but still correct.)
     """
-    if _REDUCED_STAGES:
-        num_stages = _REDUCED_STAGES.get(_launch_key(kernel, args, num_warps, num_stages, meta), num_stages)
     from triton.runtime.errors import OutOfResources
 
+    key = None
     stages = num_stages
+    if _REDUCED_STAGES and REDUCE_STAGES_ON_OOR:
+        key = _launch_key(kernel, args, num_warps, num_stages, meta)
+        stages = _REDUCED_STAGES.get(key, num_stages)
     while True:
         try:
-            return kernel[grid](*args, num_warps=num_warps, num_stages=stages, **meta)
+            result = kernel[grid](*args, num_warps=num_warps, num_stages=stages, **meta)
         except OutOfResources as exc:
             if not REDUCE_STAGES_ON_OOR or getattr(exc, "name", "") != "shared memory" or stages <= 1:
                 raise
             stages -= 1
-            key = _launch_key(kernel, args, num_warps, num_stages, meta)
+            reason = exc
+            continue
+        if stages != num_stages:
+            key = key or _launch_key(kernel, args, num_warps, num_stages, meta)
             if key not in _REDUCED_STAGES:
                 warnings.warn(f"flashtile: {getattr(kernel, '__name__', kernel)} with {num_stages} pipeline stages "
-                              f"needs more shared memory than this GPU has ({exc}); retrying with {stages}. "
+                              f"needs more shared memory than this GPU has ({reason}); it runs with {stages}. "
                               "A tuned table for this GPU avoids the retry (docs/architecture.md).",
                               RuntimeWarning, stacklevel=2)
             _REDUCED_STAGES[key] = stages
+        return result
