@@ -303,8 +303,9 @@ class EagerAttention(torch.autograd.Function):
     Eager training calls take this; torch.compile traces the op instead (``attention`` in
     autograd.py picks). Same arguments, same saved tensors, same backend calls, so the results are
     the op's bit for bit; what it saves is host time: the op's argument handling (``fill_defaults``
-    for 23 arguments) and its autograd wrapper cost about 300 us per forward + backward on a CPU
-    profile, against about 40 us here, and short training steps are bound by that host time.
+    for 23 arguments) and its autograd wrapper cost about 300 us of host time per forward +
+    backward with the kernels stubbed out (CPU), against about 120 us for the whole public call
+    on this path (docs/compile.md); short training steps are bound by that host time.
     """
 
     @staticmethod
