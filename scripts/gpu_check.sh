@@ -13,6 +13,7 @@
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
+#   bench-gluon   the Gluon kernel beside the Triton kernel and cuDNN (scripts/bench_gluon.py), timeout 300 s
 #   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
 #   tune-bwd-short  backward rows at s=512                  tune-short = the three above
 #   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches;
@@ -76,6 +77,9 @@ for step in "${steps[@]}"; do
       [[ $rc -eq 124 ]] && echo "tests-gluon: TIMED OUT (likely a hang)" >> "$WORK/gpu_tests_gluon.log"
       [[ $rc -ne 0 ]] && status=$rc
       tail -n 25 "$WORK/gpu_tests_gluon.log" >> "$summary" ;;
+    bench-gluon)
+      timeout 300 python3 scripts/bench_gluon.py --out "$WORK/gluon.json" 2> "$WORK/bench_gluon.log" >> "$summary"
+      [[ $? -eq 124 ]] && echo "bench-gluon: TIMED OUT" >> "$summary" ;;
     tune-fwd-short)
       # the forward's d = 128 rows at s <= 1024 (the "short" table rows), TMA path
       python3 scripts/tune_fwd.py --refine --d 128 --seqlens 512 1024 --out "$WORK/tune_fwd_d128_short.json" \
