@@ -186,3 +186,19 @@ def test_fused_combine_under_load(monkeypatch, num_splits):
             assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
     torch.cuda.synchronize()
     assert all(int(buf.abs().sum()) == 0 for buf in launcher._COUNTERS.values())
+
+
+def test_config_past_shared_memory_runs_with_fewer_stages(monkeypatch):
+    """A config the GPU cannot hold (as the H200 tables would be on a GPU with less shared memory)
+    must still give the right answer: host.launch drops pipeline stages until it fits, warns once."""
+    from flashtile.backends.triton import decode as launcher
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(host, "_REDUCED_STAGES", {})
+    # 128-key paged tiles at 12 stages compile to 338 KB of shared memory for sm_90 (8 stages: 206 KB)
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (128, 4, 12))
+    q, kc, vc, kw = _inputs(2, 1, 1, 16, 4, 128, 4096, torch.bfloat16, page=16)
+    with pytest.warns(RuntimeWarning, match="pipeline stages"):
+        _check(q, kc, vc, kw, causal=True)
+    assert list(host._REDUCED_STAGES.values())[0] < 12
+    _check(q, kc, vc, kw, causal=True)  # remembered: no second warning needed, same answer
