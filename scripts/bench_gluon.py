@@ -17,24 +17,21 @@ import triton
 
 import flashtile
 from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
-from flashtile.bench.shapes import attention_flops
-
-
-def _sdpa_cudnn(q, k, v, causal):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+from flashtile.bench.peers import PEERS
+from flashtile.bench.shapes import Shape, attention_flops
 
 
 def _time_all(q, k, v, causal) -> dict:
     """Median ms of the Gluon kernel, the Triton kernel and SDPA cuDNN on one input."""
+    b, s, h, d = q.shape
+    cudnn = PEERS["cudnn"]  # the benchmark's own peer: (b, h, s, d) views, backend chosen once
+    sdpa = cudnn.build(Shape(b, h, s, d, causal), "cuda")
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     fns = dict(gluon=lambda: gluon_attn_fwd(q, k, v, None, causal),
                triton=lambda: flashtile.flash_attn_func(q, k, v, causal=causal),
-               cudnn=lambda: _sdpa_cudnn(q, k, v, causal))
+               cudnn=lambda: sdpa(qt, kt, vt))
     ms = {}
-    with torch.no_grad():
+    with torch.no_grad(), cudnn.context():
         for name, fn in fns.items():
             try:
                 ms[name] = triton.testing.do_bench(fn, warmup=100, rep=100, return_mode="median")

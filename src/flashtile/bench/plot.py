@@ -13,11 +13,21 @@ def _impl_order(rows: list[dict]) -> list[str]:
     return list(names)
 
 
-def plot_results(data: dict, path: str) -> None:
-    """Draw ``{"meta", "rows"}`` (a bench JSON) to a PNG at ``path``."""
+def _panels(rows: list[dict], key: str, n_impls: int, panel_height: float):
+    """Rows grouped by ``key`` (sorted), and a figure with one panel per group sized for its bars."""
     # The object API with an explicit Agg canvas: no pyplot global state, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    groups = {g: [r for r in rows if r[key] == g] for g in sorted({r[key] for r in rows})}
+    widest = max(len(v) for v in groups.values())
+    fig = Figure(figsize=(max(7.0, 0.35 * widest * (n_impls + 1)), panel_height * len(groups)))
+    FigureCanvasAgg(fig)
+    return groups, fig, fig.subplots(len(groups), 1, squeeze=False)[:, 0]
+
+
+def plot_results(data: dict, path: str) -> None:
+    """Draw ``{"meta", "rows"}`` (a bench JSON) to a PNG at ``path``."""
 
     rows, meta = data["rows"], data.get("meta", {})
     if not rows:
@@ -26,12 +36,8 @@ def plot_results(data: dict, path: str) -> None:
         plot_decode(data, path)
         return
     impls = _impl_order(rows)
-    dims = sorted({r["d"] for r in rows})
-    per_dim = {d: [r for r in rows if r["d"] == d] for d in dims}
-    widest = max(len(v) for v in per_dim.values())
-    fig = Figure(figsize=(max(7.0, 0.35 * widest * (len(impls) + 1)), 3.3 * len(dims)))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(dims), 1, squeeze=False)[:, 0]
+    per_dim, fig, axes = _panels(rows, "d", len(impls), 3.3)
+    dims = list(per_dim)
     bar_w = 0.8 / len(impls)
     for ax, d in zip(axes, dims):
         rs = per_dim[d]
@@ -78,17 +84,11 @@ def plot_results(data: dict, path: str) -> None:
 def plot_decode(data: dict, path: str) -> None:
     """Decode rows: one panel per batch size, bars = each implementation's time over the HBM floor
     (1.0 = reading the cache at copy bandwidth; the issue's bars are 1.15 at long caches, 2 at b=1 8k)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
     rows, meta = data["rows"], data.get("meta", {})
     impls = list(dict.fromkeys(["flashtile"] + [name for r in rows for name in r["us"]]))
-    batches = sorted({r["b"] for r in rows})
-    per_b = {b: [r for r in rows if r["b"] == b] for b in batches}
-    widest = max(len(v) for v in per_b.values())
-    fig = Figure(figsize=(max(7.0, 0.35 * widest * (len(impls) + 1)), 3.0 * len(batches)))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
+    per_b, fig, axes = _panels(rows, "b", len(impls), 3.0)
+    batches = list(per_b)
     bar_w = 0.8 / len(impls)
     for ax, b in zip(axes, batches):
         rs = per_b[b]

@@ -13,6 +13,7 @@ import functools
 import warnings
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,8 +66,6 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     (Triton's alignment specialisations are not in the key: if one needs fewer stages than
     another, the memo keeps the smaller count, which is slower for the other but still correct.)
     """
-    from triton.runtime.errors import OutOfResources
-
     key = None
     stages = num_stages
     if _REDUCED_STAGES and REDUCE_STAGES_ON_OOR:
