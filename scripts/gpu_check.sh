@@ -19,7 +19,7 @@
 #   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches;
 #                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
-# TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS.
+# TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300).
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files) after every step, so a call cut by its time limit still returns the
 # finished steps; $OUT/summary.txt holds the tables and prints last.
@@ -71,14 +71,14 @@ for step in "${steps[@]}"; do
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
     tests-gluon)
       # the experimental Gluon kernel, alone and under a timeout: its first GPU run may hang
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_gpu_gluon.py \
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_gpu_gluon.py \
         > "$WORK/gpu_tests_gluon.log" 2>&1
       rc=$?
       [[ $rc -eq 124 ]] && echo "tests-gluon: TIMED OUT (likely a hang)" >> "$WORK/gpu_tests_gluon.log"
       [[ $rc -ne 0 ]] && status=$rc
       tail -n 25 "$WORK/gpu_tests_gluon.log" >> "$summary" ;;
     bench-gluon)
-      timeout 300 python3 scripts/bench_gluon.py --out "$WORK/gluon.json" 2> "$WORK/bench_gluon.log" >> "$summary"
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon.py --out "$WORK/gluon.json" 2> "$WORK/bench_gluon.log" >> "$summary"
       [[ $? -eq 124 ]] && echo "bench-gluon: TIMED OUT" >> "$summary" ;;
     tune-fwd-short)
       # the forward's d = 128 rows at s <= 1024 (the "short" table rows), TMA path
