@@ -12,6 +12,10 @@
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
+#   profile-bwd   where an eager training step's time goes (scripts/profile_bwd.py: eager vs grad vs graph,
+#                 host enqueue time, kernels by name)
+#   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
+#   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
 #   bench-gluon   the Gluon kernel beside the Triton kernel and cuDNN (scripts/bench_gluon.py), timeout 300 s
 #   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
@@ -114,6 +118,14 @@ for step in "${steps[@]}"; do
       pack
       python3 -m flashtile.bench bwd --seqlens 512 1024 --peers flash cudnn --cuda-graph \
         --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
+    profile-bwd)
+      python3 scripts/profile_bwd.py --out "$WORK/profile_bwd.json" 2> "$WORK/profile_bwd.log" >> "$summary" ;;
+    bench-bwd-flex)
+      python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
+        --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
+    bench-bwd-d256)
+      python3 -m flashtile.bench bwd --d 256 --peers flash cudnn --out "$WORK/bwd_d256.json" \
+        2> "$WORK/bench_bwd_d256.log" >> "$summary" ;;
     bench-decode-fused-combine)
       # the split merge fused into the decode kernel (off by default) against the combine kernel
       FLASHTILE_DECODE_FUSED_COMBINE=1 python3 -m flashtile.bench decode --cuda-graph --batch 1 8 \

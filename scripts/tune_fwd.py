@@ -14,7 +14,7 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import attn_fwd as launcher
-from flashtile.backends.triton import host
+from flashtile.backends.triton import gluon_route, host
 
 CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
@@ -45,6 +45,7 @@ FP8 = {
 
 def main():
     ap = argparse.ArgumentParser()
+    gluon_route.OVERRIDE = False  # the sweep times the Triton kernel's configs, never the Gluon route
     ap.add_argument("--out", default="tune_fwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])

@@ -35,6 +35,10 @@ def fwd(q, k, v, p: AttnParams):
         from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
 
         return attn_fwd_fp8(q, k, v, p)
+    from flashtile.backends.triton import gluon_route
+
+    if gluon_route.use_gluon(q, k, v, p):
+        return gluon_route.gluon_fwd(q, k, v, p)
     from flashtile.backends.triton.attn_fwd import attn_fwd
 
     return attn_fwd(q, k, v, p)

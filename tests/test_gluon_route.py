@@ -1,0 +1,82 @@
+"""Which forward calls the Gluon kernel takes (backends/triton/gluon_route.py), checked on CPU.
+
+The rule has two halves: ``refusal`` (what the kernel computes exactly) and ``preferred`` (where it
+measured faster). A call outside the first must never reach the kernel, whatever the override.
+"""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import gluon_route
+from flashtile.params import AttnParams
+
+
+def _qkv(b=2, s=2048, h=4, h_k=4, d=128, dtype=torch.bfloat16):
+    return (torch.empty(b, s, h, d, dtype=dtype), torch.empty(b, s, h_k, d, dtype=dtype),
+            torch.empty(b, s, h_k, d, dtype=dtype))
+
+
+def _params(**kw):
+    return AttnParams(softmax_scale=0.1, **kw)
+
+
+def test_plain_causal_and_gqa_calls_are_supported():
+    q, k, v = _qkv(h=8, h_k=2)
+    assert gluon_route.refusal(q, k, v, _params()) is None
+    assert gluon_route.refusal(q, k, v, _params(causal=True, window_right=0)) is None
+    # an explicit (-1, 0) window is causal too
+    assert gluon_route.refusal(q, k, v, _params(window_right=0)) is None
+    # return_attn_probs without dropout returns no probabilities
+    assert gluon_route.refusal(q, k, v, _params(return_probs=True)) is None
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(window_left=64), "window"),
+    (dict(window_right=5), "window"),
+    (dict(softcap=30.0), "softcap"),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
+    (dict(seqused_k=torch.ones(2, dtype=torch.int32)), "seqused"),
+])
+def test_features_the_kernel_lacks_are_refused(change, reason):
+    q, k, v = _qkv()
+    assert reason in gluon_route.refusal(q, k, v, _params(**change))
+
+
+def test_shapes_and_dtypes_the_kernel_lacks_are_refused():
+    q, k, v = _qkv(d=96)
+    assert "head_dim" in gluon_route.refusal(q, k, v, _params())
+    q, k, v = _qkv(dtype=torch.float16)
+    assert "dtype" in gluon_route.refusal(q, k, v, _params())
+    q, k, v = _qkv()
+    assert "seqlen" in gluon_route.refusal(q[:, :1000], k, v, _params())
+    assert "dtype" in gluon_route.refusal(q, k.float(), v, _params())
+    # a head-dim slice starting one element in: its base is 2 bytes off TMA's 16-byte alignment
+    wide = torch.empty(2, 2048, 4, 130, dtype=torch.bfloat16)
+    assert "TMA" in gluon_route.refusal(wide[..., 1:129], k, v, _params())
+    varlen = _params(cu_seqlens_q=torch.zeros(3, dtype=torch.int32), cu_seqlens_k=torch.zeros(3, dtype=torch.int32))
+    assert "varlen" in gluon_route.refusal(q[0], k[0], v[0], varlen)
+
+
+def test_preferred_where_measured_faster():
+    q, _, _ = _qkv(s=4096)
+    assert gluon_route.preferred(q, _params())
+    assert gluon_route.preferred(q, _params(causal=True, window_right=0))
+    short, _, _ = _qkv(s=1024)
+    assert gluon_route.preferred(short, _params())
+    assert not gluon_route.preferred(short, _params(causal=True, window_right=0))
+    d64, _, _ = _qkv(d=64)
+    assert not gluon_route.preferred(d64, _params())
+
+
+def test_cpu_tensors_never_take_the_gluon_route(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setattr(gluon_route, "OVERRIDE", True)
+    assert not gluon_route.use_gluon(q, k, v, _params())
+
+
+def test_environment_switch_turns_the_route_off(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    monkeypatch.setattr(gluon_route, "OVERRIDE", True)
+    assert not gluon_route.use_gluon(q, k, v, _params())

@@ -1,0 +1,82 @@
+"""GPU tests of the public API where it routes to the Gluon kernel (backends/triton/gluon_route.py).
+
+These run in the main GPU suite (marker ``gpu`` only): once the route is on by default, every
+d = 128 bf16 call of 1024+ tokens takes it, so it must pass everything the Triton path passes here.
+"""
+
+import pytest
+import torch
+
+import flashtile
+from attn_cases import check_padded
+from flashtile.backends.triton import gluon_route
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Count the calls that reach the Gluon kernel."""
+    calls = []
+    real = gluon_route.gluon_fwd
+
+    def spy(q, k, v, p):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, p)
+
+    monkeypatch.setattr(gluon_route, "gluon_fwd", spy)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("s, h, h_k", [(2048, 4, 4), (4096, 8, 2), (3001, 4, 1)])
+def test_routed_forward_and_gradients_match_reference(gluon_calls, s, h, h_k, causal):
+    check_padded(1, s, s, h, h_k, 128, torch.bfloat16, device=DEV, causal=causal, grads=True)
+    assert gluon_calls, "the call did not take the Gluon route"
+
+
+def test_route_switch_and_unsupported_calls_stay_on_triton(gluon_calls, monkeypatch):
+    q, k, v = (torch.randn(1, 2048, 4, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, window_size=(256, 0))
+    flashtile.flash_attn_func(q, k, v, softcap=30.0)
+    flashtile.flash_attn_func(q.half(), k.half(), v.half())
+    flashtile.flash_attn_func(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous())
+    assert not gluon_calls
+    monkeypatch.setenv("FLASHTILE_GLUON", "0")
+    flashtile.flash_attn_func(q, k, v)
+    assert not gluon_calls
+    monkeypatch.delenv("FLASHTILE_GLUON")
+    flashtile.flash_attn_func(q, k, v)
+    assert len(gluon_calls) == 1
+
+
+def test_routed_output_equals_triton_closely(monkeypatch):
+    q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    out_g, lse_g, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    monkeypatch.setattr(gluon_route, "OVERRIDE", False)
+    out_t, lse_t, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    # two fp32-accumulating kernels with different block orders: bf16 rounding apart, no more
+    assert (out_g.float() - out_t.float()).abs().max().item() < 2e-2
+    assert (lse_g - lse_t).abs().max().item() < 1e-3
+
+
+def test_routed_call_is_graph_capturable_and_compiles(gluon_calls):
+    q, k, v = (torch.randn(1, 2048, 4, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    expect = flashtile.flash_attn_func(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashtile.flash_attn_func(q, k, v, causal=True))
+    assert not torch.equal(out, expect)
+    compiled = torch.compile(lambda a, b, c: flashtile.flash_attn_func(a, b, c, causal=True), fullgraph=True)
+    assert torch.equal(compiled(q, k, v), out)
+    assert len(gluon_calls) >= 4
