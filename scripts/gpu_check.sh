@@ -4,7 +4,8 @@
 # Usage: OUT=/some/dir bash scripts/gpu_check.sh [STEP ...]     (default: tests bench)
 # Steps:
 #   tests         every gpu-marked test (tests/test_gpu_*.py); over 300 tests, likely more than one
-#                 10-minute device call: tests-fwd, tests-bwd, tests-kv, tests-rest split them
+#                 10-minute device call: tests-fwd, tests-bwd, tests-kv, tests-rest split them;
+#                 tests-route: the Gluon route's tests and the forward's
 #   tune          forward config sweep (scripts/tune_fwd.py)      tune-bwd   backward sweep (scripts/tune_bwd.py)
 #   bench         forward benchmark + sliding-window/varlen extras
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
@@ -16,6 +17,7 @@
 #                 host enqueue time, kernels by name)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
+#   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
 #   bench-gluon   the Gluon kernel beside the Triton kernel and cuDNN (scripts/bench_gluon.py), timeout 300 s
 #   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
@@ -54,8 +56,9 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route)
       case $step in
+        tests-route) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fwd.py) ;;
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
@@ -126,6 +129,8 @@ for step in "${steps[@]}"; do
     bench-bwd-d256)
       python3 -m flashtile.bench bwd --d 256 --peers flash cudnn --out "$WORK/bwd_d256.json" \
         2> "$WORK/bench_bwd_d256.log" >> "$summary" ;;
+    bench-fwd-d128)
+      python3 -m flashtile.bench fwd --d 128 --out "$WORK/fwd_d128.json" 2> "$WORK/bench_fwd_d128.log" >> "$summary" ;;
     bench-decode-fused-combine)
       # the split merge fused into the decode kernel (off by default) against the combine kernel
       FLASHTILE_DECODE_FUSED_COMBINE=1 python3 -m flashtile.bench decode --cuda-graph --batch 1 8 \
