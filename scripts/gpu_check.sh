@@ -19,13 +19,16 @@
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
+#   bench-gluon-fp8  the Gluon fp8 kernel beside Triton fp8, Gluon/Triton bf16 and cuDNN (timeout GLUON_TIMEOUT)
+#   tune-gluon    scripts/tune_gluon.py (TUNE_GLUON_ARGS, e.g. "--dtypes fp8 --seqlens 4096"; timeout GLUON_TIMEOUT)
 #   bench-gluon   the Gluon kernel beside the Triton kernel and cuDNN (scripts/bench_gluon.py), timeout 300 s
 #   tune-fwd-short  forward d=128 rows at s=512/1024       tune-fp8   fp8 forward configs at s=4096
 #   tune-bwd-short  backward rows at s=512                  tune-short = the three above
 #   tune-decode   decode configs and split counts (CUDA-graph timing, contiguous and paged caches;
 #                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
-# TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300).
+# TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300),
+# GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate").
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files) after every step, so a call cut by its time limit still returns the
 # finished steps; $OUT/summary.txt holds the tables and prints last.
@@ -78,12 +81,21 @@ for step in "${steps[@]}"; do
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
     tests-gluon)
       # the experimental Gluon kernel, alone and under a timeout: its first GPU run may hang
-      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -x tests/test_gpu_gluon.py \
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -x "${xdist[@]}" \
+        ${GLUON_K:+-k "$GLUON_K"} tests/test_gpu_gluon.py \
         > "$WORK/gpu_tests_gluon.log" 2>&1
       rc=$?
       [[ $rc -eq 124 ]] && echo "tests-gluon: TIMED OUT (likely a hang)" >> "$WORK/gpu_tests_gluon.log"
       [[ $rc -ne 0 ]] && status=$rc
       tail -n 25 "$WORK/gpu_tests_gluon.log" >> "$summary" ;;
+    bench-gluon-fp8)
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon.py --fp8 --out "$WORK/gluon_fp8.json" \
+        2> "$WORK/bench_gluon_fp8.log" >> "$summary"
+      [[ $? -eq 124 ]] && echo "bench-gluon-fp8: TIMED OUT" >> "$summary" ;;
+    tune-gluon)
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/tune_gluon.py ${TUNE_GLUON_ARGS:-} --out "$WORK/tune_gluon.json" \
+        2> "$WORK/tune_gluon.log" | tail -n 30 >> "$summary"
+      [[ ${PIPESTATUS[0]} -eq 124 ]] && echo "tune-gluon: TIMED OUT" >> "$summary" ;;
     bench-gluon)
       timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon.py --out "$WORK/gluon.json" 2> "$WORK/bench_gluon.log" >> "$summary"
       [[ $? -eq 124 ]] && echo "bench-gluon: TIMED OUT" >> "$summary" ;;

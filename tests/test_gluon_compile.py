@@ -1,5 +1,6 @@
-"""The Gluon Hopper forward kernel must compile for sm_90 through ptxas, fit shared memory, and keep
-the intra-warpgroup overlap it was written for all the way down to SASS. No GPU needed.
+"""The Gluon Hopper forward kernels (bf16 / fp16 and fp8) must compile for sm_90 through ptxas, fit
+shared memory, and keep the intra-warpgroup overlap they were written for all the way down to SASS,
+for every config of the table and every tuning candidate. No GPU needed.
 
 The compile runs in a subprocess (TRITON_INTERPRET must be unset there): this file run as a script
 compiles the configs named on its command line and writes TTGIR, ptxas's log and SASS to a folder.
@@ -9,8 +10,8 @@ The checks, in order of how close they are to the hardware:
     edge (its result goes into scf.yield unwaited);
   * ptxas: no "wgmma ... serialized" performance warning (C7514 and friends: ptxas then waits
     after every wgmma, whatever the source says), no spills;
-  * SASS: tens of MUFU.EX2 (the softmax) execute between an HGMMA and the next
-    WARPGROUP.DEPBAR that waits for it.
+  * SASS: at least half a key block's MUFU.EX2 (the softmax) execute between an HGMMA (16-bit) or
+    QGMMA (fp8) and the next WARPGROUP.DEPBAR that waits for it.
 """
 
 import json
@@ -23,31 +24,65 @@ import sys
 import pytest
 
 SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
-CONFIGS = [(64, False), (128, True)]
-# a 128 x 128 score tile over 256 threads is 64 exponentials per thread and block; ask for half
-MIN_OVERLAPPED_EX2 = 32
+KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16"), "fp8": ("fp8e4nv", "float8e4nv")}
 
 
-def _compile(d: int, causal: bool, out: pathlib.Path) -> dict:
+def _cases():
+    """(kind, d, causal, (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps)): every table entry in both
+    causal modes (bf16 for the 16-bit rows, plus one fp16 compile), then every tuning candidate
+    that is not a table entry, causal only (the masked loop copy is the larger one)."""
+    from flashtile.kernels.gluon_fwd import CONFIG_KEYS, FWD_CONFIGS, TUNE_CANDIDATES
+
+    table, extra = [], []
+    for (cls, d), cfg in FWD_CONFIGS.items():
+        cfg = tuple(cfg[key] for key in CONFIG_KEYS)
+        kind = "fp8" if cls == "fp8" else "bf16"
+        table += [(kind, d, causal, cfg) for causal in (False, True)]
+        extra += [(kind, d, True, c) for c in TUNE_CANDIDATES[(cls, d)] if c != cfg]
+    table.append(("fp16", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
+    return table, extra
+
+
+TABLE_CASES, CANDIDATE_CASES = _cases()
+
+
+def _tag(kind, d, causal, cfg) -> str:
+    return f"{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}"
+
+
+def _min_overlapped_ex2(cfg) -> int:
+    # exponentials per thread and key block (BLOCK_M x BLOCK_N over the CTA's threads); ask for half
+    # (the d = 128 bf16 kernel of the first version: 64 per block, 61 to 65 measured, 32 asked)
+    bm, bn, _, nw = cfg
+    return bm * bn // (32 * nw) // 2
+
+
+def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
     import triton
     import triton.experimental.gluon.language as gl
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel as kernel
-    from flashtile.kernels.gluon_fwd import fwd_config
+    if kind == "fp8":
+        from flashtile.kernels.gluon_fwd_fp8 import _gluon_attn_fwd_fp8_kernel as kernel
+    else:
+        from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel as kernel
 
-    cfg = fwd_config(d, causal)
+    bm, bn, nb, nw = cfg
+    type_name, gl_name = KINDS[kind]
 
-    def desc(rows):  # what the JIT derives from a host-side gluon TensorDescriptor
-        layout = gl.NVMMASharedLayout.get_default_for([1, rows, 1, d], gl.bfloat16)
-        return f"tensordesc<bf16[1,{rows},1,{d}],{layout!r}>"
+    def desc(block, type_name=type_name, gl_name=gl_name):  # what the JIT derives from a gluon TensorDescriptor
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, gl_name))
+        return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
-    constexprs = dict(HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], NUM_BUFFERS=cfg["NUM_BUFFERS"],
-                      CAUSAL=causal)
-    types = dict(desc_q=desc(cfg["BLOCK_M"]), desc_k=desc(cfg["BLOCK_N"]), desc_v=desc(cfg["BLOCK_N"]),
-                 desc_o=desc(cfg["BLOCK_M"]), LSE="*fp32", qk_scale="fp32")
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal, HAS_Q_DESCALE=True,
+                      HAS_K_DESCALE=True, HAS_V_DESCALE=True)
+    types = dict(desc_q=desc([1, bm, 1, d]), desc_k=desc([1, bn, 1, d]), desc_v=desc([1, bn, 1, d]),
+                 desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",
+                 V_DESCALE="*fp32", qk_scale="fp32")
+    # the fp8 kernel writes bf16
+    types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else types["desc_q"]
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -58,8 +93,8 @@ def _compile(d: int, causal: bool, out: pathlib.Path) -> dict:
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=cfg["num_warps"]))
-    tag = f"d{d}_{'causal' if causal else 'full'}"
+                              options=dict(num_warps=nw))
+    tag = _tag(kind, d, causal, cfg)
     (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
     (out / f"{tag}.sass").write_text(compiled.asm["sass"])
     # Triton drops ptxas's log on success: run ptxas again on the same PTX for it
@@ -69,6 +104,12 @@ def _compile(d: int, causal: bool, out: pathlib.Path) -> dict:
     log = subprocess.run(cmd, capture_output=True, text=True, check=True)
     (out / f"{tag}.ptxas.log").write_text(log.stdout + log.stderr)
     return dict(tag=tag, shared=compiled.metadata.shared)
+
+
+def _compile_spec(args) -> dict:
+    folder, spec = args
+    kind, d, causal, cfg = json.loads(spec)
+    return _compile(kind, d, causal, tuple(cfg), pathlib.Path(folder))
 
 
 def _loop_bodies(ttgir: str) -> list[list[str]]:
@@ -104,11 +145,11 @@ def _check_ttgir_overlap(ttgir: str) -> None:
 
 
 def _max_ex2_under_wgmma(sass: str) -> int:
-    """The most MUFU.EX2 executed between an HGMMA and the WARPGROUP.DEPBAR after it (straight-line
+    """The most MUFU.EX2 executed between an HGMMA / QGMMA and the WARPGROUP.DEPBAR after it (straight-line
     order of the listing; the loops keep their body contiguous)."""
     best, in_flight, count = 0, False, 0
     for line in sass.splitlines():
-        if "HGMMA" in line:
+        if "HGMMA" in line or "QGMMA" in line:  # 16-bit / fp8 wgmma
             in_flight = True
         elif "WARPGROUP.DEPBAR" in line:
             best, in_flight, count = max(best, count), False, 0
@@ -122,16 +163,15 @@ def _ptxas_ok(log: str) -> None:
     assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), f"register spills:\n{log}"
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def _run_compiles(tmp_path_factory, cases, name):
     pytest.importorskip("triton.backends.nvidia")
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    out = tmp_path_factory.mktemp("gluon_sm90")
+    out = tmp_path_factory.mktemp(name)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(out / "cache")
-    args = [f"{d}:{int(causal)}" for d, causal in CONFIGS]
+    args = [json.dumps(list(case)) for case in cases]
     res = subprocess.run([sys.executable, __file__, str(out), *args], capture_output=True, text=True, env=env,
-                         timeout=600)
+                         timeout=1800)
     if res.returncode != 0 and ("ptxas" in res.stderr or "cuobjdump" in res.stderr) and "not found" in res.stderr:
         pytest.skip("no ptxas / cuobjdump in this triton install")
     assert res.returncode == 0, res.stderr[-4000:]
@@ -139,22 +179,75 @@ def compiled(tmp_path_factory):
     return out, summary
 
 
-@pytest.mark.parametrize("d,causal", CONFIGS, ids=[f"d{d}-{'causal' if c else 'full'}" for d, c in CONFIGS])
-def test_gluon_fwd_compiles_for_sm90_with_overlap(compiled, d, causal):
-    out, summary = compiled
-    tag = f"d{d}_{'causal' if causal else 'full'}"
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return _run_compiles(tmp_path_factory, TABLE_CASES, "gluon_sm90")
+
+
+@pytest.fixture(scope="module")
+def compiled_candidates(tmp_path_factory):
+    return _run_compiles(tmp_path_factory, CANDIDATE_CASES, "gluon_sm90_tune")
+
+
+def _check_compiled(out, summary, case):
+    tag = _tag(*case)
     shared = summary[tag]["shared"]
     assert shared <= SM90_MAX_SHARED, f"{tag} needs {shared} bytes of shared memory"
     _check_ttgir_overlap((out / f"{tag}.ttgir").read_text())
     _ptxas_ok((out / f"{tag}.ptxas.log").read_text())
     ex2 = _max_ex2_under_wgmma((out / f"{tag}.sass").read_text())
-    assert ex2 >= MIN_OVERLAPPED_EX2, f"only {ex2} exp2 run while a wgmma is in flight: the softmax is not overlapped"
+    need = _min_overlapped_ex2(case[3])
+    assert ex2 >= need, f"{tag}: only {ex2} exp2 (< {need}) run while a wgmma is in flight: not overlapped"
+
+
+@pytest.mark.parametrize("case", TABLE_CASES, ids=[_tag(*c) for c in TABLE_CASES])
+def test_gluon_fwd_compiles_for_sm90_with_overlap(compiled, case):
+    _check_compiled(*compiled, case)
+
+
+@pytest.mark.parametrize("case", CANDIDATE_CASES, ids=[_tag(*c) for c in CANDIDATE_CASES])
+def test_tuning_candidates_compile_without_spills(compiled_candidates, case):
+    # scripts/tune_gluon.py times these on the GPU: each must be a valid, overlapped kernel
+    _check_compiled(*compiled_candidates, case)
+
+
+def test_config_table_and_candidates_agree():
+    from flashtile.kernels.gluon_fwd import CONFIG_KEYS, FWD_CONFIGS, TUNE_CANDIDATES, fwd_config
+
+    assert set(FWD_CONFIGS) == set(TUNE_CANDIDATES)
+    for (cls, d), cfg in FWD_CONFIGS.items():
+        # the table's entry is the first candidate: the tuner's baseline
+        assert TUNE_CANDIDATES[(cls, d)][0] == tuple(cfg[key] for key in CONFIG_KEYS)
+        assert len(TUNE_CANDIDATES[(cls, d)]) <= 6
+        dtype = "float8_e4m3fn" if cls == "fp8" else "bfloat16"
+        assert fwd_config(d, True, dtype) == cfg and fwd_config(d, False, dtype) is not FWD_CONFIGS[(cls, d)]
+    assert fwd_config(128, False, "float16") == FWD_CONFIGS[("16bit", 128)]
+    with pytest.raises(ValueError, match="no config"):
+        fwd_config(96, False)
+
+
+@pytest.mark.parametrize("config,match", [
+    (dict(BLOCK_M=96), "invalid config"),
+    (dict(BLOCK_M=64), "invalid config"),  # 8 warps for 64 rows
+    (dict(NUM_BUFFERS=2), "invalid config"),
+    (dict(BLOCK_N=48), "invalid config"),
+    (dict(stages=3), "unknown config keys"),
+])
+def test_config_overrides_are_checked(config, match):
+    from flashtile.backends.triton.gluon_fwd import _resolve_config
+
+    with pytest.raises(ValueError, match=match):
+        _resolve_config(128, False, "bfloat16", config)
+    assert _resolve_config(64, True, "float8_e4m3fn", dict(BLOCK_M=64, num_warps=4))["BLOCK_M"] == 64
 
 
 def test_overlap_checks_catch_a_serialised_kernel():
     # the SASS check must fail on the shape of a non-overlapped loop: wait right after the MMA
-    sass = "\n".join(["HGMMA.64x128x16.F32.BF16 R88", "WARPGROUP.DEPBAR.LE gsb0, 0x0"] + ["MUFU.EX2 R1, R1"] * 64)
-    assert _max_ex2_under_wgmma(sass) == 0
+    for mma in ("HGMMA.64x128x16.F32.BF16 R88", "QGMMA.64x128x32.F32.E4M3.E4M3 R88"):
+        sass = "\n".join([mma, "WARPGROUP.DEPBAR.LE gsb0, 0x0"] + ["MUFU.EX2 R1, R1"] * 64)
+        assert _max_ex2_under_wgmma(sass) == 0
+        overlapped = "\n".join([mma] + ["MUFU.EX2 R1, R1"] * 64 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0"])
+        assert _max_ex2_under_wgmma(overlapped) == 64
     with pytest.raises(AssertionError):
         _ptxas_ok("ptxas info : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized")
 
@@ -168,10 +261,12 @@ def _qkv(b=1, s=16, h=2, d=64, dtype=None, sk=None):
 
 
 @pytest.mark.parametrize("case,match", [
-    (dict(dtype="float16"), "bf16 only"),
+    (dict(dtype="float32"), "bf16 or fp16 only"),
     (dict(d=96), "head_dim"),
     (dict(sk=24), "seqlen_q == seqlen_k"),
     (dict(), "CUDA tensors only"),
+    (dict(dtype="float16"), "CUDA tensors only"),  # fp16 is supported: only the device is wrong
+    (dict(d=256), "CUDA tensors only"),
 ])
 def test_launcher_refuses_unsupported_inputs(case, match):
     import torch
@@ -185,10 +280,55 @@ def test_launcher_refuses_unsupported_inputs(case, match):
         gluon_attn_fwd(q, k, v, 0.125, causal=False)
 
 
+def _fp8_inputs(b=2, s=40, h=4, h_k=2, d=64):
+    import torch
+
+    from flashtile.backends.triton.attn_fwd_fp8 import transpose_v
+
+    e4m3 = torch.float8_e4m3fn
+    q = torch.randn(b, s, h, d).to(e4m3)
+    k = torch.randn(b, s, h_k, d).to(e4m3)
+    v = torch.randn(b, s, h_k, d).to(e4m3)
+    return q, k, v, transpose_v(v, varlen=False)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("q_bf16", "q must be float8_e4m3fn"),
+    ("v_not_transposed", "v_t must be V transposed"),
+    ("d96", "head_dim"),
+    ("descale_shape", "q_descale must be fp32 of shape"),
+    ("descale_dtype", "v_descale must be fp32 of shape"),
+    ("ok_on_cpu", "CUDA tensors only"),
+])
+def test_fp8_launcher_refuses_unsupported_inputs(case, match):
+    import torch
+
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd_fp8
+
+    q, k, v, vt = _fp8_inputs(d=96 if case == "d96" else 64)
+    kw = {}
+    if case == "q_bf16":
+        q = q.to(torch.bfloat16)
+    elif case == "v_not_transposed":
+        vt = v
+    elif case == "descale_shape":
+        kw["q_descale"] = torch.ones(2, 4)  # (b, h) instead of (b, h_k)
+    elif case == "descale_dtype":
+        kw["v_descale"] = torch.ones(2, 2, dtype=torch.float64)
+    else:
+        kw = dict(q_descale=torch.ones(2, 2), k_descale=torch.ones(2, 2), v_descale=torch.ones(2, 2))
+    # transpose_v pads the key dim to 16: the view has the true length, strides of the padded buffer
+    assert case == "v_not_transposed" or (vt.shape[-1] == 40 and vt.stride(-2) == 48)
+    with pytest.raises(ValueError, match=match):
+        gluon_attn_fwd_fp8(q, k, vt, softmax_scale=0.125, causal=True, **kw)
+
+
 if __name__ == "__main__":
-    folder = pathlib.Path(sys.argv[1])
-    results = []
-    for spec in sys.argv[2:]:
-        d, causal = spec.split(":")
-        results.append(_compile(int(d), causal == "1", folder))
+    # argv: output folder, then one JSON [kind, d, causal, [BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps]]
+    # per kernel; compiled in parallel (each compile is single-threaded)
+    from concurrent.futures import ProcessPoolExecutor
+
+    folder = sys.argv[1]
+    with ProcessPoolExecutor(max_workers=max(1, min(len(sys.argv) - 2, os.cpu_count() or 1))) as pool:
+        results = list(pool.map(_compile_spec, [(folder, spec) for spec in sys.argv[2:]]))
     print(json.dumps(results))

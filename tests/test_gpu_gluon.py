@@ -1,9 +1,13 @@
-"""GPU tests of the Gluon Hopper forward kernel (needs an sm_90 GPU; skipped elsewhere).
+"""GPU tests of the Gluon Hopper forward kernels (needs an sm_90 GPU; skipped elsewhere).
 
-Written before the kernel ever ran on a GPU: a failure here may be the kernel's first contact with
-hardware. Correctness bar as everywhere in flashtile (tests/tolerance.py): the error against the
-fp32 reference must be within 2x the error of the same computation done by PyTorch in bf16, plus a
-small absolute slack; lse within 1e-3 of the reference's.
+The bf16 tests (d = 64 / 128) passed on an H200 on 2026-11-30. Written since, not yet run on a GPU:
+fp16, d = 256, configs other than the first one (BLOCK_M != BLOCK_N, deeper rings, one
+warpgroup) and the fp8 kernel; a failure (or a hang: wrong barrier parity) may be their first
+contact with hardware. Correctness bar as everywhere in flashtile (tests/tolerance.py): the error
+against the fp32 reference must be within 2x the error of the same computation done by PyTorch in
+the input dtype, plus a small absolute slack; lse within 1e-3 of the reference's. fp8 uses
+FlashAttention-3's bar (tests/test_gpu_fp8.py) and must also agree closely with flashtile's Triton
+fp8 kernel, whose semantics it copies.
 """
 
 import math
@@ -38,15 +42,15 @@ def _poison():
     del junk
 
 
-def _check(q, k, v, causal, scale=None):
+def _check(q, k, v, causal, scale=None, config=None):
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
 
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _poison()
-    out, lse = gluon_attn_fwd(q, k, v, scale, causal)
+    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config)
     torch.cuda.synchronize()
-    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
     pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
@@ -58,7 +62,7 @@ def _check(q, k, v, causal, scale=None):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("s", [128, 1000, 4096])
 def test_matches_reference(s, d, causal):
     b, h = 2, 4
@@ -68,10 +72,41 @@ def test_matches_reference(s, d, causal):
 
 @pytest.mark.parametrize("s", [1, 127, 129, 385])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_ragged_lengths(s, causal):
-    # one partial block, a block boundary either side, and a ring that wraps (4 blocks > 3 slots)
-    q, k, v = (torch.randn(1, s, 2, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("d", [64, 256])
+def test_ragged_lengths(s, causal, d):
+    # one partial block, a block boundary either side, and a ring that wraps (4 blocks > 3 slots;
+    # d = 256 runs 32-key blocks: 13 blocks, a 4-slot ring, the masked loop over 2 blocks)
+    q, k, v = (torch.randn(1, s, 2, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     _check(q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp16(d, causal):
+    # dtype from the descriptors, P rounded to fp16 before PV; a larger scale exercises fp16's range
+    for s in (385, 2048):
+        q, k, v = (torch.randn(2, s, 4, d, device=DEV, dtype=torch.float16) for _ in range(3))
+        _check(q, k, v, causal)
+        _check(q * 2, k * 2, v, causal, scale=0.5 / math.sqrt(d))
+
+
+def _candidates(cls):
+    from flashtile.kernels.gluon_fwd import TUNE_CANDIDATES
+
+    return [(d, c) for (c_cls, d), cands in TUNE_CANDIDATES.items() if c_cls == cls for c in cands]
+
+
+def _config(c):
+    return dict(BLOCK_M=c[0], BLOCK_N=c[1], NUM_BUFFERS=c[2], num_warps=c[3])
+
+
+@pytest.mark.parametrize("d,cfg", _candidates("16bit"), ids=lambda x: str(x))
+def test_every_tuning_candidate(d, cfg):
+    # scripts/tune_gluon.py may pick any of these: each must be right on a ragged causal case (masked
+    # loop over several blocks when BLOCK_M != BLOCK_N) and a non-causal one
+    q, k, v = (torch.randn(2, 1000, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    _check(q, k, v, True, config=_config(cfg))
+    _check(q, k, v, False, config=_config(cfg))
 
 
 def test_agrees_with_sdpa():
@@ -86,9 +121,10 @@ def test_agrees_with_sdpa():
     assert max_err(out, sdpa) <= 2 * max_err(sdpa_bf16, sdpa) + 1e-5
 
 
-def test_strided_inputs_and_gqa():
+@pytest.mark.parametrize("d", [128, 256])
+def test_strided_inputs_and_gqa(d):
     # q, k, v as views of one packed qkv tensor (head strides != d), and 2 query heads per kv head
-    b, s, h, h_k, d = 2, 777, 4, 2, 128
+    b, s, h, h_k = 2, 777, 4, 2
     packed = torch.randn(b, s, h + 2 * h_k, d, device=DEV, dtype=torch.bfloat16)
     q, k, v = packed[:, :, :h], packed[:, :, h:h + h_k], packed[:, :, h + h_k:]
     assert not q.is_contiguous()
@@ -103,3 +139,148 @@ def test_refuses_misaligned_strides():
     q = torch.randn(1, 64, 2, 68, device=DEV, dtype=torch.bfloat16)[..., :64]
     with pytest.raises(ValueError, match="16-byte"):
         gluon_attn_fwd(q, q, q, 0.125, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (e4m3): gluon_attn_fwd_fp8 against the fp32 reference over the dequantised inputs and against
+# flashtile's Triton fp8 kernel (same semantics: descales folded into the score scale, P in e4m3
+# with the row max at 256, v_descale at the end).
+
+
+def _fp8_inputs(b, s, h, h_k, d, head_scales=False):
+    from flashtile.fp8 import quantize_qkv
+
+    q = torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16)
+    if head_scales:
+        # very different amax per (batch, kv head): a wrong descale index shows at once
+        g = torch.linspace(0.25, 4.0, b * h_k, device=DEV).view(b, 1, h_k, 1)
+        q = (q.view(b, s, h_k, h // h_k, d) * g.unsqueeze(-1)).view(b, s, h, d)
+        k, v = k * g.flip(2), v * g
+    return quantize_qkv(q, k, v)
+
+
+def _run_fp8(q8, k8, v8, qd, kd, vd, causal, scale=None, config=None):
+    from flashtile.backends.triton.attn_fwd_fp8 import transpose_v
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd_fp8
+
+    vt = transpose_v(v8, varlen=False)
+    _poison()
+    out, lse = gluon_attn_fwd_fp8(q8, k8, vt, qd, kd, vd, softmax_scale=scale, causal=causal, config=config)
+    torch.cuda.synchronize()
+    b, s, h, d = q8.shape
+    assert out.shape == (b, s, h, d) and out.dtype == torch.bfloat16
+    assert lse.shape == (b, h, s) and lse.dtype == torch.float32
+    return out, lse
+
+
+def _check_fp8(out, lse, q8, k8, v8, qd, kd, vd, causal, scale=None):
+    """FlashAttention-3's fp8 bar (as tests/test_gpu_fp8.py): within 2x the error of the exact
+    attention with P rounded to e4m3 like the kernel, plus the bf16 output rounding."""
+    from flashtile.backends.reference_fp8 import attention_ref_fp8
+
+    kw = dict(causal=causal, softmax_scale=scale)
+    ref, ref_lse = attention_ref_fp8(q8, k8, v8, qd, kd, vd, **kw)
+    pt, _ = attention_ref_fp8(q8, k8, v8, qd, kd, vd, round_probs=True, **kw)
+    assert torch.isfinite(out.float()).all(), "out: non-finite values"
+    err, pt_err = (out.float() - ref).abs().max().item(), (pt - ref).abs().max().item()
+    atol = 2 * (ref.bfloat16().float() - ref).abs().max().item() + 1e-3
+    assert err <= 2 * pt_err + atol, f"max err {err:.3e} > 2 x pt err {pt_err:.3e} + {atol:.2e}"
+    assert torch.isfinite(lse).all(), "lse: non-finite values"
+    # Hopper's fp8 MMA accumulates with fewer mantissa bits than fp32: the bound scales with |lse|
+    lse_err = (lse - ref_lse.float()).abs().max().item()
+    assert lse_err < 1e-3 + 1e-3 * ref_lse.abs().max().item(), f"lse: max err {lse_err:.3e}"
+    return ref, err
+
+
+def _check_agrees_with_triton_fp8(out, lse, ref, q8, k8, v8, qd, kd, vd, causal, scale=None):
+    """The Triton fp8 kernel computes the same quantities in the same order up to FMA contraction
+    (a rare different e4m3 rounding of one P element): the two may differ by no more than the
+    kernel's own error, and on average by a small fraction of it."""
+    from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
+    from flashtile.params import AttnParams
+
+    d = q8.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p = AttnParams(softmax_scale=scale, causal=causal, window_right=0 if causal else -1, q_descale=qd,
+                   k_descale=kd, v_descale=vd)
+    t_out, t_lse, _ = attn_fwd_fp8(q8, k8, v8, p)
+    torch.cuda.synchronize()
+    diff = (out.float() - t_out.float()).abs()
+    t_err = (t_out.float() - ref).abs()
+    atol = 2 * (ref.bfloat16().float() - ref).abs().max().item() + 1e-3
+    assert diff.max().item() <= t_err.max().item() + atol, \
+        f"gluon vs triton fp8: max diff {diff.max().item():.3e} > triton's error {t_err.max().item():.3e}"
+    assert diff.mean().item() <= 0.25 * t_err.mean().item() + 1e-4, \
+        f"gluon vs triton fp8: mean diff {diff.mean().item():.3e} vs triton's mean error {t_err.mean().item():.3e}"
+    lse_diff = (lse - t_lse).abs().max().item()
+    assert lse_diff <= 1e-3 + 1e-3 * t_lse.abs().max().item(), f"lse differs from triton fp8 by {lse_diff:.3e}"
+    print(f"fp8 gluon vs triton: max {diff.max().item():.2e} mean {diff.mean().item():.2e} "
+          f"(triton err max {t_err.max().item():.2e} mean {t_err.mean().item():.2e}), "
+          f"bitwise equal {(diff == 0).float().mean().item():.4f}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("s", [128, 1000, 4096])
+def test_fp8_matches_reference_and_triton(s, d, causal):
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(2, s, 4, 4, d)
+    out, lse = _run_fp8(q8, k8, v8, qd, kd, vd, causal)
+    ref, _ = _check_fp8(out, lse, q8, k8, v8, qd, kd, vd, causal)
+    _check_agrees_with_triton_fp8(out, lse, ref, q8, k8, v8, qd, kd, vd, causal)
+
+
+@pytest.mark.parametrize("s", [1, 127, 129, 385])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_fp8_ragged_lengths(s, causal, d):
+    # V^T's key dim is padded to 16 in memory; the descriptor has the true length and zero-fills
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(1, s, 2, 2, d)
+    out, lse = _run_fp8(q8, k8, v8, qd, kd, vd, causal)
+    _check_fp8(out, lse, q8, k8, v8, qd, kd, vd, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_gqa_and_per_head_descales(d):
+    # 4 query heads per kv head, descales differing 16x across (batch, kv head), a custom scale
+    for causal in (False, True):
+        q8, k8, v8, qd, kd, vd = _fp8_inputs(2, 777, 8, 2, d, head_scales=True)
+        assert qd.shape == (2, 2) and (qd.max() / qd.min()).item() > 4
+        out, lse = _run_fp8(q8, k8, v8, qd, kd, vd, causal, scale=0.3 / math.sqrt(d))
+        ref, _ = _check_fp8(out, lse, q8, k8, v8, qd, kd, vd, causal, scale=0.3 / math.sqrt(d))
+        _check_agrees_with_triton_fp8(out, lse, ref, q8, k8, v8, qd, kd, vd, causal, scale=0.3 / math.sqrt(d))
+
+
+def test_fp8_without_descales():
+    # descales None mean 1: e4m3 straight from randn (values within e4m3's range)
+    b, s, h, d = 2, 1000, 4, 128
+    e4m3 = torch.float8_e4m3fn
+    q8, k8, v8 = (torch.randn(b, s, h, d, device=DEV).to(e4m3) for _ in range(3))
+    for causal in (False, True):
+        out, lse = _run_fp8(q8, k8, v8, None, None, None, causal)
+        ref, _ = _check_fp8(out, lse, q8, k8, v8, None, None, None, causal)
+        _check_agrees_with_triton_fp8(out, lse, ref, q8, k8, v8, None, None, None, causal)
+
+
+@pytest.mark.parametrize("d,cfg", _candidates("fp8"), ids=lambda x: str(x))
+def test_every_fp8_tuning_candidate(d, cfg):
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(2, 1000, 4, 2, d)
+    for causal in (True, False):
+        out, lse = _run_fp8(q8, k8, v8, qd, kd, vd, causal, config=_config(cfg))
+        _check_fp8(out, lse, q8, k8, v8, qd, kd, vd, causal)
+
+
+def test_fp8_refuses_bad_v_t_and_descales():
+    from flashtile.backends.triton.attn_fwd_fp8 import transpose_v
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd_fp8
+
+    q8, k8, v8, qd, kd, vd = _fp8_inputs(2, 64, 4, 2, 64)
+    with pytest.raises(ValueError, match="v_t must be V transposed"):
+        gluon_attn_fwd_fp8(q8, k8, v8, qd, kd, vd)
+    with pytest.raises(ValueError, match="fp32 of shape"):
+        gluon_attn_fwd_fp8(q8, k8, transpose_v(v8, varlen=False), qd.repeat(1, 2), kd, vd)
+    # an unpadded V^T whose key stride (63 bytes) TMA cannot use
+    vt = v8[:, :63].permute(0, 2, 3, 1).contiguous()
+    with pytest.raises(ValueError, match="16-byte"):
+        gluon_attn_fwd_fp8(q8[:, :63], k8[:, :63], vt, qd, kd, vd)

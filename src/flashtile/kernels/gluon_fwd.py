@@ -13,8 +13,10 @@ softmax of a key block runs while the tensor cores sit idle. Gluon exposes the w
 
 One CTA owns BLOCK_M query rows of one (batch, head); all its warps compute (no producer warp):
 the TMA loads are issued by the same warps, ahead of use, into a NUM_BUFFERS-deep ring of K/V
-tiles. See docs/gluon.md for the full picture, the ptxas constraints that shaped it, and what is
-not done.
+tiles. The body (``_attn_fwd_tile``) serves two entry points: ``_gluon_attn_fwd_kernel`` here
+(bf16 / fp16, V as (b, s, h_k, d)) and ``_gluon_attn_fwd_fp8_kernel`` in ``gluon_fwd_fp8.py`` (e4m3,
+V transposed, descales, P quantised to e4m3). See docs/gluon.md for the full picture, the ptxas
+constraints that shaped it, and what is not done.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -29,23 +31,29 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.constexpr_function
-def mma_layout(num_warps, n):
+def mma_layout(num_warps, n, k):
     # every warp takes 16 rows; a warpgroup (4 warps) issues one wgmma over its 64 rows, and
-    # several warpgroups split BLOCK_M rather than N so that row reductions stay inside one warp
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+    # several warpgroups split BLOCK_M rather than N so that row reductions stay inside one warp.
+    # k is the instruction's reduction width: 32 bytes of operand (16 for 16-bit types, 32 for fp8)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, k])
 
 
 @gluon.jit
 def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, block, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
-             BLOCK_N: gl.constexpr):
+             BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     # K and V get a barrier each, so QK^T of a block never waits for that block's V
     slot = block % NUM_BUFFERS
     mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_k, [off_b, block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                     k_smem.index(slot))
     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_v, [off_b, block * BLOCK_N, off_hk, 0], v_ready.index(slot),
-                                    v_smem.index(slot))
+    if V_TRANSPOSED:
+        # V^T (b, h_k, d, sk): the block is [1, 1, d, BLOCK_N], keys contiguous
+        tma.async_copy_global_to_shared(desc_v, [off_b, off_hk, 0, block * BLOCK_N], v_ready.index(slot),
+                                        v_smem.index(slot))
+    else:
+        tma.async_copy_global_to_shared(desc_v, [off_b, block * BLOCK_N, off_hk, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
 
 
 @gluon.jit
@@ -62,18 +70,23 @@ def _issue_qk(q_tile, k_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFER
 
 @gluon.jit
 def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr):
+              HEAD_DIM: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     slot = block % NUM_BUFFERS
     mbarrier.wait(v_ready.index(slot), (block // NUM_BUFFERS) & 1)
-    v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    if V_TRANSPOSED:
+        # fp8 wgmma reads B K-major only: V^T's tile [d, BLOCK_N] (keys contiguous) seen as [BLOCK_N, d]
+        v_tile = v_smem.index(slot).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+    else:
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
     # P stays in registers as wgmma's A operand: FlashAttention-3's trick that saves the smem round trip
     return warpgroup_mma(p, v_tile, o, is_async=True)
 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASK: gl.constexpr):
-    """Online softmax of one key block in base 2; returns unnormalised P (fp32), alpha and the new stats."""
+                  CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr):
+    """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
+    alpha and the new stats."""
     # MASK is a compile-time choice (two copies of the loop), not a runtime branch: ptxas answers a
     # branch joining inside the softmax with a full wgmma wait at the join, which kills the overlap
     if MASK:
@@ -84,7 +97,11 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
         s = gl.where(keep, s, float("-inf"))
     # the scale is folded into the exponent (one FMA per element) instead of a pass over S
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    if P_SHIFT != 0:
+        # fp8: P scaled so the row max maps to 2**P_SHIFT (free: it rides on the max subtraction)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
+    else:
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     # finite always: key 0 is visible to every row, so m_new is finite from the first block on
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -93,48 +110,68 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
 
 @gluon.jit
 def _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, block, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                          NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+                          NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          V_TRANSPOSED: gl.constexpr):
     # O must be rescaled in registers before the wgmma accumulates into it: only legal once the
     # previous PV has retired, which is why every caller waits first
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    return _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS, BLOCK_N, HEAD_DIM), p
+    # P in V's dtype (bf16, fp16, or e4m3 with round-to-nearest-even as in the Triton fp8 kernel)
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    return _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS, BLOCK_N, HEAD_DIM, V_TRANSPOSED), p
 
 
 @gluon.jit
 def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v, off_b, off_hk,
                n_blocks, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
                p_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
+               NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr,
+               V_TRANSPOSED: gl.constexpr):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists."""
     s_next = _issue_qk(q_tile, k_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
+                                       P_SHIFT)
     # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
     # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
-    o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
+    if V_TRANSPOSED:
+        # fp8: Triton 3.6 cannot lower 8-bit wait deps ("Unexpected bitwidth in WGMMAWaitGroupOp: 8").
+        # P_{j-1}'s packed registers are protected by ptxas's own wgmma register tracking instead
+        # (a hazard would make it serialise, which the compile test rejects)
+        o, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, s_next))
+    else:
+        o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
     # block j-1's slot is free now (its K retired with S_{j-1}, its V with PV_{j-1}): refill it. The
     # CTA-wide barrier Triton puts before the TMA issue also covers the other warpgroup's reads.
     refill = j - 1 + NUM_BUFFERS
     if (j >= 1) & (refill < n_blocks):
-        _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
+        _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N,
+                 V_TRANSPOSED)
     # PV_j stays in flight into the next iteration's softmax
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
-                                 HEAD_DIM)
+                                 HEAD_DIM, V_TRANSPOSED)
     return s_next, o, p, m_i, l_i
 
 
 @gluon.jit
-def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                           qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
+                   qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
+                   HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr):
+    """The whole forward of one (query tile, batch, head). FP8 switches on V^T, the descales (contiguous
+    (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer."""
     # block j+NUM_BUFFERS-1 is loaded during iteration j, after which block j+1 must already be resident
     gl.static_assert(NUM_BUFFERS >= 3)
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N)
-    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    # wgmma's reduction step is 32 bytes: 16 elements of a 16-bit type, 32 of fp8
+    MMA_K: gl.constexpr = 32 if FP8 else 16
+    # the e4m3 A operand packs 4 elements per 32-bit register, a 16-bit one 2
+    K_WIDTH: gl.constexpr = 4 if FP8 else 2
+    # fp8: P in [0, 2**8] (exact max 256 < 448) keeps small probabilities out of e4m3's subnormals
+    P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, MMA_K)
+    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, MMA_K)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
@@ -148,7 +185,18 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
     off_hk = off_h // heads_per_kv
     m0 = pid_m * BLOCK_M
 
-    # shared memory: Q (later reused to stage O), a ring of K and V tiles, one barrier per tile.
+    # descales of this (batch, kv head): q's and k's fold into the score multiplier, v's into the end
+    # (the Triton fp8 kernel's order, so the two agree to the rounding of one product)
+    kv_index = off_b * (n_heads // heads_per_kv) + off_hk
+    if HAS_Q_DESCALE:
+        qk_scale = qk_scale * gl.load(Q_DESCALE + kv_index)
+    if HAS_K_DESCALE:
+        qk_scale = qk_scale * gl.load(K_DESCALE + kv_index)
+    v_scale = 1.0
+    if HAS_V_DESCALE:
+        v_scale = gl.load(V_DESCALE + kv_index)
+
+    # shared memory: Q (16-bit: later reused to stage O), a ring of K and V tiles, one barrier per tile.
     # The 4-D block [1, rows, 1, d] is what the (b, s, h, d) descriptors move; MMAs see a 2-D view.
     q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
@@ -177,7 +225,7 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
     # fill the ring; later refills happen inside the loop as slots drain
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
-            _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, i, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
+            _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, i, off_b, off_hk, NUM_BUFFERS, BLOCK_N, FP8)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
@@ -189,7 +237,7 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
     o = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
     # P_{j-1} feeds the PV wgmma still in flight: it must stay alive (in registers) until that wgmma
     # retires, which is what passing it through warpgroup_mma_wait's deps guarantees
-    p = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_layout)
+    p = gl.zeros([BLOCK_M, BLOCK_N], desc_v.dtype, p_layout)
 
     s = _issue_qk(q_tile, k_smem, k_ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
@@ -202,50 +250,111 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
     for j in range(0, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v,
                                        off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout, o_layout,
-                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False)
+                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT,
+                                       FP8)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v,
                                        off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout, o_layout,
-                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True)
+                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT,
+                                       FP8)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
     p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
-                                            True)
-    o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
+                                            True, P_SHIFT)
+    if FP8:
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+    else:
+        o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
     o, p_last = _rescale_and_issue_pv(o, p_last, alpha, v_smem, v_ready, last, o_layout, p_layout, NUM_BUFFERS,
-                                      BLOCK_N, HEAD_DIM)
-    o, p_last = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_last))
+                                      BLOCK_N, HEAD_DIM, FP8)
+    if FP8:
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+    else:
+        o, p_last = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_last))
 
     mbarrier.invalidate(q_ready)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
 
-    _epilogue(o, m_i, l_i, q_smem, q_tile, desc_o, LSE, stride_lb, stride_lh, off_b, off_h, m0, row_idx, seqlen,
-              o_layout)
-
-
-@gluon.jit
-def _epilogue(o, m_i, l_i, q_smem, q_tile, desc_o, LSE, stride_lb, stride_lh, off_b, off_h, m0, row_idx, seqlen,
-              o_layout: gl.constexpr):
-    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    # O = acc * (v_descale / l); lse = (m + log2 l - P_SHIFT) ln 2 (l carries the 2**P_SHIFT of P)
+    inv_l = gl.convert_layout(v_scale / l_i, gl.SliceLayout(1, o_layout))
     o = o * gl.expand_dims(inv_l, 1)
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    lse = (m_i + gl.log2(l_i) - P_SHIFT) * 0.6931471805599453
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + row_idx, lse, mask=row_idx < seqlen)
-    # Q's tile is dead (every wgmma reading it has retired): stage O there for one TMA store, which
-    # also clips the rows past seqlen
-    q_tile.store(o.to(gl.bfloat16))
-    # generic-proxy smem writes must be visible to the TMA engine (async proxy) before it reads them
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], q_smem)
+    if FP8:
+        # bf16 O is twice Q's bytes: it gets a buffer of its own (allocated here, after the ring is
+        # dead, so the allocator may overlap it with the ring)
+        o_smem = gl.allocate_shared_memory(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+        o_smem.reshape([BLOCK_M, HEAD_DIM]).store(o.to(desc_o.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], o_smem)
+    else:
+        # Q's tile is dead (every wgmma reading it has retired): stage O there for one TMA store,
+        # which also clips the rows past seqlen
+        q_tile.store(o.to(desc_o.dtype))
+        # generic-proxy smem writes must be visible to the TMA engine (async proxy) before it reads them
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], q_smem)
     tma.store_wait(pendings=0)
 
 
-def fwd_config(head_dim: int, causal: bool) -> dict:
-    """Tile sizes and warps: two warpgroups over 128 query rows, a three-deep K/V ring. One config for
-    both head dims for now (untuned; d = 128 already uses 255 registers and ~224 KiB of shared memory)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8)
+@gluon.jit
+def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
+                           qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
+    """bf16 / fp16 forward (dtype from the descriptors): q, k, v, out (b, s, h, d)."""
+    _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
+                   qk_scale, LSE, LSE, LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False,
+                   False)
+
+
+# Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per
+# block, NUM_BUFFERS ring slots (>= 3). Power-of-two tiles only (Gluon tensors). Every entry and every
+# tuning candidate is compiled for sm_90 by tests/test_gluon_compile.py (no spills, no serialised
+# wgmma, shared memory within 227 KiB, exp2 under an in-flight wgmma in the SASS).
+#   16-bit d = 64 / 128: the config measured on the H200 on 2026-11-30 (untuned for d = 64).
+#   16-bit d = 256: one warpgroup, 32 keys per block: 128 x 64 tiles do not fit shared memory with
+#     a 3-slot ring, 64 x 64 spills (255 registers); 64 x 32 uses ~195 registers, ~160 KiB.
+#   fp8: the 16-bit shapes (fp8 tiles are half the bytes, so d = 128 uses ~113 KiB); d = 256 with
+#     64-key blocks (255 registers otherwise). Not measured yet: scripts/tune_gluon.py picks.
+FWD_CONFIGS = {
+    ("16bit", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
+    ("16bit", 128): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
+    ("16bit", 256): dict(BLOCK_M=64, BLOCK_N=32, NUM_BUFFERS=4, num_warps=4),
+    ("fp8", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
+    ("fp8", 128): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
+    ("fp8", 256): dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=3, num_warps=8),
+}
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
+
+# What scripts/tune_gluon.py times, per (dtype class, head_dim): (BLOCK_M, BLOCK_N, NUM_BUFFERS,
+# num_warps), the table's entry first. Kept short (each one costs a GPU compile) and limited to
+# what compiles without spills: 64-row tiles on one warpgroup may fit two CTAs per SM.
+TUNE_CANDIDATES = {
+    ("16bit", 64): [(128, 128, 3, 8), (128, 128, 4, 8), (64, 128, 3, 4), (64, 128, 4, 4)],
+    ("16bit", 128): [(128, 128, 3, 8), (64, 128, 3, 4)],
+    ("16bit", 256): [(64, 32, 4, 4), (64, 32, 3, 4), (64, 32, 6, 4)],
+    ("fp8", 64): [(128, 128, 3, 8), (128, 128, 4, 8), (128, 128, 6, 8), (64, 128, 3, 4), (64, 128, 4, 4)],
+    ("fp8", 128): [(128, 128, 3, 8), (128, 128, 4, 8), (128, 128, 5, 8), (64, 128, 3, 4)],
+    ("fp8", 256): [(128, 64, 3, 8), (128, 64, 4, 8), (128, 64, 5, 8), (64, 64, 3, 4), (64, 64, 4, 4)],
+}
+
+
+def dtype_class(dtype) -> str:
+    """"fp8" for any float8 dtype (torch or its name), else "16bit"."""
+    name = str(dtype)
+    return "fp8" if "float8" in name or "fp8" in name else "16bit"
+
+
+def fwd_config(head_dim: int, causal: bool, dtype="bfloat16") -> dict:
+    """The table entry for (head_dim, dtype); causal does not change it yet. dtype: a torch dtype or
+    its name; any float8 means the e4m3 kernel. Returns a fresh dict (callers may edit it)."""
+    key = (dtype_class(dtype), head_dim)
+    if key not in FWD_CONFIGS:
+        raise ValueError(f"gluon fwd: no config for head_dim {head_dim} with {dtype}")
+    return dict(FWD_CONFIGS[key])

@@ -1,8 +1,16 @@
-"""Launcher of the Gluon Hopper forward kernel (experimental, not wired into dispatch).
+"""Launchers of the Gluon Hopper forward kernel (experimental, not wired into dispatch).
 
 ``gluon_attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)`` with FlashAttention's layout:
-q, k, v (batch, seqlen, heads, head_dim) bf16, out likewise, lse (batch, heads, seqlen) fp32 in
-natural log. See docs/gluon.md for what the kernel does and does not cover.
+q, k, v (batch, seqlen, heads, head_dim) bf16 or fp16, out likewise, lse (batch, heads, seqlen)
+fp32 in natural log.
+
+``gluon_attn_fwd_fp8(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal)`` takes
+e4m3 q, k and V^T as ``transpose_v`` (backends/triton/attn_fwd_fp8.py) makes it, and returns bf16
+out and the lse, with the Triton fp8 kernel's semantics. See docs/gluon.md for what the kernels do
+and do not cover.
+
+Both take ``config=`` (a dict with any of BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) to override
+the table entry ``fwd_config(head_dim, causal, dtype)``; tests and scripts/tune_gluon.py use it.
 """
 
 from __future__ import annotations
@@ -14,88 +22,193 @@ import torch
 from flashtile.backends.triton.host import capability, cdiv, device_guard
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.bfloat16, torch.float16)
+FP8_DTYPE = torch.float8_e4m3fn
 
 
-def _check_tma(name: str, x: torch.Tensor) -> None:
+def _check_tma(fn: str, name: str, x: torch.Tensor) -> None:
     """TMA reads through a descriptor: unit last stride, 16-byte aligned base and other strides."""
     es = x.element_size()
     if x.stride(-1) != 1:
-        raise ValueError(f"gluon_attn_fwd: {name} needs a unit stride in its last (head_dim) dimension")
+        raise ValueError(f"{fn}: {name} needs a unit stride in its last dimension")
     if x.data_ptr() % 16 or any((s * es) % 16 for s in x.stride()[:-1]):
-        raise ValueError(f"gluon_attn_fwd: {name} needs a 16-byte aligned base and strides (TMA), got strides "
+        raise ValueError(f"{fn}: {name} needs a 16-byte aligned base and strides (TMA), got strides "
                          f"{tuple(x.stride())}")
 
 
+def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    b, sq, h, d = q.shape
+    bk, sk, h_k, dk = k.shape
+    if bk != b or dk != d:
+        raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
+    if sq != sk:
+        raise ValueError(f"{fn}: needs seqlen_q == seqlen_k, got {sq} and {sk}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{fn}: head_dim must be one of {HEAD_DIMS}, got {d}")
+    if h_k == 0 or h % h_k:
+        raise ValueError(f"{fn}: heads of q ({h}) must be a multiple of heads of k/v ({h_k})")
+    return b, sq, h, h_k, d
+
+
+def _check_device(fn: str, tensors: dict) -> None:
+    dev = next(iter(tensors.values())).device
+    for name, x in tensors.items():
+        if x.device.type != "cuda":
+            raise ValueError(f"{fn}: CUDA tensors only, {name} is on {x.device}")
+        if x.device != dev:
+            raise ValueError(f"{fn}: all tensors must be on one device ({name} is on {x.device}, not {dev})")
+    major_minor = capability(dev)
+    if major_minor != (9, 0):
+        # wgmma exists on sm_90(a) only: Blackwell dropped it for tcgen05, Ampere never had it
+        raise ValueError(f"{fn}: needs a Hopper GPU (sm_90), got sm_{major_minor[0]}{major_minor[1]}")
+
+
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    fn = "gluon_attn_fwd"
     # what the inputs are first, where they live second: the former is checkable without a GPU
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"gluon_attn_fwd: {name} must be a torch.Tensor")
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"gluon_attn_fwd: bf16 only, {name} is {x.dtype}")
+            raise ValueError(f"{fn}: {name} must be a torch.Tensor")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"{fn}: bf16 or fp16 only, {name} is {x.dtype}")
         if x.dim() != 4:
-            raise ValueError(f"gluon_attn_fwd: {name} must be (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
-    b, sq, h, d = q.shape
+            raise ValueError(f"{fn}: {name} must be (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
-        raise ValueError(f"gluon_attn_fwd: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    bk, sk, h_k, dk = k.shape
-    if bk != b or dk != d:
-        raise ValueError(f"gluon_attn_fwd: q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
-    if sq != sk:
-        raise ValueError(f"gluon_attn_fwd: needs seqlen_q == seqlen_k, got {sq} and {sk}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"gluon_attn_fwd: head_dim must be one of {HEAD_DIMS}, got {d}")
-    if h_k == 0 or h % h_k:
-        raise ValueError(f"gluon_attn_fwd: heads of q ({h}) must be a multiple of heads of k/v ({h_k})")
+        raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    _check_shapes(fn, q, k)
+    _check_device(fn, dict(q=q, k=k, v=v))
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.device.type != "cuda":
-            raise ValueError(f"gluon_attn_fwd: CUDA tensors only, {name} is on {x.device}")
-    if q.device != k.device or q.device != v.device:
-        raise ValueError("gluon_attn_fwd: q, k, v must be on one device")
-    major_minor = capability(q.device)
-    if major_minor != (9, 0):
-        # wgmma exists on sm_90(a) only: Blackwell dropped it for tcgen05, Ampere never had it
-        raise ValueError(f"gluon_attn_fwd: needs a Hopper GPU (sm_90), got sm_{major_minor[0]}{major_minor[1]}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tma(name, x)
+        _check_tma(fn, name, x)
 
 
-def _descriptor(x: torch.Tensor, rows: int):
+def _validate_fp8(q, k, v_t, descales) -> None:
+    fn = "gluon_attn_fwd_fp8"
+    for name, x in (("q", q), ("k", k), ("v_t", v_t)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a torch.Tensor")
+        if x.dtype != FP8_DTYPE:
+            raise ValueError(f"{fn}: {name} must be float8_e4m3fn, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be 4-D, got {tuple(x.shape)}")
+    b, s, h, h_k, d = _check_shapes(fn, q, k)
+    if tuple(v_t.shape) != (b, h_k, d, s):
+        raise ValueError(f"{fn}: v_t must be V transposed, (b, h_k, d, seqlen) = {(b, h_k, d, s)}, got "
+                         f"{tuple(v_t.shape)} (make it with attn_fwd_fp8.transpose_v(v, varlen=False))")
+    for name, x in descales.items():
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != (b, h_k):
+            raise ValueError(f"{fn}: {name} must be fp32 of shape (batch, kv heads) = {(b, h_k)}, got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+    _check_device(fn, dict(q=q, k=k, v_t=v_t, **{n: x for n, x in descales.items() if x is not None}))
+    for name, x in (("q", q), ("k", k), ("v_t", v_t)):
+        _check_tma(fn, name, x)
+
+
+def _gl_dtype(dtype: torch.dtype):
+    import triton.experimental.gluon.language as gl
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}[dtype]
+
+
+def _descriptor(x: torch.Tensor, block: list[int]):
     import triton.experimental.gluon.language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, rows, 1, x.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype(x.dtype))
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
+def _resolve_config(d: int, causal: bool, dtype: torch.dtype, config: dict | None) -> dict:
+    from flashtile.kernels.gluon_fwd import CONFIG_KEYS, fwd_config
+
+    cfg = fwd_config(d, causal, dtype)
+    if config:
+        unknown = set(config) - set(CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"gluon fwd: unknown config keys {sorted(unknown)} (known: {CONFIG_KEYS})")
+        cfg.update({key: int(val) for key, val in config.items()})
+    bm, bn, nb, nw = (cfg[key] for key in CONFIG_KEYS)
+    # one warpgroup per 64 query rows; power-of-two tiles (Gluon tensors); a ring of >= 3 slots
+    if bm % 64 or nw != 4 * (bm // 64) or bn & (bn - 1) or not 32 <= bn <= 256 or bm & (bm - 1) or nb < 3:
+        raise ValueError(f"gluon fwd: invalid config {cfg} (BLOCK_M a power of two multiple of 64 with "
+                         "num_warps = BLOCK_M / 16, BLOCK_N a power of two in [32, 256], NUM_BUFFERS >= 3)")
+    return cfg
+
+
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
-    Raises ValueError for what the kernel does not cover: non-CUDA or non-bf16 tensors, head_dim
-    other than 64 / 128, seqlen_q != seqlen_k, a GPU other than sm_90, TMA-unfriendly strides.
+    Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
+    bf16 / fp16, head_dim other than 64 / 128 / 256, seqlen_q != seqlen_k, a GPU other than sm_90,
+    TMA-unfriendly strides.
     """
     _validate(q, k, v)
     b, s, h, d = q.shape
     h_k = k.shape[2]
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
+    cfg = _resolve_config(d, causal, q.dtype, config)
     out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
 
-    from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel, fwd_config
+    from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel
 
-    cfg = fwd_config(d, causal)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (cdiv(s, bm), b * h)
     with device_guard(q):
         _gluon_attn_fwd_kernel[grid](
-            _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(out, bm),
+            _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
+            _descriptor(out, [1, bm, 1, d]),
             lse, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
+            num_warps=cfg["num_warps"])
+    return out, lse
+
+
+def gluon_attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, q_descale: torch.Tensor | None = None,
+                       k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None,
+                       softmax_scale: float | None = None, causal: bool = False,
+                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 (e4m3) attention forward on Hopper through the Gluon kernel; returns (out bf16, lse fp32).
+
+    q (b, s, h, d), k (b, s, h_k, d) float8_e4m3fn; v_t = ``transpose_v(v, varlen=False)``, shape
+    (b, h_k, d, s) with the keys contiguous (a view into a buffer padded to 16 keys); descales fp32
+    (b, h_k) or None (= 1). Computes attention over ``x.float() * x_descale[b, kv_head]`` exactly as
+    the Triton fp8 kernel does (P rounded to e4m3 with the row max at 256, v_descale at the end).
+    Raises ValueError for anything else (dtypes, shapes, head_dim not 64 / 128 / 256, non-sm_90, TMA
+    strides).
+    """
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _validate_fp8(q, k, v_t, descales)
+    b, s, h, d = q.shape
+    h_k = k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    cfg = _resolve_config(d, causal, q.dtype, config)
+    out = torch.empty((b, s, h, d), dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+
+    from flashtile.kernels.gluon_fwd_fp8 import _gluon_attn_fwd_fp8_kernel
+
+    # the kernel indexes descales as b * h_k + kv_head
+    ds = [x.contiguous() if x is not None else None for x in (q_descale, k_descale, v_descale)]
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (cdiv(s, bm), b * h)
+    with device_guard(q):
+        _gluon_attn_fwd_fp8_kernel[grid](
+            _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v_t, [1, 1, d, bn]),
+            _descriptor(out, [1, bm, 1, d]), lse, *(x if x is not None else lse for x in ds),
+            lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,
+            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
+            HAS_Q_DESCALE=ds[0] is not None, HAS_K_DESCALE=ds[1] is not None, HAS_V_DESCALE=ds[2] is not None,
             num_warps=cfg["num_warps"])
     return out, lse
