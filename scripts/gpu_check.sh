@@ -15,6 +15,7 @@
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
 #   profile-bwd   where an eager training step's time goes (scripts/profile_bwd.py: eager vs grad vs graph,
 #                 host enqueue time, kernels by name)
+#   host-profile  host time of eager calls per phase, and a cProfile of training steps (scripts/host_profile.py)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
@@ -135,6 +136,8 @@ for step in "${steps[@]}"; do
         --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
     profile-bwd)
       python3 scripts/profile_bwd.py --out "$WORK/profile_bwd.json" 2> "$WORK/profile_bwd.log" >> "$summary" ;;
+    host-profile)
+      python3 scripts/host_profile.py --out "$WORK/host_profile.txt" 2> "$WORK/host_profile.log" | head -n 60 >> "$summary" ;;
     bench-bwd-flex)
       python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
         --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
