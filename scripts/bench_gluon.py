@@ -7,8 +7,9 @@ Shapes of BASELINES.md (16k tokens, hidden 2048) at d = 64 and 128 (bf16 table) 
 (max abs difference, recorded), then times them with triton's do_bench (median ms) and reports
 TFLOP/s. The "triton" columns are the Triton kernels even where dispatch would route to Gluon.
 
---fp8 rows: Gluon fp8 (``gluon_fp8``: transpose_v + kernel, the same work as the Triton fp8
-launcher, which transposes V on every call; ``gluon_fp8_k``: the kernel alone on a prepared V^T),
+--fp8 rows: Gluon fp8 (``gluon_fp8``: ``fp8.v_keys_major`` + kernel, as the dispatch route calls it:
+quantize_qkv stores V keys-contiguous, so V^T is a view and no copy is made; ``gluon_fp8_k``: the
+kernel alone on a prepared V^T),
 Triton fp8 (the launcher ``attn_fwd_fp8``), Gluon bf16, Triton bf16 and cuDNN bf16 on the same
 shape, and the fp8 / bf16 speed ratios (gluon_fp8 over gluon bf16, triton fp8 over triton bf16).
 Run it after `gpu_check.sh tests-gluon` passes: an untested kernel may hang, so gpu_check runs this
@@ -25,11 +26,11 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import gluon_route
-from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8, transpose_v
+from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
 from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd, gluon_attn_fwd_fp8
 from flashtile.bench.peers import PEERS
 from flashtile.bench.shapes import Shape, attention_flops
-from flashtile.fp8 import quantize_qkv
+from flashtile.fp8 import quantize_qkv, v_keys_major
 from flashtile.params import AttnParams
 
 # the "triton" columns must time the Triton kernel, whatever dispatch prefers
@@ -58,7 +59,8 @@ def _time_all(q, k, v, causal, extra=None) -> dict:
 
 
 def _fp8_fns(q8, k8, v8, v8t, qd, kd, vd, p) -> dict:
-    return dict(gluon_fp8=lambda: gluon_attn_fwd_fp8(q8, k8, transpose_v(v8, varlen=False), qd, kd, vd, None, p.causal),
+    return dict(gluon_fp8=lambda: gluon_attn_fwd_fp8(q8, k8, v_keys_major(v8, varlen=False), qd, kd, vd, None,
+                                                     p.causal),
                 gluon_fp8_k=lambda: gluon_attn_fwd_fp8(q8, k8, v8t, qd, kd, vd, None, p.causal),
                 triton_fp8=lambda: attn_fwd_fp8(q8, k8, v8, p))
 
@@ -75,7 +77,7 @@ def _fp8_rows(args) -> list:
             b = max(1, 16384 // s)
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
-            v8t = transpose_v(v8, varlen=False)
+            v8t = v_keys_major(v8, varlen=False)
             for causal in (False, True):
                 p = AttnParams(softmax_scale=1.0 / d**0.5, causal=causal, window_right=0 if causal else -1,
                                q_descale=qd, k_descale=kd, v_descale=vd)

@@ -80,3 +80,20 @@ def test_environment_switch_turns_the_route_off(monkeypatch):
     monkeypatch.setenv("FLASHTILE_GLUON", "0")
     monkeypatch.setattr(gluon_route, "OVERRIDE", True)
     assert not gluon_route.use_gluon(q, k, v, _params())
+
+
+def test_fp8_calls_take_the_gluon_kernel_at_d128_and_d256_from_4096_tokens():
+    fp8 = torch.float8_e4m3fn
+    for d in (128, 256):
+        q, k, v = _qkv(s=4096, d=d, dtype=fp8)
+        assert gluon_route.refusal(q, k, v, _params()) is None
+        assert gluon_route.preferred(q, _params(causal=True, window_right=0))
+    short, k, v = _qkv(s=2048, dtype=fp8)
+    assert not gluon_route.preferred(short, _params())
+    d64, _, _ = _qkv(s=4096, d=64, dtype=fp8)
+    assert not gluon_route.preferred(d64, _params())
+    # V is read transposed (a view of quantize_qkv's layout, else a copy): its strides never refuse
+    q, k, v = _qkv(s=4096, dtype=fp8)
+    keys_contiguous = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    assert gluon_route.refusal(q, k, keys_contiguous, _params()) is None
+    assert "head_dim" in gluon_route.refusal(*_qkv(d=96, dtype=fp8), _params())

@@ -80,3 +80,29 @@ def test_routed_call_is_graph_capturable_and_compiles(gluon_calls):
     compiled = torch.compile(lambda a, b, c: flashtile.flash_attn_func(a, b, c, causal=True), fullgraph=True)
     assert torch.equal(compiled(q, k, v), out)
     assert len(gluon_calls) >= 4
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_route_matches_triton_fp8_and_reference(gluon_calls, monkeypatch, d, causal):
+    from flashtile.fp8 import dequantize, quantize_qkv
+
+    b, s, h, h_k = 1, 4096, 4, 2
+    q, k, v = (torch.randn(b, s, n, d, device=DEV, dtype=torch.bfloat16) for n in (h, h_k, h_k))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    kw = dict(causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    out = flashtile.flash_attn_func(q8, k8, v8, **kw)
+    assert gluon_calls, "the fp8 call did not take the Gluon route"
+    assert out.dtype == torch.bfloat16 and out.shape == (b, s, h, d)
+    monkeypatch.setattr(gluon_route, "OVERRIDE", False)
+    out_t = flashtile.flash_attn_func(q8, k8, v8, **kw)
+    # the reference: attention on the dequantised inputs, fp32
+    qf, kf, vf = (dequantize(x, ds) for x, ds in ((q8, qd), (k8, kd), (v8, vd)))
+    rep = h // h_k
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qf.transpose(1, 2), kf.repeat_interleave(rep, 2).transpose(1, 2), vf.repeat_interleave(rep, 2).transpose(1, 2),
+        is_causal=causal).transpose(1, 2)
+    err_g, err_t = ((x.float() - ref).abs().max().item() for x in (out, out_t))
+    # both quantise P to e4m3 the same way: the Gluon kernel must be no worse than the Triton one
+    assert err_g <= 1.25 * err_t + 1e-3, (err_g, err_t)
+    assert (out.float() - out_t.float()).abs().max().item() <= 2 * err_t + 1e-3

@@ -24,7 +24,8 @@ import torch
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # largest finite e4m3fn value; amax is mapped onto it
 
-__all__ = ["E4M3_MAX", "FP8_DTYPE", "dequantize", "is_fp8", "quantize", "quantize_qkv", "random_rotation"]
+__all__ = ["E4M3_MAX", "FP8_DTYPE", "dequantize", "is_fp8", "quantize", "quantize_qkv", "random_rotation",
+           "transpose_v", "v_keys_major"]
 
 
 def is_fp8(x) -> bool:
@@ -113,6 +114,43 @@ def random_rotation(d: int, *, seed: int = 0, device="cpu") -> torch.Tensor:
     return rot.to(device)
 
 
+def transpose_v(v: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """V^T with the key index contiguous, copied: (b, h_k, d, sk) padded, (h_k, d, total_k) varlen.
+
+    The fp8 wgmma takes its B operand K-major only; in ``P @ V`` the reduction runs over keys. The
+    key dim is allocated rounded up to 16 elements so every stride is a 16-byte multiple (TMA); the
+    returned view has the true length, so descriptors zero-fill past it and never read the padding.
+    """
+    n = v.shape[0] if varlen else v.shape[1]
+    n_pad = (n + 15) // 16 * 16
+    if varlen:
+        vt = torch.empty(v.shape[1], v.shape[2], n_pad, device=v.device, dtype=v.dtype)[..., :n]
+        vt.copy_(v.permute(1, 2, 0))
+    else:
+        vt = torch.empty(v.shape[0], v.shape[2], v.shape[3], n_pad, device=v.device, dtype=v.dtype)[..., :n]
+        vt.copy_(v.permute(0, 2, 3, 1))
+    return vt
+
+
+def v_keys_major(v: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """V^T as the fp8 kernels read it: a free view when ``v`` already stores its keys contiguously with
+    16-byte strides (the layout :func:`quantize_qkv` returns), else :func:`transpose_v`'s copy (a full
+    read and write of V, about a quarter of the kernel's time at s = 4096 on the H200:
+    benchmarks/results/gluon_fp8_h200_2026-11-30.json, gluon_fp8 against gluon_fp8_k)."""
+    vt = v.permute(1, 2, 0) if varlen else v.permute(0, 2, 3, 1)
+    es = v.element_size()
+    if vt.stride(-1) == 1 and vt.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in vt.stride()[:-1]):
+        return vt
+    return transpose_v(v, varlen)
+
+
+def _keys_contiguous(v: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """``v`` (same shape, same values) stored with its keys contiguous: the fp8 kernels then read
+    V^T as a view (:func:`v_keys_major`) instead of copying it on every call."""
+    vt = transpose_v(v, varlen)
+    return vt.permute(2, 0, 1) if varlen else vt.permute(0, 3, 1, 2)
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, incoherent: bool = False, seed: int = 0,
                  cu_seqlens_q: torch.Tensor | None = None, cu_seqlens_k: torch.Tensor | None = None):
     """Quantise q, k, v to e4m3 for ``flash_attn_func`` / ``flash_attn_varlen_func``.
@@ -147,4 +185,6 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, incoheren
     q8, qd = quantize(q, h_k, cu_seqlens=cu_seqlens_q)
     k8, kd = quantize(k, h_k, cu_seqlens=cu_seqlens_k)
     v8, vd = quantize(v, h_k, cu_seqlens=cu_seqlens_k)
-    return q8, k8, v8, qd, kd, vd
+    # v8 keeps its shape but stores the keys contiguously: the layout the fp8 matrix instruction
+    # reads V in, so the attention call needs no transposing copy (it makes one for other layouts)
+    return q8, k8, _keys_contiguous(v8, varlen=v.dim() == 3), qd, kd, vd

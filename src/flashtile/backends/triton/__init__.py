@@ -31,14 +31,14 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
 
 
 def fwd(q, k, v, p: AttnParams):
-    if q.dtype == torch.float8_e4m3fn:
-        from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
-
-        return attn_fwd_fp8(q, k, v, p)
     from flashtile.backends.triton import gluon_route
 
     if gluon_route.use_gluon(q, k, v, p):
         return gluon_route.gluon_fwd(q, k, v, p)
+    if q.dtype == torch.float8_e4m3fn:
+        from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
+
+        return attn_fwd_fp8(q, k, v, p)
     from flashtile.backends.triton.attn_fwd import attn_fwd
 
     return attn_fwd(q, k, v, p)

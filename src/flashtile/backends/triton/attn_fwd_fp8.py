@@ -1,4 +1,4 @@
-"""Launcher of the fp8 (e4m3) forward kernel: V^T copy, allocation, strides, descriptors, grid, config."""
+"""Launcher of the fp8 (e4m3) forward kernel: V^T (view or copy), allocation, strides, descriptors, grid, config."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile.fp8 import transpose_v, v_keys_major  # noqa: F401  (transpose_v: tests and scripts import it here)
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
 
@@ -14,24 +15,6 @@ LOG2E = 1.4426950408889634
 # Tests pin a config or force a load path with these (as for the bf16 launcher).
 CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
 TMA_OVERRIDE: bool | None = None
-
-
-def transpose_v(v: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """V^T with the key index contiguous: (b, h_k, d, sk) padded, (h_k, d, total_k) varlen.
-
-    The fp8 wgmma takes its B operand K-major only; in ``P @ V`` the reduction runs over keys. The
-    key dim is allocated rounded up to 16 elements so every stride is a 16-byte multiple (TMA); the
-    returned view has the true length, so descriptors zero-fill past it and never read the padding.
-    """
-    n = v.shape[0] if varlen else v.shape[1]
-    n_pad = (n + 15) // 16 * 16
-    if varlen:
-        vt = torch.empty(v.shape[1], v.shape[2], n_pad, device=v.device, dtype=v.dtype)[..., :n]
-        vt.copy_(v.permute(1, 2, 0))
-    else:
-        vt = torch.empty(v.shape[0], v.shape[2], v.shape[3], n_pad, device=v.device, dtype=v.dtype)[..., :n]
-        vt.copy_(v.permute(0, 2, 3, 1))
-    return vt
 
 
 def _vt_descriptor(vt: torch.Tensor, block_n: int, block_d: int):
@@ -88,7 +71,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
         lse_b, lse_h = lse.stride(0), lse.stride(1)
     if b * h == 0 or seqlen_q == 0:
         return out, lse, None
-    vt = transpose_v(v, p.varlen)
+    vt = v_keys_major(v, p.varlen)  # a view for quantize_qkv's layout, a copy otherwise
     svt_b, svt_h, svt_d = (0, *vt.stride()[:2]) if p.varlen else vt.stride()[:3]
 
     tma = _use_tma(q, k, vt)

@@ -3,9 +3,9 @@
 The Gluon kernel (kernels/gluon_fwd.py, docs/gluon.md) overlaps the softmax with the tensor cores,
 which Triton 3.6 cannot express. It covers a narrow slice of the API, and within that slice it is
 used only where the H200 measured it faster than the Triton kernel
-(benchmarks/results/gluon_h200_2026-11-30.json: d = 128, 1.06x-1.12x except causal s = 1024 at
-0.98x; d = 64 0.87x-0.92x, so d = 64 stays on Triton). Everything else, and any GPU but sm_90,
-goes to Triton.
+(benchmarks/results/gluon_h200_2026-11-30.json: bf16 d = 128, 1.06x-1.12x except causal s = 1024
+at 0.98x; d = 64 0.87x-0.92x, so d = 64 stays on Triton; e4m3: see FP8_HEAD_DIMS). Everything
+else, and any GPU but sm_90, goes to Triton.
 
 ``FLASHTILE_GLUON=0`` turns the route off; tests pin it with ``OVERRIDE``.
 """
@@ -22,9 +22,14 @@ from flashtile.params import AttnParams
 # None: the rule below; True / False: always / never where the kernel can run at all (tests).
 OVERRIDE: bool | None = None
 
-# where the measured win is (see the module docstring); the kernel itself also runs d = 64
+# where the measured win is (see the module docstring); the kernels also run d = 64 (and 256)
 HEAD_DIMS = (128,)
-DTYPES = (torch.bfloat16,)
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+# e4m3: the Gluon fp8 kernel with its tuned tiles (benchmarks/results/tune_gluon_fp8_s4096_h200_2026-11-30.json)
+# against the Triton fp8 kernel at s = 4096 (gluon_fp8_h200_2026-11-30.json; the Triton kernel's
+# default tiles there lost 3%-10% to the Gluon kernel's *untuned* ones)
+FP8_HEAD_DIMS = (128, 256)
+FP8_MIN_SEQLEN = 4096
 # the shortest sequences measured faster (s = 1024 non-causal 1.08x; causal 0.98x there, 1.08x at
 # 4096): below them the Triton kernel's short-sequence tiles keep the call
 MIN_SEQLEN = {False: 1024, True: 2048}
@@ -42,8 +47,9 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
         return "varlen (packed) calls"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (takes {DTYPES})"
-    if k.shape != v.shape or q.shape[-1] not in (64, 128):
-        return "head_dim other than 64 / 128, or k and v of different shapes"
+    dims = (64, 128, 256) if q.dtype == torch.float8_e4m3fn else (64, 128)
+    if k.shape != v.shape or q.shape[-1] not in dims:
+        return f"head_dim other than {dims}, or k and v of different shapes"
     if q.shape[1] != k.shape[1]:
         return "seqlen_q != seqlen_k"
     # plain or causal attention: causal arrives as the window (-1, 0), and with seqlen_q ==
@@ -57,13 +63,17 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
         return "seqused_q / seqused_k"
     if q.numel() == 0 or k.numel() == 0:
         return "empty tensors"
-    if not all(_aligned(x) for x in (q, k, v)):
+    # e4m3 V is read transposed (fp8.v_keys_major: a view of quantize_qkv's layout, else a copy)
+    loaded = (q, k) if q.dtype == torch.float8_e4m3fn else (q, k, v)
+    if not all(_aligned(x) for x in loaded):
         return "strides that TMA cannot read (16-byte aligned base and strides, unit last stride)"
     return None
 
 
 def preferred(q: torch.Tensor, p: AttnParams) -> bool:
     """Where the H200 measured the Gluon kernel faster than the Triton one."""
+    if q.dtype == torch.float8_e4m3fn:
+        return q.shape[-1] in FP8_HEAD_DIMS and q.shape[1] >= FP8_MIN_SEQLEN
     return q.shape[-1] in HEAD_DIMS and q.shape[1] >= MIN_SEQLEN[p.window_right == 0]
 
 
@@ -78,9 +88,16 @@ def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) 
 
 
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
-    """(out, lse, None) from the Gluon kernel, in the Triton launcher's return convention."""
-    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
+    """(out, lse, None) from the Gluon kernel, in the Triton launchers' return convention."""
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd, gluon_attn_fwd_fp8
 
     # causal is the window (-1, 0): p.causal may be False for an explicit window of that shape
-    out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=p.window_right == 0)
+    causal = p.window_right == 0
+    if q.dtype == torch.float8_e4m3fn:
+        from flashtile.fp8 import v_keys_major
+
+        out, lse = gluon_attn_fwd_fp8(q, k, v_keys_major(v, varlen=False), p.q_descale, p.k_descale, p.v_descale,
+                                      softmax_scale=p.softmax_scale, causal=causal)
+    else:
+        out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal)
     return out, lse, None
