@@ -5,7 +5,7 @@
 # Steps:
 #   tests         every gpu-marked test (tests/test_gpu_*.py); over 300 tests, likely more than one
 #                 10-minute device call: tests-fwd, tests-bwd, tests-kv, tests-rest split them;
-#                 tests-route: the Gluon route's tests and the forward's
+#                 tests-route: the Gluon route's tests and the forward's; tests-fp8: the route's and fp8's
 #   tune          forward config sweep (scripts/tune_fwd.py)      tune-bwd   backward sweep (scripts/tune_bwd.py)
 #   bench         forward benchmark + sliding-window/varlen extras
 #   bench-graph   forward benchmark timed as CUDA-graph replays (kernel time without host overhead)
@@ -60,8 +60,9 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8)
       case $step in
+        tests-fp8) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fp8.py) ;;
         tests-route) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fwd.py) ;;
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
