@@ -1,7 +1,7 @@
 """Why is the fp8 row of `bench fwd --dtype fp8` slower than the Gluon kernel alone? (GPU diagnosis)
 
 Usage: PYTHONPATH=src python scripts/probe_fp8_route.py [--out f.json]
-For BASELINES shapes at d = 128 / 256, s = 4096: whether the call takes the Gluon route, whether V^T
+For BASELINES shapes at d = 128 / 256, s = 4096 / 16384: whether the call takes the Gluon route, whether V^T
 is a view, CUDA-graph timings of the public call, the Gluon launcher (table config and the old
 128-row one), the Triton fp8 path and bf16, and the kernels one public call runs (torch.profiler).
 """
@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 import flashtile
 from flashtile.backends.triton import gluon_route
 from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd_fp8
-from flashtile.bench.timing import bench_graph
+from flashtile.bench.timing import bench, bench_graph
 from flashtile.fp8 import quantize_qkv, v_keys_major
 from flashtile.params import AttnParams
 
@@ -42,6 +42,9 @@ def _row(d: int, s: int, causal: bool) -> dict:
     with torch.no_grad():
         for name, fn in fns.items():
             tf[name] = flops / bench_graph(fn, "cuda") / 1e9
+        # as users see it: eager calls, host path included
+        tf["public_fp8_eager"] = flops / bench(fns["public_fp8"], "cuda") / 1e9
+        tf["public_bf16_eager"] = flops / bench(fns["public_bf16"], "cuda") / 1e9
         gluon_route.OVERRIDE = False
         tf["public_fp8_triton"] = flops / bench_graph(fns["public_fp8"], "cuda") / 1e9
         gluon_route.OVERRIDE = None
@@ -51,6 +54,8 @@ def _row(d: int, s: int, causal: bool) -> dict:
             fns["public_fp8"]()
             torch.cuda.synchronize()
     row["tflops_graph"] = {n: round(x, 1) for n, x in tf.items()}
+    tf["fp8_over_bf16_graph"] = tf["public_fp8"] / tf["public_bf16"]
+    tf["fp8_over_bf16_eager"] = tf["public_fp8_eager"] / tf["public_bf16_eager"]
     row["kernels"] = [(e.key[:80], round(getattr(e, "device_time_total", 0), 1)) for e in prof.key_averages()
                       if getattr(e, "device_time_total", 0)]
     print(json.dumps(row), flush=True)
@@ -61,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    rows = [_row(d, 4096, c) for d in (128, 256) for c in (False, True)]
+    rows = [_row(d, s, c) for s in (4096, 16384) for d in (128, 256) for c in (False, True)]
     if args.out:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, command="scripts/probe_fp8_route.py")
         with open(args.out, "w") as f:

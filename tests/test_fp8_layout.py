@@ -4,6 +4,7 @@ Hopper's fp8 matrix instruction reads V^T (keys contiguous). A natural (b, s, h_
 transposing copy per call; quantize_qkv's output is already laid out so the kernels take a view.
 """
 
+import pytest
 import torch
 
 from flashtile.fp8 import quantize, quantize_qkv, transpose_v, v_keys_major
@@ -36,3 +37,26 @@ def test_varlen_layout():
     vt = v_keys_major(v8, varlen=True)
     assert vt.data_ptr() == v8.data_ptr() and torch.equal(vt.float(), v8.float().permute(1, 2, 0))
     assert torch.equal(transpose_v(v8, varlen=True).float(), vt.float())
+
+
+def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch):
+    # the API must neither make V's head dim contiguous nor transpose it: both would copy V per call
+    import flashtile
+    from flashtile import fp8
+    from flashtile.backends.triton import attn_fwd_fp8 as launcher
+
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 32, 4, 1))
+
+    def no_copy(v, varlen):
+        raise AssertionError("V was copied")
+
+    q, k, v = (torch.randn(1, 40, 2, 32) for _ in range(3))
+    q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
+    expect = flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)
+    monkeypatch.setattr(fp8, "transpose_v", no_copy)
+    out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, expect)
+    # and the check has teeth: a natural-layout V does go through the copy
+    with pytest.raises(AssertionError, match="V was copied"):
+        flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)

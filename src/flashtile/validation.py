@@ -66,7 +66,10 @@ def check_qkv(q, k, v, varlen: bool, allow_fp8: bool = False):
         _fail(f"head dim d={d} is not supported; flashtile supports 1 <= d <= {MAX_HEAD_DIM}")
     if h_k < 1 or h % h_k != 0:
         _fail(f"number of query heads h={h} must be a multiple of key/value heads h_k={h_k}")
-    return last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    # e4m3 V whose keys are contiguous (flashtile.fp8.quantize_qkv's layout) is kept as it is: the fp8
+    # kernels read V transposed, and this layout is that transpose already (fp8.v_keys_major)
+    keys_major_v = v.dtype == FP8_DTYPE and v.stride(0 if varlen else 1) == 1
+    return last_dim_contiguous(q), last_dim_contiguous(k), v if keys_major_v else last_dim_contiguous(v)
 
 
 def check_descale(name: str, x, q, batch: int, h_k: int):
