@@ -17,8 +17,6 @@
 #                 host enqueue time, kernels by name)
 #   host-profile  host time of eager calls per phase, and a cProfile of training steps (scripts/host_profile.py)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
-#   bench-bwd-rows   after tune-bwd with --rows: backward d=128 s>=2048 in the rows dK/dV orientation with the
-#                 sweep's rows winners (scripts/rows_table.py), beside SDPA flash and FlexAttention
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
@@ -144,11 +142,6 @@ for step in "${steps[@]}"; do
     bench-bwd-flex)
       python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
         --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
-    bench-bwd-rows)
-      python3 scripts/rows_table.py "$WORK/tune_bwd.json" > "$WORK/rows_table.json" && cat "$WORK/rows_table.json" >> "$summary"
-      FLASHTILE_BWD_ROWS=1 FLASHTILE_BWD_CONFIGS="$WORK/rows_table.json" python3 -m flashtile.bench bwd --d 128 \
-        --seqlens 2048 4096 8192 16384 --peers flash flex --out "$WORK/bwd_rows_flex.json" \
-        2> "$WORK/bench_bwd_rows.log" >> "$summary" ;;
     bench-bwd-d256)
       python3 -m flashtile.bench bwd --d 256 --peers flash cudnn --out "$WORK/bwd_d256.json" \
         2> "$WORK/bench_bwd_d256.log" >> "$summary" ;;

@@ -1,7 +1,6 @@
 """Registers, spills and shared memory of backward kernel configs for sm_90a, on a machine without a GPU.
 
-Usage: PYTHONPATH=src python scripts/probe_registers.py dkdv|rows|dq|fused D,BLOCK_M,BLOCK_N,WARPS,STAGES ...
-("rows": the dK/dV kernel in the [BLOCK_M, BLOCK_N] orientation, K and V as shared-memory operands)
+Usage: PYTHONPATH=src python scripts/probe_registers.py dkdv|dq|fused D,BLOCK_M,BLOCK_N,WARPS,STAGES ...
 e.g.   PYTHONPATH=src python scripts/probe_registers.py dkdv 128,32,64,4,2 128,64,128,8,2
 
 Triton compiles the kernel for a named target (pointers and strides marked 16-divisible, as the JIT
@@ -64,11 +63,10 @@ def main(kind: str, specs: list[str]) -> None:
         cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)))
         if kind != "dq":
             cx["FUSED_DQ"] = kind == "fused"
-            cx["ROWS"] = kind == "rows"
         print(kind, spec, probe(kernel, cx, warps, stages), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "rows", "dq", "fused"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "dq", "fused"):
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2:])

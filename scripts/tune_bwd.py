@@ -37,13 +37,6 @@ DKDV = {
     128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 2)],
     256: [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (32, 32, 4, 2), (32, 64, 8, 2)],
 }
-# the "rows" dK/dV orientation (launcher.ROWS_OVERRIDE): configs that compile without spills or
-# nearly (scripts/probe_registers.py rows ...: d=128 (32,64,8,2) 185 registers, 0 spilled bytes)
-ROWS_DKDV = {
-    64: [(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)],
-    128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 128, 8, 2), (32, 64, 8, 3)],
-    256: [(16, 64, 8, 2), (32, 64, 8, 2), (32, 32, 8, 2)],
-}
 DQ = {
     64: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 8, 2), (128, 64, 4, 3)],
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
@@ -51,22 +44,18 @@ DQ = {
 }
 
 
-def candidates(d, fused, causal=False, s=0, rows=False):
-    """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase.
-    "rows" candidates come last and run with the dQ phase's winner."""
+def candidates(d, fused, causal=False, s=0):
+    """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase."""
     cur_kv, cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, s)
     out = [("split", kv, tuple(cur_q)) for kv in DKDV[d]]
     out += [("split", None, q) for q in DQ[d]]
     if fused:
         out += [("fused", kv, None) for kv in DKDV[d]]
-    if rows:
-        out += [("rows", kv, tuple(cur_q)) for kv in ROWS_DKDV[d]]
     return out
 
 
 def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
     launcher.FUSED_OVERRIDE = kind == "fused"
-    launcher.ROWS_OVERRIDE = kind == "rows"
     launcher.CONFIG_OVERRIDE = (tuple(kv_cfg), tuple(q_cfg or kv_cfg))
     launcher.TMA_OVERRIDE = tma
     fn = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
@@ -80,7 +69,7 @@ def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
     except Exception as exc:  # shared-memory or register limits: record and go on
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
-        launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = launcher.ROWS_OVERRIDE = None
+        launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = None
 
 
 def inputs(d, s, causal):
@@ -99,7 +88,7 @@ def compile_shard(args, shard, nshards):
     for d in args.d:
         for causal in (False, True):
             for tma in args.tma_modes:
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.rows):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
                     # dQ phase: the dK/dV config is unknown yet; the dQ kernel compiles the same for any
                     kv = kv or DKDV[d][0]
                     jobs.append((d, causal, tma, kind, kv, qc))
@@ -119,8 +108,6 @@ def main():
     ap.add_argument("--tma", choices=("off", "on", "both"), default="off",
                     help="tensor-descriptor loads in the backward (FLASHTILE_BWD_TMA)")
     ap.add_argument("--fused-dq", action="store_true", help="also time the fused dK/dV + atomic-dQ variant")
-    ap.add_argument("--rows", action="store_true",
-                    help="also time the dK/dV kernel's rows orientation (FLASHTILE_BWD_ROWS), with the dQ winner")
     ap.add_argument("--jobs", type=int, default=0, help="precompile in this many worker processes first")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -143,23 +130,18 @@ def main():
             q, k, v, g, out, flops = inputs(d, args.s, causal)
             for tma in args.tma_modes:
                 win_kv, win_ms = None, float("inf")
-                win_q, win_q_ms = None, float("inf")
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.rows):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
                     phase = "fused" if kind == "fused" else "dkdv" if kv is not None else "dq"
                     if phase == "dq":
                         kv = win_kv or DKDV[d][0]
-                    if kind == "rows":
-                        qc = win_q or qc
                     ms, err = time_one(q, k, v, g, out, kind, kv, qc, tma, bench=True)
                     tf = flops / ms / 1e9 if ms else None
                     row = dict(d=d, s=args.s, causal=causal, tma=tma, kind=kind, phase=phase, dkdv=kv, dq=qc, ms=ms,
                                tflops=tf, error=err)
                     rows.append(row)
                     print(json.dumps(row), file=sys.stderr, flush=True)
-                    if phase == "dkdv" and kind == "split" and ms and ms < win_ms:
+                    if phase == "dkdv" and ms and ms < win_ms:
                         win_kv, win_ms = kv, ms
-                    if phase == "dq" and ms and ms < win_q_ms:
-                        win_q, win_q_ms = qc, ms
                     if tf and tf > best.get((d, causal), (0,))[0]:
                         best[(d, causal)] = (tf, kind, kv, qc, tma)
             del q, k, v, g, out
@@ -181,8 +163,7 @@ def main():
                 pick = []
                 for phase in ("dkdv", "dq"):
                     ok = {tuple(r[phase]): r["ms"] for r in rows
-                          if r["d"] == d and r["causal"] == causal and r["phase"] == phase and not r["tma"] and r["ms"]
-                          and r["kind"] == "split"}
+                          if r["d"] == d and r["causal"] == causal and r["phase"] == phase and not r["tma"] and r["ms"]}
                     pick.append(list(min(ok, key=ok.get)) if ok else None)
                 if all(pick):
                     table[f"sm90,{d},{causal}{short}"] = pick

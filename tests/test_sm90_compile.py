@@ -50,19 +50,14 @@ def test_forward_compiles_for_sm90(tmp_path, tma):
 def test_backward_compiles_for_sm90(tmp_path, tma):
     d = 128
     (bm_kv, bn_kv), (bm_q, bn_q) = (64, 128), (128, 64)
-    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=d, USE_TMA=tma, FUSED_DQ=False, ROWS=False)
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=d, USE_TMA=tma, FUSED_DQ=False)
     types = dict(desc_q=_desc(bm_kv, d), desc_do=_desc(bm_kv, d)) if tma else {}
     # dK/dV: QK^T, dO V^T, P^T dO, dS^T Q in each of three query ranges
     assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, 2) == 12
     # the fused variant adds dS^T K with fp32 atomics into dQ: one more dot per range
     assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", dict(cx, FUSED_DQ=True),
                     dict(types, DQ_ACC="*fp32"), 8, 2) == 15
-    # the rows orientation: the same four products per range, K and V as shared-memory operands
-    rows = dict(cx, ROWS=True, BLOCK_M=32, BLOCK_N=64)
-    rows_types = dict(desc_q=_desc(32, d), desc_do=_desc(32, d)) if tma else {}
-    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", rows, rows_types, 8, 2) == 12
     cx.pop("FUSED_DQ")
-    cx.pop("ROWS")
     cx.update(BLOCK_M=bm_q, BLOCK_N=bn_q)
     types = dict(desc_k=_desc(bn_q, d), desc_v=_desc(bn_q, d)) if tma else {}
     # dQ: QK^T, dO V^T, dS K in each of three key ranges. With descriptor loads only unpipelined:

@@ -113,33 +113,6 @@ def test_fused_atomic_dq_variant(monkeypatch, kw):
     check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2),
-                                dict(softcap=2.0)])
-def test_rows_orientation_dkdv(monkeypatch, kw):
-    # the dK/dV kernel with K, V as shared-memory operands (off by default until measured)
-    monkeypatch.setattr(bwd_launcher, "ROWS_OVERRIDE", True)
-    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
-    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
-    check_padded(1, 29, 31, 8, 2, 32, torch.float16, causal=True)
-
-
-def test_rows_orientation_is_deterministic_and_equals_transposed_closely(monkeypatch):
-    q, k, v = (torch.randn(2, 33, 4, 16, requires_grad=True) for _ in range(3))
-    g = torch.randn(2, 33, 4, 16)
-
-    def grads():
-        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        return torch.autograd.grad(out, (q, k, v), g)
-
-    monkeypatch.setattr(bwd_launcher, "ROWS_OVERRIDE", True)
-    rows, rows_again = grads(), grads()
-    monkeypatch.setattr(bwd_launcher, "ROWS_OVERRIDE", False)
-    cols = grads()
-    for a, b, c in zip(rows, rows_again, cols):
-        assert torch.equal(a, b)
-        assert (a - c).abs().max().item() < 1e-4
-
-
 def test_deterministic_never_takes_the_atomic_path(monkeypatch):
     from flashtile.params import AttnParams
 

@@ -168,44 +168,6 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
     return dk, dv
 
 
-@triton.jit
-def _dkdv_inner_rows(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base, bh, block_lo,
-                     block_hi, offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
-                     qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-                     MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """_dkdv_inner with [BLOCK_M, BLOCK_N] tiles: K and V are the B operands of QK^T and dO V^T, so
-    they can stay in shared memory for the whole loop instead of holding registers (the transposed
-    orientation keeps them as register A operands, which at d = 128 spills every config); P^T and
-    dS^T reach the dV / dK products through shared memory instead."""
-    for blk in range(block_lo, block_hi):
-        offs_m = blk * BLOCK_M + offs_m_base
-        row_ok = offs_m < seqlen_q
-        q = _load_rows(Q, desc_q, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm,
-                       HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
-        do = _load_rows(DO, desc_do, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_dom,
-                        HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
-        lse2 = tl.load(LSE + lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(DELTA + lse_base + offs_m, mask=row_ok, other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
-                                           qk_scale, softcap, slope, window_left, window_right, MASK,
-                                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if HAS_DROPOUT:
-            keep = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :]) >= dropout_p
-            scale_z = 1.0 / (1.0 - dropout_p)
-            dv += tl.dot(tl.trans(tl.where(keep, p * scale_z, 0.0).to(do.dtype)), do, input_precision=DOT_PRECISION)
-            dp = tl.where(keep, dp * scale_z, 0.0)
-        else:
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None]) * factor
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
@@ -219,7 +181,6 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -252,44 +213,24 @@ def _attn_bwd_dkdv_kernel(
         do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
         lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
         dq_acc = DQ_ACC + b64 * stride_dqab + q_row0.to(tl.int64) * stride_dqam + h * stride_dqah
-        if ROWS:  # FUSED_DQ is never combined with ROWS (the launcher refuses)
-            dk, dv = _dkdv_inner_rows(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA,
-                                      lse_base, bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k,
-                                      stride_qm, stride_dom, qk_scale, softcap, slope, window_left, window_right,
-                                      dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                      IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                      DOT_PRECISION)
-            dk, dv = _dkdv_inner_rows(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA,
-                                      lse_base, bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k,
-                                      stride_qm, stride_dom, qk_scale, softcap, slope, window_left, window_right,
-                                      dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                      IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                      DOT_PRECISION)
-            dk, dv = _dkdv_inner_rows(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA,
-                                      lse_base, bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k,
-                                      stride_qm, stride_dom, qk_scale, softcap, slope, window_left, window_right,
-                                      dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                      IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                                      DOT_PRECISION)
-        else:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                                 bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                                 stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                                 seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                 IS_VARLEN, USE_TMA, HAS_LEFT,
-                                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                                 bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                                 stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                                 seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, False, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                 IS_VARLEN, USE_TMA, HAS_LEFT,
-                                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                                 bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                                 stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                                 seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                 IS_VARLEN, USE_TMA, HAS_LEFT,
-                                 HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, False, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
+                             bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
+                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
+                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
+                             IS_VARLEN, USE_TMA, HAS_LEFT,
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
     dk = dk * grad_scale
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)

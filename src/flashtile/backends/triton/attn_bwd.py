@@ -30,22 +30,6 @@ TMA_OVERRIDE: bool | None = None
 FUSED_OVERRIDE: bool | None = None
 
 
-# The dK/dV kernel in the [BLOCK_M, BLOCK_N] ("rows") orientation: K and V are the shared-memory B
-# operands of QK^T and dO V^T instead of register A operands. It frees the registers that make every
-# d = 128 config of the transposed orientation spill (scripts/probe_registers.py: 0 spilled bytes at
-# (32, 64, 8 warps, 2 stages) against 88-1144 for the transposed configs). Off by default until
-# timed on the H200 (FLASHTILE_BWD_ROWS=1 turns it on; tune_bwd.py --rows times both).
-ROWS_OVERRIDE: bool | None = None
-
-
-def use_rows(p: AttnParams, fused: bool) -> bool:
-    if fused:  # the fused atomic dQ exists in the transposed orientation only
-        return False
-    if ROWS_OVERRIDE is not None:
-        return ROWS_OVERRIDE
-    return os.environ.get("FLASHTILE_BWD_ROWS", "0") not in ("", "0")
-
-
 def use_fused_dq(p: AttnParams) -> bool:
     if p.deterministic:
         return False
@@ -172,7 +156,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
         *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
         HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags, FUSED_DQ=fused,
-        ROWS=use_rows(p, fused), num_warps=w_kv, num_stages=s_kv)
+        num_warps=w_kv, num_stages=s_kv)
     if fused:
         dq.copy_(dq_acc.mul_(p.softmax_scale))
         return
