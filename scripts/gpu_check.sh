@@ -16,6 +16,8 @@
 #   profile-bwd   where an eager training step's time goes (scripts/profile_bwd.py: eager vs grad vs graph,
 #                 host enqueue time, kernels by name)
 #   host-profile  host time of eager calls per phase, and a cProfile of training steps (scripts/host_profile.py)
+#   host-profile-fast  the same with the experimental launch fast path (FLASHTILE_FAST_LAUNCH=1)
+#   tests-fast-launch  the fast path's GPU tests (bit-identical results, alignment re-specialisation)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
@@ -60,8 +62,9 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch)
       case $step in
+        tests-fast-launch) files=(tests/test_gpu_fast_launch.py) ;;
         tests-fp8) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fp8.py) ;;
         tests-route) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fwd.py) ;;
         tests) files=(tests) ;;
@@ -137,6 +140,9 @@ for step in "${steps[@]}"; do
         --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
     profile-bwd)
       python3 scripts/profile_bwd.py --out "$WORK/profile_bwd.json" 2> "$WORK/profile_bwd.log" >> "$summary" ;;
+    host-profile-fast)
+      FLASHTILE_FAST_LAUNCH=1 python3 scripts/host_profile.py --out "$WORK/host_profile_fast.txt" \
+        2> "$WORK/host_profile_fast.log" | head -n 60 >> "$summary" ;;
     host-profile)
       python3 scripts/host_profile.py --out "$WORK/host_profile.txt" 2> "$WORK/host_profile.log" | head -n 60 >> "$summary" ;;
     bench-bwd-flex)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import warnings
 
 import torch
@@ -55,6 +56,54 @@ def _launch_key(kernel, args, num_warps, num_stages, meta) -> tuple:
     return (kernel, device, tuple(t.dtype for t in tensors), num_warps, num_stages, tuple(sorted(meta.items())))
 
 
+# Experimental, off by default until measured on the GPU (FLASHTILE_FAST_LAUNCH=1): after a kernel's
+# first launch with a given argument specialisation, later launches call the compiled kernel
+# directly and skip JITFunction.run's binder, cache-key string and bookkeeping. On the H200
+# machine's CPU a Triton launch costs about 110 us under cProfile
+# (benchmarks/results/host_profile_h200_2026-11-30.txt), which bounds short training steps.
+FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "0") not in ("", "0")
+# (kernel, device, warps, stages, constexprs, per-argument specialisation) -> CompiledKernel
+_COMPILED: dict = {}
+
+
+def _specialisation(args) -> tuple:
+    """What Triton specialises a launch on, per positional argument: type, and 16-byte alignment
+    of pointers / divisibility of integers (an integer equal to 1 becomes a constant). Computed
+    with every specialisation on, so the key is at least as fine as Triton's own (arguments
+    marked do_not_specialize only add entries that share one compiled kernel)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+
+
+def launch_tail(kernel, n_args: int, meta: dict) -> list | None:
+    """The values of the parameters after the positional ones, in signature order (keywords, else
+    defaults), as a compiled kernel takes them; None when one has neither (the normal path then
+    raises Triton's own error)."""
+    tail = []
+    for param in kernel.params[n_args:]:
+        if param.name in meta:
+            tail.append(meta[param.name])
+        elif param.has_default:
+            tail.append(param.default)
+        else:
+            return None
+    if len(tail) + n_args != len(kernel.params) or set(meta) - set(kernel.arg_names[n_args:]):
+        return None
+    return tail
+
+
+def _fast_key(kernel, args, num_warps, num_stages, meta):
+    try:
+        spec = _specialisation(args)
+        key = (kernel, torch.cuda.current_device(), num_warps, num_stages, tuple(meta.items()), spec)
+        hash(key)
+        return key
+    except TypeError:  # an argument Triton cannot specialise (or an unhashable keyword): normal path
+        return None
+
+
 def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     """``kernel[grid](*args, num_warps=, num_stages=, **meta)``, with fewer pipeline stages if needed.
 
@@ -71,6 +120,14 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     if _REDUCED_STAGES and REDUCE_STAGES_ON_OOR:
         key = _launch_key(kernel, args, num_warps, num_stages, meta)
         stages = _REDUCED_STAGES.get(key, num_stages)
+    key_stages = stages
+    fast_key = _fast_key(kernel, args, num_warps, stages, meta) if FAST_LAUNCH else None
+    if fast_key is not None:
+        hit = _COMPILED.get(fast_key)
+        if hit is not None:
+            compiled, tail = hit
+            compiled[grid](*args, *tail)
+            return compiled
     while True:
         try:
             result = kernel[grid](*args, num_warps=num_warps, num_stages=stages, **meta)
@@ -88,4 +145,9 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
                               "A tuned table for this GPU avoids the retry (docs/architecture.md).",
                               RuntimeWarning, stacklevel=2)
             _REDUCED_STAGES[key] = stages
+        # cache only what was compiled for the key's own stage count (a retry may have lowered it)
+        if fast_key is not None and stages == key_stages and hasattr(result, "packed_metadata"):
+            tail = launch_tail(kernel, len(args), meta)
+            if tail is not None:
+                _COMPILED[fast_key] = (result, tail)
         return result
