@@ -26,7 +26,7 @@ OVERRIDE: bool | None = None
 HEAD_DIMS = (128,)
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # e4m3, d = 128 / 256 from 4096 tokens: with its swept tiles (tune_gluon_fp8_s4096_h200_2026-11-30.json)
-# the Gluon fp8 kernel leads the Triton one by 5%-12% causal and is within 2% non-causal, through
+# the Gluon fp8 kernel leads the Triton one by 1%-12% causal and is within about 2% non-causal, through
 # the public call with no V copy (benchmarks/results/probe_fp8_route_h200_2026-11-30.json)
 FP8_HEAD_DIMS = (128, 256)
 FP8_MIN_SEQLEN = 4096
