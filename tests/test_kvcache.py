@@ -14,6 +14,7 @@ import torch
 import flashtile
 from flashtile.backends.triton import decode as launcher
 from flashtile.kvcache import flash_attn_combine, flash_attn_with_kvcache
+from spies import spy_launches
 
 # ---------------------------------------------------------------------------------------------
 # the independent oracle
@@ -531,15 +532,7 @@ def test_fused_combine(monkeypatch, name):
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
     monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
     monkeypatch.setattr(launcher, "FUSED_COMBINE", True)
-    launched = []
-    real = launcher._combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(launcher, "_combine_kernel", Spy())
+    launched = spy_launches(monkeypatch, launcher, "_combine_kernel").grids
     q, kc, vc, args = make_case(cap=70, **CASES[name])
     for n in (3, 5):
         _run_and_check(q, kc, vc, args, num_splits=n)

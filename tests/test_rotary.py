@@ -10,6 +10,7 @@ from flashtile.layers.rotary import (
     apply_rotary_emb_kv_,
     apply_rotary_emb_qkv_,
 )
+from spies import spy_launches
 
 
 def rotary_ref(x, cos, sin, interleaved=False, offsets=0):
@@ -277,15 +278,7 @@ def test_kernel_grid_is_flat(monkeypatch):
     """batch * heads goes on grid axis 0 (CUDA caps axes 1 and 2 at 65535)."""
     monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     monkeypatch.setattr(launcher, "BLOCK_M_OVERRIDE", 4)
-    grids = []
-    real = launcher._rotary_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(launcher, "_rotary_kernel", Spy())
+    grids = spy_launches(monkeypatch, launcher, "_rotary_kernel").grids
     cos, sin = tables(16, 8)
     x = torch.randn(3, 10, 5, 8)
     torch.testing.assert_close(apply_rotary_emb(x, cos, sin, seqlen_offsets=2), rotary_ref(x, cos, sin, False, 2))

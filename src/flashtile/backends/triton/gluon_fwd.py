@@ -147,6 +147,24 @@ def _resolve_config(d: int, causal: bool, dtype: torch.dtype, config: dict | Non
     return cfg
 
 
+def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    b, s, h, d = q.shape
+    return b, s, h, k.shape[2], d
+
+
+def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config: dict | None,
+             out_dtype: torch.dtype):
+    """What both launchers set up after validation: the scale (default 1/sqrt(d)), the config,
+    out (b, s, h, d) in out_dtype and lse (b, h, s) fp32."""
+    b, s, h, d = q.shape
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    cfg = _resolve_config(d, causal, q.dtype, config)
+    out = torch.empty((b, s, h, d), dtype=out_dtype, device=q.device)
+    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    return softmax_scale, cfg, out, lse
+
+
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
@@ -156,13 +174,8 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     TMA-unfriendly strides.
     """
     _validate(q, k, v)
-    b, s, h, d = q.shape
-    h_k = k.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    cfg = _resolve_config(d, causal, q.dtype, config)
-    out = torch.empty((b, s, h, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    b, s, h, h_k, d = _sizes(q, k)
+    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype)
     if out.numel() == 0:
         return out, lse
 
@@ -195,13 +208,8 @@ def gluon_attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, q_de
     """
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _validate_fp8(q, k, v_t, descales)
-    b, s, h, d = q.shape
-    h_k = k.shape[2]
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
-    cfg = _resolve_config(d, causal, q.dtype, config)
-    out = torch.empty((b, s, h, d), dtype=torch.bfloat16, device=q.device)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    b, s, h, h_k, d = _sizes(q, k)
+    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, torch.bfloat16)
     if out.numel() == 0:
         return out, lse
 

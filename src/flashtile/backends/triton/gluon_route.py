@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability
 from flashtile.params import AttnParams
 
@@ -36,9 +37,9 @@ MIN_SEQLEN = {False: 1024, True: 2048}
 
 
 def _aligned(x: torch.Tensor) -> bool:
-    es = x.element_size()
-    return (x.stride(-1) == 1 and x.data_ptr() % 16 == 0
-            and all((s * es) % 16 == 0 for s in x.stride()[:-1]))
+    # the Triton forward's TMA test (empty tensors were refused above), plus the unit last stride
+    # the Gluon descriptors also need
+    return x.stride(-1) == 1 and _tma_ok(x)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> str | None:

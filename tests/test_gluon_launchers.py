@@ -1,0 +1,59 @@
+"""The Gluon launchers' host side on CPU (backends/triton/gluon_fwd.py): what they allocate and pass.
+
+The kernels need an sm_90 GPU, so here validation and descriptors are stubbed and the kernels
+replaced by spies: the test checks grids, outputs and the arguments both launchers build.
+"""
+
+import math
+
+import pytest
+import torch
+
+from flashtile.backends.triton import gluon_fwd as launcher
+from flashtile.kernels import gluon_fwd as kernels
+from flashtile.kernels import gluon_fwd_fp8 as kernels_fp8
+from spies import spy_launches
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_checks(monkeypatch):
+    monkeypatch.setattr(launcher, "_validate", lambda *a: None)
+    monkeypatch.setattr(launcher, "_validate_fp8", lambda *a: None)
+    monkeypatch.setattr(launcher, "_descriptor", lambda x, block: (x, tuple(block)))
+
+
+def test_bf16_launcher_grid_outputs_and_arguments(monkeypatch):
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    q = torch.empty(2, 300, 8, 128, dtype=torch.float16)
+    k = v = torch.empty(2, 300, 2, 128, dtype=torch.float16)
+    out, lse = launcher.gluon_attn_fwd(q, k, v, causal=True)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+    (args, kw), = spy.calls
+    bm = kw["BLOCK_M"]
+    assert spy.grids == [(math.ceil(300 / bm), 2 * 8)]
+    assert args[0] == (q, (1, bm, 1, 128)) and args[3][0] is out and args[4] is lse
+    # seqlen, heads, heads per kv head, scale in base 2
+    assert args[7:11] == (300, 8, 4, pytest.approx(128 ** -0.5 * launcher.LOG2E))
+    assert kw["CAUSAL"] is True and kw["HEAD_DIM"] == 128
+
+
+def test_fp8_launcher_outputs_descales_and_scale(monkeypatch):
+    spy = spy_launches(monkeypatch, kernels_fp8, "_gluon_attn_fwd_fp8_kernel", forward=False)
+    q = torch.empty(1, 64, 4, 64, dtype=torch.float8_e4m3fn)
+    k = torch.empty(1, 64, 4, 64, dtype=torch.float8_e4m3fn)
+    v_t = torch.empty(1, 4, 64, 64, dtype=torch.float8_e4m3fn)
+    kd = torch.ones(1, 4)
+    out, lse = launcher.gluon_attn_fwd_fp8(q, k, v_t, k_descale=kd, softmax_scale=0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (1, 4, 64)
+    (args, kw), = spy.calls
+    assert args[5] is lse and torch.equal(args[6], kd) and args[7] is lse  # absent descales: a dummy
+    assert args[-1] == pytest.approx(0.5 * launcher.LOG2E)
+    assert (kw["HAS_Q_DESCALE"], kw["HAS_K_DESCALE"], kw["HAS_V_DESCALE"]) == (False, True, False)
+
+
+def test_empty_inputs_launch_nothing(monkeypatch):
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    q = k = v = torch.empty(0, 16, 2, 64, dtype=torch.bfloat16)
+    out, lse = launcher.gluon_attn_fwd(q, k, v)
+    assert out.shape == q.shape and lse.shape == (0, 2, 16) and not spy.grids
