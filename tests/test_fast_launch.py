@@ -40,3 +40,40 @@ def test_key_separates_what_triton_compiles_differently():
 def test_fast_key_is_off_without_a_specialisable_argument():
     kernel = SimpleNamespace()
     assert host._fast_key(kernel, ("not a kernel argument",), 4, 2, {}) is None
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records the grid it is indexed with."""
+
+    def __init__(self):
+        self.grids, self.calls = [], []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args: self.calls.append(args)
+
+
+def test_cached_launch_pads_the_grid_to_three_dimensions(monkeypatch):
+    # Triton's compiled-kernel runner reads grid[0], grid[1], grid[2]; the first H200 run of the
+    # fast path failed with "tuple index out of range" on a 2-D grid.
+    compiled = _Compiled()
+    monkeypatch.setattr(host, "FAST_LAUNCH", True)
+    monkeypatch.setattr(host, "_fast_key", lambda *a: "key")
+    monkeypatch.setitem(host._COMPILED, "key", (compiled, [5]))
+    assert host.launch(object(), (4, 2), 1, 2, num_warps=4, num_stages=2) is compiled
+    assert host.launch(object(), (3,), 1, num_warps=4, num_stages=2) is compiled
+    assert compiled.grids == [(4, 2, 1), (3, 1, 1)]
+    assert compiled.calls == [(1, 2, 5), (1, 5)]
+
+
+def test_callable_grid_takes_the_normal_path(monkeypatch):
+    monkeypatch.setattr(host, "FAST_LAUNCH", True)
+    monkeypatch.setattr(host, "_fast_key", lambda *a: (_ for _ in ()).throw(AssertionError("keyed")))
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, args))
+
+    host.launch(Kernel(), len, 1, num_warps=4, num_stages=2)
+    assert seen == [(len, (1,))]

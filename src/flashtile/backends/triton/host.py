@@ -121,12 +121,14 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
         key = _launch_key(kernel, args, num_warps, num_stages, meta)
         stages = _REDUCED_STAGES.get(key, num_stages)
     key_stages = stages
-    fast_key = _fast_key(kernel, args, num_warps, stages, meta) if FAST_LAUNCH else None
+    # a compiled kernel takes exactly three grid dimensions (JITFunction pads them itself)
+    fast_grid = None if callable(grid) else tuple(grid) + (1,) * (3 - len(grid))
+    fast_key = _fast_key(kernel, args, num_warps, stages, meta) if FAST_LAUNCH and fast_grid else None
     if fast_key is not None:
         hit = _COMPILED.get(fast_key)
         if hit is not None:
             compiled, tail = hit
-            compiled[grid](*args, *tail)
+            compiled[fast_grid](*args, *tail)
             return compiled
     while True:
         try:
