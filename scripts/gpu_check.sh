@@ -17,6 +17,7 @@
 #                 host enqueue time, kernels by name)
 #   host-profile  host time of eager calls per phase, and a cProfile of training steps (scripts/host_profile.py)
 #   host-profile-fast  the same with the experimental launch fast path (FLASHTILE_FAST_LAUNCH=1)
+#   tests-one-launch   the one-launch backward's GPU tests (every candidate config)
 #   tests-fast-launch  the fast path's GPU tests (bit-identical results, alignment re-specialisation)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
@@ -62,9 +63,10 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch)
       case $step in
         tests-fast-launch) files=(tests/test_gpu_fast_launch.py) ;;
+        tests-one-launch) files=(tests/test_gpu_bwd_one_launch.py) ;;
         tests-fp8) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fp8.py) ;;
         tests-route) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fwd.py) ;;
         tests) files=(tests) ;;

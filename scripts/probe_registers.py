@@ -1,7 +1,9 @@
 """Registers, spills and shared memory of backward kernel configs for sm_90a, on a machine without a GPU.
 
 Usage: PYTHONPATH=src python scripts/probe_registers.py dkdv|dq|fused D,BLOCK_M,BLOCK_N,WARPS,STAGES ...
+       PYTHONPATH=src python scripts/probe_registers.py one D,BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,WARPS,STAGES ...
 e.g.   PYTHONPATH=src python scripts/probe_registers.py dkdv 128,32,64,4,2 128,64,128,8,2
+("one" is the one-launch kernel: dK/dV tiles BLOCK_M1 x BLOCK_N1, dQ tiles BLOCK_M2 x BLOCK_N2.)
 
 Triton compiles the kernel for a named target (pointers and strides marked 16-divisible, as the JIT
 specialises them for aligned inputs) and Triton's bundled ``ptxas -v`` reports registers and spill
@@ -59,6 +61,13 @@ def probe(kernel_name: str, constexprs: dict, warps: int, stages: int) -> dict:
 def main(kind: str, specs: list[str]) -> None:
     kernel = "_attn_bwd_dq_kernel" if kind == "dq" else "_attn_bwd_dkdv_kernel"
     for spec in specs:
+        if kind == "one":
+            d, bm1, bn1, bm2, bn2, warps, stages = map(int, spec.split(","))
+            cx = {k: v for k, v in FLAGS.items() if k != "USE_TMA"}
+            cx.update(HEAD_DIM=d, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
+                      BLOCK_D=max(16, triton.next_power_of_2(d)), USE_TMA_KV=False, USE_TMA_Q=False)
+            print(kind, spec, probe("_attn_bwd_one_launch_kernel", cx, warps, stages), flush=True)
+            continue
         d, bm, bn, warps, stages = map(int, spec.split(","))
         cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)))
         if kind != "dq":
@@ -67,6 +76,6 @@ def main(kind: str, specs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "dq", "fused"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "dq", "fused", "one"):
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2:])

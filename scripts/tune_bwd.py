@@ -25,7 +25,7 @@ import triton
 import flashtile
 from flashtile.backends.triton import attn_bwd as launcher
 from flashtile.backends.triton import host
-from flashtile.kernels.attn_bwd import SHORT_SEQLEN, bwd_configs
+from flashtile.kernels.attn_bwd import ONE_LAUNCH_CANDIDATES, SHORT_SEQLEN, bwd_configs
 
 host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
 
@@ -42,11 +42,13 @@ DQ = {
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
     256: [(128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 8, 1), (64, 64, 4, 2), (64, 64, 8, 2)],
 }
-
-
-def candidates(d, fused, causal=False, s=0):
-    """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase."""
+def candidates(d, fused, causal=False, s=0, one_launch=False):
+    """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase.
+    With one_launch: the table's split pair, then the one-launch candidates (nothing else)."""
     cur_kv, cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, s)
+    if one_launch:
+        return [("split", tuple(cur_kv), tuple(cur_q))] + [("one", (m1, n1, w, st), (m2, n2, w, st))
+                                                          for m1, n1, m2, n2, w, st in ONE_LAUNCH_CANDIDATES[d]]
     out = [("split", kv, tuple(cur_q)) for kv in DKDV[d]]
     out += [("split", None, q) for q in DQ[d]]
     if fused:
@@ -56,6 +58,7 @@ def candidates(d, fused, causal=False, s=0):
 
 def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
     launcher.FUSED_OVERRIDE = kind == "fused"
+    launcher.ONE_LAUNCH_OVERRIDE = kind == "one"
     launcher.CONFIG_OVERRIDE = (tuple(kv_cfg), tuple(q_cfg or kv_cfg))
     launcher.TMA_OVERRIDE = tma
     fn = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
@@ -70,6 +73,7 @@ def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
         launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = None
+        launcher.ONE_LAUNCH_OVERRIDE = None
 
 
 def inputs(d, s, causal):
@@ -88,7 +92,7 @@ def compile_shard(args, shard, nshards):
     for d in args.d:
         for causal in (False, True):
             for tma in args.tma_modes:
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch):
                     # dQ phase: the dK/dV config is unknown yet; the dQ kernel compiles the same for any
                     kv = kv or DKDV[d][0]
                     jobs.append((d, causal, tma, kind, kv, qc))
@@ -108,6 +112,8 @@ def main():
     ap.add_argument("--tma", choices=("off", "on", "both"), default="off",
                     help="tensor-descriptor loads in the backward (FLASHTILE_BWD_TMA)")
     ap.add_argument("--fused-dq", action="store_true", help="also time the fused dK/dV + atomic-dQ variant")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="time only the table's split pair and the one-launch candidates")
     ap.add_argument("--jobs", type=int, default=0, help="precompile in this many worker processes first")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,8 +136,8 @@ def main():
             q, k, v, g, out, flops = inputs(d, args.s, causal)
             for tma in args.tma_modes:
                 win_kv, win_ms = None, float("inf")
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s):
-                    phase = "fused" if kind == "fused" else "dkdv" if kv is not None else "dq"
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch):
+                    phase = kind if kind in ("fused", "one") else "dkdv" if kv is not None else "dq"
                     if phase == "dq":
                         kv = win_kv or DKDV[d][0]
                     ms, err = time_one(q, k, v, g, out, kind, kv, qc, tma, bench=True)

@@ -66,6 +66,14 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, stages) == 9
 
 
+def test_one_launch_backward_compiles_for_sm90(tmp_path):
+    # dK/dV (4 dots) and dQ (3 dots) programs in one kernel, each over three ranges
+    d = 128
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, BLOCK_D=d,
+              USE_TMA_KV=False, USE_TMA_Q=False)
+    assert _compile(tmp_path, "_attn_bwd_one_launch_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 3) == 21
+
+
 DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
                "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32",
                "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "COUNTER": "*i32"}

@@ -119,3 +119,46 @@ def test_deterministic_never_takes_the_atomic_path(monkeypatch):
     monkeypatch.setattr(bwd_launcher, "FUSED_OVERRIDE", True)
     assert not bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0, deterministic=True))
     assert bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0))
+
+
+ONE_LAUNCH_CASES = [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2), dict(softcap=2.0),
+                    dict()]
+
+
+@pytest.mark.parametrize("kw", ONE_LAUNCH_CASES)
+def test_one_launch_grid(monkeypatch, kw):
+    # dK/dV and dQ programs in one grid; different tiles per half, so the two halves have different
+    # program counts and the split index must be right for every (batch, head)
+    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
+    monkeypatch.setattr(bwd_launcher, "CONFIG_OVERRIDE", ((16, 32, 4, 1), (32, 16, 4, 1)))
+    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
+    check_padded(1, 47, 21, 4, 1, 16, torch.float32, **kw)
+    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
+
+
+def test_one_launch_with_tensor_descriptors(monkeypatch):
+    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
+    monkeypatch.setattr(bwd_launcher, "TMA_OVERRIDE", True)
+    monkeypatch.setattr(fwd_launcher, "TMA_OVERRIDE", True)
+    check_padded(2, 21, 47, 4, 2, 16, torch.float32, causal=True)
+
+
+def test_one_launch_is_one_kernel_and_deterministic(monkeypatch):
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
+    launched = []
+    real = host.launch
+
+    def spy(kernel, *args, **kw):
+        launched.append(kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__)
+        return real(kernel, *args, **kw)
+
+    monkeypatch.setattr(bwd_launcher, "launch", spy)
+    q, k, v = (torch.randn(1, 19, 2, 16, requires_grad=True) for _ in range(3))
+    grads = []
+    for _ in range(2):
+        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
+    assert launched == ["_attn_bwd_one_launch_kernel"] * 2
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -16,7 +16,14 @@ Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
 import triton
 import triton.language as tl
 
-from flashtile.kernels.attn_fwd import SHORT_SEQLEN, _key_block_ranges, _sequence_bounds, _tanh, _tile_coords
+from flashtile.kernels.attn_fwd import (
+    SHORT_SEQLEN,
+    _key_block_ranges,
+    _sequence_bounds,
+    _tanh,
+    _tile_coords,
+    _tile_coords_of,
+)
 from flashtile.kernels.philox import philox_uniform
 
 # Lengths, windows and seeds change every call: specialising on them would only recompile. Strides
@@ -168,8 +175,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
-def _attn_bwd_dkdv_kernel(
+@triton.jit
+def _dkdv_program(
+    pid_n, b, kv_head,
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
@@ -182,13 +190,37 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
+    """dK and dV of key block pid_n of (batch b, kv head kv_head), summed over the group's query heads."""
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
                                                           HAS_SEQUSED_K)
     start_n = pid_n * BLOCK_N
-    if start_n >= seqlen_k:
-        return
+    if start_n < seqlen_k:  # (a key block past a short varlen sequence has nothing to do)
+        _dkdv_block(start_n, b, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
+                    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, ALIBI,
+                    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
+                    grad_scale, num_heads, group,
+                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
+                    stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam,
+                    stride_dqah, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
+                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION)
+
+
+@triton.jit
+def _dkdv_block(
+    start_n, b, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    num_heads, group,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m_base = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -238,6 +270,31 @@ def _attn_bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
+@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
+    _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q,
+                  SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left,
+                  window_right, grad_scale, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                  stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
+                  stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT,
+                  HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION)
+
+
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, bh, block_lo, block_hi, offs_m,
               offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
@@ -266,8 +323,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, 
     return dq
 
 
-@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
-def _attn_bwd_dq_kernel(
+@triton.jit
+def _dq_program(
+    pid_m, b, h, kv_head,
     Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
@@ -280,13 +338,34 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
+    """dQ of query block pid_m of (batch b, head h)."""
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
                                                           HAS_SEQUSED_K)
     start_m = pid_m * BLOCK_M
-    if start_m >= seqlen_q:
-        return
+    if start_m < seqlen_q:  # (a query block past a short varlen sequence has nothing to do)
+        _dq_block(start_m, b, h, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
+                  Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, ALIBI,
+                  qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+                  num_heads, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                  stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                  stride_lse_b, stride_lse_h, stride_alibi_b,
+                  HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                  HAS_DROPOUT, USE_TMA, DOT_PRECISION)
+
+
+@triton.jit
+def _dq_block(
+    start_m, b, h, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
+    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    num_heads, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n_base = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -329,6 +408,75 @@ def _attn_bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=q_mask)
 
 
+@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    seqlen_q, seqlen_k, num_heads, group,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
+    _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
+                grad_scale, seqlen_q, seqlen_k, num_heads, group,
+                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                stride_lse_b, stride_lse_h, stride_alibi_b,
+                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT,
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE + ["n_dkdv_programs"])
+def _attn_bwd_one_launch_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, desc_q, desc_do, desc_k, desc_v,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
+    seqlen_q, seqlen_k, num_heads, num_kv_heads, group, n_dkdv_programs,
+    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
+    stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
+    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
+    BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA_KV: tl.constexpr, USE_TMA_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The dK/dV programs (the first n_dkdv_programs ids) and the dQ programs in one grid.
+
+    One launch instead of two: the dQ programs start while the last dK/dV programs finish (no tail
+    between the kernels), and the host pays one launch. Both halves share num_warps / num_stages.
+    The dK/dV programs come first: they do four of the seven products, so scheduling them early
+    leaves the shorter dQ programs to fill the end."""
+    pid = tl.program_id(0)
+    if pid < n_dkdv_programs:
+        pid_n, b, kv_head, _ = _tile_coords_of(pid, seqlen_k, num_kv_heads, 1, BLOCK_N1)
+        _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DELTA, desc_q, desc_do, CU_SEQLENS_Q,
+                      CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi,
+                      rng_offset, window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads,
+                      num_kv_heads, group, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
+                      stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
+                      0, 0, 0, HEAD_DIM, BLOCK_M1, BLOCK_N1, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K,
+                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_KV, False, DOT_PRECISION)
+    else:
+        pid_m, b, h, kv_head = _tile_coords_of(pid - n_dkdv_programs, seqlen_q, num_heads, group, BLOCK_M2)
+        _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K,
+                    SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset,
+                    window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads, group,
+                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
+                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
+                    stride_lse_b, stride_lse_h, stride_alibi_b, HEAD_DIM, BLOCK_M2, BLOCK_N2, BLOCK_D, IS_VARLEN,
+                    HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
+                    USE_TMA_Q, DOT_PRECISION)
+
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.
 # Measured on the H200 (scripts/tune_bwd.py, bf16, s=4096, benchmarks/results/tune_bwd_h200_*.json):
 # dK/dV programs stream small query blocks (32) past 64-128 keys; dQ takes 128-query blocks.
@@ -340,6 +488,17 @@ BWD_CONFIGS = {
     ("default", 128): ((64, 64, 4, 1), (64, 64, 4, 1)),
     ("default", 256): ((32, 32, 4, 1), (32, 32, 4, 1)),
     ("interpret", 0): ((16, 16, 4, 1), (16, 16, 4, 1)),
+}
+
+# One-launch kernel candidates (launcher's FLASHTILE_BWD_ONE_LAUNCH; scripts/tune_bwd.py --one-launch,
+# tests/test_gpu_bwd_one_launch.py): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages),
+# one warps/stages pair for both halves. Spill bytes for sm_90a (scripts/probe_registers.py one ...):
+# d=128 (32,128,128,64,8,2) 92, (..,8,3) 380, (64,128,128,64,8,3) 2532; d=256 (32,64,128,32,8,2) 456,
+# (64,64,128,64,8,1) 924.
+ONE_LAUNCH_CANDIDATES = {
+    64: [(64, 128, 128, 64, 8, 2), (32, 128, 128, 64, 4, 3)],
+    128: [(32, 128, 128, 64, 8, 2), (32, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 2)],
+    256: [(32, 64, 128, 32, 8, 2), (64, 64, 128, 64, 8, 1)],
 }
 
 

@@ -29,10 +29,16 @@ def _tile_coords(seqlen_max, num_heads, group, BLOCK: tl.constexpr):
     """(row block, batch, head, kv head) of this program. The grid is one flat axis (CUDA caps grid
     y/z at 65535, which b * h can exceed) with row blocks varying fastest, so neighbouring programs
     share K/V in L2."""
+    return _tile_coords_of(tl.program_id(0), seqlen_max, num_heads, group, BLOCK)
+
+
+@triton.jit
+def _tile_coords_of(pid, seqlen_max, num_heads, group, BLOCK: tl.constexpr):
+    """_tile_coords of flat program index pid (a kernel whose grid holds two kinds of programs)."""
     num_blocks = tl.maximum(tl.cdiv(seqlen_max, BLOCK), 1)
-    pid_bh = tl.program_id(0) // num_blocks
+    pid_bh = pid // num_blocks
     h = pid_bh % num_heads
-    return tl.program_id(0) % num_blocks, pid_bh // num_heads, h, h // group
+    return pid % num_blocks, pid_bh // num_heads, h, h // group
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from flashtile.backends.triton.host import capability, cdiv, device_guard, launc
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
+    _attn_bwd_one_launch_kernel,
     _attn_bwd_preprocess_kernel,
     bwd_configs,
 )
@@ -47,6 +48,20 @@ def use_tma(*tensors) -> bool:
     if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return all(_tma_ok(x) for x in tensors)
+
+
+# dK/dV and dQ programs in one grid (kernels/attn_bwd.py::_attn_bwd_one_launch_kernel), both with
+# the dK/dV config's warps and stages: one launch fewer and no tail between the two kernels.
+# Off by default until measured on the H200 (FLASHTILE_BWD_ONE_LAUNCH=1); tests force it.
+ONE_LAUNCH_OVERRIDE: bool | None = None
+
+
+def use_one_launch(p: AttnParams) -> bool:
+    if ONE_LAUNCH_OVERRIDE is not None:
+        return ONE_LAUNCH_OVERRIDE
+    return os.environ.get("FLASHTILE_BWD_ONE_LAUNCH", "0") not in ("", "0")
+
+
 _TABLE_OVERRIDES: dict | None = None
 
 
@@ -147,6 +162,21 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
     fused = use_fused_dq(p)
+    if not fused and use_one_launch(p):
+        # one grid: dQ's descriptors only unpipelined (the ptxas crash above), warps/stages from dK/dV
+        desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma and s_kv == 1 \
+            else (k, v)
+        n_dkdv = cdiv(max(seqlen_k, 1), bn_kv) * b * h_k
+        n_dq = cdiv(max(seqlen_q, 1), bm_q) * b * h
+        del feature_flags["USE_TMA"]
+        launch(
+            _attn_bwd_one_launch_kernel, (n_dkdv + n_dq,),
+            q, k, v, dout, lse, delta, dk, dv, dq, desc_q, desc_do, desc_k, desc_v, cu_q, cu_k, used_q, used_k,
+            alibi, *common, seqlen_q, seqlen_k, h, h_k, h // h_k, n_dkdv, *sq_, *sk_, *sv_, *sdo,
+            *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
+            HEAD_DIM=d, BLOCK_M1=bm_kv, BLOCK_N1=bn_kv, BLOCK_M2=bm_q, BLOCK_N2=bn_q, BLOCK_D=block_d, **flags,
+            **feature_flags, USE_TMA_KV=tma, USE_TMA_Q=tma and s_kv == 1, num_warps=w_kv, num_stages=s_kv)
+        return
     # the fused variant accumulates dQ in fp32 with atomics (zeroed first), then scales and casts once
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
     launch(
