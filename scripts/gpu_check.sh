@@ -12,6 +12,8 @@
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
+#   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
+#                 graph launch per model step), and b = 1 single-call graphs beside it
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
 #   profile-bwd   where an eager training step's time goes (scripts/profile_bwd.py: eager vs grad vs graph,
 #                 host enqueue time, kernels by name)
@@ -162,6 +164,14 @@ for step in "${steps[@]}"; do
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
+    bench-decode-layers)
+      # per-call time inside a graph of 8 decode calls on 8 caches (a model step's layers), then
+      # b = 1 as single-call graphs in the same process for comparison
+      python3 -m flashtile.bench decode --cuda-graph --layers 8 --out "$WORK/decode_graph_layers8.json" \
+        --plot "$WORK/decode_graph_layers8.png" 2> "$WORK/bench_decode_layers.log" >> "$summary"
+      pack
+      python3 -m flashtile.bench decode --cuda-graph --batch 1 --out "$WORK/decode_graph_b1_layers1.json" \
+        2>> "$WORK/bench_decode_layers.log" >> "$summary" ;;
     bench-decode)
       python3 -m flashtile.bench decode --out "$WORK/decode.json" --plot "$WORK/decode.png" \
         2> "$WORK/bench_decode.log" >> "$summary"

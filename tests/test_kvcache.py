@@ -491,6 +491,35 @@ def test_bench_decode_cpu_smoke(tmp_path):
         assert not r["mismatch"]
 
 
+def test_bench_decode_layers_per_call(tmp_path, monkeypatch):
+    # --layers N: N calls on N distinct caches per measurement, time reported per call; a row whose
+    # N caches would pass the byte budget gets fewer layers
+    import json
+
+    from flashtile.bench import decode as bench_decode
+    from flashtile.bench import main
+
+    calls = []
+    real = bench_decode._time
+
+    def counting_time(fn, device, args):
+        calls.append(len(fn()))  # the measured function runs one call per layer
+        return real(fn, device, args)
+
+    monkeypatch.setattr(bench_decode, "_time", counting_time)
+    kv_bytes_200 = 2 * 1 * 200 * 2 * 32 * 2  # k and v, b=1, s=200, h_k=2, d=32, 2-byte fp16
+    monkeypatch.setattr(bench_decode, "LAYER_BYTES_BUDGET", 2 * kv_bytes_200)
+    out = tmp_path / "decode.json"
+    rc = main(["decode", "--device", "cpu", "--quick", "--batch", "1", "--seqlens", "64", "200", "--pages",
+               "--peers", "flash", "--layers", "3", "--dtype", "fp16", "--warmup", "1", "--rep", "3",
+               "--out", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layers"] for r in rows] == [3, 2]  # s=64 fits 3 caches in the budget, s=200 only 2
+    assert calls == [3, 3, 2, 2]  # (flash, flashtile) per row
+    assert all(r["us"]["flashtile"] > 0 and not r["mismatch"] for r in rows)
+
+
 def test_generate_example_runs():
     import importlib.util
     import pathlib

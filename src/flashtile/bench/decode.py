@@ -6,6 +6,13 @@ on paged caches (pages scattered in a random order, as an allocator leaves them)
 ``--pages`` size; the peers are torch SDPA's flash and cuDNN backends on (b, h, s, d) copies.
 ``floor`` is the time to read the cache once at the device's measured copy bandwidth: no decode
 kernel can beat it. Times are microseconds (median).
+
+``--layers N`` times N calls per measurement, each on its own cache (N decoder layers of one model
+step; every implementation gets the same N), and reports the time per call. With ``--cuda-graph``
+this is how a serving engine runs decode: one graph holding every layer, so the host's graph launch
+(several microseconds on a slow CPU) is paid once per step, not once per attention call. The caches
+are distinct and do_bench clears the L2 cache before each measurement, so every call reads its
+cache from HBM. N shrinks for a row whose N caches would pass ``LAYER_BYTES_BUDGET``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ PEER_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 QUICK = dict(batches=(1, 2), seqlens=(64, 200), heads=4, kv_heads=2, d=32, pages=(16,))
 # max |out - SDPA| relative to max |SDPA| above which a row is flagged (a few ulps of bf16)
 REL_TOLERANCE = 0.02
+# --layers: the extra caches of one row stay under this many bytes (the big rows need no layering:
+# their call time dwarfs a launch)
+LAYER_BYTES_BUDGET = 16 << 30
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--num-splits", type=int, default=0, help="flashtile's num_splits (0 = heuristic)")
     r.add_argument("--cuda-graph", action="store_true",
                    help="time a CUDA-graph replay of each call (removes Python launch overhead)")
+    r.add_argument("--layers", type=int, default=1, metavar="N",
+                   help="time N calls on N distinct caches per measurement and report the time per call "
+                        "(a model step's N layers; with --cuda-graph, one graph launch per N calls)")
     r.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when available")
     r.add_argument("--plot", metavar="PATH.png", help="also draw time over the HBM floor per batch size")
     r.add_argument("--warmup", type=float, default=25, metavar="MS")
@@ -116,11 +129,19 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
             row["mismatch"] = True
             row.setdefault("mismatched", []).append(name)
 
+    layers = max(1, min(args.layers, LAYER_BYTES_BUDGET // max(kv_bytes, 1)))
+    row["layers"] = layers
+    # the other layers' caches: copies of the first (their values do not matter for timing)
+    caches = [(k_cache, v_cache)] + [(k_cache.clone(), v_cache.clone()) for _ in range(layers - 1)]
+
+    def per_call_us(calls):
+        return _time(lambda: [c() for c in calls], device, args) / len(calls)
+
     # peers first: their (b, h, s, d) copies are freed before the paged caches are built
-    kt, vt = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    peer_caches = [(kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()) for kc, vc in caches]
     if args.check:
         try:
-            ref = sdpa(qt, kt, vt, enable_gqa=True).transpose(1, 2)
+            ref = sdpa(qt, *peer_caches[0], enable_gqa=True).transpose(1, 2)
         except Exception as e:
             row["check_error"] = "SDPA reference failed: " + _describe(e)
     for name in dict.fromkeys(args.peers):
@@ -130,31 +151,33 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
             if name == "cudnn" and torch.device(device).type != "cuda":
                 raise RuntimeError("SDPA's cuDNN backend needs a CUDA device")
             with sdpa_kernel(getattr(SDPBackend, PEER_BACKENDS[name])):
-                fn = lambda: sdpa(qt, kt, vt, enable_gqa=True)
-                fn()
-                row["us"][name] = _time(fn, device, args)
+                calls = [lambda kt=kt, vt=vt: sdpa(qt, kt, vt, enable_gqa=True) for kt, vt in peer_caches]
+                calls[0]()
+                row["us"][name] = per_call_us(calls)
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
-    kt = vt = None  # free the copies before the paged caches are built
+    peer_caches = calls = None  # free the copies before the paged caches are built
 
     variants = [("flashtile", None)] + [(f"flashtile-p{p}", p) for p in (args.pages or ())]
     for name, page in variants:
         try:
-            if page is None:
-                kc, vc, table = k_cache, v_cache, None
-            else:
-                kc, vc, table = _paged(k_cache, v_cache, page, gen)
-            fn = lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
-                q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=args.num_splits)
-            check(name, fn())
-            row["us"][name] = _time(fn, device, args)
+            calls = []
+            for kc, vc in caches:
+                table = None
+                if page is not None:
+                    kc, vc, table = _paged(kc, vc, page, gen)
+                calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
+                    q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=args.num_splits))
+            check(name, calls[0]())
+            row["us"][name] = per_call_us(calls)
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
             if isinstance(e, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
-        kc = vc = table = None
+        calls = None
+    caches = None
     ft = row["us"].get("flashtile")
     for name, us in row["us"].items():
         if name != "flashtile":
@@ -206,7 +229,8 @@ def run(args) -> int:
         args.pages = list(q.get("pages", DEFAULT_PAGES))
     meta = report.collect_meta(args.argv if hasattr(args, "argv") else [], device)
     meta.update(mode="decode", dtype=args.dtype, heads=h, kv_heads=h_k, d=d, pages=list(args.pages),
-                num_splits=args.num_splits, cuda_graph=bool(args.cuda_graph and device == "cuda"))
+                num_splits=args.num_splits, cuda_graph=bool(args.cuda_graph and device == "cuda"),
+                layers=args.layers)
     meta["timing"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "stat": "median", "unit": "us"}
     from flashtile.bench.ceilings import copy_tb_s
 
