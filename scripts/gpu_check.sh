@@ -20,8 +20,10 @@
 #   host-profile  host time of eager calls per phase, and a cProfile of training steps (scripts/host_profile.py)
 #   host-profile-fast  the same with the experimental launch fast path (FLASHTILE_FAST_LAUNCH=1)
 #   tests-one-launch   the one-launch backward's GPU tests (every candidate config)
+#   tests-fused-dq     the fused backward's GPU tests (dQ by TMA reduce-add and by atomics)
 #   tests-fast-launch  the fast path's GPU tests (bit-identical results, alignment re-specialisation)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
+#   bench-bwd-flex-fused  the same with FLASHTILE_BWD_FUSED_DQ=1 on the table a "tune-bwd --fused-only" step emitted
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
@@ -65,10 +67,11 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch|tests-fused-dq)
       case $step in
         tests-fast-launch) files=(tests/test_gpu_fast_launch.py) ;;
         tests-one-launch) files=(tests/test_gpu_bwd_one_launch.py) ;;
+        tests-fused-dq) files=(tests/test_gpu_bwd_fused_dq.py) ;;
         tests-fp8) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fp8.py) ;;
         tests-route) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fwd.py) ;;
         tests) files=(tests) ;;
@@ -152,6 +155,12 @@ for step in "${steps[@]}"; do
     bench-bwd-flex)
       python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
         --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
+    bench-bwd-flex-fused)
+      # bench-bwd-flex with the fused variant (dQ by TMA reduce-add) on the configs a preceding
+      # "tune-bwd" step with TUNE_BWD_ARGS="--fused-only ..." wrote to $WORK/bwd_table.json
+      FLASHTILE_BWD_FUSED_DQ=1 FLASHTILE_BWD_CONFIGS="$WORK/bwd_table.json" python3 -m flashtile.bench bwd --d 128 \
+        --seqlens 2048 4096 8192 16384 --peers flash flex --out "$WORK/bwd_flex_fused.json" \
+        2> "$WORK/bench_bwd_flex_fused.log" >> "$summary" ;;
     bench-bwd-d256)
       python3 -m flashtile.bench bwd --d 256 --peers flash cudnn --out "$WORK/bwd_d256.json" \
         2> "$WORK/bench_bwd_d256.log" >> "$summary" ;;

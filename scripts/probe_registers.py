@@ -1,6 +1,6 @@
 """Registers, spills and shared memory of backward kernel configs for sm_90a, on a machine without a GPU.
 
-Usage: PYTHONPATH=src python scripts/probe_registers.py dkdv|dq|fused D,BLOCK_M,BLOCK_N,WARPS,STAGES ...
+Usage: PYTHONPATH=src python scripts/probe_registers.py dkdv|dq|fused|fused-tma D,BLOCK_M,BLOCK_N,WARPS,STAGES ...
        PYTHONPATH=src python scripts/probe_registers.py one D,BLOCK_M1,BLOCK_N1,BLOCK_M2,BLOCK_N2,WARPS,STAGES ...
 e.g.   PYTHONPATH=src python scripts/probe_registers.py dkdv 128,32,64,4,2 128,64,128,8,2
 ("one" is the one-launch kernel: dK/dV tiles BLOCK_M1 x BLOCK_N1, dQ tiles BLOCK_M2 x BLOCK_N2.)
@@ -29,13 +29,15 @@ FLAGS = dict(IS_VARLEN=False, HAS_SEQUSED_Q=False, HAS_SEQUSED_K=False, HAS_LEFT
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def probe(kernel_name: str, constexprs: dict, warps: int, stages: int) -> dict:
+def probe(kernel_name: str, constexprs: dict, warps: int, stages: int, types: dict | None = None) -> dict:
     kern = getattr(importlib.import_module("flashtile.kernels.attn_bwd"), kernel_name)
     sig, consts, attrs = {}, {}, {}
     aligned = [["tt.divisibility", 16]]
     for i, name in enumerate(kern.arg_names):
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
+        elif types and name in types:
+            sig[name] = types[name]
         elif name in FLOATS:
             sig[name] = "fp32"
         elif name in INT_POINTERS or name in FP32_POINTERS or name.isupper() or name.startswith("desc"):
@@ -70,12 +72,15 @@ def main(kind: str, specs: list[str]) -> None:
             continue
         d, bm, bn, warps, stages = map(int, spec.split(","))
         cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, triton.next_power_of_2(d)))
+        types = None
         if kind != "dq":
-            cx["FUSED_DQ"] = kind == "fused"
-        print(kind, spec, probe(kernel, cx, warps, stages), flush=True)
+            cx["FUSED_DQ"] = {"dkdv": 0, "fused": 1, "fused-tma": 2}[kind]
+        if kind == "fused-tma":  # dQ added by a bulk tensor reduce through a descriptor of the fp32 buffer
+            types = dict(DQ_ACC=f"tensordesc<fp32[1,{bm},1,{cx['BLOCK_D']}]>")
+        print(kind, spec, probe(kernel, cx, warps, stages, types), flush=True)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "dq", "fused", "one"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("dkdv", "dq", "fused", "fused-tma", "one"):
         sys.exit(__doc__)
     main(sys.argv[1], sys.argv[2:])

@@ -42,10 +42,25 @@ DQ = {
     128: [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (64, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2)],
     256: [(128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 8, 1), (64, 64, 4, 2), (64, 64, 8, 2)],
 }
-def candidates(d, fused, causal=False, s=0, one_launch=False):
+# --fused-only: dK/dV configs for the fused variant (dQ added inside the dK/dV kernel by a TMA
+# reduce-add per tile), those with the fewest spills in scripts/probe_registers.py fused-tma ...
+# (d=128: (32,128,8,2) 176 bytes, (64,64,8,2) 276, (64,128,8,2) 512, (64,64,4,2) 908).
+FUSED = {
+    64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
+    128: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2), (64, 64, 4, 2)],
+    256: [(64, 64, 8, 2), (32, 64, 8, 2)],
+}
+
+
+def candidates(d, fused, causal=False, s=0, one_launch=False, fused_only=False):
     """(kind, dkdv cfg or None, dq cfg or None) in sweep order; None = the winner of the earlier phase.
-    With one_launch: the table's split pair, then the one-launch candidates (nothing else)."""
+    With one_launch: the table's split pair, then the one-launch candidates (nothing else). With
+    fused_only: the table's split pair, the fused (TMA reduce-add) candidates, and the first of them
+    with per-element atomics ("fused-atomic")."""
     cur_kv, cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, s)
+    if fused_only:
+        return ([("split", tuple(cur_kv), tuple(cur_q))] + [("fused", kv, None) for kv in FUSED[d]]
+                + [("fused-atomic", FUSED[d][0], None)])
     if one_launch:
         return [("split", tuple(cur_kv), tuple(cur_q))] + [("one", (m1, n1, w, st), (m2, n2, w, st))
                                                           for m1, n1, m2, n2, w, st in ONE_LAUNCH_CANDIDATES[d]]
@@ -57,7 +72,8 @@ def candidates(d, fused, causal=False, s=0, one_launch=False):
 
 
 def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
-    launcher.FUSED_OVERRIDE = kind == "fused"
+    launcher.FUSED_OVERRIDE = kind.startswith("fused")
+    launcher.FUSED_DQ_TMA_OVERRIDE = False if kind == "fused-atomic" else None
     launcher.ONE_LAUNCH_OVERRIDE = kind == "one"
     launcher.CONFIG_OVERRIDE = (tuple(kv_cfg), tuple(q_cfg or kv_cfg))
     launcher.TMA_OVERRIDE = tma
@@ -73,7 +89,7 @@ def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
         return None, f"{type(exc).__name__}: {str(exc)[:200]}"
     finally:
         launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = None
-        launcher.ONE_LAUNCH_OVERRIDE = None
+        launcher.ONE_LAUNCH_OVERRIDE = launcher.FUSED_DQ_TMA_OVERRIDE = None
 
 
 def inputs(d, s, causal):
@@ -92,7 +108,7 @@ def compile_shard(args, shard, nshards):
     for d in args.d:
         for causal in (False, True):
             for tma in args.tma_modes:
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch):
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch, args.fused_only):
                     # dQ phase: the dK/dV config is unknown yet; the dQ kernel compiles the same for any
                     kv = kv or DKDV[d][0]
                     jobs.append((d, causal, tma, kind, kv, qc))
@@ -114,6 +130,9 @@ def main():
     ap.add_argument("--fused-dq", action="store_true", help="also time the fused dK/dV + atomic-dQ variant")
     ap.add_argument("--one-launch", action="store_true",
                     help="time only the table's split pair and the one-launch candidates")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="time only the table's split pair and the fused candidates (FUSED); --emit-table "
+                         "then writes the best fused dK/dV config per (d, causal), for FLASHTILE_BWD_FUSED_DQ=1")
     ap.add_argument("--jobs", type=int, default=0, help="precompile in this many worker processes first")
     ap.add_argument("--shard", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -136,8 +155,8 @@ def main():
             q, k, v, g, out, flops = inputs(d, args.s, causal)
             for tma in args.tma_modes:
                 win_kv, win_ms = None, float("inf")
-                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch):
-                    phase = kind if kind in ("fused", "one") else "dkdv" if kv is not None else "dq"
+                for kind, kv, qc in candidates(d, args.fused_dq, causal, args.s, args.one_launch, args.fused_only):
+                    phase = kind if kind in ("fused", "fused-atomic", "one") else "dkdv" if kv is not None else "dq"
                     if phase == "dq":
                         kv = win_kv or DKDV[d][0]
                     ms, err = time_one(q, k, v, g, out, kind, kv, qc, tma, bench=True)
@@ -164,7 +183,14 @@ def main():
         # sweep at s <= SHORT_SEQLEN are "short" rows, used only for sequences that short
         table = {}
         short = ",short" if args.s <= SHORT_SEQLEN else ""
-        for d in args.d:
+        for d in args.d if args.fused_only else ():
+            for causal in (False, True):
+                ok = {tuple(r["dkdv"]): r["ms"] for r in rows if r["d"] == d and r["causal"] == causal
+                      and r["phase"] == "fused" and not r["tma"] and r["ms"]}
+                if ok:  # the dQ entry is unused by the fused variant: the table's, for the split
+                    cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, args.s)[1]
+                    table[f"sm90,{d},{causal}{short}"] = [list(min(ok, key=ok.get)), list(cur_q)]
+        for d in () if args.fused_only else args.d:
             for causal in (False, True):
                 pick = []
                 for phase in ("dkdv", "dq"):

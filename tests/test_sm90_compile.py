@@ -57,6 +57,9 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
     # the fused variant adds dS^T K with fp32 atomics into dQ: one more dot per range
     assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", dict(cx, FUSED_DQ=True),
                     dict(types, DQ_ACC="*fp32"), 8, 2) == 15
+    # ... or with one bulk tensor reduce-add per tile (TMA) instead of the per-element atomics
+    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", dict(cx, FUSED_DQ=2),
+                    dict(types, DQ_ACC=f"tensordesc<fp32[1,{bm_kv},1,{d}]>"), 8, 2) == 15
     cx.pop("FUSED_DQ")
     cx.update(BLOCK_M=bm_q, BLOCK_N=bn_q)
     types = dict(desc_k=_desc(bn_q, d), desc_v=_desc(bn_q, d)) if tma else {}

@@ -170,8 +170,17 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
             # this key block's share of dQ, added into an fp32 buffer (scaled and cast afterwards);
             # atomics make the sum order vary run to run, so deterministic=True never takes this path
             dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
-            tl.atomic_add(DQ_ACC + offs_m[:, None] * stride_dqam + offs_d[None, :], dq_part,
-                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+            if FUSED_DQ == 2:
+                # one bulk tensor reduce-add (TMA) of the whole tile instead of an atomic per element.
+                # Rows past the sequence add exact zeros (their P and so dS are 0), and rows past
+                # the tensor are clipped, so no mask is needed.
+                if IS_VARLEN:
+                    DQ_ACC.atomic_add([q_row0 + blk * BLOCK_M, h, 0], dq_part.reshape(BLOCK_M, 1, BLOCK_D))
+                else:
+                    DQ_ACC.atomic_add([b, blk * BLOCK_M, h, 0], dq_part.reshape(1, BLOCK_M, 1, BLOCK_D))
+            else:
+                tl.atomic_add(DQ_ACC + offs_m[:, None] * stride_dqam + offs_d[None, :], dq_part,
+                              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
 
@@ -244,7 +253,10 @@ def _dkdv_block(
         q_ptr = Q + b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
         do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
         lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
-        dq_acc = DQ_ACC + b64 * stride_dqab + q_row0.to(tl.int64) * stride_dqam + h * stride_dqah
+        if FUSED_DQ == 2:
+            dq_acc = DQ_ACC  # a tensor descriptor of the whole fp32 buffer
+        else:
+            dq_acc = DQ_ACC + b64 * stride_dqab + q_row0.to(tl.int64) * stride_dqam + h * stride_dqah
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,

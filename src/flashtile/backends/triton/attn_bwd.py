@@ -39,6 +39,19 @@ def use_fused_dq(p: AttnParams) -> bool:
     return os.environ.get("FLASHTILE_BWD_FUSED_DQ", "0") not in ("", "0")
 
 
+# How the fused variant adds dQ: True = one bulk tensor reduce-add (TMA) per tile, False = an fp32
+# atomic per element. None: TMA where the GPU has it (sm_90+) and not under the interpreter, which
+# cannot run descriptor reduces. Tests and tune_bwd.py force either.
+FUSED_DQ_TMA_OVERRIDE: bool | None = None
+
+
+def fused_dq_mode(q: torch.Tensor) -> int:
+    """The dK/dV kernel's FUSED_DQ constexpr for a fused call: 2 = TMA reduce-add, 1 = atomics."""
+    if FUSED_DQ_TMA_OVERRIDE is not None:
+        return 2 if FUSED_DQ_TMA_OVERRIDE else 1
+    return 2 if q.device.type == "cuda" and capability(q.device)[0] >= 9 else 1
+
+
 def use_tma(*tensors) -> bool:
     if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
         return TMA_OVERRIDE and all(x.numel() > 0 for x in tensors)
@@ -179,13 +192,15 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         return
     # the fused variant accumulates dQ in fp32 with atomics (zeroed first), then scales and casts once
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
+    fused_mode = fused_dq_mode(q) if fused else 0
+    dq_acc_arg = _descriptor(dq_acc, bm_kv, block_d) if fused_mode == 2 else dq_acc
     launch(
         _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
         *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
         *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
-        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags, FUSED_DQ=fused,
+        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags, FUSED_DQ=fused_mode,
         num_warps=w_kv, num_stages=s_kv)
     if fused:
         dq.copy_(dq_acc.mul_(p.softmax_scale))
