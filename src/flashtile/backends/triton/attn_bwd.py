@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from flashtile.backends.triton import gluon_bwd
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_bwd import (
@@ -175,7 +176,11 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
     fused = use_fused_dq(p)
-    if not fused and use_one_launch(p):
+    # the Gluon dK/dV kernel (experimental, FLASHTILE_GLUON_BWD=1), then the Triton dQ kernel below
+    dkdv_done = not fused and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
+    if dkdv_done:
+        gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0)
+    if not fused and not dkdv_done and use_one_launch(p):
         # one grid: dQ's descriptors only unpipelined (the ptxas crash above), warps/stages from dK/dV
         desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma and s_kv == 1 \
             else (k, v)
@@ -194,14 +199,15 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
     fused_mode = fused_dq_mode(q) if fused else 0
     dq_acc_arg = _descriptor(dq_acc, bm_kv, block_d) if fused_mode == 2 else dq_acc
-    launch(
-        _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),
-        q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi, *common,
-        seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
-        *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
-        *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
-        HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags, FUSED_DQ=fused_mode,
-        num_warps=w_kv, num_stages=s_kv)
+    if not dkdv_done:
+        launch(
+            _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),
+            q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi,
+            *common, seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
+            *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
+            *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
+            HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
+            FUSED_DQ=fused_mode, num_warps=w_kv, num_stages=s_kv)
     if fused:
         dq.copy_(dq_acc.mul_(p.softmax_scale))
         return

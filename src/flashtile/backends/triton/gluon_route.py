@@ -49,6 +49,13 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (takes {DTYPES})"
     dims = (64, 128, 256) if q.dtype == torch.float8_e4m3fn else (64, 128)
+    return coverage_refusal(q, k, v, p, dims)
+
+
+def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims) -> str | None:
+    """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it)."""
+    if q.dim() != 4 or p.varlen:
+        return "varlen (packed) calls"
     if k.shape != v.shape or q.shape[-1] not in dims:
         return f"head_dim other than {dims}, or k and v of different shapes"
     if q.shape[1] != k.shape[1]:

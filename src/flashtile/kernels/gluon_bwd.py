@@ -1,0 +1,209 @@
+"""Hopper (sm_90) attention backward, dK/dV half, in Gluon (experimental: off by default).
+
+The Triton dK/dV kernel (kernels/attn_bwd.py) computes, per key block and query block,
+
+    S^T = K Q^T,  dP^T = V dO^T,  P^T = exp2(S^T * scale - lse),  dS^T = P^T (dP^T - delta),
+    dV += P^T dO,  dK += dS^T Q
+
+and Triton 3.6 waits for S^T and dP^T right after issuing them, so the exponentials run with the
+tensor cores idle. Here the wgmma issue and waits are explicit, as in the Gluon forward
+(kernels/gluon_fwd.py):
+
+    step j (S^T_j and dP^T_j are in registers; dV/dK += ..._{j-1} are still running)
+      issue  S^T_{j+1} = K Q_{j+1}^T, dP^T_{j+1} = V dO_{j+1}^T
+      P^T_j, dS^T_j                           <- runs under the four MMAs in flight
+      wait(0); refill the ring slot of step j-1
+      issue  dV += P^T_j dO_j, dK += dS^T_j Q_j   in flight into step j+1
+
+One CTA (one warpgroup) owns BLOCK_N keys of one (batch, kv head) and walks every query block of
+every query head of its GQA group ("steps"), so dK and dV are summed in registers and written once.
+K and V stay in shared memory as the A operands of S^T and dP^T; Q and dO stream through a
+NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16, (b, s, h, d) tensors with seqlen_q == seqlen_k,
+plain or causal, no dropout / softcap / ALiBi / windows; delta comes from the Triton preprocess.
+Rows past the sequence get lse = +inf (P = 0), and keys past it only produce dK/dV rows that the
+TMA store clips, so no key mask is needed; causal masks keys after the query row.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from flashtile.kernels.gluon_fwd import mma_layout
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, step, off_b, h0, m_start, steps_per_head,
+               NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr):
+    # one barrier per slot for both tiles: a step needs Q and dO together
+    slot = step % NUM_BUFFERS
+    head = h0 + step // steps_per_head
+    m0 = (m_start + step % steps_per_head) * BLOCK_M
+    bar = ready.index(slot)
+    mbarrier.expect(bar, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [off_b, m0, head, 0], bar, q_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_do, [off_b, m0, head, 0], bar, do_smem.index(slot))
+
+
+@gluon.jit
+def _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step, st_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Issue S^T = K Q^T and dP^T = V dO^T of one step (async)."""
+    slot = step % NUM_BUFFERS
+    # each slot's barrier completes once per use: its parity flips every NUM_BUFFERS steps
+    mbarrier.wait(ready.index(slot), (step // NUM_BUFFERS) & 1)
+    q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    return s_t, dp_t
+
+
+@gluon.jit
+def _grads_of_step(s_t, dp_t, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
+                   stride_lb, stride_lh, qk_scale, op_layout: gl.constexpr, col_layout: gl.constexpr,
+                   dtype: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """P^T and dS^T of one step, as bf16 / fp16 A operands of the dV and dK products."""
+    head = h0 + step // steps_per_head
+    q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
+    row_ok = q_idx < seqlen
+    base = off_b * stride_lb + head * stride_lh
+    # rows past the sequence: lse = +inf makes their P (and so dS) exactly 0
+    lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
+    delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+    if CAUSAL:
+        # sq == sk: key j is visible to query i iff j <= i
+        p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    return gl.convert_layout(p_t.to(dtype), op_layout), gl.convert_layout(ds_t.to(dtype), op_layout)
+
+
+@gluon.jit
+def _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr):
+    """Issue dV += P^T dO and dK += dS^T Q of one step (async; P^T, dS^T from registers)."""
+    slot = step % NUM_BUFFERS
+    q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+    return dk, dv
+
+
+@gluon.jit
+def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, stride_lb, stride_lh,
+                                seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
+                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                                CAUSAL: gl.constexpr):
+    """dK, dV (b, s, h_k, d) of q, k, v, dout (b, s, h[_k], d), lse and delta (b, h, s) fp32 (natural
+    log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor)."""
+    # step j+NUM_BUFFERS-1 is loaded during step j-... (see the refill): step j+1 must be resident
+    # when step j issues its scores, so the ring needs three slots at least
+    gl.static_assert(NUM_BUFFERS >= 3)
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]
+    acc_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
+    dtype: gl.constexpr = desc_q.dtype
+
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_kv_heads
+    off_hk = pid_bh % n_kv_heads
+    n0 = pid_n * BLOCK_N
+    h0 = off_hk * heads_per_kv
+    m_start = 0
+    if CAUSAL:
+        # query rows before the block's first key see none of its keys
+        m_start = n0 // BLOCK_M
+    steps_per_head = gl.cdiv(seqlen, BLOCK_M) - m_start
+    n_steps = steps_per_head * heads_per_kv
+
+    k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_do.block_type.shape, desc_do.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_k, [off_b, n0, off_hk, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(desc_v, [off_b, n0, off_hk, 0], kv_ready, v_smem)
+    for i in gl.static_range(NUM_BUFFERS):
+        if i < n_steps:
+            _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, off_b, h0, m_start, steps_per_head, NUM_BUFFERS,
+                       BLOCK_M)
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    mbarrier.wait(kv_ready, 0)
+
+    key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
+    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    # the previous step's A operands feed MMAs still in flight: kept alive through the waits' deps
+    p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
+    ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
+
+    s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                              HEAD_DIM)
+    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+    for j in range(0, n_steps - 1):
+        s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
+                                        BLOCK_M, BLOCK_N, HEAD_DIM)
+        # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them
+        p_new, ds_new = _grads_of_step(s_t, dp_t, LSE, DELTA, j, off_b, h0, m_start, steps_per_head, key_idx,
+                                       seqlen, stride_lb, stride_lh, qk_scale, op_layout, col_layout, dtype, BLOCK_M,
+                                       CAUSAL)
+        dk, dv, p_op, ds_op, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0,
+                                                            deps=(dk, dv, p_op, ds_op, s_next, dp_next))
+        # step j-1's slot is free: its scores retired in step j-1, its dV/dK products just now
+        refill = j - 1 + NUM_BUFFERS
+        if (j >= 1) & (refill < n_steps):
+            _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, refill, off_b, h0, m_start, steps_per_head,
+                       NUM_BUFFERS, BLOCK_M)
+        p_op, ds_op = p_new, ds_new
+        dk, dv = _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+    last = n_steps - 1
+    p_new, ds_new = _grads_of_step(s_t, dp_t, LSE, DELTA, last, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
+                                   stride_lb, stride_lh, qk_scale, op_layout, col_layout, dtype, BLOCK_M, CAUSAL)
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_op, ds_op))
+    p_op, ds_op = p_new, ds_new
+    dk, dv = _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, last, NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_op, ds_op))
+
+    mbarrier.invalidate(kv_ready)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(ready.index(i))
+    # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores,
+    # which also clip the key rows past the sequence
+    k_tile.store((dk * grad_scale).to(dtype))
+    v_tile.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dk, [off_b, n0, off_hk, 0], k_smem)
+    tma.async_copy_shared_to_global(desc_dv, [off_b, n0, off_hk, 0], v_smem)
+    tma.store_wait(pendings=0)
+
+
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 keys, streaming 32
+# query rows per step through a 4-slot ring (96 KiB of shared memory at d = 128: two CTAs per SM, so
+# one's exponentials hide under the other's MMAs too). Not measured yet: first guesses.
+BWD_DKDV_CONFIGS = {
+    64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
+    128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
+}
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")

@@ -1,0 +1,73 @@
+"""Compile the Gluon dK/dV kernel (kernels/gluon_bwd.py) for sm_90 without a GPU; used by
+tests/test_gluon_bwd_compile.py in a subprocess (TRITON_INTERPRET must be unset there).
+
+    python tests/aot_gluon_bwd.py OUT_DIR '[["bf16", 128, true, [32, 64, 4, 4]], ...]'
+
+Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
+{"tag", "shared", "regs", "spill_bytes", "serialized"}.
+"""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
+
+
+def tag_of(kind, d, causal, cfg) -> str:
+    return f"{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}"
+
+
+def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
+    import triton
+    import triton.experimental.gluon.language as gl
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
+
+    bm, bn, nb, nw = cfg
+    type_name, gl_name = KINDS[kind]
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, gl_name))
+        return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
+
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
+    rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
+    types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
+                 LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            consts[(i,)] = constexprs[name]
+        else:
+            sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=nw))
+    tag = tag_of(kind, d, causal, cfg)
+    (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
+    (out / f"{tag}.sass").write_text(compiled.asm["sass"])
+    ptx = out / f"{tag}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = res.stdout + res.stderr
+    (out / f"{tag}.ptxas.log").write_text(log)
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill = re.findall(r"(\d+) bytes spill stores", log)
+    return dict(tag=tag, shared=compiled.metadata.shared, regs=int(regs[0]) if regs else None,
+                spill_bytes=int(spill[0]) if spill else None, serialized="serializ" in log.lower())
+
+
+if __name__ == "__main__":
+    folder = pathlib.Path(sys.argv[1])
+    folder.mkdir(parents=True, exist_ok=True)
+    for kind, d, causal, cfg in json.loads(sys.argv[2]):
+        print(json.dumps(compile_case(kind, d, causal, tuple(cfg), folder)), flush=True)

@@ -1,0 +1,72 @@
+"""The Gluon dK/dV kernel (kernels/gluon_bwd.py) must compile for sm_90 through ptxas for every
+config of its table, plain and causal: no spills, no serialised wgmma, shared memory within 227 KiB,
+and the exponentials of a step running while wgmmas are in flight (in the SASS, at least half of a
+step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that waits for it). No GPU needed."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = pathlib.Path(__file__).with_name("aot_gluon_bwd.py")
+SM90_MAX_SHARED = 232448
+
+
+def _cases():
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cases = []
+    for d, cfg in BWD_DKDV_CONFIGS.items():
+        cfg = [cfg[key] for key in CONFIG_KEYS]
+        cases += [("bf16", d, causal, cfg) for causal in (False, True)]
+    cases.append(("fp16", 128, True, [BWD_DKDV_CONFIGS[128][key] for key in CONFIG_KEYS]))
+    return cases
+
+
+def _exp2_under_mma(sass: str) -> int:
+    """The most MUFU.EX2 found between an HGMMA and the next WARPGROUP.DEPBAR."""
+    best = run = 0
+    in_flight = False
+    for line in sass.splitlines():
+        if "HGMMA" in line:
+            in_flight, run = True, 0
+        elif "WARPGROUP.DEPBAR" in line:
+            best, in_flight = max(best, run), False
+        elif in_flight and "MUFU.EX2" in line:
+            run += 1
+    return best
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path_factory.mktemp("gluon_bwd")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
+    env["TRITON_CACHE_DIR"] = str(out / "cache")
+    res = subprocess.run([sys.executable, str(SCRIPT), str(out), json.dumps(_cases())], capture_output=True,
+                         text=True, env=env, timeout=900)
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out, [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+
+
+def test_every_config_compiles_without_spills(compiled):
+    _, rows = compiled
+    assert len(rows) == len(_cases())
+    for row in rows:
+        assert row["spill_bytes"] == 0, row
+        assert not row["serialized"], row
+        assert row["shared"] <= SM90_MAX_SHARED, row
+
+
+def test_exponentials_run_under_inflight_wgmma(compiled):
+    out, rows = compiled
+    for (_, _, _, cfg), row in zip(_cases(), rows):
+        bm, bn, _, nw = cfg
+        per_thread = bm * bn // (32 * nw)  # one step's exponentials per thread
+        sass = (out / f"{row['tag']}.sass").read_text()
+        assert _exp2_under_mma(sass) >= per_thread // 2, (row["tag"], _exp2_under_mma(sass), per_thread)
