@@ -10,7 +10,6 @@ Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per ca
 import json
 import pathlib
 import re
-import subprocess
 import sys
 
 KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
@@ -21,11 +20,7 @@ def tag_of(kind, d, causal, cfg) -> str:
 
 
 def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
-    import triton
     import triton.experimental.gluon.language as gl
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
@@ -40,30 +35,14 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
                  LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            consts[(i,)] = constexprs[name]
-        else:
-            sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=nw))
-    tag = tag_of(kind, d, causal, cfg)
-    (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
-    (out / f"{tag}.sass").write_text(compiled.asm["sass"])
-    ptx = out / f"{tag}.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
-    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = res.stdout + res.stderr
-    (out / f"{tag}.ptxas.log").write_text(log)
+    from gluon_aot import compile_for_sm90
+
+    row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg))
+    log = row.pop("ptxas_log")
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
-    return dict(tag=tag, shared=compiled.metadata.shared, regs=int(regs[0]) if regs else None,
-                spill_bytes=int(spill[0]) if spill else None, serialized="serializ" in log.lower())
+    return dict(row, regs=int(regs[0]) if regs else None, spill_bytes=int(spill[0]) if spill else None,
+                serialized="serializ" in log.lower())
 
 
 if __name__ == "__main__":

@@ -58,11 +58,7 @@ def _min_overlapped_ex2(cfg) -> int:
 
 
 def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
-    import triton
     import triton.experimental.gluon.language as gl
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     if kind == "fp8":
         from flashtile.kernels.gluon_fwd_fp8 import _gluon_attn_fwd_fp8_kernel as kernel
@@ -83,27 +79,10 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
                  V_DESCALE="*fp32", qk_scale="fp32")
     # the fp8 kernel writes bf16
     types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else types["desc_q"]
-    sig, consts, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            consts[(i,)] = constexprs[name]
-        else:
-            sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=nw))
-    tag = _tag(kind, d, causal, cfg)
-    (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
-    (out / f"{tag}.sass").write_text(compiled.asm["sass"])
-    # Triton drops ptxas's log on success: run ptxas again on the same PTX for it
-    ptx = out / f"{tag}.ptx"
-    ptx.write_text(compiled.asm["ptx"])
-    cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
-    log = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    (out / f"{tag}.ptxas.log").write_text(log.stdout + log.stderr)
-    return dict(tag=tag, shared=compiled.metadata.shared)
+    from gluon_aot import compile_for_sm90
+
+    row = compile_for_sm90(kernel, constexprs, types, nw, out, _tag(kind, d, causal, cfg))
+    return dict(tag=row["tag"], shared=row["shared"])
 
 
 def _compile_spec(args) -> dict:

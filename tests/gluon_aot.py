@@ -1,0 +1,38 @@
+"""Compile a Gluon kernel for sm_90 without a GPU and keep what the compile tests read: TTGIR, SASS
+and ptxas's -v log. Shared by tests/test_gluon_compile.py and tests/aot_gluon_bwd.py (both run it in
+a subprocess with TRITON_INTERPRET unset)."""
+
+import pathlib
+import subprocess
+
+
+def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out: pathlib.Path, tag: str) -> dict:
+    """Arguments not in constexprs take their type from types, else i32; pointers are marked
+    16-byte divisible, as the JIT specialises aligned tensors. Writes <tag>.ttgir / .sass / .ptx /
+    .ptxas.log under out; returns dict(tag, shared, ptxas_log)."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+            consts[(i,)] = constexprs[name]
+        else:
+            sig[name] = types.get(name, "i32")
+        if sig[name].startswith("*"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps))
+    (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
+    (out / f"{tag}.sass").write_text(compiled.asm["sass"])
+    # Triton drops ptxas's log on success: run ptxas again on the same PTX for it
+    ptx = out / f"{tag}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = res.stdout + res.stderr
+    (out / f"{tag}.ptxas.log").write_text(log)
+    return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log)
