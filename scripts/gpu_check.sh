@@ -26,6 +26,7 @@
 #   bench-bwd-flex-fused  the same with FLASHTILE_BWD_FUSED_DQ=1 on the table a "tune-bwd --fused-only" step emitted
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
+#   tests-gluon-bwd  the Gluon dK/dV kernel: GPU tests, scripts/probe_gluon_bwd.py, scripts/bench_gluon_bwd.py
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
 #   bench-gluon-fp8  the Gluon fp8 kernel beside Triton fp8, Gluon/Triton bf16 and cuDNN (timeout GLUON_TIMEOUT)
 #   tune-gluon    scripts/tune_gluon.py (TUNE_GLUON_ARGS, e.g. "--dtypes fp8 --seqlens 4096"; timeout GLUON_TIMEOUT)
@@ -91,6 +92,19 @@ for step in "${steps[@]}"; do
     tune-bwd)
       python3 scripts/tune_bwd.py ${TUNE_BWD_ARGS:---fused-dq --jobs 8} --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
+    tests-gluon-bwd)
+      # the Gluon dK/dV kernel: its GPU tests (marker gluon, so not in full runs), then the probe of
+      # where it disagrees with Triton, then its speed against the all-Triton backward
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" \
+        tests/test_gpu_gluon_bwd.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
+      rc=$?
+      [[ $rc -ne 0 ]] && status=$rc
+      tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary"
+      pack
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py >> "$summary" 2> "$WORK/probe_gluon_bwd.log"
+      pack
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon_bwd.py --out "$WORK/gluon_bwd.json" \
+        >> "$summary" 2> "$WORK/bench_gluon_bwd.log" ;;
     tests-gluon)
       # the experimental Gluon kernel, alone and under a timeout: its first GPU run may hang
       timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -x "${xdist[@]}" \

@@ -67,7 +67,7 @@ def main(kind: str, specs: list[str]) -> None:
             d, bm1, bn1, bm2, bn2, warps, stages = map(int, spec.split(","))
             cx = {k: v for k, v in FLAGS.items() if k != "USE_TMA"}
             cx.update(HEAD_DIM=d, BLOCK_M1=bm1, BLOCK_N1=bn1, BLOCK_M2=bm2, BLOCK_N2=bn2,
-                      BLOCK_D=max(16, triton.next_power_of_2(d)), USE_TMA_KV=False, USE_TMA_Q=False)
+                      BLOCK_D=max(16, triton.next_power_of_2(d)), USE_TMA_DKDV=False, USE_TMA_DQ=False)
             print(kind, spec, probe("_attn_bwd_one_launch_kernel", cx, warps, stages), flush=True)
             continue
         d, bm, bn, warps, stages = map(int, spec.split(","))

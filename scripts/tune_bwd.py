@@ -129,7 +129,8 @@ def main():
                     help="tensor-descriptor loads in the backward (FLASHTILE_BWD_TMA)")
     ap.add_argument("--fused-dq", action="store_true", help="also time the fused dK/dV + atomic-dQ variant")
     ap.add_argument("--one-launch", action="store_true",
-                    help="time only the table's split pair and the one-launch candidates")
+                    help="time only the table's split pair and the one-launch candidates; --emit-table then "
+                         "writes the best one-launch pair per (d, causal), for FLASHTILE_BWD_ONE_LAUNCH=1")
     ap.add_argument("--fused-only", action="store_true",
                     help="time only the table's split pair and the fused candidates (FUSED); --emit-table "
                          "then writes the best fused dK/dV config per (d, causal), for FLASHTILE_BWD_FUSED_DQ=1")
@@ -183,6 +184,13 @@ def main():
         # sweep at s <= SHORT_SEQLEN are "short" rows, used only for sequences that short
         table = {}
         short = ",short" if args.s <= SHORT_SEQLEN else ""
+        for d in args.d if args.one_launch else ():
+            for causal in (False, True):
+                ok = {(tuple(r["dkdv"]), tuple(r["dq"])): r["ms"] for r in rows if r["d"] == d
+                      and r["causal"] == causal and r["phase"] == "one" and not r["tma"] and r["ms"]}
+                if ok:  # a one-launch row: use it with FLASHTILE_BWD_ONE_LAUNCH=1
+                    best_kv, best_q = min(ok, key=ok.get)
+                    table[f"sm90,{d},{causal}{short}"] = [list(best_kv), list(best_q)]
         for d in args.d if args.fused_only else ():
             for causal in (False, True):
                 ok = {tuple(r["dkdv"]): r["ms"] for r in rows if r["d"] == d and r["causal"] == causal
@@ -190,7 +198,7 @@ def main():
                 if ok:  # the dQ entry is unused by the fused variant: the table's, for the split
                     cur_q = bwd_configs("sm90", max(16, triton.next_power_of_2(d)), None, causal, args.s)[1]
                     table[f"sm90,{d},{causal}{short}"] = [list(min(ok, key=ok.get)), list(cur_q)]
-        for d in () if args.fused_only else args.d:
+        for d in () if args.fused_only or args.one_launch else args.d:
             for causal in (False, True):
                 pick = []
                 for phase in ("dkdv", "dq"):

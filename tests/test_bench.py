@@ -183,3 +183,14 @@ def test_fwd_fp8_quick_cpu(tmp_path):
         assert r["ratios"]["flashtile-bf16"] == pytest.approx(r["ms"]["flashtile-bf16"] / r["ms"]["flashtile"])
         assert r["max_err"] is not None and r["max_err"] < 0.25  # e4m3 on randn: checked, and bounded
     assert main(["bwd", *fast, "--out", str(tmp_path / "x.json")]) == 2  # fp8 is forward only
+
+
+def test_meta_records_the_kernel_switches(monkeypatch):
+    # a result file must say which path it measured (FLASHTILE_GLUON, FLASHTILE_BWD_FUSED_DQ, ...)
+    from flashtile.bench.report import collect_meta
+
+    monkeypatch.setenv("FLASHTILE_BWD_FUSED_DQ", "1")
+    monkeypatch.setenv("UNRELATED_VARIABLE", "x")
+    env = collect_meta([], "cpu")["env"]
+    assert env["FLASHTILE_BWD_FUSED_DQ"] == "1"
+    assert all(k.startswith("FLASHTILE_") for k in env)

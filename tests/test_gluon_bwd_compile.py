@@ -1,11 +1,13 @@
 """The Gluon dK/dV kernel (kernels/gluon_bwd.py) must compile for sm_90 through ptxas for every
 config of its table, plain and causal: no spills, no serialised wgmma, shared memory within 227 KiB,
-and the exponentials of a step running while wgmmas are in flight (in the SASS, at least half of a
-step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that waits for it). No GPU needed."""
+the exponentials of a step running while wgmmas are in flight (in the SASS, at least half of a
+step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that waits for it), and no wgmma
+reading an operand from registers. No GPU needed."""
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -70,3 +72,15 @@ def test_exponentials_run_under_inflight_wgmma(compiled):
         per_thread = bm * bn // (32 * nw)  # one step's exponentials per thread
         sass = (out / f"{row['tag']}.sass").read_text()
         assert _exp2_under_mma(sass) >= per_thread // 2, (row["tag"], _exp2_under_mma(sass), per_thread)
+
+
+def test_no_wgmma_reads_registers(compiled):
+    # The first version fed P^T / dS^T to the dV / dK wgmmas from registers, and ptxas rewrote those
+    # registers with the next step's values while the wgmmas were still in flight (causal build,
+    # wrong gradients on the H200). Every operand now comes from shared memory: an HGMMA whose A
+    # operand is a register ("HGMMA... Rd, Ra, gdesc") would bring the hazard back.
+    out, rows = compiled
+    for row in rows:
+        sass = (out / f"{row['tag']}.sass").read_text()
+        register_a = [line.strip() for line in sass.splitlines() if re.search(r"HGMMA\S* R\d+, R\d+, gdesc", line)]
+        assert not register_a, (row["tag"], register_a[:3])

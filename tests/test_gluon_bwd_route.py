@@ -14,10 +14,13 @@ def _t(*shape, dtype=torch.bfloat16):
     return torch.randn(*shape).to(dtype)
 
 
-def test_plain_and_causal_are_covered():
+def test_plain_and_causal_are_covered(monkeypatch):
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
-    for p in (_p(), _p(window_right=0)):
-        assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), p) is None
+    assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p()) is None
+    # causal only once the fixed kernel passed its GPU tests
+    assert "causal" in gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p(window_right=0))
+    monkeypatch.setattr(gluon_bwd, "CAUSAL_OK", True)
+    assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p(window_right=0)) is None
 
 
 def test_refusals_name_the_reason():
@@ -29,6 +32,8 @@ def test_refusals_name_the_reason():
     assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
                                          _t(2, 200, 2, 128), _p())
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0))
+    cu = torch.tensor([0, 256, 512], dtype=torch.int32)
+    assert "varlen" in gluon_bwd.refusal(q, k, v, *args, _p(cu_seqlens_q=cu, cu_seqlens_k=cu))
     assert "softcap" in gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0))
     dout_odd = _t(2, 256, 4, 129)[..., 1:]  # row stride of 258 bytes: not a TMA stride
     assert "dout" in gluon_bwd.refusal(q, k, v, dout_odd, *args[1:], _p())

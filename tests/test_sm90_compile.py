@@ -73,7 +73,7 @@ def test_one_launch_backward_compiles_for_sm90(tmp_path):
     # dK/dV (4 dots) and dQ (3 dots) programs in one kernel, each over three ranges
     d = 128
     cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, BLOCK_D=d,
-              USE_TMA_KV=False, USE_TMA_Q=False)
+              USE_TMA_DKDV=False, USE_TMA_DQ=False)
     assert _compile(tmp_path, "_attn_bwd_one_launch_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 3) == 21
 
 

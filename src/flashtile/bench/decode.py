@@ -4,8 +4,9 @@ Each row is (batch b, cache length seqlen_k) at GQA 32 query / 8 kv heads, d = 1
 decode table of BASELINES.md). flashtile runs ``flash_attn_with_kvcache`` on a contiguous cache and
 on paged caches (pages scattered in a random order, as an allocator leaves them) of each
 ``--pages`` size; the peers are torch SDPA's flash and cuDNN backends on (b, h, s, d) copies.
-``floor`` is the time to read the cache once at the device's measured copy bandwidth: no decode
-kernel can beat it. Times are microseconds (median).
+``floor`` is the time to read the cache once at the device-to-device copy bandwidth measured in the
+same process (a copy also writes, so a kernel that only reads can come in a little under it).
+Times are microseconds (median).
 
 ``--layers N`` times N calls per measurement, each on its own cache (N decoder layers of one model
 step; every implementation gets the same N), and reports the time per call. With ``--cuda-graph``
@@ -34,8 +35,8 @@ PEER_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 QUICK = dict(batches=(1, 2), seqlens=(64, 200), heads=4, kv_heads=2, d=32, pages=(16,))
 # max |out - SDPA| relative to max |SDPA| above which a row is flagged (a few ulps of bf16)
 REL_TOLERANCE = 0.02
-# --layers: the extra caches of one row stay under this many bytes (the big rows need no layering:
-# their call time dwarfs a launch)
+# --layers: the N caches of one row stay under this many bytes, N shrinking to fit (the big rows need
+# no layering: their call time dwarfs a launch)
 LAYER_BYTES_BUDGET = 16 << 30
 
 

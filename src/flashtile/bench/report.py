@@ -53,6 +53,9 @@ def collect_meta(argv: list[str], device: str) -> dict:
     meta["date"] = now.isoformat(timespec="seconds")
     meta["command"] = "python -m flashtile.bench " + shlex.join(argv)
     meta["hostname"] = socket.gethostname()
+    # the switches that pick kernels (FLASHTILE_GLUON, FLASHTILE_BWD_FUSED_DQ, ...): a result file
+    # must say which path it measured
+    meta["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTILE_")}
     return meta
 
 

@@ -190,7 +190,7 @@ def _dkdv_program(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    seqlen_q, seqlen_k, num_heads, group,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
@@ -299,7 +299,7 @@ def _attn_bwd_dkdv_kernel(
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q,
                   SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left,
-                  window_right, grad_scale, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+                  window_right, grad_scale, seqlen_q, seqlen_k, num_heads, group,
                   stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                   stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                   stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
@@ -341,7 +341,7 @@ def _dq_program(
     Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, group,
+    seqlen_q, seqlen_k, num_heads,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -437,7 +437,7 @@ def _attn_bwd_dq_kernel(
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                 ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
-                grad_scale, seqlen_q, seqlen_k, num_heads, group,
+                grad_scale, seqlen_q, seqlen_k, num_heads,
                 stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
                 stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                 stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -458,7 +458,7 @@ def _attn_bwd_one_launch_kernel(
     BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA_KV: tl.constexpr, USE_TMA_Q: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """The dK/dV programs (the first n_dkdv_programs ids) and the dQ programs in one grid.
 
@@ -472,21 +472,21 @@ def _attn_bwd_one_launch_kernel(
         _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DELTA, desc_q, desc_do, CU_SEQLENS_Q,
                       CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi,
                       rng_offset, window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads,
-                      num_kv_heads, group, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
+                      group, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
                       stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
                       stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
                       0, 0, 0, HEAD_DIM, BLOCK_M1, BLOCK_N1, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K,
-                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_KV, False, DOT_PRECISION)
+                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_DKDV, False, DOT_PRECISION)
     else:
         pid_m, b, h, kv_head = _tile_coords_of(pid - n_dkdv_programs, seqlen_q, num_heads, group, BLOCK_M2)
         _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K,
                     SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset,
-                    window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads, group,
+                    window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads,
                     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                     stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                     stride_lse_b, stride_lse_h, stride_alibi_b, HEAD_DIM, BLOCK_M2, BLOCK_N2, BLOCK_D, IS_VARLEN,
                     HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                    USE_TMA_Q, DOT_PRECISION)
+                    USE_TMA_DQ, DOT_PRECISION)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.

@@ -15,6 +15,14 @@ tensor cores idle. Here the wgmma issue and waits are explicit, as in the Gluon 
       wait(0); refill the ring slot of step j-1
       issue  dV += P^T_j dO_j, dK += dS^T_j Q_j   in flight into step j+1
 
+P^T and dS^T reach their products through shared memory (two buffers each, alternating by step),
+not registers. With register A operands, ptxas reused the in-flight products' operand registers
+for the next step's P^T / dS^T before the wait (the waits' deps hold unpacked copies, not the packed
+registers the wgmma reads): a hazard in the causal build that corrupted gradients on the H200 for
+some shapes (tests/test_gpu_gluon_bwd.py, session 5). Converting after the wait instead cost the
+overlap (ptxas then ran the exponentials after the wait, at 255 registers). A buffer written while
+the other one feeds the in-flight products has neither problem.
+
 One CTA (one warpgroup) owns BLOCK_N keys of one (batch, kv head) and walks every query block of
 every query head of its GQA group ("steps"), so dK and dV are summed in registers and written once.
 K and V stay in shared memory as the A operands of S^T and dP^T; Q and dO stream through a
@@ -67,11 +75,18 @@ def _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step, st_layout: gl.co
     return s_t, dp_t
 
 
+@gluon.constexpr_function
+def operand_smem_layout(rows, cols, dtype):
+    # the shared-memory layout wgmma reads an A operand [rows, cols] from (K = cols contiguous)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], dtype)
+
+
 @gluon.jit
-def _grads_of_step(s_t, dp_t, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
-                   stride_lb, stride_lh, qk_scale, op_layout: gl.constexpr, col_layout: gl.constexpr,
-                   dtype: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """P^T and dS^T of one step, as bf16 / fp16 A operands of the dV and dK products."""
+def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
+                   stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
+                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """P^T and dS^T of one step, written in bf16 / fp16 to the shared buffers the dV and dK products
+    read as their A operands (the caller makes sure no product in flight reads these buffers)."""
     head = h0 + step // steps_per_head
     q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
     row_ok = q_idx < seqlen
@@ -84,18 +99,21 @@ def _grads_of_step(s_t, dp_t, LSE, DELTA, step, off_b, h0, m_start, steps_per_he
         # sq == sk: key j is visible to query i iff j <= i
         p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-    return gl.convert_layout(p_t.to(dtype), op_layout), gl.convert_layout(ds_t.to(dtype), op_layout)
+    p_buf.store(p_t.to(dtype))
+    ds_buf.store(ds_t.to(dtype))
+    # generic-proxy writes must be visible to wgmma (async proxy) before it reads them
+    fence_async_shared()
 
 
 @gluon.jit
-def _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
+def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
                  HEAD_DIM: gl.constexpr):
-    """Issue dV += P^T dO and dK += dS^T Q of one step (async; P^T, dS^T from registers)."""
+    """Issue dV += P^T dO and dK += dS^T Q of one step (async; every operand in shared memory)."""
     slot = step % NUM_BUFFERS
     q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
     do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
-    dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+    dv = warpgroup_mma(p_buf, do_tile, dv, is_async=True)
+    dk = warpgroup_mma(ds_buf, q_tile, dk, is_async=True)
     return dk, dv
 
 
@@ -112,7 +130,6 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]
     acc_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dtype: gl.constexpr = desc_q.dtype
@@ -134,6 +151,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_do.block_type.shape, desc_do.layout)
+    # P^T and dS^T of two consecutive steps: step j writes buffer j % 2 while step j-1's products read
+    # the other one
+    ps_layout: gl.constexpr = operand_smem_layout(BLOCK_N, BLOCK_M, dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
@@ -155,36 +177,32 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
     dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
     dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    # the previous step's A operands feed MMAs still in flight: kept alive through the waits' deps
-    p_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
-    ds_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, op_layout)
-
     s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
                               HEAD_DIM)
     s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
     for j in range(0, n_steps - 1):
         s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
                                         BLOCK_M, BLOCK_N, HEAD_DIM)
-        # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them
-        p_new, ds_new = _grads_of_step(s_t, dp_t, LSE, DELTA, j, off_b, h0, m_start, steps_per_head, key_idx,
-                                       seqlen, stride_lb, stride_lh, qk_scale, op_layout, col_layout, dtype, BLOCK_M,
-                                       CAUSAL)
-        dk, dv, p_op, ds_op, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0,
-                                                            deps=(dk, dv, p_op, ds_op, s_next, dp_next))
+        # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them.
+        # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
+        _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
+                       steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M,
+                       CAUSAL)
+        dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_next, dp_next))
         # step j-1's slot is free: its scores retired in step j-1, its dV/dK products just now
         refill = j - 1 + NUM_BUFFERS
         if (j >= 1) & (refill < n_steps):
             _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, refill, off_b, h0, m_start, steps_per_head,
                        NUM_BUFFERS, BLOCK_M)
-        p_op, ds_op = p_new, ds_new
-        dk, dv = _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+        dk, dv = _issue_grads(p_smem.index(j % 2), ds_smem.index(j % 2), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
+                              BLOCK_M, HEAD_DIM)
     last = n_steps - 1
-    p_new, ds_new = _grads_of_step(s_t, dp_t, LSE, DELTA, last, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
-                                   stride_lb, stride_lh, qk_scale, op_layout, col_layout, dtype, BLOCK_M, CAUSAL)
-    dk, dv, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_op, ds_op))
-    p_op, ds_op = p_new, ds_new
-    dk, dv = _issue_grads(p_op, ds_op, dk, dv, q_smem, do_smem, last, NUM_BUFFERS, BLOCK_M, HEAD_DIM)
-    dk, dv, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, p_op, ds_op))
+    _grads_of_step(s_t, dp_t, p_smem.index(last % 2), ds_smem.index(last % 2), LSE, DELTA, last, off_b, h0, m_start,
+                   steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    dk, dv = _issue_grads(p_smem.index(last % 2), ds_smem.index(last % 2), dk, dv, q_smem, do_smem, last,
+                          NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
 
     mbarrier.invalidate(kv_ready)
     for i in gl.static_range(NUM_BUFFERS):
@@ -199,9 +217,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 keys, streaming 32
-# query rows per step through a 4-slot ring (96 KiB of shared memory at d = 128: two CTAs per SM, so
-# one's exponentials hide under the other's MMAs too). Not measured yet: first guesses.
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 keys, streaming query
+# rows through a 4-slot ring. d = 128: 32 rows per step, 112 KiB of shared memory with the P^T / dS^T
+# buffers, so two CTAs fit on an SM and one's exponentials also hide under the other's MMAs. First
+# guesses, not swept; the register-operand version measured 1.05x-1.12x of the Triton backward at
+# d = 128 (benchmarks/results/gluon_bwd_h200_2026-11-30.json), this one has not run on a GPU.
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),

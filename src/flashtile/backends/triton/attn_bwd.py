@@ -1,4 +1,6 @@
-"""Launcher of the backward kernels: delta preprocess, dK/dV kernel, dQ kernel."""
+"""Launcher of the backward kernels: delta preprocess, then the dK/dV and dQ kernels (default), or
+one of the measured alternatives behind flags: both in one grid (FLASHTILE_BWD_ONE_LAUNCH), dQ fused
+into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (FLASHTILE_GLUON_BWD)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ CONFIG_OVERRIDE = None
 TMA_OVERRIDE: bool | None = None
 
 
-# dQ fused into the dK/dV kernel with fp32 atomics, instead of its own kernel: saves recomputing
-# QK^T and dO V^T, costs atomics and run-to-run bit differences (never used with deterministic=True).
-# Off by default until measured on the H200 (FLASHTILE_BWD_FUSED_DQ=1); tests force it.
+# dQ fused into the dK/dV kernel (fp32 TMA reduce-adds on sm_90, atomics elsewhere), instead of its own
+# kernel: saves recomputing QK^T and dO V^T, costs the adds and run-to-run bit differences (never used
+# with deterministic=True). Off: measured 8%-10% slower than the split on the H200 (docs/backward.md;
+# FLASHTILE_BWD_FUSED_DQ=1 turns it on); tests force it.
 FUSED_OVERRIDE: bool | None = None
 
 
@@ -182,8 +185,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0)
     if not fused and not dkdv_done and use_one_launch(p):
         # one grid: dQ's descriptors only unpipelined (the ptxas crash above), warps/stages from dK/dV
-        desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma and s_kv == 1 \
-            else (k, v)
+        tma_dq = tma and s_kv == 1
+        desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
         n_dkdv = cdiv(max(seqlen_k, 1), bn_kv) * b * h_k
         n_dq = cdiv(max(seqlen_q, 1), bm_q) * b * h
         del feature_flags["USE_TMA"]
@@ -193,11 +196,14 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
             alibi, *common, seqlen_q, seqlen_k, h, h_k, h // h_k, n_dkdv, *sq_, *sk_, *sv_, *sdo,
             *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
             HEAD_DIM=d, BLOCK_M1=bm_kv, BLOCK_N1=bn_kv, BLOCK_M2=bm_q, BLOCK_N2=bn_q, BLOCK_D=block_d, **flags,
-            **feature_flags, USE_TMA_KV=tma, USE_TMA_Q=tma and s_kv == 1, num_warps=w_kv, num_stages=s_kv)
+            **feature_flags, USE_TMA_DKDV=tma, USE_TMA_DQ=tma_dq, num_warps=w_kv, num_stages=s_kv)
         return
-    # the fused variant accumulates dQ in fp32 with atomics (zeroed first), then scales and casts once
+    # the fused variant accumulates dQ in an fp32 buffer (zeroed first) by TMA reduce-adds or atomics,
+    # then scales and casts once
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else delta
     fused_mode = fused_dq_mode(q) if fused else 0
+    if fused_mode == 2 and not _tma_ok(dq_acc):  # e.g. d not a multiple of 4: no fp32 TMA stride
+        fused_mode = 1
     dq_acc_arg = _descriptor(dq_acc, bm_kv, block_d) if fused_mode == 2 else dq_acc
     if not dkdv_done:
         launch(

@@ -44,8 +44,6 @@ def _aligned(x: torch.Tensor) -> bool:
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> str | None:
     """Why the Gluon kernel cannot compute this call exactly (None: it can), device aside."""
-    if q.dim() != 4 or p.varlen:
-        return "varlen (packed) calls"
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (takes {DTYPES})"
     dims = (64, 128, 256) if q.dtype == torch.float8_e4m3fn else (64, 128)
