@@ -16,14 +16,15 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def test_plain_and_causal_are_covered(monkeypatch):
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
-    assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p()) is None
-    # causal only once the fixed kernel passed its GPU tests
-    assert "causal" in gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p(window_right=0))
-    monkeypatch.setattr(gluon_bwd, "CAUSAL_OK", True)
-    assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p(window_right=0)) is None
+    # nothing until the fixed kernel has passed its GPU tests
+    assert "verified" in gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p())
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)
+    for p in (_p(), _p(window_right=0)):
+        assert gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), p) is None
 
 
-def test_refusals_name_the_reason():
+def test_refusals_name_the_reason(monkeypatch):
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
     args = (q.clone(), k.clone(), v.clone())
     assert "dtype" in gluon_bwd.refusal(q.float(), k.float(), v.float(), *args, _p())

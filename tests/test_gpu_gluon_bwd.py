@@ -1,5 +1,5 @@
 """GPU tests of the Gluon dK/dV kernel (kernels/gluon_bwd.py) through the public backward, with the
-route pinned on (backends/triton/gluon_bwd.py OVERRIDE, CAUSAL_OK). Each test also checks that the
+route pinned on (backends/triton/gluon_bwd.py OVERRIDE, GPU_VERIFIED). Each test also checks that the
 Gluon kernel really ran, so a refused call cannot pass as a Gluon result. The first version failed
 two causal cases here on the H200 (session 5: a register hazard); the shared-memory version has
 not run on a GPU yet."""
@@ -19,7 +19,7 @@ DEV = "cuda"
 @pytest.fixture
 def gluon_on(monkeypatch):
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
-    monkeypatch.setattr(gluon_bwd, "CAUSAL_OK", True)  # what these tests decide
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)  # what these tests decide
     calls = []
     real = gluon_bwd.gluon_attn_bwd_dkdv
 

@@ -4,8 +4,9 @@ Experimental and off by default (``FLASHTILE_GLUON_BWD=1`` turns it on; tests pi
 The dQ half stays the Triton kernel. On the H200 (session 5) its first version was 1.05x-1.12x of
 the Triton backward at d = 128 with plain-attention gradients bitwise equal to Triton's, but causal
 gradients were wrong for some shapes: a register hazard, now removed (P^T / dS^T go through shared
-memory; tests/test_gluon_bwd_compile.py checks the SASS). Until that version has passed the GPU
-tests, causal calls are refused here (``CAUSAL_OK``).
+memory; tests/test_gluon_bwd_compile.py checks the SASS). That version has not run on a GPU: until
+it passes tests/test_gpu_gluon_bwd.py, every call is refused here (``GPU_VERIFIED``), so the switch
+changes nothing yet.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from flashtile.params import AttnParams
 OVERRIDE: bool | None = None
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
-# causal calls take the kernel only once its fixed version passed tests/test_gpu_gluon_bwd.py (the
-# GPU tests set this to test it)
-CAUSAL_OK = False
+# True once the current kernel (shared-memory P^T / dS^T) has passed tests/test_gpu_gluon_bwd.py on
+# the H200; those tests, the probe and the bench set it to examine the kernel
+GPU_VERIFIED = False
 
 
 def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
@@ -37,8 +38,8 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS)
     if why:
         return why
-    if p.window_right == 0 and not CAUSAL_OK:
-        return "causal (the fixed kernel has not passed its causal GPU tests yet)"
+    if not GPU_VERIFIED:
+        return "not yet verified on a GPU (the fixed kernel has not passed tests/test_gpu_gluon_bwd.py)"
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
     return None
