@@ -84,3 +84,11 @@ def check_varlen(lens_q, lens_k, h, h_k, d, dtype, *, device="cpu", grads=True, 
         for name, x, r, p in zip(("dq", "dk", "dv"), got, want, same):
             assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
     return out
+
+
+def repeated_grads(runs, shape=(2, 1024, 8, 128), device="cuda", **kw):
+    """dq, dk, dv of ``runs`` forward + backward calls of flash_attn_func(**kw) on the same bf16
+    inputs and output gradient: what race and determinism tests compare run to run."""
+    q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    return [torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **kw), (q, k, v), g) for _ in range(runs)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, check_varlen
+from attn_cases import check_padded, check_varlen, repeated_grads
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -33,16 +33,9 @@ def test_grads_varlen():
 
 
 def test_deterministic_50_runs_and_no_races():
-    q, k, v = (torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    g = torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16)
-    first = None
-    for _ in range(50):
-        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        grads = torch.autograd.grad(out, (q, k, v), g)
-        if first is None:
-            first = grads
-        assert all(torch.equal(a, b) for a, b in zip(first, grads))
+    runs = repeated_grads(50, device=DEV, causal=True, deterministic=True)
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
 
 
 def test_large_magnitude_inputs_no_nan():

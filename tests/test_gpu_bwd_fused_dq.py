@@ -8,8 +8,7 @@ tolerance, not bitwise (deterministic=True never takes this path)."""
 import pytest
 import torch
 
-import flashtile
-from attn_cases import check_padded, check_varlen
+from attn_cases import check_padded, check_varlen, repeated_grads
 from flashtile.backends.triton import attn_bwd as launcher
 
 pytestmark = pytest.mark.gpu
@@ -50,13 +49,7 @@ def test_fused_dq_varlen(fused):
 
 def test_fused_dq_repeat_runs_agree(fused):
     fused(128)
-    q, k, v = (torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    g = torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16)
-    runs = []
-    for _ in range(10):
-        out = flashtile.flash_attn_func(q, k, v, causal=True)
-        runs.append(torch.autograd.grad(out, (q, k, v), g))
+    runs = repeated_grads(10, device=DEV, causal=True)
     for grads in runs[1:]:
         for a, b in zip(runs[0], grads):
             # fp32 sums in a varying order, then one bf16 rounding: at most a bf16 ulp or so apart

@@ -6,8 +6,7 @@ is known to give the right gradients, with the 3x rule of attn_cases."""
 import pytest
 import torch
 
-import flashtile
-from attn_cases import check_padded, check_varlen
+from attn_cases import check_padded, check_varlen, repeated_grads
 from flashtile.backends.triton import attn_bwd as launcher
 from flashtile.kernels.attn_bwd import ONE_LAUNCH_CANDIDATES
 
@@ -49,12 +48,6 @@ def test_one_launch_varlen(one_launch):
 
 def test_one_launch_deterministic_20_runs(one_launch):
     one_launch(CONFIGS[128][0])
-    q, k, v = (torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    g = torch.randn(2, 1024, 8, 128, device=DEV, dtype=torch.bfloat16)
-    first = None
-    for _ in range(20):
-        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        grads = torch.autograd.grad(out, (q, k, v), g)
-        first = first or grads
-        assert all(torch.equal(a, b) for a, b in zip(first, grads))
+    runs = repeated_grads(20, device=DEV, causal=True, deterministic=True)
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded
+from attn_cases import check_padded, repeated_grads
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), like the Gluon forward's tests, not in full runs
@@ -46,13 +46,9 @@ def test_gluon_dkdv_fp16_and_long(gluon_on):
 
 def test_gluon_dkdv_repeatable(gluon_on):
     # a race or a register hazard shows as run-to-run differences (the kernel has one writer per output)
-    q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16)
-    out = flashtile.flash_attn_func(q, k, v, causal=True)
-    first = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-    for _ in range(5):
-        again = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    runs = repeated_grads(6, shape=(2, 2048, 8, 128), device=DEV, causal=True)
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
 
 
 def test_gluon_dkdv_matches_triton(gluon_on, monkeypatch):
