@@ -23,6 +23,8 @@
 #   tests-fused-dq     the fused backward's GPU tests (dQ by TMA reduce-add and by atomics)
 #   tests-fast-launch  the fast path's GPU tests (bit-identical results, alignment re-specialisation)
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
+#   tune-gluon-bwd  the Gluon dK/dV kernel's configs alone, and the backward's time split (scripts/tune_gluon_bwd.py)
+#   bench-bwd-flex-gluon  the same (and s=1024) with the Gluon dK/dV kernel, after tests-gluon-bwd passed
 #   bench-bwd-flex-fused  the same with FLASHTILE_BWD_FUSED_DQ=1 on the table a "tune-bwd --fused-only" step emitted
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
@@ -99,6 +101,7 @@ for step in "${steps[@]}"; do
         tests/test_gpu_gluon_bwd.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
       rc=$?
       [[ $rc -ne 0 ]] && status=$rc
+      echo $rc > "$WORK/gluon_bwd_tests.rc"
       tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary"
       pack
       timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py >> "$summary" 2> "$WORK/probe_gluon_bwd.log"
@@ -169,6 +172,17 @@ for step in "${steps[@]}"; do
     bench-bwd-flex)
       python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
         --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
+    tune-gluon-bwd)
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/tune_gluon_bwd.py --out "$WORK/tune_gluon_bwd.json" \
+        >> "$summary" 2> "$WORK/tune_gluon_bwd.log" ;;
+    bench-bwd-flex-gluon)
+      # bench-bwd-flex with the Gluon dK/dV kernel routed in; only after tests-gluon-bwd passed in this call
+      if [[ $(cat "$WORK/gluon_bwd_tests.rc" 2>/dev/null) == 0 ]]; then
+        python3 scripts/bench_bwd_gluon_route.py bwd --d 128 --seqlens 1024 2048 4096 8192 16384 --peers flash flex \
+          --out "$WORK/bwd_flex_gluon.json" 2> "$WORK/bench_bwd_flex_gluon.log" >> "$summary"
+      else
+        echo "bench-bwd-flex-gluon: skipped (tests-gluon-bwd did not pass in this call)" >> "$summary"
+      fi ;;
     bench-bwd-flex-fused)
       # bench-bwd-flex with the fused variant (dQ by TMA reduce-add) on the configs a preceding
       # "tune-bwd" step with TUNE_BWD_ARGS="--fused-only ..." wrote to $WORK/bwd_table.json

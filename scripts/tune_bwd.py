@@ -24,7 +24,7 @@ import triton
 
 import flashtile
 from flashtile.backends.triton import attn_bwd as launcher
-from flashtile.backends.triton import host
+from flashtile.backends.triton import gluon_bwd, host
 from flashtile.kernels.attn_bwd import ONE_LAUNCH_CANDIDATES, SHORT_SEQLEN, bwd_configs
 
 host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
@@ -77,6 +77,7 @@ def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
     launcher.ONE_LAUNCH_OVERRIDE = kind == "one"
     launcher.CONFIG_OVERRIDE = (tuple(kv_cfg), tuple(q_cfg or kv_cfg))
     launcher.TMA_OVERRIDE = tma
+    gluon_bwd.OVERRIDE = False  # these are the Triton kernels' configs (d = 128 bf16 takes Gluon by default)
     fn = lambda: torch.autograd.grad(out, (q, k, v), g, retain_graph=True)  # noqa: E731
     try:
         if not bench:
@@ -90,6 +91,7 @@ def time_one(q, k, v, g, out, kind, kv_cfg, q_cfg, tma, bench):
     finally:
         launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = launcher.FUSED_OVERRIDE = None
         launcher.ONE_LAUNCH_OVERRIDE = launcher.FUSED_DQ_TMA_OVERRIDE = None
+        gluon_bwd.OVERRIDE = None
 
 
 def inputs(d, s, causal):

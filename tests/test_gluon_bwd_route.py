@@ -1,5 +1,6 @@
 """The Gluon dK/dV route's rule (backends/triton/gluon_bwd.py) on CPU: what it refuses, by name."""
 
+import pytest
 import torch
 
 from flashtile.backends.triton import gluon_bwd
@@ -16,7 +17,8 @@ def _t(*shape, dtype=torch.bfloat16):
 
 def test_plain_and_causal_are_covered(monkeypatch):
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
-    # nothing until the fixed kernel has passed its GPU tests
+    # a kernel change not yet run on the GPU turns the route off entirely
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", False)
     assert "verified" in gluon_bwd.refusal(q, k, v, q.clone(), k.clone(), v.clone(), _p())
     monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)
     for p in (_p(), _p(window_right=0)):
@@ -41,9 +43,33 @@ def test_refusals_name_the_reason(monkeypatch):
     assert gluon_bwd.refusal(q, k, v, _t(2, 4, 256, 128).transpose(1, 2), *args[1:], _p()) is None  # aligned view
 
 
-def test_off_by_default_and_never_on_cpu(monkeypatch):
+def test_never_on_cpu(monkeypatch):
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
     monkeypatch.delenv("FLASHTILE_GLUON_BWD", raising=False)
     assert not gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
     assert not gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())  # CPU tensors
+
+
+def _on_sm90(monkeypatch, q, k, v, env):
+    # the route's rule as an sm_90 GPU would apply it, with CPU tensors standing in
+    monkeypatch.setattr(gluon_bwd, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
+    if env is None:
+        monkeypatch.delenv("FLASHTILE_GLUON_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHTILE_GLUON_BWD", env)
+    return gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())
+
+
+@pytest.mark.parametrize("d,dtype,env,want", [
+    (128, torch.bfloat16, None, True),    # measured faster: the default
+    (64, torch.bfloat16, None, False),    # measured slower from s = 4096: Triton unless forced
+    (128, torch.float16, None, False),    # not measured: Triton unless forced
+    (64, torch.bfloat16, "1", True),
+    (128, torch.float16, "1", True),
+    (128, torch.bfloat16, "0", False),    # the switch turns the default off
+])
+def test_default_rule_and_switch(monkeypatch, d, dtype, env, want):
+    q, k, v = _t(2, 256, 4, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype)
+    assert _on_sm90(monkeypatch, q, k, v, env) is want

@@ -1,6 +1,7 @@
 """Launcher of the backward kernels: delta preprocess, then the dK/dV and dQ kernels (default), or
 one of the measured alternatives behind flags: both in one grid (FLASHTILE_BWD_ONE_LAUNCH), dQ fused
-into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (FLASHTILE_GLUON_BWD)."""
+into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (the default at bf16 d = 128;
+FLASHTILE_GLUON_BWD)."""
 
 from __future__ import annotations
 
@@ -179,11 +180,13 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
     fused = use_fused_dq(p)
-    # the Gluon dK/dV kernel (experimental, FLASHTILE_GLUON_BWD=1), then the Triton dQ kernel below
-    dkdv_done = not fused and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
+    one_launch = not fused and use_one_launch(p)
+    # the Gluon dK/dV kernel (bf16 d = 128 by default, backends/triton/gluon_bwd.py), then the Triton
+    # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
+    dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
     if dkdv_done:
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0)
-    if not fused and not dkdv_done and use_one_launch(p):
+    if one_launch:
         # one grid: dQ's descriptors only unpipelined (the ptxas crash above), warps/stages from dK/dV
         tma_dq = tma and s_kv == 1
         desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)

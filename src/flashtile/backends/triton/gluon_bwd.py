@@ -1,12 +1,13 @@
 """The Gluon dK/dV kernel (kernels/gluon_bwd.py) in the backward: which calls take it, and its launch.
 
-Experimental and off by default (``FLASHTILE_GLUON_BWD=1`` turns it on; tests pin ``OVERRIDE``).
-The dQ half stays the Triton kernel. On the H200 (session 5) its first version was 1.05x-1.12x of
-the Triton backward at d = 128 with plain-attention gradients bitwise equal to Triton's, but causal
-gradients were wrong for some shapes: a register hazard, now removed (P^T / dS^T go through shared
-memory; tests/test_gluon_bwd_compile.py checks the SASS). That version has not run on a GPU: until
-it passes tests/test_gpu_gluon_bwd.py, every call is refused here (``GPU_VERIFIED``), so the switch
-changes nothing yet.
+On the H200 (session 6, benchmarks/results/gluon_bwd_h200_2026-11-30_session6.json) the backward
+with this kernel for dK/dV (dQ stays the Triton kernel) measured 1.00x-1.11x of the all-Triton
+backward at bf16 d = 128, every length, plain and causal, so those calls take it by default. At
+d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
+tests/test_gpu_gluon_bwd.py passed on that machine (gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
+
+``FLASHTILE_GLUON_BWD=0`` turns the route off, ``=1`` forces it on wherever the kernel can run
+(d = 64 and fp16 too); tests pin ``OVERRIDE``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from flashtile.params import AttnParams
 OVERRIDE: bool | None = None
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
-# True once the current kernel (shared-memory P^T / dS^T) has passed tests/test_gpu_gluon_bwd.py on
-# the H200; those tests, the probe and the bench set it to examine the kernel
-GPU_VERIFIED = False
+# where the H200 measured the win (module docstring): the default route takes only these
+PREFERRED_HEAD_DIMS = (128,)
+PREFERRED_DTYPES = (torch.bfloat16,)
+# The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
+# kernel that has not run there sets this to False (the route then refuses every call).
+GPU_VERIFIED = True
 
 
 def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
@@ -45,11 +49,21 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     return None
 
 
+def preferred(q) -> bool:
+    """Where the H200 measured the backward faster with this kernel than with the Triton dK/dV."""
+    return q.shape[-1] in PREFERRED_HEAD_DIMS and q.dtype in PREFERRED_DTYPES
+
+
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
-    enabled = OVERRIDE if OVERRIDE is not None else os.environ.get("FLASHTILE_GLUON_BWD", "0") not in ("", "0")
-    if not enabled or q.device.type != "cuda" or capability(q.device) != (9, 0):
+    """Compute dK, dV of this backward with the Gluon kernel? (an sm_90 GPU, a call it covers, and
+    measured faster, or forced by FLASHTILE_GLUON_BWD=1 / OVERRIDE)."""
+    env = os.environ.get("FLASHTILE_GLUON_BWD", "")
+    forced = OVERRIDE if OVERRIDE is not None else (None if env == "" else env != "0")
+    if forced is False or q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
-    return refusal(q, k, v, dout, dk, dv, p) is None
+    if refusal(q, k, v, dout, dk, dv, p) is not None:
+        return False
+    return bool(forced) or preferred(q)
 
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,

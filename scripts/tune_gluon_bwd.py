@@ -1,0 +1,112 @@
+"""Configs of the Gluon dK/dV kernel, and where the backward's time goes (H200).
+
+Usage: PYTHONPATH=src python scripts/tune_gluon_bwd.py --out tune_gluon_bwd.json [--d 128] [--seqlens 1024 4096]
+
+Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16, plain and causal. Per row:
+- ``triton_bwd_ms`` / ``gluon_bwd_ms``: the whole backward (delta, dK/dV, dQ) with the Triton or the
+  Gluon dK/dV kernel (its default config), autograd.grad after one forward;
+- per config of CANDIDATES: the Gluon dK/dV kernel alone (``dkdv_ms``, TFLOP/s of its 4 GEMMs), and
+  the largest |dk, dv - default config's| relative to the largest value (another summation order:
+  about 1e-2 at bf16 is rounding, O(1) is a broken config);
+- ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel.
+Times are medians of triton.testing.do_bench. A config that fails to compile or launch is recorded
+with its error and the sweep goes on.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+import triton
+
+import flashtile
+from flashtile.backends.triton import gluon_bwd
+from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
+
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
+# (tests/aot_gluon_bwd.py): no spills, at most 164 KiB of shared memory
+CANDIDATES = {
+    128: [(32, 64, 4, 4), (32, 64, 3, 4), (16, 64, 4, 4), (32, 128, 4, 8)],
+    64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 3, 4), (64, 128, 4, 8)],
+}
+KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bwd_ms(out, inputs, g, gluon: bool) -> float:
+    gluon_bwd.OVERRIDE = gluon
+    try:
+        return _ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))
+    finally:
+        gluon_bwd.OVERRIDE = None
+
+
+def row_of(d, s, causal):
+    b, h = max(1, 16384 // s), 2048 // d
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    scale = d ** -0.5
+    delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, h, s)
+    lse = lse.contiguous()
+    row = dict(d=d, s=s, b=b, h=h, causal=causal)
+    row["triton_bwd_ms"] = _bwd_ms(out, (q, k, v), g, False)
+    row["gluon_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True)
+    flops = 4 * 2 * b * h * s * s * d / (2 if causal else 1)  # the dK/dV kernel's four GEMMs
+    qd, kd, vd, gd = (x.detach() for x in (q, k, v, g))
+    ref = None
+    row["configs"] = []
+    for cfg in CANDIDATES[d]:
+        entry = dict(zip(KEYS, cfg))
+        dk, dv = torch.empty_like(kd), torch.empty_like(vd)
+
+        def run(entry=entry, dk=dk, dv=dv):
+            gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=entry)
+        try:
+            run()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = (dk.clone(), dv.clone())
+            entry["max_rel_diff"] = max(((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                                        for a, r in zip((dk, dv), ref))
+            entry["dkdv_ms"] = _ms(run)
+            entry["dkdv_tflops"] = flops / entry["dkdv_ms"] / 1e9
+        except Exception as exc:  # record and go on
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        row["configs"].append(entry)
+    first = row["configs"][0]
+    if "dkdv_ms" in first:
+        row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tune_gluon_bwd.json")
+    ap.add_argument("--d", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    args = ap.parse_args()
+    for d in args.d:  # the default config must be the first candidate: the others are compared to it
+        assert CANDIDATES[d][0] == tuple(BWD_DKDV_CONFIGS[d][key] for key in KEYS), d
+    rows = []
+    for d in args.d:
+        for s in args.seqlens:
+            for causal in (False, True):
+                row = row_of(d, s, causal)
+                rows.append(row)
+                best = min((c for c in row["configs"] if "dkdv_ms" in c), key=lambda c: c["dkdv_ms"], default=None)
+                print(json.dumps({key: row[key] for key in row if key != "configs"} | {"best": best}), flush=True)
+                torch.cuda.empty_cache()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%dT%H:%M:%S"), command="scripts/tune_gluon_bwd.py", candidates=CANDIDATES)
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
