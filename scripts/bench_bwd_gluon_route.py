@@ -5,7 +5,8 @@ Usage: PYTHONPATH=src python scripts/bench_bwd_gluon_route.py bwd --d 128 --peer
 Runs the benchmark command line unchanged, with the route forced on (``OVERRIDE``) and
 ``GPU_VERIFIED`` set (gpu_check runs this only after tests/test_gpu_gluon_bwd.py passed). It counts
 the Gluon kernel's launches and fails if none happened, so a refused route cannot pass Triton's
-numbers off as Gluon's.
+numbers off as Gluon's. With FLASHTILE_GLUON_BWD_DQ=1 in the environment the Gluon dQ kernel is
+routed in too (and counted alike).
 """
 
 import json
@@ -27,16 +28,29 @@ if __name__ == "__main__":
         return real(*args, **kwargs)
 
     gluon_bwd.gluon_attn_bwd_dkdv = counted
+    with_dq = os.environ.get("FLASHTILE_GLUON_BWD_DQ", "0") != "0"
+    dq_launches = []
+    if with_dq:
+        gluon_bwd.DQ_GPU_VERIFIED = True
+        gluon_bwd.DQ_OVERRIDE = True
+        real_dq = gluon_bwd.gluon_attn_bwd_dq
+
+        def counted_dq(*args, **kwargs):
+            dq_launches.append(1)
+            return real_dq(*args, **kwargs)
+
+        gluon_bwd.gluon_attn_bwd_dq = counted_dq
     rc = main(sys.argv[1:])
-    print(f"Gluon dK/dV launches: {len(launches)}", flush=True)
-    if not launches:
-        print("error: the Gluon dK/dV kernel never ran; these are not its numbers", file=sys.stderr)
+    print(f"Gluon dK/dV launches: {len(launches)}; Gluon dQ launches: {len(dq_launches)}", flush=True)
+    if not launches or (with_dq and not dq_launches):
+        print("error: a Gluon kernel never ran; these are not its numbers", file=sys.stderr)
         rc = rc or 1
     if "--out" in sys.argv:  # say in the results which command really produced them
         path = sys.argv[sys.argv.index("--out") + 1]
         with open(path) as f:
             results = json.load(f)
-        results["meta"]["wrapper"] = f"scripts/bench_bwd_gluon_route.py (Gluon dK/dV launches: {len(launches)})"
+        results["meta"]["wrapper"] = (f"scripts/bench_bwd_gluon_route.py (Gluon dK/dV launches: {len(launches)}, "
+                                      f"Gluon dQ launches: {len(dq_launches)})")
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
     raise SystemExit(rc)

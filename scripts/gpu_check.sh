@@ -25,10 +25,12 @@
 #   bench-bwd-flex   backward d=128, s>=2048 beside SDPA flash and FlexAttention (issue 4's Flex bar)
 #   tune-gluon-bwd  the Gluon dK/dV kernel's configs alone, and the backward's time split (scripts/tune_gluon_bwd.py)
 #   bench-bwd-flex-gluon  the same (and s=1024) with the Gluon dK/dV kernel, after tests-gluon-bwd passed
+#   bench-bwd-flex-gluon-dq  the same with the Gluon dQ kernel too (FLASHTILE_GLUON_BWD_DQ=1)
 #   bench-bwd-flex-fused  the same with FLASHTILE_BWD_FUSED_DQ=1 on the table a "tune-bwd --fused-only" step emitted
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
-#   tests-gluon-bwd  the Gluon dK/dV kernel: GPU tests, scripts/probe_gluon_bwd.py, scripts/bench_gluon_bwd.py
+#   tests-gluon-bwd  the Gluon dK/dV and dQ kernels' GPU tests (marker gluon: not in "tests")
+#   bench-gluon-bwd  scripts/probe_gluon_bwd.py, then scripts/bench_gluon_bwd.py (Gluon dK/dV against Triton)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
 #   bench-gluon-fp8  the Gluon fp8 kernel beside Triton fp8, Gluon/Triton bf16 and cuDNN (timeout GLUON_TIMEOUT)
 #   tune-gluon    scripts/tune_gluon.py (TUNE_GLUON_ARGS, e.g. "--dtypes fp8 --seqlens 4096"; timeout GLUON_TIMEOUT)
@@ -98,12 +100,13 @@ for step in "${steps[@]}"; do
       # the Gluon dK/dV kernel: its GPU tests (marker gluon, so not in full runs), then the probe of
       # where it disagrees with Triton, then its speed against the all-Triton backward
       timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" \
-        tests/test_gpu_gluon_bwd.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
+        tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
       rc=$?
       [[ $rc -ne 0 ]] && status=$rc
       echo $rc > "$WORK/gluon_bwd_tests.rc"
-      tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary"
-      pack
+      tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary" ;;
+    bench-gluon-bwd)
+      # where the Gluon dK/dV kernel disagrees with Triton, then its speed against the all-Triton backward
       timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py >> "$summary" 2> "$WORK/probe_gluon_bwd.log"
       pack
       timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon_bwd.py --out "$WORK/gluon_bwd.json" \
@@ -173,7 +176,7 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench bwd --d 128 --seqlens 2048 4096 8192 16384 --peers flash flex \
         --out "$WORK/bwd_flex.json" 2> "$WORK/bench_bwd_flex.log" >> "$summary" ;;
     tune-gluon-bwd)
-      timeout ${GLUON_TIMEOUT:-300} python3 scripts/tune_gluon_bwd.py --out "$WORK/tune_gluon_bwd.json" \
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/tune_gluon_bwd.py ${TUNE_GLUON_BWD_ARGS:-} --out "$WORK/tune_gluon_bwd.json" \
         >> "$summary" 2> "$WORK/tune_gluon_bwd.log" ;;
     bench-bwd-flex-gluon)
       # bench-bwd-flex with the Gluon dK/dV kernel routed in; only after tests-gluon-bwd passed in this call
@@ -182,6 +185,15 @@ for step in "${steps[@]}"; do
           --out "$WORK/bwd_flex_gluon.json" 2> "$WORK/bench_bwd_flex_gluon.log" >> "$summary"
       else
         echo "bench-bwd-flex-gluon: skipped (tests-gluon-bwd did not pass in this call)" >> "$summary"
+      fi ;;
+    bench-bwd-flex-gluon-dq)
+      # bench-bwd-flex-gluon with the Gluon dQ kernel routed in too; only after tests-gluon-bwd passed
+      if [[ $(cat "$WORK/gluon_bwd_tests.rc" 2>/dev/null) == 0 ]]; then
+        FLASHTILE_GLUON_BWD_DQ=1 python3 scripts/bench_bwd_gluon_route.py bwd --d 128 \
+          --seqlens 1024 2048 4096 8192 16384 --peers flash flex --out "$WORK/bwd_flex_gluon_dq.json" \
+          2> "$WORK/bench_bwd_flex_gluon_dq.log" >> "$summary"
+      else
+        echo "bench-bwd-flex-gluon-dq: skipped (tests-gluon-bwd did not pass in this call)" >> "$summary"
       fi ;;
     bench-bwd-flex-fused)
       # bench-bwd-flex with the fused variant (dQ by TMA reduce-add) on the configs a preceding

@@ -1,4 +1,4 @@
-"""Configs of the Gluon dK/dV kernel, and where the backward's time goes (H200).
+"""Configs of the Gluon dK/dV and dQ kernels, and where the backward's time goes (H200).
 
 Usage: PYTHONPATH=src python scripts/tune_gluon_bwd.py --out tune_gluon_bwd.json [--d 128] [--seqlens 1024 4096]
 
@@ -8,7 +8,10 @@ Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16, plain and c
 - per config of CANDIDATES: the Gluon dK/dV kernel alone (``dkdv_ms``, TFLOP/s of its 4 GEMMs), and
   the largest |dk, dv - default config's| relative to the largest value (another summation order:
   about 1e-2 at bf16 is rounding, O(1) is a broken config);
-- ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel.
+- ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel;
+- ``gluon_dq_bwd_ms``: the whole backward with both Gluon kernels (default configs);
+- per config of DQ_CANDIDATES: the Gluon dQ kernel alone (``dq_ms``, TFLOP/s of its 3 GEMMs) and its
+  largest |dq - Triton's dq| relative to the largest value.
 Times are medians of triton.testing.do_bench. A config that fails to compile or launch is recorded
 with its error and the sweep goes on.
 """
@@ -23,12 +26,17 @@ import triton
 import flashtile
 from flashtile.backends.triton import gluon_bwd
 from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
+from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, at most 164 KiB of shared memory
 CANDIDATES = {
     128: [(32, 64, 4, 4), (32, 64, 3, 4), (16, 64, 4, 4), (32, 128, 4, 8)],
     64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 3, 4), (64, 128, 4, 8)],
+}
+DQ_CANDIDATES = {
+    128: [(64, 32, 4, 4), (64, 32, 3, 4), (64, 64, 3, 4), (128, 32, 4, 8), (128, 64, 3, 8)],
+    64: [(64, 64, 4, 4)],
 }
 KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
 
@@ -37,12 +45,33 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _bwd_ms(out, inputs, g, gluon: bool) -> float:
-    gluon_bwd.OVERRIDE = gluon
+def _bwd_ms(out, inputs, g, gluon: bool, gluon_dq: bool = False) -> float:
+    gluon_bwd.OVERRIDE, gluon_bwd.DQ_OVERRIDE = gluon, gluon_dq
     try:
         return _ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))
     finally:
-        gluon_bwd.OVERRIDE = None
+        gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
+
+
+def _sweep(candidates, launch, ref, flops, key):
+    """Time launch(config) -> output for each candidate; compare with ref (None: the first's output)."""
+    entries = []
+    for cfg in candidates:
+        config = dict(zip(KEYS, cfg))
+        entry = dict(config)  # the config and what was measured of it
+        try:
+            got = launch(config)
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = tuple(x.clone() for x in got)
+            entry["max_rel_diff"] = max(((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                                        for a, r in zip(got, ref))
+            entry[f"{key}_ms"] = _ms(lambda config=config: launch(config))
+            entry[f"{key}_tflops"] = flops / entry[f"{key}_ms"] / 1e9
+        except Exception as exc:  # record and go on
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        entries.append(entry)
+    return entries
 
 
 def row_of(d, s, causal):
@@ -57,28 +86,24 @@ def row_of(d, s, causal):
     row = dict(d=d, s=s, b=b, h=h, causal=causal)
     row["triton_bwd_ms"] = _bwd_ms(out, (q, k, v), g, False)
     row["gluon_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True)
-    flops = 4 * 2 * b * h * s * s * d / (2 if causal else 1)  # the dK/dV kernel's four GEMMs
+    row["gluon_dq_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True, True)
+    gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = False
+    triton_dq = torch.autograd.grad(out, q, g, retain_graph=True)[0]
+    gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
+    gemm = 2 * b * h * s * s * d / (2 if causal else 1)
     qd, kd, vd, gd = (x.detach() for x in (q, k, v, g))
-    ref = None
-    row["configs"] = []
-    for cfg in CANDIDATES[d]:
-        entry = dict(zip(KEYS, cfg))
-        dk, dv = torch.empty_like(kd), torch.empty_like(vd)
+    dk, dv, dq = torch.empty_like(kd), torch.empty_like(vd), torch.empty_like(qd)
 
-        def run(entry=entry, dk=dk, dv=dv):
-            gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=entry)
-        try:
-            run()
-            torch.cuda.synchronize()
-            if ref is None:
-                ref = (dk.clone(), dv.clone())
-            entry["max_rel_diff"] = max(((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                                        for a, r in zip((dk, dv), ref))
-            entry["dkdv_ms"] = _ms(run)
-            entry["dkdv_tflops"] = flops / entry["dkdv_ms"] / 1e9
-        except Exception as exc:  # record and go on
-            entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        row["configs"].append(entry)
+    def dkdv(config):
+        gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=config)
+        return dk, dv
+
+    def dq_of(config):
+        gluon_bwd.gluon_attn_bwd_dq(qd, kd, vd, gd, lse, delta, dq, scale, causal, config=config)
+        return (dq,)
+
+    row["configs"] = _sweep(CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv")
+    row["dq_configs"] = _sweep(DQ_CANDIDATES[d], dq_of, (triton_dq,), 3 * gemm, "dq")
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
@@ -91,8 +116,10 @@ def main():
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     args = ap.parse_args()
-    for d in args.d:  # the default config must be the first candidate: the others are compared to it
+    gluon_bwd.DQ_GPU_VERIFIED = True  # measured here; gpu_check runs this after the kernels' GPU tests
+    for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
         assert CANDIDATES[d][0] == tuple(BWD_DKDV_CONFIGS[d][key] for key in KEYS), d
+        assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in KEYS), d
     rows = []
     for d in args.d:
         for s in args.seqlens:
@@ -100,10 +127,13 @@ def main():
                 row = row_of(d, s, causal)
                 rows.append(row)
                 best = min((c for c in row["configs"] if "dkdv_ms" in c), key=lambda c: c["dkdv_ms"], default=None)
-                print(json.dumps({key: row[key] for key in row if key != "configs"} | {"best": best}), flush=True)
+                best_dq = min((c for c in row["dq_configs"] if "dq_ms" in c), key=lambda c: c["dq_ms"], default=None)
+                print(json.dumps({key: row[key] for key in row if not key.endswith("configs")}
+                                 | {"best": best, "best_dq": best_dq}), flush=True)
                 torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%dT%H:%M:%S"), command="scripts/tune_gluon_bwd.py", candidates=CANDIDATES)
+                date=time.strftime("%Y-%m-%dT%H:%M:%S"), command="scripts/tune_gluon_bwd.py",
+                candidates=CANDIDATES, dq_candidates=DQ_CANDIDATES)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

@@ -1,7 +1,10 @@
-"""Compile the Gluon dK/dV kernel (kernels/gluon_bwd.py) for sm_90 without a GPU; used by
-tests/test_gluon_bwd_compile.py in a subprocess (TRITON_INTERPRET must be unset there).
+"""Compile the Gluon backward kernels (dK/dV: kernels/gluon_bwd.py, dQ: kernels/gluon_bwd_dq.py) for
+sm_90 without a GPU; used by tests/test_gluon_bwd_compile.py in a subprocess (TRITON_INTERPRET must
+be unset there).
 
-    python tests/aot_gluon_bwd.py OUT_DIR '[["bf16", 128, true, [32, 64, 4, 4]], ...]'
+    python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 128, true, [64, 32, 4, 4], "dq"]]'
+
+A case's optional fifth element names the kernel: "dkdv" (the default) or "dq".
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized"}.
@@ -15,14 +18,17 @@ import sys
 KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
-def tag_of(kind, d, causal, cfg) -> str:
-    return f"{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}"
+def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
+    return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}"
 
 
-def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
+def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     import triton.experimental.gluon.language as gl
 
-    from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
+    if which == "dq":
+        from flashtile.kernels.gluon_bwd_dq import _gluon_attn_bwd_dq_kernel as kernel
+    else:
+        from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
     bm, bn, nb, nw = cfg
     type_name, gl_name = KINDS[kind]
@@ -34,10 +40,10 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
-                 LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
+                 desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
     from gluon_aot import compile_for_sm90
 
-    row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg))
+    row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))
     log = row.pop("ptxas_log")
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
@@ -48,5 +54,5 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path) -> dict:
 if __name__ == "__main__":
     folder = pathlib.Path(sys.argv[1])
     folder.mkdir(parents=True, exist_ok=True)
-    for kind, d, causal, cfg in json.loads(sys.argv[2]):
-        print(json.dumps(compile_case(kind, d, causal, tuple(cfg), folder)), flush=True)
+    for kind, d, causal, cfg, *which in json.loads(sys.argv[2]):
+        print(json.dumps(compile_case(kind, d, causal, tuple(cfg), folder, *which)), flush=True)

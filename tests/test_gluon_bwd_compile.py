@@ -1,8 +1,8 @@
-"""The Gluon dK/dV kernel (kernels/gluon_bwd.py) must compile for sm_90 through ptxas for every
-config of its table, plain and causal: no spills, no serialised wgmma, shared memory within 227 KiB,
-the exponentials of a step running while wgmmas are in flight (in the SASS, at least half of a
-step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that waits for it), and no wgmma
-reading an operand from registers. No GPU needed."""
+"""The Gluon backward kernels (dK/dV: kernels/gluon_bwd.py, dQ: kernels/gluon_bwd_dq.py) must compile
+for sm_90 through ptxas for every config of their tables, plain and causal: no spills, no serialised
+wgmma, shared memory within 227 KiB, the exponentials of a step running while wgmmas are in flight
+(in the SASS, at least half of a step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that
+waits for it), and no wgmma reading an operand from registers. No GPU needed."""
 
 import json
 import os
@@ -18,13 +18,16 @@ SM90_MAX_SHARED = 232448
 
 
 def _cases():
+    """(dtype, d, causal, config, kernel) per compile."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+    from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
     cases = []
-    for d, cfg in BWD_DKDV_CONFIGS.items():
-        cfg = [cfg[key] for key in CONFIG_KEYS]
-        cases += [("bf16", d, causal, cfg) for causal in (False, True)]
-    cases.append(("fp16", 128, True, [BWD_DKDV_CONFIGS[128][key] for key in CONFIG_KEYS]))
+    for which, table in (("dkdv", BWD_DKDV_CONFIGS), ("dq", BWD_DQ_CONFIGS)):
+        for d, cfg in table.items():
+            cfg = [cfg[key] for key in CONFIG_KEYS]
+            cases += [("bf16", d, causal, cfg, which) for causal in (False, True)]
+        cases.append(("fp16", 128, True, [table[128][key] for key in CONFIG_KEYS], which))
     return cases
 
 
@@ -67,7 +70,7 @@ def test_every_config_compiles_without_spills(compiled):
 
 def test_exponentials_run_under_inflight_wgmma(compiled):
     out, rows = compiled
-    for (_, _, _, cfg), row in zip(_cases(), rows):
+    for (_, _, _, cfg, _), row in zip(_cases(), rows):
         bm, bn, _, nw = cfg
         per_thread = bm * bn // (32 * nw)  # one step's exponentials per thread
         sass = (out / f"{row['tag']}.sass").read_text()

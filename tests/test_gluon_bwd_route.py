@@ -73,3 +73,25 @@ def _on_sm90(monkeypatch, q, k, v, env):
 def test_default_rule_and_switch(monkeypatch, d, dtype, env, want):
     q, k, v = _t(2, 256, 4, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype)
     assert _on_sm90(monkeypatch, q, k, v, env) is want
+
+
+def test_dq_route_off_unless_forced_and_verified(monkeypatch):
+    q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
+    monkeypatch.delenv("FLASHTILE_GLUON_BWD_DQ", raising=False)
+    monkeypatch.setattr(gluon_bwd, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
+    monkeypatch.setattr(gluon_bwd, "DQ_GPU_VERIFIED", True)
+    assert not gluon_bwd.use_gluon_bwd_dq(q, k, v, q, q, _p())  # not forced: off
+    monkeypatch.setenv("FLASHTILE_GLUON_BWD_DQ", "1")
+    assert gluon_bwd.use_gluon_bwd_dq(q, k, v, q, q, _p())
+    monkeypatch.setattr(gluon_bwd, "DQ_GPU_VERIFIED", False)
+    assert not gluon_bwd.use_gluon_bwd_dq(q, k, v, q, q, _p())
+
+
+def test_dq_refusals_name_the_reason():
+    q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
+    assert gluon_bwd.dq_refusal(q, k, v, q, q.clone(), _p()) is None
+    assert "dtype" in gluon_bwd.dq_refusal(q, k, v, q, q.float(), _p())
+    assert "softcap" in gluon_bwd.dq_refusal(q, k, v, q, q.clone(), _p(softcap=5.0))
+    dq_odd = _t(2, 256, 4, 129)[..., 1:]  # row stride of 258 bytes: not a TMA stride
+    assert "dq" in gluon_bwd.dq_refusal(q, k, v, q, dq_odd, _p())

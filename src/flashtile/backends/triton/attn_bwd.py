@@ -220,6 +220,9 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     if fused:
         dq.copy_(dq_acc.mul_(p.softmax_scale))
         return
+    if gluon_bwd.use_gluon_bwd_dq(q, k, v, dout, dq, p):  # experimental: FLASHTILE_GLUON_BWD_DQ=1
+        gluon_bwd.gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, p.softmax_scale, p.window_right == 0)
+        return
     feature_flags["USE_TMA"] = tma_dq
     launch(
         _attn_bwd_dq_kernel, (cdiv(max(seqlen_q, 1), bm_q) * b * h,),

@@ -66,23 +66,79 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     return bool(forced) or preferred(q)
 
 
-def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
-                        config: dict | None = None) -> None:
-    """Write dk, dv (b, s, h_k, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta
-    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``."""
-    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS, _gluon_attn_bwd_dkdv_kernel
+# The Gluon dQ kernel (kernels/gluon_bwd_dq.py): its own switch (FLASHTILE_GLUON_BWD_DQ=1, off by
+# default: not yet measured) and its own verified flag, so the dK/dV route stands on its own.
+DQ_OVERRIDE: bool | None = None
+DQ_GPU_VERIFIED = False
 
-    b, s, h, d = q.shape
-    h_k = k.shape[2]
-    cfg = dict(BWD_DKDV_CONFIGS[d])
+
+def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
+    """Compute dQ of this backward with the Gluon dQ kernel? (forced on only, for now)."""
+    forced = DQ_OVERRIDE if DQ_OVERRIDE is not None else os.environ.get("FLASHTILE_GLUON_BWD_DQ", "0") != "0"
+    if not forced or q.device.type != "cuda" or capability(q.device) != (9, 0) or not DQ_GPU_VERIFIED:
+        return False
+    return dq_refusal(q, k, v, dout, dq, p) is None
+
+
+def dq_refusal(q, k, v, dout, dq, p: AttnParams) -> str | None:
+    """Why the Gluon dQ kernel cannot compute this backward's dQ exactly (None: it can)."""
+    if q.dtype not in DTYPES or any(x.dtype != q.dtype for x in (k, v, dout, dq)):
+        return f"dtype {q.dtype} (takes {DTYPES})"
+    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS)
+    if why:
+        return why
+    if not all(gluon_route._aligned(x) for x in (dout, dq)):
+        return "dout or dq with strides that TMA cannot read or write"
+    return None
+
+
+def _config(table: dict, d: int, config: dict | None) -> dict:
+    from flashtile.kernels.gluon_bwd import CONFIG_KEYS
+
+    cfg = dict(table[d])
     if config:
         unknown = set(config) - set(CONFIG_KEYS)
         if unknown:
             raise ValueError(f"gluon bwd: unknown config keys {sorted(unknown)} (known: {CONFIG_KEYS})")
         cfg.update({key: int(val) for key, val in config.items()})
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    return cfg
+
+
+def _check_stats(lse, delta) -> None:
     if lse.stride(-1) != 1 or delta.stride() != lse.stride():
         raise ValueError("gluon bwd: lse and delta must share (b, h, s) strides with a unit last stride")
+
+
+def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causal: bool,
+                      config: dict | None = None) -> None:
+    """Write dq (b, s, h, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta (b, h, s)
+    fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``dq_refusal``."""
+    from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS, _gluon_attn_bwd_dq_kernel
+
+    b, s, h, d = q.shape
+    h_k = k.shape[2]
+    cfg = _config(BWD_DQ_CONFIGS, d, config)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    _check_stats(lse, delta)
+    _gluon_attn_bwd_dq_kernel[(cdiv(s, bm), b * h)](
+        _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
+        _descriptor(dout, [1, bm, 1, d]), _descriptor(dq, [1, bm, 1, d]),
+        lse, delta, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E, softmax_scale,
+        HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
+        num_warps=cfg["num_warps"])
+
+
+def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
+                        config: dict | None = None) -> None:
+    """Write dk, dv (b, s, h_k, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta
+    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``."""
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
+
+    b, s, h, d = q.shape
+    h_k = k.shape[2]
+    cfg = _config(BWD_DKDV_CONFIGS, d, config)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    _check_stats(lse, delta)
     _gluon_attn_bwd_dkdv_kernel[(cdiv(s, bn), b * h_k)](
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),

@@ -1,0 +1,191 @@
+"""Hopper (sm_90) attention backward, dQ half, in Gluon (experimental: off by default).
+
+The Triton dQ kernel (kernels/attn_bwd.py) computes, per query block and key block,
+
+    S = Q K^T,  dP = dO V^T,  P = exp2(S * scale - lse),  dS = P (dP - delta),  dQ += dS K
+
+and, as in its dK/dV kernel, Triton 3.6 waits for S and dP right after issuing them. Here the
+schedule is the one of the Gluon dK/dV kernel (kernels/gluon_bwd.py) with the roles of queries and
+keys swapped:
+
+    step j (S_j and dP_j are in registers; dQ += dS_{j-1} K_{j-1} is still running)
+      issue  S_{j+1} = Q K_{j+1}^T, dP_{j+1} = dO V_{j+1}^T
+      dS_j                                     <- runs under the three MMAs in flight
+      wait(0); refill the ring slot of step j-1
+      issue  dQ += dS_j K_j                    in flight into step j+1
+
+dS reaches its product through shared memory (two buffers, alternating by step), never as a register
+operand: the dK/dV kernel's register-operand version hit a ptxas register hazard on the H200. lse
+and delta are loaded per step (as in the dK/dV kernel, from L1/L2): loaded once before the loop and
+kept live across it, the kernel crashed Triton 3.6's ptxas (segmentation fault at -O1 and above).
+
+One CTA (one warpgroup) owns BLOCK_M query rows of one (batch, head) and walks the key blocks of its
+kv head (GQA: head // heads_per_kv), so dQ is summed in registers and written once, with no atomics.
+Q and dO stay in shared memory as the A operands of S and dP; K and V stream through a
+NUM_BUFFERS-deep TMA ring. Scope as the dK/dV kernel: bf16 / fp16, (b, s, h, d) tensors with
+seqlen_q == seqlen_k, plain or causal. Rows past the sequence get lse = +inf (P = 0, dQ rows that
+the TMA store clips); keys past it arrive as zero rows of K (TMA fills out-of-bounds rows with 0),
+so their dS column meets a zero row of K in dQ += dS K and adds nothing; causal masks keys after the
+query row.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from flashtile.kernels.gluon_bwd import operand_smem_layout
+from flashtile.kernels.gluon_fwd import mma_layout
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, step, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
+              BLOCK_N: gl.constexpr):
+    # one barrier per slot for both tiles: a step needs K and V together
+    slot = step % NUM_BUFFERS
+    bar = ready.index(slot)
+    mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_k, [off_b, step * BLOCK_N, off_hk, 0], bar, k_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_v, [off_b, step * BLOCK_N, off_hk, 0], bar, v_smem.index(slot))
+
+
+@gluon.jit
+def _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, step, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Issue S = Q K^T and dP = dO V^T of one step (async)."""
+    slot = step % NUM_BUFFERS
+    # each slot's barrier completes once per use: its parity flips every NUM_BUFFERS steps
+    mbarrier.wait(ready.index(slot), (step // NUM_BUFFERS) & 1)
+    k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    return s, dp
+
+
+@gluon.jit
+def _ds_of_step(s, dp, ds_buf, LSE, DELTA, base, seqlen, q_idx, step, qk_scale, key_layout: gl.constexpr,
+                dtype: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """dS of one step, written in bf16 / fp16 to the shared buffer the dQ product reads as its A
+    operand (the caller makes sure no product in flight reads this buffer)."""
+    row_ok = q_idx < seqlen
+    # rows past the sequence: lse = +inf makes their P (and so dS) exactly 0
+    lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
+    delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    if CAUSAL:
+        # sq == sk: key j is visible to query i iff j <= i
+        key_idx = step * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+        p = gl.where(gl.expand_dims(key_idx, 0) <= gl.expand_dims(q_idx, 1), p, 0.0)
+    ds = p * (dp - gl.expand_dims(delta, 1))
+    ds_buf.store(ds.to(dtype))
+    # generic-proxy writes must be visible to wgmma (async proxy) before it reads them
+    fence_async_shared()
+
+
+@gluon.jit
+def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, stride_lb, stride_lh, seqlen,
+                              n_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                              CAUSAL: gl.constexpr):
+    """dQ (b, s, h, d) of q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta (b, h, s) fp32
+    (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale."""
+    # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident when
+    # step j issues its scores, so the ring needs three slots at least
+    gl.static_assert(NUM_BUFFERS >= 3)
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, 16)  # S, dP: [BLOCK_M queries, BLOCK_N keys]
+    acc_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)  # dQ: [BLOCK_M, HEAD_DIM]
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    key_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = desc_q.dtype
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // n_heads
+    off_h = pid_bh % n_heads
+    off_hk = off_h // heads_per_kv
+    m0 = pid_m * BLOCK_M
+    n_end = seqlen
+    if CAUSAL:
+        # keys after the block's last query row are masked for all of its rows
+        n_end = gl.minimum(seqlen, m0 + BLOCK_M)
+    n_steps = gl.cdiv(n_end, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, desc_q.block_type.shape, desc_q.layout)
+    do_smem = gl.allocate_shared_memory(dtype, desc_do.block_type.shape, desc_do.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
+    # dS of two consecutive steps: step j writes buffer j % 2 while step j-1's product reads the other
+    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], operand_smem_layout(BLOCK_M, BLOCK_N, dtype))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+
+    mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [off_b, m0, off_h, 0], q_ready, q_smem)
+    tma.async_copy_global_to_shared(desc_do, [off_b, m0, off_h, 0], q_ready, do_smem)
+    for i in gl.static_range(NUM_BUFFERS):
+        if i < n_steps:
+            _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, i, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
+    q_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
+    base = off_b * stride_lb + off_h * stride_lh
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
+    mbarrier.wait(q_ready, 0)
+
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+    s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                          HEAD_DIM)
+    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+    for j in range(0, n_steps - 1):
+        s_next, dp_next = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, j + 1, s_layout, NUM_BUFFERS,
+                                        BLOCK_M, BLOCK_N, HEAD_DIM)
+        # the tensor cores hold dQ of step j-1 and the scores of step j+1: this runs under them.
+        # Buffer j % 2 was last read by step j-2's product, retired by step j-1's wait.
+        _ds_of_step(s, dp, ds_smem.index(j % 2), LSE, DELTA, base, seqlen, q_idx, j, qk_scale, key_layout, dtype, BLOCK_N,
+                    CAUSAL)
+        dq, s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dq, s_next, dp_next))
+        # step j-1's slot is free: its scores retired in step j-1, its dQ product just now
+        refill = j - 1 + NUM_BUFFERS
+        if (j >= 1) & (refill < n_steps):
+            _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
+        k_tile = k_smem.index(j % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
+        dq = warpgroup_mma(ds_smem.index(j % 2), k_tile, dq, is_async=True)
+    last = n_steps - 1
+    _ds_of_step(s, dp, ds_smem.index(last % 2), LSE, DELTA, base, seqlen, q_idx, last, qk_scale, key_layout, dtype, BLOCK_N,
+                CAUSAL)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    k_tile = k_smem.index(last % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
+    dq = warpgroup_mma(ds_smem.index(last % 2), k_tile, dq, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+
+    mbarrier.invalidate(q_ready)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(ready.index(i))
+    # Q is dead (every wgmma reading it retired): stage dQ there for the TMA store, which also clips
+    # the rows past the sequence
+    q_tile.store((dq * grad_scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dq, [off_b, m0, off_h, 0], q_smem)
+    tma.store_wait(pendings=0)
+
+
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 query rows, streaming
+# keys through a 4-slot ring (d = 128: 104 KiB of shared memory, 164 registers, so two CTAs per SM).
+# First guesses (compiled for sm_90 without spills), not yet run on a GPU.
+BWD_DQ_CONFIGS = {
+    64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
+    128: dict(BLOCK_M=64, BLOCK_N=32, NUM_BUFFERS=4, num_warps=4),
+}

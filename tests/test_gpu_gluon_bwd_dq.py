@@ -1,0 +1,71 @@
+"""GPU tests of the Gluon dQ kernel (kernels/gluon_bwd_dq.py) through the public backward, with its
+route pinned on (backends/triton/gluon_bwd.py DQ_OVERRIDE, DQ_GPU_VERIFIED). Each test also checks that
+the kernel really ran, so a refused call cannot pass as a Gluon result. dK/dV come from whatever the
+route picks (the Gluon dK/dV kernel at bf16 d = 128)."""
+
+import pytest
+import torch
+
+import flashtile
+from attn_cases import check_padded, repeated_grads
+from flashtile.backends.triton import gluon_bwd
+
+# "gluon": run alone (gpu_check.sh tests-gluon-bwd), not in full runs
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
+DEV = "cuda"
+
+
+@pytest.fixture
+def dq_on(monkeypatch):
+    monkeypatch.setattr(gluon_bwd, "DQ_OVERRIDE", True)
+    monkeypatch.setattr(gluon_bwd, "DQ_GPU_VERIFIED", True)  # what these tests decide
+    calls = []
+    real = gluon_bwd.gluon_attn_bwd_dq
+
+    def counting(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dq", counting)
+    return calls
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s,h,h_k", [(1, 2, 2), (77, 4, 2), (256, 4, 1), (1000, 8, 8)])
+def test_gluon_dq_grads(dq_on, d, causal, s, h, h_k):
+    check_padded(2, s, s, h, h_k, d, torch.bfloat16, device=DEV, causal=causal)
+    assert dq_on, "the Gluon dQ kernel did not run"
+
+
+def test_gluon_dq_fp16_and_long(dq_on):
+    check_padded(1, 4096, 4096, 4, 4, 128, torch.float16, device=DEV, causal=True)
+    assert dq_on
+
+
+def test_gluon_dq_repeatable(dq_on):
+    # one writer per dQ element and a fixed summation order: bitwise equal run to run
+    runs = repeated_grads(6, shape=(2, 2048, 8, 128), device=DEV, causal=True)
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
+
+
+def test_gluon_dq_matches_triton(dq_on, monkeypatch):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16)
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    got = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
+    assert dq_on
+    monkeypatch.setattr(gluon_bwd, "DQ_OVERRIDE", False)
+    want = torch.autograd.grad(out, (q, k, v), g)
+    # dK / dV: the same kernel either way; dQ: two fp32 summation orders, one bf16 rounding each
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert (got[0].float() - want[0].float()).abs().max().item() <= 2e-2 * want[0].float().abs().max().item()
+
+
+def test_refused_dq_takes_triton(dq_on):
+    q, k, v = (torch.randn(1, 128, 2, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, softcap=5.0)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert not dq_on  # softcap is outside the kernel's scope
