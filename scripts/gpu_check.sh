@@ -97,8 +97,8 @@ for step in "${steps[@]}"; do
       python3 scripts/tune_bwd.py ${TUNE_BWD_ARGS:---fused-dq --jobs 8} --out "$WORK/tune_bwd.json" --emit-table "$WORK/bwd_table.json" \
         2> "$WORK/tune_bwd.log" | tail -n 10 >> "$summary" ;;
     tests-gluon-bwd)
-      # the Gluon dK/dV kernel: its GPU tests (marker gluon, so not in full runs), then the probe of
-      # where it disagrees with Triton, then its speed against the all-Triton backward
+      # the Gluon backward kernels' GPU tests (marker gluon, so not in full runs); the rc gates the
+      # bench steps that force these kernels on
       timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" \
         tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
       rc=$?
