@@ -182,10 +182,11 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 query rows, streaming
-# keys through a 4-slot ring (d = 128: 104 KiB of shared memory, 164 registers, so two CTAs per SM).
-# First guesses (compiled for sm_90 without spills), not yet run on a GPU.
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim. d = 128: two warpgroups on 128 query rows
+# share each K / V tile of a 3-slot ring (192 KiB of shared memory, one CTA per SM): the fastest of
+# five configs at every length from 2048 on the H200, yet slower than the Triton dQ kernel
+# (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json), so the route leaves it off.
 BWD_DQ_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
-    128: dict(BLOCK_M=64, BLOCK_N=32, NUM_BUFFERS=4, num_warps=4),
+    128: dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=3, num_warps=8),
 }
