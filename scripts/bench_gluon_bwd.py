@@ -1,8 +1,8 @@
 """The backward with the Gluon dK/dV kernel against the all-Triton backward, in one process (H200).
 
-Usage: PYTHONPATH=src python scripts/bench_gluon_bwd.py --out gluon_bwd.json [--d 64 128] [--seqlens 1024 4096 16384]
+Usage: PYTHONPATH=src python scripts/bench_gluon_bwd.py --out gluon_bwd.json [--d 64 128] [--dtype fp16]
 
-Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16. Time is the backward alone:
+Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16 (or --dtype fp16). Time is the backward alone:
 one forward, then autograd.grad with retain_graph, median of triton.testing.do_bench, for the
 route off (Triton dK/dV + Triton dQ) and on (Gluon dK/dV + Triton dQ). Each row also records the
 largest difference between the two runs' gradients relative to the largest gradient (two fp32
@@ -32,7 +32,9 @@ def main():
     ap.add_argument("--out", default="gluon_bwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     args = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gluon_bwd.GPU_VERIFIED = True  # what is measured here
     calls = []
     real = gluon_bwd.gluon_attn_bwd_dkdv
@@ -43,12 +45,12 @@ def main():
             for causal in (False, True):
                 b, h = max(1, 16384 // s), 2048 // d
                 torch.manual_seed(0)
-                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, requires_grad=True)
                            for _ in range(3))
                 g = torch.randn_like(q)
                 out = flashtile.flash_attn_func(q, k, v, causal=causal)
                 flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-                row = dict(d=d, s=s, b=b, h=h, causal=causal)
+                row = dict(d=d, s=s, b=b, h=h, causal=causal, dtype=args.dtype)
                 grads = {}
                 for name, on in (("triton", False), ("gluon", True)):
                     gluon_bwd.OVERRIDE = on

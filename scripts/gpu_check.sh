@@ -41,7 +41,8 @@
 #                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300),
-# GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate").
+# GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate"), BENCH_GLUON_BWD_ARGS (e.g.
+# "--d 128 --dtype fp16"), GLUON_BWD_PROBE=0 (bench-gluon-bwd without the probe), TUNE_GLUON_BWD_ARGS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files) after every step, so a call cut by its time limit still returns the
 # finished steps; $OUT/summary.txt holds the tables and prints last.
@@ -107,9 +108,10 @@ for step in "${steps[@]}"; do
       tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary" ;;
     bench-gluon-bwd)
       # where the Gluon dK/dV kernel disagrees with Triton, then its speed against the all-Triton backward
-      timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py >> "$summary" 2> "$WORK/probe_gluon_bwd.log"
+      [[ ${GLUON_BWD_PROBE:-1} == 1 ]] && timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py \
+        >> "$summary" 2> "$WORK/probe_gluon_bwd.log"
       pack
-      timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon_bwd.py --out "$WORK/gluon_bwd.json" \
+      timeout ${GLUON_TIMEOUT:-300} python3 scripts/bench_gluon_bwd.py ${BENCH_GLUON_BWD_ARGS:-} --out "$WORK/gluon_bwd.json" \
         >> "$summary" 2> "$WORK/bench_gluon_bwd.log" ;;
     tests-gluon)
       # the experimental Gluon kernel, alone and under a timeout: its first GPU run may hang
