@@ -65,9 +65,9 @@ def _on_sm90(monkeypatch, q, k, v, env):
 @pytest.mark.parametrize("d,dtype,env,want", [
     (128, torch.bfloat16, None, True),    # measured faster: the default
     (64, torch.bfloat16, None, False),    # measured slower from s = 4096: Triton unless forced
-    (128, torch.float16, None, False),    # not measured: Triton unless forced
+    (128, torch.float16, None, True),     # measured faster too
     (64, torch.bfloat16, "1", True),
-    (128, torch.float16, "1", True),
+    (64, torch.float16, "1", True),
     (128, torch.bfloat16, "0", False),    # the switch turns the default off
 ])
 def test_default_rule_and_switch(monkeypatch, d, dtype, env, want):

@@ -1,13 +1,16 @@
 """The Gluon dK/dV kernel (kernels/gluon_bwd.py) in the backward: which calls take it, and its launch.
 
-On the H200 (session 6, benchmarks/results/gluon_bwd_h200_2026-11-30_session6.json) the backward
-with this kernel for dK/dV (dQ stays the Triton kernel) measured 1.00x-1.11x of the all-Triton
-backward at bf16 d = 128, every length, plain and causal, so those calls take it by default. At
-d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
-tests/test_gpu_gluon_bwd.py passed on that machine (gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
+On the H200 (session 6) the backward with this kernel for dK/dV (dQ stays the Triton kernel)
+measured 1.00x-1.11x of the all-Triton backward at bf16 d = 128
+(benchmarks/results/gluon_bwd_h200_2026-11-30_session6.json) and 1.02x-1.12x at fp16 d = 128
+(gluon_bwd_fp16_h200_2026-11-30.json), every length, plain and causal, so those calls take it by
+default. At d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless
+forced. tests/test_gpu_gluon_bwd.py passed on that machine
+(gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
 
 ``FLASHTILE_GLUON_BWD=0`` turns the route off, ``=1`` forces it on wherever the kernel can run
-(d = 64 and fp16 too); tests pin ``OVERRIDE``.
+(d = 64 too); tests pin ``OVERRIDE``. The Gluon dQ kernel (kernels/gluon_bwd_dq.py) is launched from
+here too, only when forced (``FLASHTILE_GLUON_BWD_DQ=1``): it measured slower than the Triton one.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.bfloat16, torch.float16)
 # where the H200 measured the win (module docstring): the default route takes only these
 PREFERRED_HEAD_DIMS = (128,)
-PREFERRED_DTYPES = (torch.bfloat16,)
+PREFERRED_DTYPES = (torch.bfloat16, torch.float16)
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
 # kernel that has not run there sets this to False (the route then refuses every call).
 GPU_VERIFIED = True
