@@ -45,8 +45,10 @@ if __name__ == "__main__":
     if not launches or (with_dq and not dq_launches):
         print("error: a Gluon kernel never ran; these are not its numbers", file=sys.stderr)
         rc = rc or 1
-    if "--out" in sys.argv:  # say in the results which command really produced them
+    path = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--out=")), None)
+    if "--out" in sys.argv[:-1]:
         path = sys.argv[sys.argv.index("--out") + 1]
+    if path:  # say in the results which command really produced them
         with open(path) as f:
             results = json.load(f)
         results["meta"]["wrapper"] = (f"scripts/bench_bwd_gluon_route.py (Gluon dK/dV launches: {len(launches)}, "

@@ -62,17 +62,26 @@ def _on_sm90(monkeypatch, q, k, v, env):
     return gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())
 
 
-@pytest.mark.parametrize("d,dtype,env,want", [
-    (128, torch.bfloat16, None, True),    # measured faster: the default
-    (64, torch.bfloat16, None, False),    # measured slower from s = 4096: Triton unless forced
-    (128, torch.float16, None, True),     # measured faster too
-    (64, torch.bfloat16, "1", True),
-    (64, torch.float16, "1", True),
-    (128, torch.bfloat16, "0", False),    # the switch turns the default off
+@pytest.mark.parametrize("d,dtype,s,env,want", [
+    (128, torch.bfloat16, 1024, None, True),   # measured faster: the default
+    (128, torch.float16, 4096, None, True),    # measured faster too
+    (128, torch.bfloat16, 512, None, False),   # shorter than measured: the Triton kernel's short tiles
+    (64, torch.bfloat16, 1024, None, False),   # measured slower from s = 4096: Triton unless forced
+    (64, torch.bfloat16, 1024, "1", True),
+    (128, torch.bfloat16, 512, "1", True),
+    (128, torch.bfloat16, 1024, "0", False),   # the switch turns the default off
+    (128, torch.bfloat16, 1024, "", True),     # empty means unset
 ])
-def test_default_rule_and_switch(monkeypatch, d, dtype, env, want):
-    q, k, v = _t(2, 256, 4, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype), _t(2, 256, 2, d, dtype=dtype)
+def test_default_rule_and_switch(monkeypatch, d, dtype, s, env, want):
+    q, k, v = _t(1, s, 4, d, dtype=dtype), _t(1, s, 2, d, dtype=dtype), _t(1, s, 2, d, dtype=dtype)
     assert _on_sm90(monkeypatch, q, k, v, env) is want
+
+
+def test_grids_past_the_second_axis_limit_are_refused():
+    # b x h_k programs on the grid's y axis, which CUDA caps at 65535
+    q, k = _t(32769, 1, 2, 128), _t(32769, 1, 2, 128)
+    assert "65535" in gluon_bwd.refusal(q, k, k, q, k, k, _p())
+    assert "65535" in gluon_bwd.dq_refusal(q, k, k, q, q, _p())
 
 
 def test_dq_route_off_unless_forced_and_verified(monkeypatch):

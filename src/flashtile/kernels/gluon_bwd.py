@@ -1,4 +1,4 @@
-"""Hopper (sm_90) attention backward, dK/dV half, in Gluon (experimental: off by default).
+"""Hopper (sm_90) attention backward, dK/dV half, in Gluon (the default at bf16 / fp16 d = 128 on sm_90).
 
 The Triton dK/dV kernel (kernels/attn_bwd.py) computes, per key block and query block,
 
@@ -219,9 +219,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 keys, streaming query
 # rows through a 4-slot ring. d = 128: 32 rows per step, 112 KiB of shared memory with the P^T / dS^T
-# buffers, so two CTAs fit on an SM and one's exponentials also hide under the other's MMAs. First
-# guesses, not swept; the register-operand version measured 1.05x-1.12x of the Triton backward at
-# d = 128 (benchmarks/results/gluon_bwd_h200_2026-11-30.json), this one has not run on a GPU.
+# buffers, so two CTAs fit on an SM and one's exponentials also hide under the other's MMAs. The
+# fastest of four configs at every length on the H200 (tune_gluon_bwd_h200_2026-11-30.json); d = 64
+# (not routed by default) is a first guess.
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),

@@ -19,14 +19,14 @@ operand: the dK/dV kernel's register-operand version hit a ptxas register hazard
 and delta are loaded per step (as in the dK/dV kernel, from L1/L2): loaded once before the loop and
 kept live across it, the kernel crashed Triton 3.6's ptxas (segmentation fault at -O1 and above).
 
-One CTA (one warpgroup) owns BLOCK_M query rows of one (batch, head) and walks the key blocks of its
+One CTA (one or two warpgroups) owns BLOCK_M query rows of one (batch, head) and walks the key blocks of its
 kv head (GQA: head // heads_per_kv), so dQ is summed in registers and written once, with no atomics.
 Q and dO stay in shared memory as the A operands of S and dP; K and V stream through a
 NUM_BUFFERS-deep TMA ring. Scope as the dK/dV kernel: bf16 / fp16, (b, s, h, d) tensors with
 seqlen_q == seqlen_k, plain or causal. Rows past the sequence get lse = +inf (P = 0, dQ rows that
-the TMA store clips); keys past it arrive as zero rows of K (TMA fills out-of-bounds rows with 0),
-so their dS column meets a zero row of K in dQ += dS K and adds nothing; causal masks keys after the
-query row.
+the TMA store clips). Keys past it arrive as zero rows of K and V (TMA fills out-of-bounds rows
+with 0), which give S = 0 and so P = exp(-lse), not 0: they are masked explicitly, since their dS
+could overflow fp16 and turn the zero rows of K into NaN. Causal also masks keys after the query row.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -81,10 +81,12 @@ def _ds_of_step(s, dp, ds_buf, LSE, DELTA, base, seqlen, q_idx, step, qk_scale, 
     lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 1))
+    key_idx = step * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
     if CAUSAL:
-        # sq == sk: key j is visible to query i iff j <= i
-        key_idx = step * BLOCK_N + gl.arange(0, BLOCK_N, key_layout)
+        # sq == sk: key j is visible to query i iff j <= i (which also drops keys past the sequence)
         p = gl.where(gl.expand_dims(key_idx, 0) <= gl.expand_dims(q_idx, 1), p, 0.0)
+    else:
+        p = gl.where(gl.expand_dims(key_idx < seqlen, 0), p, 0.0)
     ds = p * (dp - gl.expand_dims(delta, 1))
     ds_buf.store(ds.to(dtype))
     # generic-proxy writes must be visible to wgmma (async proxy) before it reads them
@@ -157,7 +159,7 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
         _ds_of_step(s, dp, ds_smem.index(j % 2), LSE, DELTA, base, seqlen, q_idx, j, qk_scale, key_layout, dtype, BLOCK_N,
                     CAUSAL)
         dq, s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dq, s_next, dp_next))
-        # step j-1's slot is free: its scores retired in step j-1, its dQ product just now
+        # step j-1's slot is free: its scores retired at the previous wait, its dQ product just now
         refill = j - 1 + NUM_BUFFERS
         if (j >= 1) & (refill < n_steps):
             _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
@@ -183,10 +185,11 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
 
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim. d = 128: two warpgroups on 128 query rows
-# share each K / V tile of a 3-slot ring (192 KiB of shared memory, one CTA per SM): the fastest of
-# five configs at every length from 2048 on the H200, yet slower than the Triton dQ kernel
-# (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json), so the route leaves it off.
+# share each K / V tile of a 4-slot ring (224 KiB of shared memory, one CTA per SM): the fastest of
+# the nine configs swept on the H200 at every length from 2048
+# (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json, tune_gluon_bwd_dq_h200_2026-11-30.json),
+# yet slower than the Triton dQ kernel, so the route leaves it off. d = 64 is a first guess.
 BWD_DQ_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
-    128: dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=3, num_warps=8),
+    128: dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8),
 }

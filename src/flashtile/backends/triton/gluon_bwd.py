@@ -3,10 +3,11 @@
 On the H200 (session 6) the backward with this kernel for dK/dV (dQ stays the Triton kernel)
 measured 1.00x-1.11x of the all-Triton backward at bf16 d = 128
 (benchmarks/results/gluon_bwd_h200_2026-11-30_session6.json) and 1.02x-1.12x at fp16 d = 128
-(gluon_bwd_fp16_h200_2026-11-30.json), every length, plain and causal, so those calls take it by
-default. At d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless
-forced. tests/test_gpu_gluon_bwd.py passed on that machine
-(gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
+(gluon_bwd_fp16_h200_2026-11-30.json) at every measured length (s = 1024 to 16384, plain and
+causal), so those calls take it by default from s = 1024 (MIN_SEQLEN: shorter ones were not
+compared in one process, and keep the Triton kernel's short-sequence tiles). At d = 64 it was
+0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
+tests/test_gpu_gluon_bwd.py passed on that machine (gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
 
 ``FLASHTILE_GLUON_BWD=0`` turns the route off, ``=1`` forces it on wherever the kernel can run
 (d = 64 too); tests pin ``OVERRIDE``. The Gluon dQ kernel (kernels/gluon_bwd_dq.py) is launched from
@@ -31,6 +32,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 # where the H200 measured the win (module docstring): the default route takes only these
 PREFERRED_HEAD_DIMS = (128,)
 PREFERRED_DTYPES = (torch.bfloat16, torch.float16)
+MIN_SEQLEN = 1024
+# CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
+MAX_GRID_Y = 65535
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
 # kernel that has not run there sets this to False (the route then refuses every call).
 GPU_VERIFIED = True
@@ -49,12 +53,14 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
         return "not yet verified on a GPU (the fixed kernel has not passed tests/test_gpu_gluon_bwd.py)"
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
+    if q.shape[0] * k.shape[2] > MAX_GRID_Y:
+        return f"batch x kv heads = {q.shape[0] * k.shape[2]} > {MAX_GRID_Y} (the grid's second axis)"
     return None
 
 
 def preferred(q) -> bool:
     """Where the H200 measured the backward faster with this kernel than with the Triton dK/dV."""
-    return q.shape[-1] in PREFERRED_HEAD_DIMS and q.dtype in PREFERRED_DTYPES
+    return q.shape[-1] in PREFERRED_HEAD_DIMS and q.dtype in PREFERRED_DTYPES and q.shape[1] >= MIN_SEQLEN
 
 
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
@@ -64,20 +70,22 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     forced = OVERRIDE if OVERRIDE is not None else (None if env == "" else env != "0")
     if forced is False or q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
-    if refusal(q, k, v, dout, dk, dv, p) is not None:
+    if not forced and not preferred(q):  # the cheap test first: refusal() reads strides and pointers
         return False
-    return bool(forced) or preferred(q)
+    return refusal(q, k, v, dout, dk, dv, p) is None
 
 
 # The Gluon dQ kernel (kernels/gluon_bwd_dq.py): its own switch (FLASHTILE_GLUON_BWD_DQ=1, off by
-# default: not yet measured) and its own verified flag, so the dK/dV route stands on its own.
+# default: measured slower than the Triton dQ kernel) and its own verified flag, so the dK/dV route
+# stands on its own.
 DQ_OVERRIDE: bool | None = None
 DQ_GPU_VERIFIED = False
 
 
 def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
     """Compute dQ of this backward with the Gluon dQ kernel? (forced on only, for now)."""
-    forced = DQ_OVERRIDE if DQ_OVERRIDE is not None else os.environ.get("FLASHTILE_GLUON_BWD_DQ", "0") != "0"
+    env = os.environ.get("FLASHTILE_GLUON_BWD_DQ", "")
+    forced = DQ_OVERRIDE if DQ_OVERRIDE is not None else env not in ("", "0")
     if not forced or q.device.type != "cuda" or capability(q.device) != (9, 0) or not DQ_GPU_VERIFIED:
         return False
     return dq_refusal(q, k, v, dout, dq, p) is None
@@ -92,6 +100,8 @@ def dq_refusal(q, k, v, dout, dq, p: AttnParams) -> str | None:
         return why
     if not all(gluon_route._aligned(x) for x in (dout, dq)):
         return "dout or dq with strides that TMA cannot read or write"
+    if q.shape[0] * q.shape[2] > MAX_GRID_Y:
+        return f"batch x heads = {q.shape[0] * q.shape[2]} > {MAX_GRID_Y} (the grid's second axis)"
     return None
 
 
