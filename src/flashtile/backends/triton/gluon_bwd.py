@@ -79,7 +79,9 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
 # default: measured slower than the Triton dQ kernel) and its own verified flag, so the dK/dV route
 # stands on its own.
 DQ_OVERRIDE: bool | None = None
-DQ_GPU_VERIFIED = False
+# The kernel version in kernels/gluon_bwd_dq.py passed tests/test_gpu_gluon_bwd_dq.py on the H200
+# (gpu_tests_gluon_bwd_dq_h200_2026-11-30_session6.log); a change not yet run there sets this False.
+DQ_GPU_VERIFIED = True
 
 
 def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
