@@ -6,7 +6,8 @@ import pathlib
 import subprocess
 
 
-def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out: pathlib.Path, tag: str) -> dict:
+def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out: pathlib.Path, tag: str,
+                     **options) -> dict:
     """Arguments not in constexprs take their type from types, else i32; pointers are marked
     16-byte divisible, as the JIT specialises aligned tensors. Writes <tag>.ttgir / .sass / .ptx /
     .ptxas.log under out; returns dict(tag, shared, ptxas_log)."""
@@ -25,7 +26,7 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
         if sig[name].startswith("*"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps))
+                              options=dict(num_warps=num_warps, **options))
     (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
     (out / f"{tag}.sass").write_text(compiled.asm["sass"])
     # Triton drops ptxas's log on success: run ptxas again on the same PTX for it
