@@ -30,11 +30,14 @@ compile on CPU shows (tests/aot_gluon_bwd.py, kind "ws", maxnreg = LAUNCH_MAXNRE
   column vectors of a 64-row step (lse, delta, indices: 16 registers each) are what tips it over.
   32-row steps compile without spills.
 - ptxas reports "wgmma.mma_async instructions are serialized due to non wgmma instructions defining
-  accumulator registers" (C7515) for every variant tried: it is not the partial hand-off, the
-  release arrivals, the loop stride, nor the score accumulators' zero init. The PTX shows the
-  partitions lowered as branches of one loop, with the accumulators' zero init and copies in it.
-  Finding what defines those registers is the next step; serialized wgmmas would forfeit the
-  overlap this design exists for.
+  accumulator registers" (C7515). The cause is the per-step order, not warp specialisation: a
+  plain (unspecialised) probe loop "issue S; wait; exponentials; issue dK += P^T Q" is serialised
+  too, while the same loop rotated as the default kernel runs it ("issue S_next; exponentials of
+  S; wait; issue dK") is not. The rotated order keeps S_next in registers, which is what made
+  64-row steps spill in the default kernel. So the next try is either rotated consumers at 32-row
+  steps (then the gain over the default kernel is only the second warpgroup's overlap), or a way
+  to issue the next step's score products without holding them (e.g. two warpgroups sharing one
+  64-row step, 32 keys each).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
