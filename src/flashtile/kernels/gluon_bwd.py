@@ -226,4 +226,5 @@ BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
 }
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
+# WARP_SPECIALIZED = 1 launches kernels/gluon_bwd_ws.py instead (experimental; never by the route)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED")

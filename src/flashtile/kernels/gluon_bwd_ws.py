@@ -1,9 +1,9 @@
-"""Hopper (sm_90) attention backward, dK/dV half, warp-specialised, in Gluon (a prototype: unused).
+"""Hopper (sm_90) attention backward, dK/dV half, warp-specialised, in Gluon (experimental, opt-in).
 
 The default Gluon dK/dV kernel (kernels/gluon_bwd.py) hides a step's exponentials inside one
-warpgroup by keeping the next step's scores in flight, which costs registers: it can only afford
-32 query rows per step, so its S^T / dP^T wgmmas are 64 x 32. This kernel gets the overlap from a
-second warpgroup instead, FA3's way, and can afford 64-row steps (64 x 64 wgmmas):
+warpgroup by keeping the next step's scores in flight. This kernel adds FA3's roles: a producer
+warp issues every TMA load, and two consumer warpgroups share one CTA's keys, so one's
+exponentials can also run under the other's products:
 
     producer (1 warp)        K, V once; then Q / dO of every step into a NUM_BUFFERS-slot TMA ring
     consumer 0 (4 warps)     steps 0, 2, 4, ...   each: S^T, dP^T -> P^T, dS^T -> dV, dK products
@@ -14,30 +14,25 @@ consumers own the same BLOCK_N keys, so each sums a partial dK / dV over its hal
 consumer 1 hands its partials to consumer 0 through the (then idle) Q / dO ring, and consumer 0
 (the default partition) adds them and stores dK / dV once: still one writer per output, no atomics.
 
-Per consumer and step s:
-    wait ready[s]; issue S^T = K Q_s^T, dP^T = V dO_s^T; wait(0)  (also retires its step s-2 products)
-    release slot s-2 to the producer (its last reader, the dV / dK products of s-2, just retired)
-    P^T, dS^T into this consumer's shared buffers; issue dV += P^T dO_s, dK += dS^T Q_s (async)
+Per consumer, at its step s (the default kernel's rotated order):
+    issue S^T, dP^T of its step s + 2; P^T, dS^T of step s into its buffers (s / 2) % 2
+    wait(0) (its step s - 2 products and the step s + 2 scores); release slot s - 2 to the producer
+    issue dV += P^T dO_s, dK += dS^T Q_s (async, retired at its next wait)
 
 Same scope and masking rules as kernels/gluon_bwd.py (bf16 / fp16, seqlen_q == seqlen_k, plain or
 causal); its per-step helpers are reused.
 
-Status (session 6): a prototype that nothing launches; it has never run on a GPU. What the sm_90
-compile on CPU shows (tests/aot_gluon_bwd.py, kind "ws", maxnreg = LAUNCH_MAXNREG):
+Status (session 6): compiled for sm_90 on the CPU only; never run on a GPU. The route never picks
+it: a caller (tests, scripts/tune_gluon_bwd.py) asks for it with the config key WARP_SPECIALIZED.
+What the compile shows (tests/test_gluon_bwd_compile.py checks it like the default kernel):
 - Gluon's warp_specialize works on sm_90 here: the partitions rebalance registers with setmaxnreg
-  (USETMAXREG in the SASS) and issue wgmma.
-- 64-row steps, the point of the design, spill 76 bytes per consumer even at 240 registers. The
-  column vectors of a 64-row step (lse, delta, indices: 16 registers each) are what tips it over.
-  32-row steps compile without spills.
-- ptxas reports "wgmma.mma_async instructions are serialized due to non wgmma instructions defining
-  accumulator registers" (C7515). The cause is the per-step order, not warp specialisation: a
-  plain (unspecialised) probe loop "issue S; wait; exponentials; issue dK += P^T Q" is serialised
-  too, while the same loop rotated as the default kernel runs it ("issue S_next; exponentials of
-  S; wait; issue dK") is not. The rotated order keeps S_next in registers, which is what made
-  64-row steps spill in the default kernel. So the next try is either rotated consumers at 32-row
-  steps (then the gain over the default kernel is only the second warpgroup's overlap), or a way
-  to issue the next step's score products without holding them (e.g. two warpgroups sharing one
-  64-row step, 32 keys each).
+  (USETMAXREG in the SASS) and issue wgmma. With 32-row steps and an 8-slot ring: no spills, no
+  serialised wgmma, a step's exponentials under in-flight wgmmas, 193 KiB of shared memory.
+- 64-row steps in the unrotated order ("issue S; wait; exponentials; issue dK") spilled (76 bytes at
+  240 registers) and ptxas serialised the wgmmas (C7515). A plain, unspecialised probe loop in that
+  order is serialised too, while the rotated order below is not; the rotated order keeps the next
+  scores in registers, so steps stay at 32 rows. The gain over the default kernel to measure is
+  the producer warp and the second warpgroup's overlap, not wider steps.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -55,10 +50,10 @@ from flashtile.kernels.gluon_fwd import mma_layout
 CONSUMER_WARPS = gl.constexpr(4)
 # Registers per thread after the partitions rebalance (setmaxnreg): a consumer holds dK, dV (128),
 # S^T, dP^T (64) and its columns' lse / delta / indices; the producer only addresses. The launch
-# needs maxnreg = LAUNCH_MAXNREG so the pool covers 2 x 128 x 240 + 32 x 24 registers.
-CONSUMER_REGS = gl.constexpr(240)
+# needs maxnreg = LAUNCH_MAXNREG so the pool (288 threads x 224) covers 2 x 128 x 248 + 32 x 24.
+CONSUMER_REGS = gl.constexpr(248)
 PRODUCER_REGS = gl.constexpr(24)
-LAUNCH_MAXNREG = 216
+LAUNCH_MAXNREG = 224
 
 
 @gluon.jit
@@ -97,11 +92,13 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
 
 
 @gluon.jit
-def _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, empty, LSE, DELTA, off_b, h0,
+def _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, LSE, DELTA, off_b, h0,
                     m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale,
                     FIRST: gl.constexpr, dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """dK, dV (fp32, unscaled) summed over steps FIRST, FIRST + 2, ... of this CTA's keys."""
+    """dK, dV (fp32, unscaled) summed over steps FIRST, FIRST + 2, ... of this CTA's keys, in the
+    default kernel's rotated order (its next step's scores in flight under this step's
+    exponentials; the unrotated order made ptxas serialise the wgmmas)."""
     st_layout: gl.constexpr = mma_layout(CONSUMER_WARPS, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout(CONSUMER_WARPS, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
@@ -109,29 +106,48 @@ def _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, re
     key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+    n_own = (n_steps - FIRST + 1) // 2  # this consumer's steps: FIRST + 2 i for i < n_own
     mbarrier.wait(kv_ready, 0)
-    for step in range(FIRST, n_steps, 2):
-        s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step, st_layout, NUM_BUFFERS, BLOCK_M,
+    if n_own > 0:
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+        s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, FIRST, st_layout, NUM_BUFFERS, BLOCK_M,
                                   BLOCK_N, HEAD_DIM)
-        dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_t, dp_t))
-        if step >= 2:
-            mbarrier.arrive(empty.index((step - 2) % NUM_BUFFERS))
-        # this consumer's previous products, the last readers of p_buf / ds_buf, retired just above
-        _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx,
-                            seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
-        dk, dv = _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS, BLOCK_M, HEAD_DIM)
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+        for i in range(0, n_own - 1):
+            step = FIRST + 2 * i
+            s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step + 2, st_layout, NUM_BUFFERS,
+                                            BLOCK_M, BLOCK_N, HEAD_DIM)
+            # buffers i % 2 were last read by step - 4's products, retired by the previous wait
+            _grads_of_step_lean(s_t, dp_t, p_bufs.index(i % 2), ds_bufs.index(i % 2), LSE, DELTA, step, off_b, h0,
+                                m_start, steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout,
+                                dtype, BLOCK_M, CAUSAL)
+            dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_next, dp_next))
+            if i > 0:  # step - 2's products, the last readers of its slot, just retired
+                mbarrier.arrive(empty.index((step - 2) % NUM_BUFFERS))
+            dk, dv = _issue_grads(p_bufs.index(i % 2), ds_bufs.index(i % 2), dk, dv, q_smem, do_smem, step,
+                                  NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+        last_i = n_own - 1
+        last = FIRST + 2 * last_i
+        _grads_of_step_lean(s_t, dp_t, p_bufs.index(last_i % 2), ds_bufs.index(last_i % 2), LSE, DELTA, last, off_b,
+                            h0, m_start, steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout,
+                            dtype, BLOCK_M, CAUSAL)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        dk, dv = _issue_grads(p_bufs.index(last_i % 2), ds_bufs.index(last_i % 2), dk, dv, q_smem, do_smem, last,
+                              NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    else:  # a one-step CTA leaves consumer 1 nothing to do
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
     return dk, dv
 
 
 @gluon.jit
-def _consumer0(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, empty, c0_done, LSE, DELTA, off_b,
+def _consumer0(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, c0_done, LSE, DELTA, off_b,
                h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale, dtype: gl.constexpr,
                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                CAUSAL: gl.constexpr):
-    dk, dv = _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, empty, LSE, DELTA,
+    dk, dv = _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, LSE, DELTA,
                              off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale,
                              0, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)
     # every product of this consumer has retired: the ring may now hold consumer 1's partials
@@ -140,11 +156,11 @@ def _consumer0(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, 
 
 
 @gluon.jit
-def _consumer1(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, empty, c0_done, part_dk, part_dv,
+def _consumer1(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, c0_done, part_dk, part_dv,
                LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale,
                dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
-    dk, dv = _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_buf, ds_buf, kv_ready, ready, empty, LSE, DELTA,
+    dk, dv = _consumer_steps(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, LSE, DELTA,
                              off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale,
                              1, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)
     # the ring is free once consumer 0 is done too (every load was consumed, so none is in flight)
@@ -163,6 +179,10 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
     gl.static_assert(gl.num_warps() == CONSUMER_WARPS)
     # consumer 1's fp32 partials go where its Q / dO slots were: each ring must hold one [BLOCK_N, d]
     gl.static_assert(NUM_BUFFERS * BLOCK_M >= 2 * BLOCK_N)
+    # a consumer issues step s + 2's scores before releasing step s - 2's slot: the slot step s + 2
+    # reuses must not wait on that release (NUM_BUFFERS = 4 would deadlock)
+    gl.static_assert(NUM_BUFFERS >= 5)
+    # (and a power of two: shared-memory shapes must be, and the ring is reinterpreted as a whole)
     acc_layout: gl.constexpr = mma_layout(CONSUMER_WARPS, HEAD_DIM, 16)
     dtype: gl.constexpr = desc_q.dtype
 
@@ -183,9 +203,11 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_do.block_type.shape, desc_do.layout)
     ps_layout: gl.constexpr = operand_smem_layout(BLOCK_N, BLOCK_M, dtype)
-    # one P^T and one dS^T buffer per consumer (index 0: consumer 0)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    # two P^T and two dS^T buffers per consumer, alternating by its steps
+    p_smem0 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    ds_smem0 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    p_smem1 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    ds_smem1 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     c0_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -198,15 +220,15 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
     fence_async_shared()
 
     partial_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    rows: gl.constexpr = NUM_BUFFERS * BLOCK_M // 2  # fp32 rows of d values in one ring
+    rows: gl.constexpr = NUM_BUFFERS * BLOCK_M // 2  # the ring seen as fp32 rows of d values
     part_dk = q_smem._reinterpret(gl.float32, [rows, HEAD_DIM], partial_layout).slice(0, BLOCK_N)
     part_dv = do_smem._reinterpret(gl.float32, [rows, HEAD_DIM], partial_layout).slice(0, BLOCK_N)
 
     dk, dv = gl.warp_specialize([
-        (_consumer0, (k_smem, v_smem, q_smem, do_smem, p_smem.index(0), ds_smem.index(0), kv_ready, ready, empty,
+        (_consumer0, (k_smem, v_smem, q_smem, do_smem, p_smem0, ds_smem0, kv_ready, ready, empty,
                       c0_done, LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb,
                       stride_lh, qk_scale, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)),
-        (_consumer1, (k_smem, v_smem, q_smem, do_smem, p_smem.index(1), ds_smem.index(1), kv_ready, ready, empty,
+        (_consumer1, (k_smem, v_smem, q_smem, do_smem, p_smem1, ds_smem1, kv_ready, ready, empty,
                       c0_done, part_dk, part_dv, LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen,
                       stride_lb, stride_lh, qk_scale, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, off_b,
@@ -229,3 +251,10 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
     tma.async_copy_shared_to_global(desc_dk, [off_b, n0, off_hk, 0], k_smem)
     tma.async_copy_shared_to_global(desc_dv, [off_b, n0, off_hk, 0], v_smem)
     tma.store_wait(pendings=0)
+
+
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim, num_warps being consumer 0's (the launch's)
+WS_CONFIGS = {
+    64: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=8, num_warps=4),
+    128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=8, num_warps=4),
+}
