@@ -156,7 +156,8 @@ def _consumer0(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready
 
 
 @gluon.jit
-def _consumer1(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, c0_done, part_dk, part_dv,
+def _consumer1(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready, empty, c0_done, c1_done, part_dk,
+               part_dv,
                LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb, stride_lh, qk_scale,
                dtype: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
@@ -167,6 +168,8 @@ def _consumer1(k_smem, v_smem, q_smem, do_smem, p_bufs, ds_bufs, kv_ready, ready
     mbarrier.wait(c0_done, 0)
     part_dk.store(dk)
     part_dv.store(dv)
+    # the arrive releases these stores to consumer 0, which waits on c1_done before reading them
+    mbarrier.arrive(c1_done)
 
 
 @gluon.jit
@@ -210,10 +213,12 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
     ds_smem1 = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     c0_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c1_done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(c0_done, count=1)
+    mbarrier.init(c1_done, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -229,17 +234,19 @@ def _gluon_attn_bwd_dkdv_ws_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, des
                       c0_done, LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen, stride_lb,
                       stride_lh, qk_scale, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)),
         (_consumer1, (k_smem, v_smem, q_smem, do_smem, p_smem1, ds_smem1, kv_ready, ready, empty,
-                      c0_done, part_dk, part_dv, LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen,
+                      c0_done, c1_done, part_dk, part_dv, LSE, DELTA, off_b, h0, m_start, steps_per_head, n_steps, n0, seqlen,
                       stride_lb, stride_lh, qk_scale, dtype, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_smem, do_smem, kv_ready, ready, empty, off_b,
                      off_hk, n0, h0, m_start, steps_per_head, n_steps, NUM_BUFFERS, BLOCK_M)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    # the partitions have joined: consumer 1's partials are in shared memory
+    # consumer 1's partials are in shared memory once it has arrived (no reliance on the join's sync)
+    mbarrier.wait(c1_done, 0)
     dk += part_dk.load(acc_layout)
     dv += part_dv.load(acc_layout)
 
     mbarrier.invalidate(kv_ready)
     mbarrier.invalidate(c0_done)
+    mbarrier.invalidate(c1_done)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
