@@ -36,6 +36,7 @@ def main():
     args = ap.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     gluon_bwd.GPU_VERIFIED = True  # what is measured here
+    gluon_bwd.GPU_VERIFIED_HEAD_DIMS = gluon_bwd.HEAD_DIMS
     calls = []
     real = gluon_bwd.gluon_attn_bwd_dkdv
     gluon_bwd.gluon_attn_bwd_dkdv = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]

@@ -30,6 +30,7 @@ def grads(out, q, k, v, g, on, calls):
 
 def main():
     gluon_bwd.GPU_VERIFIED = True  # what this probe examines
+    gluon_bwd.GPU_VERIFIED_HEAD_DIMS = gluon_bwd.HEAD_DIMS
     calls = []
     real = gluon_bwd.gluon_attn_bwd_dkdv
     gluon_bwd.gluon_attn_bwd_dkdv = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]

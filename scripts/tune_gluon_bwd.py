@@ -30,8 +30,10 @@ from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, within the 227 KiB of shared memory a CTA may use
-# a fifth element 1: the warp-specialised kernel (kernels/gluon_bwd_ws.py, num_warps = consumer 0's)
+# a fifth element 1: the warp-specialised kernel (kernels/gluon_bwd_ws.py, num_warps = consumer 0's);
+# a sixth: WARPS_N (d = 256: two warpgroups side by side)
 CANDIDATES = {
+    256: [(32, 64, 4, 8, 0, 2), (32, 64, 3, 8, 0, 2)],
     128: [(32, 64, 4, 4), (32, 64, 3, 4), (16, 64, 4, 4), (32, 128, 4, 8), (32, 64, 8, 4, 1)],
     64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 3, 4), (64, 128, 4, 8), (32, 64, 8, 4, 1)],
 }
@@ -41,7 +43,7 @@ DQ_CANDIDATES = {
     128: [(128, 64, 4, 8), (128, 64, 3, 8), (128, 32, 6, 8), (128, 32, 8, 8), (64, 32, 6, 4)],
     64: [(64, 64, 4, 4)],
 }
-KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED")
+KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED", "WARPS_N")
 
 
 def _ms(fn) -> float:
@@ -106,7 +108,7 @@ def row_of(d, s, causal, dq_only=False):
         return (dq,)
 
     row["configs"] = _sweep(CANDIDATES[d][:1] if dq_only else CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv")
-    row["dq_configs"] = _sweep(DQ_CANDIDATES[d], dq_of, (triton_dq,), 3 * gemm, "dq")
+    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq")
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
@@ -121,9 +123,11 @@ def main():
     ap.add_argument("--dq-only", action="store_true", help="time only the default dK/dV config")
     args = ap.parse_args()
     gluon_bwd.DQ_GPU_VERIFIED = True  # measured here; gpu_check runs this after the kernels' GPU tests
+    gluon_bwd.GPU_VERIFIED_HEAD_DIMS = gluon_bwd.HEAD_DIMS
     for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
-        assert CANDIDATES[d][0] == tuple(BWD_DKDV_CONFIGS[d][key] for key in KEYS[:4]), d
-        assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in KEYS[:4]), d
+        assert CANDIDATES[d][0][:4] == tuple(BWD_DKDV_CONFIGS[d][key] for key in KEYS[:4]), d
+        if d in DQ_CANDIDATES:
+            assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in KEYS[:4]), d
     rows = []
     for d in args.d:
         for s in args.seqlens:

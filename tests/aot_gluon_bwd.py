@@ -20,7 +20,8 @@ KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
 def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
-    return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}"
+    split = f"x{cfg[4]}" if len(cfg) > 4 else ""
+    return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}{split}"
 
 
 def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
@@ -33,7 +34,7 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     else:
         from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
-    bm, bn, nb, nw = cfg
+    bm, bn, nb, nw, *rest = cfg  # a fifth element: WARPS_N of the dK/dV kernel (default 1)
     type_name, gl_name = KINDS[kind]
 
     def desc(block):
@@ -41,6 +42,8 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
+    if which == "dkdv":
+        constexprs["WARPS_N"] = rest[0] if rest else 1
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
                  desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")

@@ -30,8 +30,10 @@ def test_refusals_name_the_reason(monkeypatch):
     q, k, v = _t(2, 256, 4, 128), _t(2, 256, 2, 128), _t(2, 256, 2, 128)
     args = (q.clone(), k.clone(), v.clone())
     assert "dtype" in gluon_bwd.refusal(q.float(), k.float(), v.float(), *args, _p())
-    assert "head_dim" in gluon_bwd.refusal(_t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256),
-                                           _t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256), _p())
+    assert "head_dim" in gluon_bwd.refusal(_t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96),
+                                           _t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96), _p())
+    d256 = (_t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256))
+    assert "256 not yet verified" in gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p())
     assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
                                          _t(2, 200, 2, 128), _p())
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0))

@@ -20,6 +20,7 @@ DEV = "cuda"
 def gluon_on(monkeypatch):
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
     monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)  # what these tests decide
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED_HEAD_DIMS", gluon_bwd.HEAD_DIMS)  # d = 256 too
     calls = []
     real = gluon_bwd.gluon_attn_bwd_dkdv
 
@@ -31,7 +32,7 @@ def gluon_on(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])  # 256: two warpgroups side by side, not yet run on a GPU
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s,h,h_k", [(1, 2, 2), (77, 4, 2), (256, 4, 1), (1000, 8, 8)])
 def test_gluon_dkdv_grads(gluon_on, d, causal, s, h, h_k):

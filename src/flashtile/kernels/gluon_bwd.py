@@ -42,8 +42,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.kernels.gluon_fwd import mma_layout
-
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -73,6 +71,15 @@ def _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step, st_layout: gl.co
     s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
     return s_t, dp_t
+
+
+@gluon.constexpr_function
+def mma_layout_cols(num_warps, warps_n, n, k):
+    # gluon_fwd.mma_layout with the warps split into warps_n groups side by side along N, each
+    # taking n // warps_n columns: at d = 256 two warpgroups share the 64 key rows and each holds
+    # half of the dK / dV columns (warps_n = 1 is mma_layout itself)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps // warps_n, warps_n],
+                                     instr_shape=[16, n // warps_n, k])
 
 
 @gluon.constexpr_function
@@ -121,15 +128,17 @@ def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.c
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, stride_lb, stride_lh,
                                 seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                                CAUSAL: gl.constexpr):
+                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1):
     """dK, dV (b, s, h_k, d) of q, k, v, dout (b, s, h[_k], d), lse and delta (b, h, s) fp32 (natural
-    log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor)."""
+    log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
+    WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
+    columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory."""
     # step j+NUM_BUFFERS-1 is loaded during step j-... (see the refill): step j+1 must be resident
     # when step j issues its scores, so the ring needs three slots at least
     gl.static_assert(NUM_BUFFERS >= 3)
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    st_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]
-    acc_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
+    st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
+    acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dtype: gl.constexpr = desc_q.dtype
@@ -225,6 +234,10 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
+    # two warpgroups side by side on 64 keys, each with half of d (dK, dV: 128 registers) and half of
+    # a step's 32 queries (64 x 16 score wgmmas over d = 256): 217 registers, no spills, 208 KiB of
+    # shared memory, compiled for sm_90 on the CPU only (3 slots: 255 registers)
+    256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8, WARPS_N=2),
 }
 # WARP_SPECIALIZED = 1 launches kernels/gluon_bwd_ws.py instead (experimental; never by the route)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED", "WARPS_N")

@@ -29,7 +29,7 @@ from flashtile.params import AttnParams
 OVERRIDE: bool | None = None
 # a config for every dK/dV launch of the route (tests, e.g. {"WARP_SPECIALIZED": 1}); None: the table
 CONFIG_OVERRIDE: dict | None = None
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 # where the H200 measured the win (module docstring): the default route takes only these
 PREFERRED_HEAD_DIMS = (128,)
@@ -40,6 +40,9 @@ MAX_GRID_Y = 65535
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
 # kernel that has not run there sets this to False (the route then refuses every call).
 GPU_VERIFIED = True
+# d = 256 runs the kernel with two warpgroups side by side (WARPS_N = 2), compiled on the CPU only:
+# refused until tests/test_gpu_gluon_bwd.py's d = 256 cases pass on the H200 (they add it here)
+GPU_VERIFIED_HEAD_DIMS = (64, 128)
 
 
 def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
@@ -53,6 +56,8 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
         return why
     if not GPU_VERIFIED:
         return "not yet verified on a GPU (the fixed kernel has not passed tests/test_gpu_gluon_bwd.py)"
+    if q.shape[-1] not in GPU_VERIFIED_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} not yet verified on a GPU"
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
     if q.shape[0] * k.shape[2] > MAX_GRID_Y:
@@ -81,9 +86,13 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
 # default: measured slower than the Triton dQ kernel) and its own verified flag, so the dK/dV route
 # stands on its own.
 DQ_OVERRIDE: bool | None = None
+DQ_HEAD_DIMS = (64, 128)
 # The kernel version in kernels/gluon_bwd_dq.py passed tests/test_gpu_gluon_bwd_dq.py on the H200
 # (gpu_tests_gluon_bwd_dq_h200_2026-11-30_session6.log); a change not yet run there sets this False.
 DQ_GPU_VERIFIED = True
+# d = 256 runs the kernel with two warpgroups side by side (WARPS_N = 2), compiled on the CPU only:
+# refused until tests/test_gpu_gluon_bwd.py's d = 256 cases pass on the H200 (they add it here)
+GPU_VERIFIED_HEAD_DIMS = (64, 128)
 
 
 def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
@@ -99,7 +108,7 @@ def dq_refusal(q, k, v, dout, dq, p: AttnParams) -> str | None:
     """Why the Gluon dQ kernel cannot compute this backward's dQ exactly (None: it can)."""
     if q.dtype not in DTYPES or any(x.dtype != q.dtype for x in (k, v, dout, dq)):
         return f"dtype {q.dtype} (takes {DTYPES})"
-    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS)
+    why = gluon_route.coverage_refusal(q, k, v, p, DQ_HEAD_DIMS)
     if why:
         return why
     if not all(gluon_route._aligned(x) for x in (dout, dq)):
@@ -159,6 +168,9 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     ws = bool((config or {}).get("WARP_SPECIALIZED", 0))
     if ws:
         from flashtile.kernels.gluon_bwd_ws import LAUNCH_MAXNREG, WS_CONFIGS, _gluon_attn_bwd_dkdv_ws_kernel
+
+        if d not in WS_CONFIGS:
+            raise ValueError(f"gluon bwd: the warp-specialised kernel has no config for head_dim {d}")
     cfg = _config(WS_CONFIGS if ws else BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
@@ -167,6 +179,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
             lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k, softmax_scale * LOG2E, softmax_scale)
     meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
                 num_warps=cfg["num_warps"])
+    if "WARPS_N" in cfg:  # d = 256: two warpgroups side by side (absent: the kernel's default, 1)
+        meta["WARPS_N"] = cfg["WARPS_N"]
     grid = (cdiv(s, bn), b * h_k)
     if ws:
         # its partitions rebalance registers (setmaxnreg): the launch must provide the whole pool
