@@ -30,8 +30,6 @@
 #   bench-bwd-d256   backward d=256, every s, beside SDPA flash and cuDNN
 #   bench-fwd-d128   forward d=128, every s, beside SDPA flash, cuDNN and Flex (the Gluon route's rows)
 #   tests-gluon-bwd  the Gluon dK/dV and dQ kernels' GPU tests (marker gluon: not in "tests")
-#   tests-gluon-bwd-ws  the warp-specialised dK/dV kernel's GPU tests, alone, under a 150 s timeout
-#                 (its first GPU run: a barrier bug would hang)
 #   bench-gluon-bwd  scripts/probe_gluon_bwd.py, then scripts/bench_gluon_bwd.py (Gluon dK/dV against Triton)
 #   tests-gluon   the experimental Gluon kernel's GPU tests, alone, under a 300 s timeout
 #   bench-gluon-fp8  the Gluon fp8 kernel beside Triton fp8, Gluon/Triton bf16 and cuDNN (timeout GLUON_TIMEOUT)
@@ -108,13 +106,6 @@ for step in "${steps[@]}"; do
       [[ $rc -ne 0 ]] && status=$rc
       echo $rc > "$WORK/gluon_bwd_tests.rc"
       tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary" ;;
-    tests-gluon-bwd-ws)
-      timeout ${GLUON_WS_TIMEOUT:-150} python3 -m pytest -q -m gpu -p no:cacheprovider -x "${xdist[@]}" \
-        tests/test_gpu_gluon_bwd_ws.py > "$WORK/gpu_tests_gluon_bwd_ws.log" 2>&1
-      rc=$?
-      [[ $rc -eq 124 ]] && echo "tests-gluon-bwd-ws: TIMED OUT (likely a hang)" >> "$WORK/gpu_tests_gluon_bwd_ws.log"
-      [[ $rc -ne 0 ]] && status=$rc
-      tail -n 25 "$WORK/gpu_tests_gluon_bwd_ws.log" >> "$summary" ;;
     bench-gluon-bwd)
       # where the Gluon dK/dV kernel disagrees with Triton, then its speed against the all-Triton backward
       [[ ${GLUON_BWD_PROBE:-1} == 1 ]] && timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py \

@@ -30,12 +30,11 @@ from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, within the 227 KiB of shared memory a CTA may use
-# a fifth element 1: the warp-specialised kernel (kernels/gluon_bwd_ws.py, num_warps = consumer 0's);
-# a sixth: WARPS_N (d = 256: two warpgroups side by side)
+# a fifth element: WARPS_N (d = 256: two warpgroups side by side)
 CANDIDATES = {
-    256: [(32, 64, 4, 8, 0, 2), (32, 64, 3, 8, 0, 2)],
-    128: [(32, 64, 4, 4), (32, 64, 3, 4), (16, 64, 4, 4), (32, 128, 4, 8), (32, 64, 8, 4, 1)],
-    64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 3, 4), (64, 128, 4, 8), (32, 64, 8, 4, 1)],
+    256: [(32, 64, 4, 8, 2), (32, 64, 3, 8, 2)],
+    128: [(32, 64, 4, 4), (32, 64, 3, 4), (16, 64, 4, 4), (32, 128, 4, 8)],
+    64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 3, 4), (64, 128, 4, 8)],
 }
 # session 6 measured (64, 32, 3|4, 4), (64, 64, 3, 4) and (128, 32, 4, 8) slower than (128, 64, 3, 8)
 # at every d = 128 row from s = 2048 (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json)
@@ -43,7 +42,7 @@ DQ_CANDIDATES = {
     128: [(128, 64, 4, 8), (128, 64, 3, 8), (128, 32, 6, 8), (128, 32, 8, 8), (64, 32, 6, 4)],
     64: [(64, 64, 4, 4)],
 }
-KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED", "WARPS_N")
+KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N")
 
 
 def _ms(fn) -> float:

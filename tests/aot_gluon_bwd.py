@@ -4,8 +4,8 @@ be unset there).
 
     python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 128, true, [64, 32, 4, 4], "dq"]]'
 
-A case's optional fifth element names the kernel: "dkdv" (the default), "ws" (the warp-specialised
-dK/dV kernel) or "dq".
+A case's optional fifth element names the kernel: "dkdv" (the default) or "dq". A config's optional
+fifth number is the dK/dV kernel's WARPS_N (d = 256).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized"}.
@@ -29,8 +29,6 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
 
     if which == "dq":
         from flashtile.kernels.gluon_bwd_dq import _gluon_attn_bwd_dq_kernel as kernel
-    elif which == "ws":
-        from flashtile.kernels.gluon_bwd_ws import _gluon_attn_bwd_dkdv_ws_kernel as kernel
     else:
         from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
@@ -49,16 +47,11 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
                  desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
     from gluon_aot import compile_for_sm90
 
-    options = {}
-    if which == "ws":  # its partitions rebalance registers; the launch must provide the pool
-        from flashtile.kernels.gluon_bwd_ws import LAUNCH_MAXNREG
-
-        options["maxnreg"] = LAUNCH_MAXNREG
-    row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which), **options)
+    row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))
     log = row.pop("ptxas_log")
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
-    return dict(row, regs=int(regs[0]) if regs else None, spill_bytes=int(spill[0]) if spill else None,
+    return dict(row, num_warps=nw, regs=int(regs[0]) if regs else None, spill_bytes=int(spill[0]) if spill else None,
                 serialized="serializ" in log.lower())
 
 

@@ -107,9 +107,3 @@ def test_dq_refusals_name_the_reason():
     dq_odd = _t(2, 256, 4, 129)[..., 1:]  # row stride of 258 bytes: not a TMA stride
     assert "dq" in gluon_bwd.dq_refusal(q, k, v, q, dq_odd, _p())
 
-
-def test_warp_specialised_config_selects_its_own_table():
-    from flashtile.kernels.gluon_bwd_ws import WS_CONFIGS
-
-    cfg = gluon_bwd._config(WS_CONFIGS, 128, {"WARP_SPECIALIZED": 1, "NUM_BUFFERS": 8})
-    assert cfg == dict(WS_CONFIGS[128]) and "WARP_SPECIALIZED" not in cfg  # not a kernel argument

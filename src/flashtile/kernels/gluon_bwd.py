@@ -239,5 +239,4 @@ BWD_DKDV_CONFIGS = {
     # shared memory, compiled for sm_90 on the CPU only (3 slots: 255 registers)
     256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8, WARPS_N=2),
 }
-# WARP_SPECIALIZED = 1 launches kernels/gluon_bwd_ws.py instead (experimental; never by the route)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARP_SPECIALIZED", "WARPS_N")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N")

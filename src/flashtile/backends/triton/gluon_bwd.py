@@ -27,8 +27,6 @@ from flashtile.params import AttnParams
 
 # None: FLASHTILE_GLUON_BWD decides; True / False: always / never where the kernel can run (tests).
 OVERRIDE: bool | None = None
-# a config for every dK/dV launch of the route (tests, e.g. {"WARP_SPECIALIZED": 1}); None: the table
-CONFIG_OVERRIDE: dict | None = None
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 # where the H200 measured the win (module docstring): the default route takes only these
@@ -126,7 +124,7 @@ def _config(table: dict, d: int, config: dict | None) -> dict:
         unknown = set(config) - set(CONFIG_KEYS)
         if unknown:
             raise ValueError(f"gluon bwd: unknown config keys {sorted(unknown)} (known: {CONFIG_KEYS})")
-        cfg.update({key: int(val) for key, val in config.items() if key != "WARP_SPECIALIZED"})
+        cfg.update({key: int(val) for key, val in config.items()})
     return cfg
 
 
@@ -157,33 +155,20 @@ def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causa
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
                         config: dict | None = None) -> None:
     """Write dk, dv (b, s, h_k, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta
-    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``.
-    ``config`` overrides the table's; ``WARP_SPECIALIZED=1`` runs kernels/gluon_bwd_ws.py (its
-    own table, experimental)."""
+    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``;
+    ``config`` overrides the table's (tuning)."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     b, s, h, d = q.shape
     h_k = k.shape[2]
-    config = config if config is not None else CONFIG_OVERRIDE
-    ws = bool((config or {}).get("WARP_SPECIALIZED", 0))
-    if ws:
-        from flashtile.kernels.gluon_bwd_ws import LAUNCH_MAXNREG, WS_CONFIGS, _gluon_attn_bwd_dkdv_ws_kernel
-
-        if d not in WS_CONFIGS:
-            raise ValueError(f"gluon bwd: the warp-specialised kernel has no config for head_dim {d}")
-    cfg = _config(WS_CONFIGS if ws else BWD_DKDV_CONFIGS, d, config)
+    cfg = _config(BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
-    args = (_descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
-            _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),
-            lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k, softmax_scale * LOG2E, softmax_scale)
     meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
                 num_warps=cfg["num_warps"])
     if "WARPS_N" in cfg:  # d = 256: two warpgroups side by side (absent: the kernel's default, 1)
         meta["WARPS_N"] = cfg["WARPS_N"]
-    grid = (cdiv(s, bn), b * h_k)
-    if ws:
-        # its partitions rebalance registers (setmaxnreg): the launch must provide the whole pool
-        _gluon_attn_bwd_dkdv_ws_kernel[grid](*args, **meta, maxnreg=LAUNCH_MAXNREG)
-    else:
-        _gluon_attn_bwd_dkdv_kernel[grid](*args, **meta)
+    _gluon_attn_bwd_dkdv_kernel[(cdiv(s, bn), b * h_k)](
+        _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
+        _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),
+        lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k, softmax_scale * LOG2E, softmax_scale, **meta)
