@@ -5,7 +5,7 @@ be unset there).
     python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 128, true, [64, 32, 4, 4], "dq"]]'
 
 A case's optional fifth element names the kernel: "dkdv" (the default) or "dq". A config's optional
-fifth number is the dK/dV kernel's WARPS_N (d = 256).
+fifth and sixth numbers are the dK/dV kernel's WARPS_N (d = 256) and ROTATED (0: the plain order).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized"}.
@@ -20,7 +20,7 @@ KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
 def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
-    split = f"x{cfg[4]}" if len(cfg) > 4 else ""
+    split = "".join(f"{name}{val}" for name, val in zip(("x", "r"), cfg[4:]))
     return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}{split}"
 
 
@@ -32,7 +32,7 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     else:
         from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
-    bm, bn, nb, nw, *rest = cfg  # a fifth element: WARPS_N of the dK/dV kernel (default 1)
+    bm, bn, nb, nw, *rest = cfg  # then WARPS_N and ROTATED of the dK/dV kernel (defaults 1, 1)
     type_name, gl_name = KINDS[kind]
 
     def desc(block):
@@ -42,6 +42,7 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
     if which == "dkdv":
         constexprs["WARPS_N"] = rest[0] if rest else 1
+        constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
                  desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")

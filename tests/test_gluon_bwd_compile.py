@@ -90,3 +90,21 @@ def test_no_wgmma_reads_registers(compiled):
         register_a = [line.strip() for line in sass.splitlines() if re.search(r"HGMMA\S* R\d+, R\d+, gdesc", line)]
         assert not register_a, (row["tag"], register_a[:3])
 
+
+
+def test_plain_order_candidates_compile_unserialised(tmp_path):
+    # scripts/tune_gluon_bwd.py's ROTATED = 0 candidates (64-row steps, every product waited for in
+    # its step): an in-flight product across steps made ptxas serialise the wgmmas, this order must not
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    cases = [["bf16", 128, False, [64, 64, 2, 4, 1, 0]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]]]
+    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
+                         text=True, env=env, timeout=900)
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    for row in rows:
+        assert not row["serialized"] and row["spill_bytes"] == 0 and row["shared"] <= SM90_MAX_SHARED, row

@@ -113,6 +113,26 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
 
 
 @gluon.jit
+def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx,
+                        seqlen, stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
+                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """_grads_of_step ordered for fewer live registers (the plain order's 64-row steps): P^T is
+    stored before delta is loaded and dS^T computed."""
+    head = h0 + step // steps_per_head
+    q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
+    row_ok = q_idx < seqlen
+    base = off_b * stride_lb + head * stride_lh
+    lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
+    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+    if CAUSAL:
+        p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
+    p_buf.store(p_t.to(dtype))
+    delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
+    ds_buf.store((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype))
+    fence_async_shared()
+
+
+@gluon.jit
 def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
                  HEAD_DIM: gl.constexpr):
     """Issue dV += P^T dO and dK += dS^T Q of one step (async; every operand in shared memory)."""
@@ -128,14 +148,14 @@ def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.c
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, stride_lb, stride_lh,
                                 seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1):
+                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1, ROTATED: gl.constexpr = True):
     """dK, dV (b, s, h_k, d) of q, k, v, dout (b, s, h[_k], d), lse and delta (b, h, s) fp32 (natural
     log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
-    columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory."""
-    # step j+NUM_BUFFERS-1 is loaded during step j-... (see the refill): step j+1 must be resident
-    # when step j issues its scores, so the ring needs three slots at least
-    gl.static_assert(NUM_BUFFERS >= 3)
+    columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
+    ROTATED = False (experimental, a tuning candidate): the plain order, every product waited for
+    within its step, so no scores are held across steps and 64-row steps fit in registers; the
+    overlap then has to come from a second CTA on the SM."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
@@ -160,11 +180,16 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     v_smem = gl.allocate_shared_memory(dtype, desc_v.block_type.shape, desc_v.layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_do.block_type.shape, desc_do.layout)
-    # P^T and dS^T of two consecutive steps: step j writes buffer j % 2 while step j-1's products read
-    # the other one
     ps_layout: gl.constexpr = operand_smem_layout(BLOCK_N, BLOCK_M, dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    if ROTATED:
+        # P^T and dS^T of two consecutive steps: step j writes buffer j % 2 while step j-1's products
+        # read the other one
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ps_layout)
+    else:
+        # the plain order retires a step's products before the next step writes: one buffer each
+        p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
@@ -184,34 +209,57 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     mbarrier.wait(kv_ready, 0)
 
     key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
-    dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-    s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
-                              HEAD_DIM)
-    s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
-    for j in range(0, n_steps - 1):
-        s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
-                                        BLOCK_M, BLOCK_N, HEAD_DIM)
-        # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them.
-        # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
-        _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
-                       steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M,
-                       CAUSAL)
-        dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_next, dp_next))
-        # step j-1's slot is free: its scores retired in step j-1, its dV/dK products just now
-        refill = j - 1 + NUM_BUFFERS
-        if (j >= 1) & (refill < n_steps):
-            _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, refill, off_b, h0, m_start, steps_per_head,
-                       NUM_BUFFERS, BLOCK_M)
-        dk, dv = _issue_grads(p_smem.index(j % 2), ds_smem.index(j % 2), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
-                              BLOCK_M, HEAD_DIM)
-    last = n_steps - 1
-    _grads_of_step(s_t, dp_t, p_smem.index(last % 2), ds_smem.index(last % 2), LSE, DELTA, last, off_b, h0, m_start,
-                   steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-    dk, dv = _issue_grads(p_smem.index(last % 2), ds_smem.index(last % 2), dk, dv, q_smem, do_smem, last,
-                          NUM_BUFFERS, BLOCK_M, HEAD_DIM)
-    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    if ROTATED:
+        # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident
+        # when step j issues its scores, so the ring needs three slots at least
+        gl.static_assert(NUM_BUFFERS >= 3)
+        dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+        s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                                  HEAD_DIM)
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+        for j in range(0, n_steps - 1):
+            s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
+                                            BLOCK_M, BLOCK_N, HEAD_DIM)
+            # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them.
+            # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
+            _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
+                           steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M,
+                           CAUSAL)
+            dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_next, dp_next))
+            # step j-1's slot is free: its scores retired in step j-1, its dV/dK products just now
+            refill = j - 1 + NUM_BUFFERS
+            if (j >= 1) & (refill < n_steps):
+                _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, refill, off_b, h0, m_start, steps_per_head,
+                           NUM_BUFFERS, BLOCK_M)
+            dk, dv = _issue_grads(p_smem.index(j % 2), ds_smem.index(j % 2), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
+                                  BLOCK_M, HEAD_DIM)
+        last = n_steps - 1
+        _grads_of_step(s_t, dp_t, p_smem.index(last % 2), ds_smem.index(last % 2), LSE, DELTA, last, off_b, h0, m_start,
+                       steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        dk, dv = _issue_grads(p_smem.index(last % 2), ds_smem.index(last % 2), dk, dv, q_smem, do_smem, last,
+                              NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    else:
+        gl.static_assert(NUM_BUFFERS >= 2)
+        # plain tensors: the loop carries them waited for, not as in-flight accumulators
+        dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        for j in range(0, n_steps):
+            s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_M,
+                                      BLOCK_N, HEAD_DIM)
+            s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+            _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
+                                steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
+                                BLOCK_M, CAUSAL)
+            dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
+                                  BLOCK_M, HEAD_DIM)
+            # nothing stays in flight across steps (an in-flight product there made ptxas serialise)
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            if j + NUM_BUFFERS < n_steps:  # step j's slot is free: load the step NUM_BUFFERS ahead
+                _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, j + NUM_BUFFERS, off_b, h0, m_start,
+                           steps_per_head, NUM_BUFFERS, BLOCK_M)
 
     mbarrier.invalidate(kv_ready)
     for i in gl.static_range(NUM_BUFFERS):
@@ -239,4 +287,4 @@ BWD_DKDV_CONFIGS = {
     # shared memory, compiled for sm_90 on the CPU only (3 slots: 255 registers)
     256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8, WARPS_N=2),
 }
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N")
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")

@@ -166,8 +166,9 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     _check_stats(lse, delta)
     meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
                 num_warps=cfg["num_warps"])
-    if "WARPS_N" in cfg:  # d = 256: two warpgroups side by side (absent: the kernel's default, 1)
-        meta["WARPS_N"] = cfg["WARPS_N"]
+    # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, a tuning
+    # candidate) only when given: absent, the kernel's defaults (1, rotated) apply
+    meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
     _gluon_attn_bwd_dkdv_kernel[(cdiv(s, bn), b * h_k)](
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),
