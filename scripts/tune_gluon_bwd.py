@@ -31,7 +31,8 @@ from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, within the 227 KiB of shared memory a CTA may use
 # a fifth element: WARPS_N (d = 256: two warpgroups side by side); a sixth: ROTATED (0: the plain
-# order with 64-row steps; d = 128 causal spills 24 bytes there, the others compile clean)
+# order with 64-row steps: d = 128 causal spills 24 bytes there; at d = 256 it takes 208 KiB of
+# shared memory, so one CTA per SM and no second CTA to overlap with)
 CANDIDATES = {
     256: [(32, 64, 4, 8, 2), (32, 64, 3, 8, 2), (64, 64, 2, 8, 2, 0)],
     128: [(32, 64, 4, 4), (32, 64, 3, 4), (64, 64, 2, 4, 1, 0), (32, 128, 4, 8)],
@@ -125,7 +126,7 @@ def main():
     gluon_bwd.DQ_GPU_VERIFIED = True  # measured here; gpu_check runs this after the kernels' GPU tests
     gluon_bwd.GPU_VERIFIED_HEAD_DIMS = gluon_bwd.HEAD_DIMS
     for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
-        assert CANDIDATES[d][0][:4] == tuple(BWD_DKDV_CONFIGS[d][key] for key in KEYS[:4]), d
+        assert dict(zip(KEYS, CANDIDATES[d][0])) == BWD_DKDV_CONFIGS[d], d
         if d in DQ_CANDIDATES:
             assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in KEYS[:4]), d
     rows = []

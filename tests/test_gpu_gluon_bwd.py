@@ -45,9 +45,12 @@ def test_gluon_dkdv_fp16_and_long(gluon_on):
     assert gluon_on
 
 
-def test_gluon_dkdv_repeatable(gluon_on):
-    # a race or a register hazard shows as run-to-run differences (the kernel has one writer per output)
-    runs = repeated_grads(6, shape=(2, 2048, 8, 128), device=DEV, causal=True)
+@pytest.mark.parametrize("shape", [(2, 2048, 8, 128), (2, 2048, 4, 256)])
+def test_gluon_dkdv_repeatable(gluon_on, shape):
+    # a race or a register hazard shows as run-to-run differences (the kernel has one writer per
+    # output); d = 256 adds the two warpgroups' P^T / dS^T exchange through shared memory
+    runs = repeated_grads(6, shape=shape, device=DEV, causal=True)
+    assert gluon_on
     for grads in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
 
@@ -71,3 +74,27 @@ def test_refused_calls_take_triton(gluon_on):
     out = flashtile.flash_attn_func(q, k, v, softcap=5.0)
     torch.autograd.grad(out.sum(), (q, k, v))
     assert not gluon_on  # softcap is outside the kernel's scope
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_order_candidate_matches_triton(d, causal):
+    # scripts/tune_gluon_bwd.py's ROTATED = 0 candidates, launched directly, against the Triton dK/dV
+    # (the route never takes them; the tune only compares them with another Gluon config)
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
+
+    torch.manual_seed(0)
+    b, s, h, h_k = 2, 1000, 4, 2
+    q = torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    g = torch.randn_like(q)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    # s = 1000 is below the route's MIN_SEQLEN (and d = 256 is refused): the Triton kernels compute these
+    _, want_dk, want_dv = torch.autograd.grad(out, (q, k, v), g)
+    delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    config = dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=BWD_DKDV_CONFIGS[d]["num_warps"], ROTATED=0)
+    gluon_bwd.gluon_attn_bwd_dkdv(q.detach(), k.detach(), v.detach(), g, lse.contiguous(), delta, dk, dv,
+                                  d ** -0.5, causal, config=config)
+    for got, want in ((dk, want_dk), (dv, want_dv)):
+        assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()

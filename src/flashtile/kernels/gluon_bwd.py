@@ -157,6 +157,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     within its step, so no scores are held across steps and 64-row steps fit in registers; the
     overlap then has to come from a second CTA on the SM."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
+    # each column group is whole warpgroups, and its share of a step's queries a wgmma width
+    gl.static_assert((NUM_WARPS // WARPS_N) % 4 == 0)
+    gl.static_assert(BLOCK_M % (8 * WARPS_N) == 0)
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)

@@ -88,9 +88,6 @@ DQ_HEAD_DIMS = (64, 128)
 # The kernel version in kernels/gluon_bwd_dq.py passed tests/test_gpu_gluon_bwd_dq.py on the H200
 # (gpu_tests_gluon_bwd_dq_h200_2026-11-30_session6.log); a change not yet run there sets this False.
 DQ_GPU_VERIFIED = True
-# d = 256 runs the kernel with two warpgroups side by side (WARPS_N = 2), compiled on the CPU only:
-# refused until tests/test_gpu_gluon_bwd.py's d = 256 cases pass on the H200 (they add it here)
-GPU_VERIFIED_HEAD_DIMS = (64, 128)
 
 
 def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
@@ -116,14 +113,15 @@ def dq_refusal(q, k, v, dout, dq, p: AttnParams) -> str | None:
     return None
 
 
-def _config(table: dict, d: int, config: dict | None) -> dict:
+def _config(table: dict, d: int, config: dict | None, keys: tuple | None = None) -> dict:
     from flashtile.kernels.gluon_bwd import CONFIG_KEYS
 
+    keys = keys or CONFIG_KEYS
     cfg = dict(table[d])
     if config:
-        unknown = set(config) - set(CONFIG_KEYS)
+        unknown = set(config) - set(keys)
         if unknown:
-            raise ValueError(f"gluon bwd: unknown config keys {sorted(unknown)} (known: {CONFIG_KEYS})")
+            raise ValueError(f"gluon bwd: unknown config keys {sorted(unknown)} (known: {keys})")
         cfg.update({key: int(val) for key, val in config.items()})
     return cfg
 
@@ -141,7 +139,7 @@ def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causa
 
     b, s, h, d = q.shape
     h_k = k.shape[2]
-    cfg = _config(BWD_DQ_CONFIGS, d, config)
+    cfg = _config(BWD_DQ_CONFIGS, d, config, keys=("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps"))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
     _gluon_attn_bwd_dq_kernel[(cdiv(s, bm), b * h)](
