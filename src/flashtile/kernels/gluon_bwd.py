@@ -59,18 +59,20 @@ def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, step, off_b, h0, m_start
 
 
 @gluon.jit
-def _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, step, st_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Issue S^T = K Q^T and dP^T = V dO^T of one step (async)."""
+def _issue_scores(a1, a2, ring1, ring2, ready, step, out_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  OUT_M: gl.constexpr, RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Issue a1 ring1_step^T and a2 ring2_step^T (async) once step's ring slot has landed: a backward
+    step's two score products, [OUT_M, RING_ROWS] each. dK/dV kernel: S^T = K Q^T, dP^T = V dO^T
+    (the ring holds Q, dO); dQ kernel (gluon_bwd_dq.py): S = Q K^T, dP = dO V^T (the ring holds K, V)."""
     slot = step % NUM_BUFFERS
     # each slot's barrier completes once per use: its parity flips every NUM_BUFFERS steps
     mbarrier.wait(ready.index(slot), (step // NUM_BUFFERS) & 1)
-    q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
-    return s_t, dp_t
+    b1 = ring1.index(slot).reshape([RING_ROWS, HEAD_DIM])
+    b2 = ring2.index(slot).reshape([RING_ROWS, HEAD_DIM])
+    acc = gl.zeros([OUT_M, RING_ROWS], gl.float32, out_layout)
+    s = warpgroup_mma(a1, b1.permute((1, 0)), acc, use_acc=False, is_async=True)
+    dp = warpgroup_mma(a2, b2.permute((1, 0)), acc, use_acc=False, is_async=True)
+    return s, dp
 
 
 @gluon.constexpr_function
@@ -218,12 +220,12 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         gl.static_assert(NUM_BUFFERS >= 3)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
         dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-        s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+        s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_N, BLOCK_M,
                                   HEAD_DIM)
         s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
         for j in range(0, n_steps - 1):
             s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
-                                            BLOCK_M, BLOCK_N, HEAD_DIM)
+                                            BLOCK_N, BLOCK_M, HEAD_DIM)
             # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them.
             # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
             _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
@@ -250,8 +252,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         for j in range(0, n_steps):
-            s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_M,
-                                      BLOCK_N, HEAD_DIM)
+            s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_N,
+                                      BLOCK_M, HEAD_DIM)
             s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,

@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.kernels.gluon_bwd import operand_smem_layout
+from flashtile.kernels.gluon_bwd import _issue_scores, operand_smem_layout
 from flashtile.kernels.gluon_fwd import mma_layout
 
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -54,21 +54,6 @@ def _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, step, off_b, off_hk, NUM_BU
     mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_k, [off_b, step * BLOCK_N, off_hk, 0], bar, k_smem.index(slot))
     tma.async_copy_global_to_shared(desc_v, [off_b, step * BLOCK_N, off_hk, 0], bar, v_smem.index(slot))
-
-
-@gluon.jit
-def _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, step, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Issue S = Q K^T and dP = dO V^T of one step (async)."""
-    slot = step % NUM_BUFFERS
-    # each slot's barrier completes once per use: its parity flips every NUM_BUFFERS steps
-    mbarrier.wait(ready.index(slot), (step // NUM_BUFFERS) & 1)
-    k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
-    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s = warpgroup_mma(q_tile, k_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
-    dp = warpgroup_mma(do_tile, v_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
-    return s, dp
 
 
 @gluon.jit
