@@ -39,10 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.kernels.gluon_bwd import _issue_scores, operand_smem_layout
+from flashtile.kernels.gluon_bwd import LOG2E, _issue_scores, operand_smem_layout
 from flashtile.kernels.gluon_fwd import mma_layout
-
-LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
