@@ -12,6 +12,8 @@
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
+#   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
+#   bench-decode-layers-pdl  bench-decode-layers' 8-layer table with FLASHTILE_DECODE_PDL=1 (after tests-decode-pdl)
 #   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
 #                 graph launch per model step), and b = 1 single-call graphs beside it
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
@@ -215,6 +217,22 @@ for step in "${steps[@]}"; do
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
+    tests-decode-pdl)
+      # programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL), alone and timed out
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode_pdl.py \
+        > "$WORK/gpu_tests_decode_pdl.log" 2>&1
+      rc=$?
+      [[ $rc -ne 0 ]] && status=$rc
+      echo $rc > "$WORK/decode_pdl_tests.rc"
+      tail -n 25 "$WORK/gpu_tests_decode_pdl.log" >> "$summary" ;;
+    bench-decode-layers-pdl)
+      # bench-decode-layers' first table with FLASHTILE_DECODE_PDL=1, after tests-decode-pdl passed
+      if [[ $(cat "$WORK/decode_pdl_tests.rc" 2>/dev/null) == 0 ]]; then
+        FLASHTILE_DECODE_PDL=1 python3 -m flashtile.bench decode --cuda-graph --layers 8 \
+          --out "$WORK/decode_graph_layers8_pdl.json" 2> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
+      else
+        echo "bench-decode-layers-pdl: skipped (tests-decode-pdl did not pass in this call)" >> "$summary"
+      fi ;;
     bench-decode-layers)
       # per-call time inside a graph of 8 decode calls on 8 caches (a model step's layers), then
       # b = 1 as single-call graphs in the same process for comparison

@@ -5,10 +5,12 @@ Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
 Arguments not named get a type from their name: ``desc_*`` tensor descriptors need explicit types,
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
-Prints ``WGMMA <number of warp-group dots> SHARED <bytes>``.
+Constexprs with a default (``USE_PDL=False``) take it unless given.
+Prints ``WGMMA <number of warp-group dots> SHARED <bytes> GDC <griddepcontrol instructions in the PTX>``.
 """
 
 import importlib
+import inspect
 import json
 import sys
 
@@ -25,6 +27,9 @@ def main(module, kernel, constexprs, types, warps, stages):
     kern = getattr(importlib.import_module(module), kernel)
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kern.arg_names):
+        param = kern.params[i]
+        if name not in constexprs and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            constexprs = dict(constexprs, **{name: param.default})  # e.g. USE_PDL = False
         if name in constexprs:
             sig[name] = "constexpr"
             consts[(i,)] = constexprs[name]
@@ -47,7 +52,8 @@ def main(module, kernel, constexprs, types, warps, stages):
     compiled = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
-    print("WGMMA", len(dots), "SHARED", compiled.metadata.shared)
+    gdc = compiled.asm["ptx"].count("griddepcontrol")  # programmatic dependent launch instructions
+    print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC", gdc)
 
 
 if __name__ == "__main__":

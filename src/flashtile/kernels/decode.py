@@ -22,6 +22,7 @@ otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
 from flashtile.kernels.kv_append import _rotary_rows
@@ -177,7 +178,13 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:
+        # launched early (programmatic dependent launch): wait here, before the first read, until the
+        # previous kernel in the stream (an append, a previous layer's merge) has finished and
+        # flushed its writes
+        gdc_wait()
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
     pid = tl.program_id(0)
@@ -310,6 +317,9 @@ def _decode_kernel(
             True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED)
 
+    if USE_PDL:
+        # the next kernel (the split merge) may start launching; it waits for this grid's end itself
+        gdc_launch_dependents()
     empty = l_i == 0.0
     out = acc * (tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i)) * v_scale)[:, None]
     lse = (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453
@@ -370,13 +380,18 @@ def _combine_kernel(
     stride_lps, stride_lpb, stride_lph, stride_lpm,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_lse_m,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (b, token, head).
 
     Flat grid (axis 0): program = (b * seqlen_q + t) * num_heads + h. Offsets are int64: a split's
-    stride times the split index passes 2^31 on large partial outputs.
+    stride times the split index passes 2^31 on large partial outputs. USE_PDL: launched early
+    behind the split kernel (programmatic dependent launch); it waits for it before reading.
     """
+    if USE_PDL:
+        gdc_wait()
+        # and lets the next kernel (the next layer's decode) start launching behind it
+        gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     h = pid % num_heads
     bt = pid // num_heads

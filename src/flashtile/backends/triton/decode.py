@@ -28,6 +28,17 @@ FUSED_APPEND = True
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
 FUSED_COMBINE = os.environ.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
+# Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
+# programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
+# read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
+# calls that hides part of every launch gap. Experimental, not yet run on a GPU:
+# FLASHTILE_DECODE_PDL=1 turns it on; tests pin PDL_OVERRIDE.
+PDL_OVERRIDE: bool | None = None
+
+
+def use_pdl(device: torch.device) -> bool:
+    on = PDL_OVERRIDE if PDL_OVERRIDE is not None else os.environ.get("FLASHTILE_DECODE_PDL", "0") not in ("", "0")
+    return bool(on) and device.type == "cuda" and capability(device) >= (9, 0)
 
 # Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
 # Grown, never freed: a captured CUDA graph keeps the address it was captured with.
@@ -217,6 +228,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * m_blocks * b * h_k,)
+    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
     with device_guard(q):
         launch(
             _decode_kernel, grid,
@@ -252,18 +264,21 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl,
         )
     if num_splits > 1 and counters is None:
-        combine(o_part, lse_part, out, lse)
+        combine(o_part, lse_part, out, lse, pdl=bool(pdl))
     return out, lse
 
 
-def combine(out_partial, lse_partial, out, lse):
-    """Merge splits: out_partial (ns, b, sq, h, d), lse_partial (ns, b, h, sq) -> out (b, sq, h, d), lse (b, h, sq)."""
+def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
+    """Merge splits: out_partial (ns, b, sq, h, d), lse_partial (ns, b, h, sq) -> out (b, sq, h, d), lse (b, h, sq).
+
+    ``pdl``: launch it as a programmatic dependent of the split kernel just launched (see use_pdl)."""
     ns, b, sq, h, d = out_partial.shape
     if b * sq * h == 0:
         return out, lse
+    extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
     with device_guard(out):
         _combine_kernel[(b * sq * h,)](  # flat grid: the batch on axis 1 would be capped at 65535
             out_partial, lse_partial, out, lse,
@@ -273,7 +288,7 @@ def combine(out_partial, lse_partial, out, lse):
             *out.stride()[:3],
             *lse.stride(),
             HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
-            num_warps=4 if d >= 128 else 2,
+            num_warps=4 if d >= 128 else 2, **extra,
         )
     return out, lse
 

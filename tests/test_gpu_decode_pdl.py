@@ -1,0 +1,90 @@
+"""GPU tests of programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL,
+backends/triton/decode.py PDL_OVERRIDE): results bitwise equal to ordinary launches, eager and in a
+CUDA graph of several calls (the way a serving step runs its layers). Not yet run on a GPU
+(session 6 compiled the kernels for sm_90 on the CPU only); run alone: gpu_check.sh tests-decode-pdl."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode as launcher
+from test_gpu_kvcache import _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
+DEV = "cuda"
+
+
+def _launches(monkeypatch):
+    """Count the decode launches that asked for programmatic dependent launch."""
+    calls = []
+    real = launcher.launch
+
+    def counting(kernel, grid, *args, **meta):
+        calls.append(meta.get("launch_pdl", False))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", counting)
+    return calls
+
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("b,num_splits", [(1, 0), (1, 1), (8, 0), (3, 5)])
+@pytest.mark.parametrize("s_new", [0, 1])
+def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new):
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    calls = _launches(monkeypatch)
+    results = []
+    for pdl in (False, True):
+        monkeypatch.setattr(launcher, "PDL_OVERRIDE", pdl)
+        q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, 8192, torch.bfloat16, page=page, rotary=s_new > 0)
+        out, lse = flash_attn_with_kvcache(q, kc, vc, causal=True, num_splits=num_splits,
+                                           return_softmax_lse=True, **kw)
+        torch.cuda.synchronize()
+        results.append((out, lse, kc, vc))
+    assert calls and calls[-1] is True and calls[0] is False
+    for a, c in zip(*results):
+        assert torch.equal(a, c)  # same kernels, same order of work: bit for bit
+
+
+def test_pdl_in_a_graph_of_layers(monkeypatch):
+    """Eight decode calls on eight caches captured in one CUDA graph with PDL on, replayed with new
+    lengths, against the same calls launched ordinarily."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    layers = [_inputs(1, 1, 1, 32, 8, 128, 8192, torch.bfloat16, page=16, rotary=True, seed=i) for i in range(8)]
+    lens = torch.tensor([5000], device=DEV, dtype=torch.int32)
+    static_lens = lens.clone()
+    saved = [(kc.clone(), vc.clone()) for _, kc, vc, _ in layers]
+    for _, _, _, kw in layers:
+        kw.pop("cache_seqlens")
+
+    def step():
+        return [flash_attn_with_kvcache(q, kc, vc, cache_seqlens=static_lens, causal=True, **kw)
+                for q, kc, vc, kw in layers]
+
+    monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    for (_, kc, vc, _), (k0, v0) in zip(layers, saved):
+        kc.copy_(k0)
+        vc.copy_(v0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for t in range(3):
+        static_lens.copy_(lens + t)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(launcher, "PDL_OVERRIDE", False)
+        for out, (q, _, _, kw), (k0, v0) in zip(outs, layers, saved):
+            # the reference appends into copies of the caches as they were before this replay
+            ref = flash_attn_with_kvcache(q, k0.clone(), v0.clone(), cache_seqlens=lens + t, causal=True, **kw)
+            assert torch.equal(out, ref)
+        monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
+        for (_, kc, vc, _), (k0, v0) in zip(layers, saved):
+            k0.copy_(kc)
+            v0.copy_(vc)
