@@ -6,7 +6,8 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
-Prints ``WGMMA <number of warp-group dots> SHARED <bytes> GDC <griddepcontrol instructions in the PTX>``.
+Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n>`` (griddepcontrol
+instructions in the PTX).
 """
 
 import importlib
@@ -52,8 +53,9 @@ def main(module, kernel, constexprs, types, warps, stages):
     compiled = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
-    gdc = compiled.asm["ptx"].count("griddepcontrol")  # programmatic dependent launch instructions
-    print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC", gdc)
+    ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
+    print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
+          "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"))
 
 
 if __name__ == "__main__":

@@ -15,15 +15,20 @@ DEV = "cuda"
 
 
 def _launches(monkeypatch):
-    """Count the decode launches that asked for programmatic dependent launch."""
+    """Record, per decode / merge launch, whether it asked for programmatic dependent launch."""
     calls = []
-    real = launcher.launch
+    real_launch, real_combine = launcher.launch, launcher.combine
 
-    def counting(kernel, grid, *args, **meta):
+    def counting_launch(kernel, grid, *args, **meta):
         calls.append(meta.get("launch_pdl", False))
-        return real(kernel, grid, *args, **meta)
+        return real_launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(launcher, "launch", counting)
+    def counting_combine(*args, pdl=False, **kw):
+        calls.append(pdl)
+        return real_combine(*args, pdl=pdl, **kw)
+
+    monkeypatch.setattr(launcher, "launch", counting_launch)
+    monkeypatch.setattr(launcher, "combine", counting_combine)
     return calls
 
 
@@ -48,43 +53,52 @@ def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new):
 
 
 def test_pdl_in_a_graph_of_layers(monkeypatch):
-    """Eight decode calls on eight caches captured in one CUDA graph with PDL on, replayed with new
-    lengths, against the same calls launched ordinarily."""
+    """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the
+    previous layer's output (so a kernel that read before its wait would see a stale input),
+    replayed with new lengths, against the same chain launched ordinarily: outputs and appended
+    caches bit for bit."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     layers = [_inputs(1, 1, 1, 32, 8, 128, 8192, torch.bfloat16, page=16, rotary=True, seed=i) for i in range(8)]
+    q0 = layers[0][0]
     lens = torch.tensor([5000], device=DEV, dtype=torch.int32)
     static_lens = lens.clone()
     saved = [(kc.clone(), vc.clone()) for _, kc, vc, _ in layers]
     for _, _, _, kw in layers:
         kw.pop("cache_seqlens")
 
-    def step():
-        return [flash_attn_with_kvcache(q, kc, vc, cache_seqlens=static_lens, causal=True, **kw)
-                for q, kc, vc, kw in layers]
+    def chain(caches, seqlens):
+        q, outs = q0, []
+        for (_, _, _, kw), (kc, vc) in zip(layers, caches):
+            q = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, **kw)
+            outs.append(q)
+        return outs
 
+    graph_caches = [(kc, vc) for _, kc, vc, _ in layers]
     monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        step()  # compile outside the capture
+        chain(graph_caches, static_lens)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(s)
-    for (_, kc, vc, _), (k0, v0) in zip(layers, saved):
+    for (kc, vc), (k0, v0) in zip(graph_caches, saved):
         kc.copy_(k0)
         vc.copy_(v0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = step()
+        outs = chain(graph_caches, static_lens)
     for t in range(3):
         static_lens.copy_(lens + t)
         graph.replay()
         torch.cuda.synchronize()
+        # the reference chain appends into copies of the caches as they were before this replay
         monkeypatch.setattr(launcher, "PDL_OVERRIDE", False)
-        for out, (q, _, _, kw), (k0, v0) in zip(outs, layers, saved):
-            # the reference appends into copies of the caches as they were before this replay
-            ref = flash_attn_with_kvcache(q, k0.clone(), v0.clone(), cache_seqlens=lens + t, causal=True, **kw)
-            assert torch.equal(out, ref)
+        ref_caches = [(k0.clone(), v0.clone()) for k0, v0 in saved]
+        refs = chain(ref_caches, lens + t)
+        torch.cuda.synchronize()
         monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
-        for (_, kc, vc, _), (k0, v0) in zip(layers, saved):
-            k0.copy_(kc)
-            v0.copy_(vc)
+        for out, ref in zip(outs, refs):
+            assert torch.equal(out, ref)
+        for (kc, vc), (rk, rv) in zip(graph_caches, ref_caches):
+            assert torch.equal(kc, rk) and torch.equal(vc, rv)
+        saved = [(kc.clone(), vc.clone()) for kc, vc in graph_caches]

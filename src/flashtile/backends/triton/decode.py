@@ -38,7 +38,8 @@ PDL_OVERRIDE: bool | None = None
 
 def use_pdl(device: torch.device) -> bool:
     on = PDL_OVERRIDE if PDL_OVERRIDE is not None else os.environ.get("FLASHTILE_DECODE_PDL", "0") not in ("", "0")
-    return bool(on) and device.type == "cuda" and capability(device) >= (9, 0)
+    # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
+    return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
 # Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
 # Grown, never freed: a captured CUDA graph keeps the address it was captured with.

@@ -149,7 +149,8 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
             _REDUCED_STAGES[key] = stages
         # cache only what was compiled for the key's own stage count (a retry may have lowered it)
         if fast_key is not None and stages == key_stages and hasattr(result, "packed_metadata"):
-            tail = launch_tail(kernel, len(args), meta)
+            # compile options among the keywords (launch_pdl) live in the compiled kernel's metadata
+            tail = launch_tail(kernel, len(args), {k: v for k, v in meta.items() if k in kernel.arg_names})
             if tail is not None:
                 _COMPILED[fast_key] = (result, tail)
         return result
