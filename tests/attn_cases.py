@@ -92,3 +92,17 @@ def repeated_grads(runs, shape=(2, 1024, 8, 128), device="cuda", **kw):
     q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     return [torch.autograd.grad(flashtile.flash_attn_func(q, k, v, **kw), (q, k, v), g) for _ in range(runs)]
+
+
+def record_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` (a kernel launcher) so each call appends its first argument's shape to the
+    returned list: a test routed to a kernel asserts that the kernel really ran."""
+    calls = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kw):
+        calls.append(args[0].shape)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, recording)
+    return calls

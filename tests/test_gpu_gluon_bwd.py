@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, repeated_grads
+from attn_cases import check_padded, record_calls, repeated_grads
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), like the Gluon forward's tests, not in full runs
@@ -21,15 +21,7 @@ def gluon_on(monkeypatch):
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
     monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)  # what these tests decide
     monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED_HEAD_DIMS", gluon_bwd.HEAD_DIMS)  # d = 256 too
-    calls = []
-    real = gluon_bwd.gluon_attn_bwd_dkdv
-
-    def counting(*args, **kw):
-        calls.append(args[0].shape)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv", counting)
-    return calls
+    return record_calls(monkeypatch, gluon_bwd, "gluon_attn_bwd_dkdv")
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])  # 256: two warpgroups side by side, not yet run on a GPU

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, repeated_grads
+from attn_cases import check_padded, record_calls, repeated_grads
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), not in full runs
@@ -19,15 +19,7 @@ DEV = "cuda"
 def dq_on(monkeypatch):
     monkeypatch.setattr(gluon_bwd, "DQ_OVERRIDE", True)
     monkeypatch.setattr(gluon_bwd, "DQ_GPU_VERIFIED", True)  # what these tests decide
-    calls = []
-    real = gluon_bwd.gluon_attn_bwd_dq
-
-    def counting(*args, **kw):
-        calls.append(args[0].shape)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dq", counting)
-    return calls
+    return record_calls(monkeypatch, gluon_bwd, "gluon_attn_bwd_dq")
 
 
 @pytest.mark.parametrize("d", [64, 128])

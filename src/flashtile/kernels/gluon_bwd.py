@@ -46,16 +46,40 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def _load_pair(desc_a, desc_b, a_smem, b_smem, bar, off_b, row0, head):
+    """TMA-load the [rows, d] tiles of (b, s, h, d) tensors a and b at (off_b, row0, head) onto one
+    barrier: a step needs both (Q and dO, or K and V) together."""
+    mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_a, [off_b, row0, head, 0], bar, a_smem)
+    tma.async_copy_global_to_shared(desc_b, [off_b, row0, head, 0], bar, b_smem)
+
+
+@gluon.jit
+def _barriers(NUM_BUFFERS: gl.constexpr):
+    """The barrier of the tiles a CTA keeps for its whole run, and one per ring slot; initialised."""
+    pinned = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(pinned, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(ready.index(i), count=1)
+    fence_async_shared()
+    return pinned, ready
+
+
+@gluon.jit
+def _invalidate(pinned, ready, NUM_BUFFERS: gl.constexpr):
+    mbarrier.invalidate(pinned)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(ready.index(i))
+
+
+@gluon.jit
 def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, step, off_b, h0, m_start, steps_per_head,
                NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr):
-    # one barrier per slot for both tiles: a step needs Q and dO together
     slot = step % NUM_BUFFERS
     head = h0 + step // steps_per_head
     m0 = (m_start + step % steps_per_head) * BLOCK_M
-    bar = ready.index(slot)
-    mbarrier.expect(bar, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [off_b, m0, head, 0], bar, q_smem.index(slot))
-    tma.async_copy_global_to_shared(desc_do, [off_b, m0, head, 0], bar, do_smem.index(slot))
+    _load_pair(desc_q, desc_do, q_smem.index(slot), do_smem.index(slot), ready.index(slot), off_b, m0, head)
 
 
 @gluon.jit
@@ -195,16 +219,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         # the plain order retires a step's products before the next step writes: one buffer each
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-
-    mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [off_b, n0, off_hk, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(desc_v, [off_b, n0, off_hk, 0], kv_ready, v_smem)
+    kv_ready, ready = _barriers(NUM_BUFFERS)
+    _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, off_b, n0, off_hk)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_steps:
             _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, off_b, h0, m_start, steps_per_head, NUM_BUFFERS,
@@ -266,9 +282,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                 _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, j + NUM_BUFFERS, off_b, h0, m_start,
                            steps_per_head, NUM_BUFFERS, BLOCK_M)
 
-    mbarrier.invalidate(kv_ready)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.invalidate(ready.index(i))
+    _invalidate(kv_ready, ready, NUM_BUFFERS)
     # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores,
     # which also clip the key rows past the sequence
     k_tile.store((dk * grad_scale).to(dtype))

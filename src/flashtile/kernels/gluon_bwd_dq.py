@@ -39,19 +39,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.kernels.gluon_bwd import LOG2E, _issue_scores, operand_smem_layout
+from flashtile.kernels.gluon_bwd import LOG2E, _barriers, _invalidate, _issue_scores, _load_pair, operand_smem_layout
 from flashtile.kernels.gluon_fwd import mma_layout
 
 
 @gluon.jit
 def _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, step, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
               BLOCK_N: gl.constexpr):
-    # one barrier per slot for both tiles: a step needs K and V together
     slot = step % NUM_BUFFERS
-    bar = ready.index(slot)
-    mbarrier.expect(bar, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [off_b, step * BLOCK_N, off_hk, 0], bar, k_smem.index(slot))
-    tma.async_copy_global_to_shared(desc_v, [off_b, step * BLOCK_N, off_hk, 0], bar, v_smem.index(slot))
+    _load_pair(desc_k, desc_v, k_smem.index(slot), v_smem.index(slot), ready.index(slot), off_b, step * BLOCK_N,
+               off_hk)
 
 
 @gluon.jit
@@ -111,16 +108,8 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     # dS of two consecutive steps: step j writes buffer j % 2 while step j-1's product reads the other
     ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], operand_smem_layout(BLOCK_M, BLOCK_N, dtype))
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-
-    mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [off_b, m0, off_h, 0], q_ready, q_smem)
-    tma.async_copy_global_to_shared(desc_do, [off_b, m0, off_h, 0], q_ready, do_smem)
+    q_ready, ready = _barriers(NUM_BUFFERS)
+    _load_pair(desc_q, desc_do, q_smem, do_smem, q_ready, off_b, m0, off_h)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_steps:
             _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, i, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
@@ -156,9 +145,7 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     dq = warpgroup_mma(ds_smem.index(last % 2), k_tile, dq, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
 
-    mbarrier.invalidate(q_ready)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.invalidate(ready.index(i))
+    _invalidate(q_ready, ready, NUM_BUFFERS)
     # Q is dead (every wgmma reading it retired): stage dQ there for the TMA store, which also clips
     # the rows past the sequence
     q_tile.store((dq * grad_scale).to(dtype))
