@@ -13,7 +13,8 @@
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
-#   bench-decode-layers-pdl  bench-decode-layers' 8-layer table with FLASHTILE_DECODE_PDL=1 (after tests-decode-pdl)
+#   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
+#                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
 #   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
 #                 graph launch per model step), and b = 1 single-call graphs beside it
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
@@ -227,9 +228,13 @@ for step in "${steps[@]}"; do
       tail -n 25 "$WORK/gpu_tests_decode_pdl.log" >> "$summary" ;;
     bench-decode-layers-pdl)
       # bench-decode-layers' first table with FLASHTILE_DECODE_PDL=1, after tests-decode-pdl passed
+      # (ordinary launches first, in the same call, for the ratio)
       if [[ $(cat "$WORK/decode_pdl_tests.rc" 2>/dev/null) == 0 ]]; then
-        FLASHTILE_DECODE_PDL=1 python3 -m flashtile.bench decode --cuda-graph --layers 8 \
-          --out "$WORK/decode_graph_layers8_pdl.json" 2> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
+        python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \
+          --out "$WORK/decode_graph_layers8_nopdl.json" 2> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
+        pack
+        FLASHTILE_DECODE_PDL=1 python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \
+          --out "$WORK/decode_graph_layers8_pdl.json" 2>> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
       else
         echo "bench-decode-layers-pdl: skipped (tests-decode-pdl did not pass in this call)" >> "$summary"
       fi ;;

@@ -34,10 +34,13 @@ from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 # order with 64-row steps: d = 128 causal spills 24 bytes there; at d = 256 it takes 208 KiB of
 # shared memory, so one CTA per SM and no second CTA to overlap with)
 CANDIDATES = {
-    256: [(32, 64, 4, 8, 2), (32, 64, 3, 8, 2), (64, 64, 2, 8, 2, 0)],
-    128: [(32, 64, 4, 4), (32, 64, 3, 4), (64, 64, 2, 4, 1, 0), (32, 128, 4, 8)],
-    64: [(64, 64, 4, 4), (32, 64, 4, 4), (64, 64, 2, 4, 1, 0), (64, 128, 4, 8)],
+    256: [(64, 64, 2, 8, 2, 0), (32, 64, 4, 8, 2)],
+    128: [(64, 64, 2, 4, 1, 0), (32, 64, 4, 4), (32, 64, 3, 4), (32, 128, 4, 8)],
+    64: [(64, 64, 4, 4), (64, 64, 2, 4, 1, 0), (64, 128, 4, 8)],
 }
+# session 7 (tune_gluon_bwd_h200_2026-11-30_session7.json): the plain order won every d = 128 / 256
+# row and became their default; (32, 64, 3, 8, 2) at d = 256 was slower than (32, 64, 4, 8, 2) at every
+# row; at d = 64, (32, 64, 4, 4) crashed ptxas (-11) non-causal and was slower causal
 # session 6 measured (64, 32, 3|4, 4), (64, 64, 3, 4) and (128, 32, 4, 8) slower than (128, 64, 3, 8)
 # at every d = 128 row from s = 2048 (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json)
 DQ_CANDIDATES = {

@@ -17,18 +17,37 @@ SCRIPT = pathlib.Path(__file__).with_name("aot_gluon_bwd.py")
 SM90_MAX_SHARED = 232448
 
 
+def _table_config(cfg: dict, keys) -> list:
+    """A table entry as the compile helper's list: BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps, then the
+    dK/dV kernel's WARPS_N and ROTATED (their kernel defaults where the entry leaves them out)."""
+    row = [cfg[key] for key in keys[:4]]
+    if len(keys) > 4:
+        row += [cfg.get("WARPS_N", 1), int(cfg.get("ROTATED", 1))]
+    return row
+
+
 def _cases():
     """(dtype, d, causal, config, kernel) per compile."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
     from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
     cases = []
-    for which, table in (("dkdv", BWD_DKDV_CONFIGS), ("dq", BWD_DQ_CONFIGS)):
+    for which, table, keys in (("dkdv", BWD_DKDV_CONFIGS, CONFIG_KEYS), ("dq", BWD_DQ_CONFIGS, CONFIG_KEYS[:4])):
         for d, cfg in table.items():
-            cfg = [cfg[key] for key in CONFIG_KEYS[:4]] + ([cfg["WARPS_N"]] if "WARPS_N" in cfg else [])
-            cases += [("bf16", d, causal, cfg, which) for causal in (False, True)]
-        cases.append(("fp16", 128, True, [table[128][key] for key in CONFIG_KEYS[:4]], which))
+            cases += [("bf16", d, causal, _table_config(cfg, keys), which) for causal in (False, True)]
+        cases.append(("fp16", 128, True, _table_config(table[128], keys), which))
     return cases
+
+
+def _rotated(case) -> bool:
+    _, _, _, cfg, which = case
+    return which == "dq" or len(cfg) < 6 or bool(cfg[5])
+
+
+# The plain order at d = 128 causal spills 24 bytes (ptxas -v); the H200 measured it the fastest
+# config anyway (benchmarks/results/tune_gluon_bwd_h200_2026-11-30_session7.json). Every other
+# build must not spill.
+SPILL_ALLOWANCE = {("dkdv", 128, True, False): 24}
 
 
 def _exp2_under_mma(sass: str) -> int:
@@ -62,15 +81,21 @@ def compiled(tmp_path_factory):
 def test_every_config_compiles_without_spills(compiled):
     _, rows = compiled
     assert len(rows) == len(_cases())
-    for row in rows:
-        assert row["spill_bytes"] == 0, row
+    for case, row in zip(_cases(), rows):
+        _, d, causal, _, which = case
+        assert row["spill_bytes"] <= SPILL_ALLOWANCE.get((which, d, causal, _rotated(case)), 0), row
         assert not row["serialized"], row
         assert row["shared"] <= SM90_MAX_SHARED, row
 
 
 def test_exponentials_run_under_inflight_wgmma(compiled):
+    # the rotated schedule's point (the plain order waits for every product within its step and
+    # overlaps through a second CTA or warpgroup instead, so it is not checked here)
     out, rows = compiled
-    for (_, _, _, cfg, _), row in zip(_cases(), rows):
+    for case, row in zip(_cases(), rows):
+        if not _rotated(case):
+            continue
+        cfg = case[3]
         bm, bn, _, nw = cfg[:4]
         per_thread = bm * bn // (32 * nw)  # one step's exponentials per thread
         sass = (out / f"{row['tag']}.sass").read_text()
@@ -90,13 +115,14 @@ def test_no_wgmma_reads_registers(compiled):
 
 
 
-def test_plain_order_candidates_compile_unserialised(tmp_path):
-    # scripts/tune_gluon_bwd.py's ROTATED = 0 candidates (64-row steps, every product waited for in
-    # its step): an in-flight product across steps made ptxas serialise the wgmmas, this order must not
+def test_other_schedule_compiles_unserialised(tmp_path):
+    # scripts/tune_gluon_bwd.py's candidates in the schedule the table does not take: the rotated one
+    # at d = 128 (the default until session 7) and the plain order at d = 64. An in-flight product
+    # across steps once made ptxas serialise the wgmmas; neither build may.
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [["bf16", 128, False, [64, 64, 2, 4, 1, 0]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]]]
+    cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]]]
     res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
                          text=True, env=env, timeout=900)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:

@@ -33,6 +33,8 @@ def test_refusals_name_the_reason(monkeypatch):
     assert "head_dim" in gluon_bwd.refusal(_t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96),
                                            _t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96), _p())
     d256 = (_t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256))
+    assert gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p()) is None  # verified in session 7
+    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED_HEAD_DIMS", (64, 128))  # a build not yet run on the GPU
     assert "256 not yet verified" in gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p())
     assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
                                          _t(2, 200, 2, 128), _p())
@@ -53,7 +55,7 @@ def test_never_on_cpu(monkeypatch):
     assert not gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())  # CPU tensors
 
 
-def _on_sm90(monkeypatch, q, k, v, env):
+def _on_sm90(monkeypatch, q, k, v, env, causal=False):
     # the route's rule as an sm_90 GPU would apply it, with CPU tensors standing in
     monkeypatch.setattr(gluon_bwd, "capability", lambda device: (9, 0))
     monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
@@ -61,22 +63,27 @@ def _on_sm90(monkeypatch, q, k, v, env):
         monkeypatch.delenv("FLASHTILE_GLUON_BWD", raising=False)
     else:
         monkeypatch.setenv("FLASHTILE_GLUON_BWD", env)
-    return gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())
+    return gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p(window_right=0) if causal else _p())
 
 
-@pytest.mark.parametrize("d,dtype,s,env,want", [
-    (128, torch.bfloat16, 1024, None, True),   # measured faster: the default
-    (128, torch.float16, 4096, None, True),    # measured faster too
-    (128, torch.bfloat16, 512, None, False),   # shorter than measured: the Triton kernel's short tiles
-    (64, torch.bfloat16, 1024, None, False),   # measured slower from s = 4096: Triton unless forced
-    (64, torch.bfloat16, 1024, "1", True),
-    (128, torch.bfloat16, 512, "1", True),
-    (128, torch.bfloat16, 1024, "0", False),   # the switch turns the default off
-    (128, torch.bfloat16, 1024, "", True),     # empty means unset
+@pytest.mark.parametrize("d,dtype,s,causal,env,want", [
+    (128, torch.bfloat16, 1024, False, None, True),   # measured faster: the default
+    (128, torch.float16, 4096, False, None, True),    # measured faster too
+    (128, torch.bfloat16, 512, False, None, False),   # shorter than measured: the Triton kernel's short tiles
+    (128, torch.bfloat16, 1024, True, None, False),   # causal s = 1024 measured slower at d = 128
+    (128, torch.bfloat16, 2048, True, None, True),
+    (256, torch.bfloat16, 1024, True, None, True),    # d = 256 won from s = 1024, causal too
+    (256, torch.float16, 4096, False, None, True),
+    (64, torch.bfloat16, 1024, False, None, False),   # measured slower from s = 4096: Triton unless forced
+    (64, torch.bfloat16, 1024, False, "1", True),
+    (128, torch.bfloat16, 512, True, "1", True),
+    (128, torch.bfloat16, 1024, False, "0", False),   # the switch turns the default off
+    (256, torch.bfloat16, 4096, True, "0", False),
+    (128, torch.bfloat16, 1024, False, "", True),     # empty means unset
 ])
-def test_default_rule_and_switch(monkeypatch, d, dtype, s, env, want):
+def test_default_rule_and_switch(monkeypatch, d, dtype, s, causal, env, want):
     q, k, v = _t(1, s, 4, d, dtype=dtype), _t(1, s, 2, d, dtype=dtype), _t(1, s, 2, d, dtype=dtype)
-    assert _on_sm90(monkeypatch, q, k, v, env) is want
+    assert _on_sm90(monkeypatch, q, k, v, env, causal) is want
 
 
 def test_grids_past_the_second_axis_limit_are_refused():

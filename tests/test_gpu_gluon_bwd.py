@@ -1,8 +1,9 @@
 """GPU tests of the Gluon dK/dV kernel (kernels/gluon_bwd.py) through the public backward, with the
 route pinned on (backends/triton/gluon_bwd.py OVERRIDE, GPU_VERIFIED). Each test also checks that the
 Gluon kernel really ran, so a refused call cannot pass as a Gluon result. The first version failed
-two causal cases here on the H200 (session 5: a register hazard); the shared-memory version has
-not run on a GPU yet."""
+two causal cases here on the H200 (session 5: a register hazard); the shared-memory version passed
+them from session 6, d = 256 from session 7. The table's configs run through the public backward;
+both schedules (rotated and plain order) also run directly against the Triton kernel."""
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ def gluon_on(monkeypatch):
     return record_calls(monkeypatch, gluon_bwd, "gluon_attn_bwd_dkdv")
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])  # 256: two warpgroups side by side, not yet run on a GPU
+@pytest.mark.parametrize("d", [64, 128, 256])  # 256: two warpgroups side by side
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s,h,h_k", [(1, 2, 2), (77, 4, 2), (256, 4, 1), (1000, 8, 8)])
 def test_gluon_dkdv_grads(gluon_on, d, causal, s, h, h_k):
@@ -68,24 +69,32 @@ def test_refused_calls_take_triton(gluon_on):
     assert not gluon_on  # softcap is outside the kernel's scope
 
 
+# both schedules per head dim, as (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps, WARPS_N): the table
+# takes one of them (plain order at d = 128 / 256, rotated at d = 64), scripts/tune_gluon_bwd.py the other
+ORDER_CONFIGS = {
+    (64, True): (64, 64, 4, 4, 1), (64, False): (64, 64, 2, 4, 1),
+    (128, True): (32, 64, 4, 4, 1), (128, False): (64, 64, 2, 4, 1),
+    (256, True): (32, 64, 4, 8, 2), (256, False): (64, 64, 2, 8, 2),
+}
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_plain_order_candidate_matches_triton(d, causal):
-    # scripts/tune_gluon_bwd.py's ROTATED = 0 candidates, launched directly, against the Triton dK/dV
-    # (the route never takes them; the tune only compares them with another Gluon config)
-    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
-
+@pytest.mark.parametrize("rotated", [True, False])
+def test_both_orders_match_triton(d, causal, rotated):
+    # each schedule launched directly, against the Triton dK/dV
     torch.manual_seed(0)
     b, s, h, h_k = 2, 1000, 4, 2
     q = torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    # s = 1000 is below the route's MIN_SEQLEN (and d = 256 is refused): the Triton kernels compute these
+    # s = 1000 is below the route's MIN_SEQLEN: the Triton kernels compute these
     _, want_dk, want_dv = torch.autograd.grad(out, (q, k, v), g)
     delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    config = dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=BWD_DKDV_CONFIGS[d]["num_warps"], ROTATED=0)
+    config = dict(zip(("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N"), ORDER_CONFIGS[d, rotated]))
+    config["ROTATED"] = rotated
     gluon_bwd.gluon_attn_bwd_dkdv(q.detach(), k.detach(), v.detach(), g, lse.contiguous(), delta, dk, dv,
                                   d ** -0.5, causal, config=config)
     for got, want in ((dk, want_dk), (dv, want_dv)):

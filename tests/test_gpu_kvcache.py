@@ -32,7 +32,7 @@ def _inputs(b, sq, s_new, h, h_k, d, cap, dtype, page=None, rotary=False, interl
         kw["block_table"] = torch.randperm(pool, device=DEV, generator=g)[: b * per].view(b, per).to(torch.int32)
         k_cache = torch.randn(pool, page, h_k, d, device=DEV, dtype=dtype, generator=g)
         cap = per * page
-    v_cache = torch.randn_like(k_cache)
+    v_cache = torch.randn(k_cache.shape, device=DEV, dtype=dtype, generator=g)  # seeded like the rest
     if s_new:
         kw["k"] = torch.randn(b, s_new, h_k, d, device=DEV, dtype=dtype, generator=g)
         kw["v"] = torch.randn(b, s_new, h_k, d, device=DEV, dtype=dtype, generator=g)

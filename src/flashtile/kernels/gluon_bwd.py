@@ -179,9 +179,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
-    ROTATED = False (experimental, a tuning candidate): the plain order, every product waited for
-    within its step, so no scores are held across steps and 64-row steps fit in registers; the
-    overlap then has to come from a second CTA on the SM."""
+    ROTATED = False (the d = 128 / 256 default since session 7): the plain order, every product
+    waited for within its step, so no scores are held across steps and 64-row steps fit in
+    registers; the overlap then comes from a second CTA on the SM (d = 128) or from the two
+    warpgroups (d = 256). ROTATED = True: the next step's scores are issued before this step's
+    gradient products (d = 64's default)."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # each column group is whole warpgroups, and its share of a step's queries a wgmma width
     gl.static_assert((NUM_WARPS // WARPS_N) % 4 == 0)
@@ -293,17 +295,18 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim: one warpgroup on 64 keys, streaming query
-# rows through a 4-slot ring. d = 128: 32 rows per step, 112 KiB of shared memory with the P^T / dS^T
-# buffers, so two CTAs fit on an SM and one's exponentials also hide under the other's MMAs. The
-# fastest of four configs at every length on the H200 (tune_gluon_bwd_h200_2026-11-30.json); d = 64
-# (not routed by default) is a first guess.
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, WARPS_N, ROTATED]) per head dim, the fastest of the
+# candidates in scripts/tune_gluon_bwd.py at every measured row on the H200
+# (tune_gluon_bwd_h200_2026-11-30_session7.json). d = 128 and 256 take the plain order (ROTATED = 0):
+# 64 query rows per step, every product waited for within its step, a 2-slot ring; d = 128 fits two
+# CTAs on an SM (one's exponentials hide under the other's MMAs; causal spills 24 bytes and is still
+# the fastest), d = 256 runs two warpgroups side by side (each half of d in dK / dV and half of a
+# step's queries; 208 KiB of shared memory, one CTA per SM). The plain order took 5%-15% (d = 128)
+# and 18%-21% (d = 256) off this kernel's time against the rotated schedule. d = 64 (not routed by
+# default) keeps the rotated schedule, its fastest there at most rows.
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
-    128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
-    # two warpgroups side by side on 64 keys, each with half of d (dK, dV: 128 registers) and half of
-    # a step's 32 queries (64 x 16 score wgmmas over d = 256): 217 registers, no spills, 208 KiB of
-    # shared memory, compiled for sm_90 on the CPU only (3 slots: 255 registers)
-    256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8, WARPS_N=2),
+    128: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
+    256: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
 }
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")

@@ -31,13 +31,25 @@ FUSED_COMBINE = os.environ.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in (""
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
-# calls that hides part of every launch gap. Experimental, not yet run on a GPU:
-# FLASHTILE_DECODE_PDL=1 turns it on; tests pin PDL_OVERRIDE.
+# calls that hides part of every launch gap. Bitwise equal to ordinary launches on the H200
+# (tests/test_gpu_decode_pdl.py, session 7). In 8-layer graphs it took 6% off b = 1 at 8k and 4% at
+# 16k, nothing at 64k, and cost about 1% from b = 1 at 128k and b = 8 at 32k
+# (benchmarks/results/decode_layers8_pdl_{off,on}_h200_2026-11-30.json), so by default it is on while
+# the K and V a call reads (at the cache's capacity) are at most PDL_MAX_KV_BYTES: b = 1 up to 64k and
+# b = 8 at 8k for 8 kv heads of d = 128 in bf16. FLASHTILE_DECODE_PDL=1 / 0 forces it on / off; tests
+# pin PDL_OVERRIDE.
 PDL_OVERRIDE: bool | None = None
+PDL_MAX_KV_BYTES = 256 << 20
 
 
-def use_pdl(device: torch.device) -> bool:
-    on = PDL_OVERRIDE if PDL_OVERRIDE is not None else os.environ.get("FLASHTILE_DECODE_PDL", "0") not in ("", "0")
+def use_pdl(device: torch.device, kv_bytes: int) -> bool:
+    """Launch this call's decode (and merge) kernels as programmatic dependents? ``kv_bytes``: the K
+    and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize)."""
+    if PDL_OVERRIDE is not None:
+        on = PDL_OVERRIDE
+    else:
+        env = os.environ.get("FLASHTILE_DECODE_PDL", "")
+        on = kv_bytes <= PDL_MAX_KV_BYTES if env == "" else env != "0"
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
@@ -229,7 +241,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * m_blocks * b * h_k,)
-    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device) else {}
+    kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
+    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes) else {}
     with device_guard(q):
         launch(
             _decode_kernel, grid,

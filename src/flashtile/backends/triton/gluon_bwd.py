@@ -1,13 +1,16 @@
 """The Gluon dK/dV kernel (kernels/gluon_bwd.py) in the backward: which calls take it, and its launch.
 
-On the H200 (session 6) the backward with this kernel for dK/dV (dQ stays the Triton kernel)
-measured 1.00x-1.11x of the all-Triton backward at bf16 d = 128
-(benchmarks/results/gluon_bwd_h200_2026-11-30_session6.json) and 1.02x-1.12x at fp16 d = 128
-(gluon_bwd_fp16_h200_2026-11-30.json) at every measured length (s = 1024 to 16384, plain and
-causal), so those calls take it by default from s = 1024 (MIN_SEQLEN: shorter ones were not
-compared in one process, and keep the Triton kernel's short-sequence tiles). At d = 64 it was
-0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
-tests/test_gpu_gluon_bwd.py passed on that machine (gpu_tests_gluon_bwd_h200_2026-11-30_session6.log).
+On the H200 the backward with this kernel for dK/dV (dQ stays the Triton kernel), against the
+all-Triton backward in one process:
+- d = 128, session 7 (plain-order config): 1.08x-1.17x from s = 1024 plain and s = 4096 causal, but
+  0.78x causal at s = 1024 (benchmarks/results/gluon_bwd_h200_2026-11-30_session7.json); session 6's
+  rotated schedule had measured 1.00x-1.11x bf16 and 1.02x-1.12x fp16;
+- d = 256, session 7: 1.43x-1.64x at s = 1024 to 16384, plain and causal (the same file).
+So those calls take it by default from s = 1024, causal d = 128 from s = 2048 (MIN_SEQLEN; shorter
+sequences were not compared in one process, and keep the Triton kernel's short-sequence tiles).
+At d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
+tests/test_gpu_gluon_bwd.py passed on the H200 for d = 64, 128, 256
+(gpu_tests_gluon_bwd_h200_2026-11-30_session7.log).
 
 ``FLASHTILE_GLUON_BWD=0`` turns the route off, ``=1`` forces it on wherever the kernel can run
 (d = 64 too); tests pin ``OVERRIDE``. The Gluon dQ kernel (kernels/gluon_bwd_dq.py) is launched from
@@ -29,18 +32,18 @@ from flashtile.params import AttnParams
 OVERRIDE: bool | None = None
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
-# where the H200 measured the win (module docstring): the default route takes only these
-PREFERRED_HEAD_DIMS = (128,)
+# where the H200 measured the win (module docstring): the default route takes only these, from the
+# sequence length given per (head_dim, causal); causal d = 128 at s = 1024 measured 0.78x, so it
+# starts at s = 2048 (the forward route's causal threshold), while causal d = 256 won from s = 1024
+MIN_SEQLEN = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
 PREFERRED_DTYPES = (torch.bfloat16, torch.float16)
-MIN_SEQLEN = 1024
 # CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
 MAX_GRID_Y = 65535
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
 # kernel that has not run there sets this to False (the route then refuses every call).
 GPU_VERIFIED = True
-# d = 256 runs the kernel with two warpgroups side by side (WARPS_N = 2), compiled on the CPU only:
-# refused until tests/test_gpu_gluon_bwd.py's d = 256 cases pass on the H200 (they add it here)
-GPU_VERIFIED_HEAD_DIMS = (64, 128)
+# head dims whose kernel build passed tests/test_gpu_gluon_bwd.py on the H200 (all three: session 7)
+GPU_VERIFIED_HEAD_DIMS = (64, 128, 256)
 
 
 def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
@@ -63,9 +66,10 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     return None
 
 
-def preferred(q) -> bool:
+def preferred(q, causal: bool) -> bool:
     """Where the H200 measured the backward faster with this kernel than with the Triton dK/dV."""
-    return q.shape[-1] in PREFERRED_HEAD_DIMS and q.dtype in PREFERRED_DTYPES and q.shape[1] >= MIN_SEQLEN
+    start = MIN_SEQLEN.get((q.shape[-1], causal))
+    return start is not None and q.dtype in PREFERRED_DTYPES and q.shape[1] >= start
 
 
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
@@ -75,7 +79,8 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     forced = OVERRIDE if OVERRIDE is not None else (None if env == "" else env != "0")
     if forced is False or q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
-    if not forced and not preferred(q):  # the cheap test first: refusal() reads strides and pointers
+    # the cheap test first: refusal() reads strides and pointers
+    if not forced and not preferred(q, p.window_right == 0):
         return False
     return refusal(q, k, v, dout, dk, dv, p) is None
 

@@ -1,0 +1,50 @@
+"""When the decode path launches its kernels as programmatic dependents (backends/triton/decode.py
+use_pdl), on CPU with an sm_90 device standing in: by default only for calls that read at most
+PDL_MAX_KV_BYTES of K and V (where the H200 measured it faster), the switch overriding both ways."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode
+
+CUDA = torch.device("cuda")
+SMALL, LARGE = decode.PDL_MAX_KV_BYTES, decode.PDL_MAX_KV_BYTES + 1
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(decode, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("FLASHTILE_DECODE_PDL", raising=False)
+    return monkeypatch
+
+
+def test_default_follows_the_measured_size(sm90):
+    # b = 1 at 64k with 8 kv heads of d = 128 in bf16 is exactly the limit
+    assert 2 * 1 * 65536 * 8 * 128 * 2 == decode.PDL_MAX_KV_BYTES
+    assert decode.use_pdl(CUDA, SMALL)
+    assert not decode.use_pdl(CUDA, LARGE)
+
+
+@pytest.mark.parametrize("env,small,large", [("1", True, True), ("0", False, False), ("", True, False)])
+def test_switch(sm90, env, small, large):
+    sm90.setenv("FLASHTILE_DECODE_PDL", env)
+    assert decode.use_pdl(CUDA, SMALL) is small
+    assert decode.use_pdl(CUDA, LARGE) is large
+
+
+def test_override_wins(sm90):
+    sm90.setenv("FLASHTILE_DECODE_PDL", "1")
+    sm90.setattr(decode, "PDL_OVERRIDE", False)
+    assert not decode.use_pdl(CUDA, SMALL)
+    sm90.setattr(decode, "PDL_OVERRIDE", True)
+    assert decode.use_pdl(CUDA, LARGE)
+
+
+def test_never_without_griddepcontrol(sm90):
+    assert not decode.use_pdl(torch.device("cpu"), SMALL)
+    sm90.setattr(decode, "capability", lambda device: (8, 0))
+    assert not decode.use_pdl(CUDA, SMALL)
+    sm90.setattr(decode, "capability", lambda device: (9, 0))
+    sm90.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
+    assert not decode.use_pdl(CUDA, SMALL)
