@@ -12,6 +12,7 @@
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
+#   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -162,6 +163,16 @@ for step in "${steps[@]}"; do
       pack
       [[ ${BENCH_FWDBWD:-1} == 1 ]] && python3 -m flashtile.bench fwdbwd ${BENCH_ARGS:-} --out "$WORK/fwdbwd.json" \
         --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+    bench-bwd-s1024-route)
+      # is the Gluon route's slow d = 128 causal s = 1024 row host time? the s = 1024 rows with the
+      # Gluon dK/dV kernel forced on and off, eager and as CUDA-graph replays, one file each
+      for on in 0 1; do
+        for graph in "" --cuda-graph; do
+          FLASHTILE_GLUON_BWD=$on python3 -m flashtile.bench bwd --d 128 256 --seqlens 1024 --peers flash $graph \
+            --out "$WORK/bwd_s1024_gluon${on}${graph:+_graph}.json" 2>> "$WORK/bench_bwd_s1024_route.log" >> "$summary"
+          pack
+        done
+      done ;;
     bench-bwd-short)
       # s <= 1024 backward: as users see it, then as CUDA-graph replays (kernel time alone); the gap
       # between the two is host time (docs/backward.md, "short sequences are host-bound")
@@ -230,7 +241,7 @@ for step in "${steps[@]}"; do
       # bench-decode-layers' first table with FLASHTILE_DECODE_PDL=1, after tests-decode-pdl passed
       # (ordinary launches first, in the same call, for the ratio)
       if [[ $(cat "$WORK/decode_pdl_tests.rc" 2>/dev/null) == 0 ]]; then
-        python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \
+        FLASHTILE_DECODE_PDL=0 python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \
           --out "$WORK/decode_graph_layers8_nopdl.json" 2> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
         pack
         FLASHTILE_DECODE_PDL=1 python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \

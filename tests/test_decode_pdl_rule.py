@@ -33,6 +33,13 @@ def test_switch(sm90, env, small, large):
     assert decode.use_pdl(CUDA, LARGE) is large
 
 
+def test_fp8_caches_only_when_forced(sm90):
+    # not run with it on a GPU: the default leaves e4m3 caches on ordinary launches
+    assert not decode.use_pdl(CUDA, SMALL, fp8=True)
+    sm90.setenv("FLASHTILE_DECODE_PDL", "1")
+    assert decode.use_pdl(CUDA, SMALL, fp8=True)
+
+
 def test_override_wins(sm90):
     sm90.setenv("FLASHTILE_DECODE_PDL", "1")
     sm90.setattr(decode, "PDL_OVERRIDE", False)

@@ -99,7 +99,7 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     # there, fine for a memory-bound kernel. The check is that it compiles through ptxas.
     # paged launches pipeline two stages deeper (the block-table load takes one of its own)
     # with programmatic dependent launch (FLASHTILE_DECODE_PDL): the contiguous build has the fused
-    # append and merge, the paged one neither; the fp8 test below compiles the decode kernel without it
+    # append and merge, the paged one neither; the fp8 test below compiles the decode kernel with it too
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_PDL=True), DECODE_INTS, 4,
              5 if paged else 3)
     cx = dict(HEAD_DIM=d, BLOCK_S=4, BLOCK_D=d)
@@ -122,6 +122,8 @@ def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
               DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True, FUSED_COMBINE=False)
     types = dict(DECODE_INTS, Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", K_NEW="*fp8e4nv", V_NEW="*fp8e4nv")
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, 4, 2)
+    # and with programmatic dependent launch, which fp8 caches take when FLASHTILE_DECODE_PDL=1 forces it
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_PDL=True), types, 4, 2)
 
 
 @pytest.mark.parametrize("d,paged,dtype", [(128, False, "bf16"), (128, True, "bf16"), (256, True, "bf16"),

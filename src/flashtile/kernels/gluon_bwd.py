@@ -1,4 +1,4 @@
-"""Hopper (sm_90) attention backward, dK/dV half, in Gluon (the default at bf16 / fp16 d = 128 on sm_90).
+"""Hopper (sm_90) attention backward, dK/dV half, in Gluon (the default at d = 128 / 256 on sm_90).
 
 The Triton dK/dV kernel (kernels/attn_bwd.py) computes, per key block and query block,
 
@@ -295,8 +295,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, WARPS_N, ROTATED]) per head dim, the fastest of the
-# candidates in scripts/tune_gluon_bwd.py at every measured row on the H200
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, WARPS_N, ROTATED]) per head dim, from the candidates in
+# scripts/tune_gluon_bwd.py on the H200 (d = 128 / 256: the fastest at every measured row)
 # (tune_gluon_bwd_h200_2026-11-30_session7.json). d = 128 and 256 take the plain order (ROTATED = 0):
 # 64 query rows per step, every product waited for within its step, a 2-slot ring; d = 128 fits two
 # CTAs on an SM (one's exponentials hide under the other's MMAs; causal spills 24 bytes and is still

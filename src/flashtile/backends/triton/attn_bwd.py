@@ -1,7 +1,8 @@
 """Launcher of the backward kernels: delta preprocess, then the dK/dV and dQ kernels (default), or
 one of the measured alternatives behind flags: both in one grid (FLASHTILE_BWD_ONE_LAUNCH), dQ fused
-into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (the default at bf16 / fp16
-d = 128 from s = 1024; FLASHTILE_GLUON_BWD)."""
+into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (the default at d = 128 / 256
+from s = 1024, causal d = 128 from s = 2048, where backends/triton/gluon_bwd.py measured it faster;
+FLASHTILE_GLUON_BWD)."""
 
 from __future__ import annotations
 
@@ -181,7 +182,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     feature_flags["USE_TMA"] = tma
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
-    # the Gluon dK/dV kernel (bf16 / fp16 d = 128 by default, backends/triton/gluon_bwd.py), then the Triton
+    # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton
     # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
     dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
     if dkdv_done:

@@ -36,20 +36,21 @@ FUSED_COMBINE = os.environ.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in (""
 # 16k, nothing at 64k, and cost about 1% from b = 1 at 128k and b = 8 at 32k
 # (benchmarks/results/decode_layers8_pdl_{off,on}_h200_2026-11-30.json), so by default it is on while
 # the K and V a call reads (at the cache's capacity) are at most PDL_MAX_KV_BYTES: b = 1 up to 64k and
-# b = 8 at 8k for 8 kv heads of d = 128 in bf16. FLASHTILE_DECODE_PDL=1 / 0 forces it on / off; tests
-# pin PDL_OVERRIDE.
+# b = 8 at 8k for 8 kv heads of d = 128 in bf16. fp8 caches were not run with it on a GPU, so they
+# take it only when forced. FLASHTILE_DECODE_PDL=1 / 0 forces it on / off; tests pin PDL_OVERRIDE.
 PDL_OVERRIDE: bool | None = None
 PDL_MAX_KV_BYTES = 256 << 20
 
 
-def use_pdl(device: torch.device, kv_bytes: int) -> bool:
+def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     """Launch this call's decode (and merge) kernels as programmatic dependents? ``kv_bytes``: the K
-    and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize)."""
+    and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize);
+    ``fp8``: an e4m3 cache (not measured with it: only when forced)."""
     if PDL_OVERRIDE is not None:
         on = PDL_OVERRIDE
     else:
         env = os.environ.get("FLASHTILE_DECODE_PDL", "")
-        on = kv_bytes <= PDL_MAX_KV_BYTES if env == "" else env != "0"
+        on = (kv_bytes <= PDL_MAX_KV_BYTES and not fp8) if env == "" else env != "0"
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
@@ -242,7 +243,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
-    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes) else {}
+    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     with device_guard(q):
         launch(
             _decode_kernel, grid,

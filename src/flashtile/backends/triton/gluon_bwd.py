@@ -5,8 +5,9 @@ all-Triton backward in one process:
 - d = 128, session 7 (plain-order config): 1.08x-1.17x from s = 1024 plain and s = 4096 causal, but
   0.78x causal at s = 1024 (benchmarks/results/gluon_bwd_h200_2026-11-30_session7.json); session 6's
   rotated schedule had measured 1.00x-1.11x bf16 and 1.02x-1.12x fp16;
-- d = 256, session 7: 1.43x-1.64x at s = 1024 to 16384, plain and causal (the same file).
-So those calls take it by default from s = 1024, causal d = 128 from s = 2048 (MIN_SEQLEN; shorter
+- d = 256, session 7: 1.43x-1.64x at s = 1024 to 16384, plain and causal, bf16 (the same file).
+So those calls take it by default from s = 1024 (d = 256: bf16 only; fp16 there was not measured),
+causal d = 128 from s = 2048 (MIN_SEQLEN; shorter
 sequences were not compared in one process, and keep the Triton kernel's short-sequence tiles).
 At d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
 tests/test_gpu_gluon_bwd.py passed on the H200 for d = 64, 128, 256
@@ -36,7 +37,8 @@ DTYPES = (torch.bfloat16, torch.float16)
 # sequence length given per (head_dim, causal); causal d = 128 at s = 1024 measured 0.78x, so it
 # starts at s = 2048 (the forward route's causal threshold), while causal d = 256 won from s = 1024
 MIN_SEQLEN = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
-PREFERRED_DTYPES = (torch.bfloat16, torch.float16)
+# fp16 was measured at d = 128 only (session 6): fp16 d = 256 stays on Triton unless forced
+PREFERRED_DTYPES = {128: (torch.bfloat16, torch.float16), 256: (torch.bfloat16,)}
 # CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
 MAX_GRID_Y = 65535
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
@@ -69,7 +71,7 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
 def preferred(q, causal: bool) -> bool:
     """Where the H200 measured the backward faster with this kernel than with the Triton dK/dV."""
     start = MIN_SEQLEN.get((q.shape[-1], causal))
-    return start is not None and q.dtype in PREFERRED_DTYPES and q.shape[1] >= start
+    return start is not None and q.dtype in PREFERRED_DTYPES[q.shape[-1]] and q.shape[1] >= start
 
 
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
@@ -169,8 +171,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     _check_stats(lse, delta)
     meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
                 num_warps=cfg["num_warps"])
-    # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, a tuning
-    # candidate) only when given: absent, the kernel's defaults (1, rotated) apply
+    # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, the d = 128 / 256
+    # table's choice) only when given: absent, the kernel's defaults (1, rotated) apply
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
     _gluon_attn_bwd_dkdv_kernel[(cdiv(s, bn), b * h_k)](
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
