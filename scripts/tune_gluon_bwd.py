@@ -35,12 +35,18 @@ from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 # shared memory, so one CTA per SM and no second CTA to overlap with)
 CANDIDATES = {
     256: [(64, 64, 2, 8, 2, 0), (32, 64, 4, 8, 2)],
-    128: [(64, 64, 2, 4, 1, 0), (32, 64, 4, 4), (32, 64, 3, 4), (32, 128, 4, 8)],
+    128: [(64, 64, 2, 4, 1, 0), (32, 64, 4, 4), (64, 128, 2, 8, 1, 0), (128, 64, 2, 8, 2, 0)],
     64: [(64, 64, 4, 4), (64, 64, 2, 4, 1, 0), (64, 128, 4, 8)],
 }
 # session 7 (tune_gluon_bwd_h200_2026-11-30_session7.json): the plain order won every d = 128 / 256
 # row and became their default; (32, 64, 3, 8, 2) at d = 256 was slower than (32, 64, 4, 8, 2) at every
 # row; at d = 64, (32, 64, 4, 4) crashed ptxas (-11) non-causal and was slower causal
+# session 7 on the CPU (tests/aot_gluon_bwd.py): plain-order d = 128 candidates for the next sweep,
+# one CTA per SM each: (64, 128, 2, 8) two warpgroups on 128 keys sharing the Q / dO ring (255
+# registers, 24 / 44 bytes of spills plain / causal, 160 KiB) and (128, 64, 2, 8, 2) two warpgroups
+# side by side on 128-row steps (201 registers, no spills, 192 KiB); 3-slot plain rings spill
+# 76-136 bytes at d = 128 and exceed shared memory at d = 256. (32, 64, 3, 4) and (32, 128, 4, 8) lost
+# every row in sessions 6 and 7 and left the list.
 # session 6 measured (64, 32, 3|4, 4), (64, 64, 3, 4) and (128, 32, 4, 8) slower than (128, 64, 3, 8)
 # at every d = 128 row from s = 2048 (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json)
 DQ_CANDIDATES = {
