@@ -12,6 +12,7 @@
 #   bench-bwd     backward and fwd+bwd benchmarks                   bench-decode   decode benchmark
 #   bench-fp8     fp8 forward beside flashtile bf16 and cuDNN bf16
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
+#   bench-heavy-first  causal Triton fwd (d=64/256) and bwd (d=128/256) with FLASHTILE_HEAVY_FIRST=0 then 1
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
@@ -163,6 +164,16 @@ for step in "${steps[@]}"; do
       pack
       [[ ${BENCH_FWDBWD:-1} == 1 ]] && python3 -m flashtile.bench fwdbwd ${BENCH_ARGS:-} --out "$WORK/fwdbwd.json" \
         --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
+    bench-heavy-first)
+      # causal Triton forward (d = 64 / 256) and backward (the dQ kernel; d = 128 / 256) with the
+      # longest row blocks started first (FLASHTILE_HEAVY_FIRST=1, the default) and in launch order (0)
+      for hf in 0 1; do
+        FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench fwd --d 64 256 --causal yes --peers \
+          --out "$WORK/fwd_causal_heavy_first$hf.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
+        FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench bwd --d 128 256 --causal yes --seqlens 2048 4096 16384 \
+          --peers --out "$WORK/bwd_causal_heavy_first$hf.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
+        pack
+      done ;;
     bench-bwd-s1024-route)
       # is the Gluon route's slow d = 128 causal s = 1024 row host time? the s = 1024 rows with the
       # Gluon dK/dV kernel forced on and off, eager and as CUDA-graph replays, one file each

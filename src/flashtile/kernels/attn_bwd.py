@@ -18,6 +18,7 @@ import triton.language as tl
 
 from flashtile.kernels.attn_fwd import (
     SHORT_SEQLEN,
+    _heavy_rows_first,
     _key_block_ranges,
     _sequence_bounds,
     _tanh,
@@ -433,8 +434,10 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr = True,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
+    pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
     _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                 ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
                 grad_scale, seqlen_q, seqlen_k, num_heads,

@@ -33,6 +33,17 @@ def _tile_coords(seqlen_max, num_heads, group, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _heavy_rows_first(pid_m, seqlen_max, BLOCK: tl.constexpr, HAS_RIGHT: tl.constexpr, HEAVY_FIRST: tl.constexpr):
+    """Row block to compute for launch-order row block pid_m. With a right window (causal) a query
+    block's work grows with its index, so the last (longest) block starts first and the grid's tail
+    is short work, as in the Gluon forward. Only the order the programs start in changes: every block
+    is computed the same way, so results are bitwise the same either way."""
+    if HEAVY_FIRST and HAS_RIGHT:
+        pid_m = tl.maximum(tl.cdiv(seqlen_max, BLOCK), 1) - 1 - pid_m
+    return pid_m
+
+
+@triton.jit
 def _tile_coords_of(pid, seqlen_max, num_heads, group, BLOCK: tl.constexpr):
     """_tile_coords of flat program index pid (a kernel whose grid holds two kinds of programs)."""
     num_blocks = tl.maximum(tl.cdiv(seqlen_max, BLOCK), 1)
@@ -218,9 +229,10 @@ def _attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
+    pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
 
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from flashtile.backends.triton import gluon_bwd
+from flashtile.backends.triton import gluon_bwd, host
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_bwd import (
@@ -230,4 +230,4 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
-        num_warps=w_q, num_stages=s_q)
+        HEAVY_FIRST=host.HEAVY_FIRST, num_warps=w_q, num_stages=s_q)

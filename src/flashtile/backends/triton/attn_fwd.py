@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from flashtile.backends.triton import host
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
 from flashtile.params import AttnParams
@@ -155,7 +156,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
         IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=host.HEAVY_FIRST,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse, probs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.backends.triton import host
 from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.fp8 import transpose_v, v_keys_major  # noqa: F401  (transpose_v: tests and scripts import it here)
@@ -106,7 +107,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_Q_DESCALE=descales[0] is not None,
         HAS_K_DESCALE=descales[1] is not None, HAS_V_DESCALE=descales[2] is not None,
-        USE_TMA=tma, SOFT_ROUND_P=q.device.type == "cpu",
+        USE_TMA=tma, SOFT_ROUND_P=q.device.type == "cpu", HEAVY_FIRST=host.HEAVY_FIRST,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse, None

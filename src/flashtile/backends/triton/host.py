@@ -16,6 +16,11 @@ import warnings
 import torch
 from triton.runtime.errors import OutOfResources
 
+# Causal forward and dQ programs start with their longest row blocks (kernels/attn_fwd.py
+# _heavy_rows_first); FLASHTILE_HEAVY_FIRST=0 keeps launch order (for A/B timing; results are
+# bitwise the same either way). Read at import; benchmarks flip the attribute.
+HEAVY_FIRST = os.environ.get("FLASHTILE_HEAVY_FIRST", "1") != "0"
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)

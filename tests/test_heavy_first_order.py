@@ -1,0 +1,66 @@
+"""Causal forward and dQ programs start with their longest row blocks (kernels/attn_fwd.py
+_heavy_rows_first, backends/triton/host.py HEAVY_FIRST): through the interpreter on CPU, the output,
+lse and gradients are bitwise the same in either launch order, so the reordering maps every row
+block to exactly one program (a block computed twice or never would show here; the kernels' own
+tests check the values against the reference)."""
+
+import pytest
+import torch
+
+import flashtile
+from attn_cases import varlen_inputs
+from flashtile.backends.triton import attn_bwd as bwd_launcher
+from flashtile.backends.triton import attn_fwd as fwd_launcher
+from flashtile.backends.triton import host
+
+pytestmark = pytest.mark.interpret
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(fwd_launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
+    monkeypatch.setattr(bwd_launcher, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
+
+
+def _both_orders(monkeypatch, call):
+    results = []
+    for heavy_first in (True, False):
+        monkeypatch.setattr(host, "HEAVY_FIRST", heavy_first)
+        results.append(call())
+    return results
+
+
+@pytest.mark.parametrize("sq,sk,window,dropout", [(45, 45, (-1, 0), 0.0), (37, 20, (-1, 0), 0.0),
+                                                  (20, 45, (-1, 0), 0.0), (50, 50, (7, 3), 0.0),
+                                                  (33, 33, (-1, 0), 0.25)])  # dropout: the mask follows
+def test_padded_same_in_both_orders(monkeypatch, sq, sk, window, dropout):  # positions, not programs
+    torch.manual_seed(0)
+    q = torch.randn(2, sq, 2, 16, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(2, sk, 1, 16, dtype=torch.float16, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, sq, 2, 16, dtype=torch.float16)
+
+    def call():
+        torch.manual_seed(1)  # the same dropout seed for both orders
+        out, lse, _ = flashtile.flash_attn_func(q, k, v, dropout_p=dropout, window_size=window,
+                                                return_attn_probs=True)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), g))
+
+    on, off = _both_orders(monkeypatch, call)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
+
+
+def test_varlen_same_in_both_orders(monkeypatch):
+    # row blocks are counted from the longest sequence: shorter ones map some programs past their end
+    lens = [3, 40, 0, 17]
+    q, k, v, cu_q, cu_k = varlen_inputs(lens, lens, 2, 2, 16, torch.float16, "cpu", True)
+    g = torch.randn_like(q)
+
+    def call():
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens), max(lens), causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), g))
+
+    on, off = _both_orders(monkeypatch, call)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
