@@ -63,6 +63,8 @@ def main():
     ap.add_argument("--page-orders", nargs="+", default=["random"], choices=["random", "sequential"],
                     help="page orders of the paged variants")
     ap.add_argument("--configs", default=None, help='override the config list, e.g. "64,4,3;128,8,3"')
+    ap.add_argument("--splits", type=int, nargs="+", default=SPLITS,
+                    help="split counts to try (0 = the heuristic), e.g. 0 4 8 16 for b = 1 paged caches")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_decode.py times CUDA graphs: it needs a GPU")
@@ -75,7 +77,7 @@ def main():
         q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
         lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
         floor_bytes = 2 * b * sk * h_k * d * 2
-        for cfg, splits in itertools.product(configs, SPLITS):
+        for cfg, splits in itertools.product(configs, args.splits):
             launcher.CONFIG_OVERRIDE = cfg if page is None else (cfg[0], cfg[1], cfg[2] + 2)
             try:
                 us, err = time_step(q, kc, vc, lens, table, splits), None
