@@ -89,7 +89,7 @@ for step in "${steps[@]}"; do
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
         tests-kv) files=(tests/test_gpu_kvcache.py) ;;
-        tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py) ;;
+        tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
       python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" "${files[@]}" \
         > "$WORK/gpu_$step.log" 2>&1
@@ -166,12 +166,13 @@ for step in "${steps[@]}"; do
         --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
     bench-heavy-first)
       # causal Triton forward (d = 64 / 256) and backward (the dQ kernel; d = 128 / 256) with the
-      # longest row blocks started first (FLASHTILE_HEAVY_FIRST=1, the default) and in launch order (0)
-      for hf in 0 1; do
+      # longest row blocks started first (FLASHTILE_HEAVY_FIRST=1, the default) and in launch order (0),
+      # alternated twice so that neither setting always runs first
+      for hf in 0 1 0 1; do
         FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench fwd --d 64 256 --causal yes --peers \
-          --out "$WORK/fwd_causal_heavy_first$hf.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
+          --out "$WORK/fwd_causal_heavy_first${hf}_$SECONDS.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
         FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench bwd --d 128 256 --causal yes --seqlens 2048 4096 16384 \
-          --peers --out "$WORK/bwd_causal_heavy_first$hf.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
+          --peers --out "$WORK/bwd_causal_heavy_first${hf}_$SECONDS.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
         pack
       done ;;
     bench-bwd-s1024-route)

@@ -11,6 +11,7 @@ bytes. Configs that spill heavily are not worth GPU time in scripts/tune_bwd.py.
 """
 
 import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -34,6 +35,9 @@ def probe(kernel_name: str, constexprs: dict, warps: int, stages: int, types: di
     sig, consts, attrs = {}, {}, {}
     aligned = [["tt.divisibility", 16]]
     for i, name in enumerate(kern.arg_names):
+        param = kern.params[i]
+        if name not in constexprs and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            constexprs = dict(constexprs, **{name: param.default})  # e.g. HEAVY_FIRST = True
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
         elif types and name in types:

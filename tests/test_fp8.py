@@ -375,7 +375,8 @@ if tma:
     ptrs["desc_vt"] = "*fp8e4nv" if varlen else f"tensordesc<fp8e4nv[1,1,{D},{BN}]>"
 cx = dict(HEAD_DIM=D, BLOCK_M=BM, BLOCK_N=BN, BLOCK_D=D, IS_VARLEN=varlen, HAS_SEQUSED_Q=False,
           HAS_SEQUSED_K=varlen, HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False,
-          HAS_Q_DESCALE=True, HAS_K_DESCALE=True, HAS_V_DESCALE=True, USE_TMA=tma, SOFT_ROUND_P=False)
+          HAS_Q_DESCALE=True, HAS_K_DESCALE=True, HAS_V_DESCALE=True, USE_TMA=tma, SOFT_ROUND_P=False,
+          HEAVY_FIRST=True)
 sig, consts = {}, {}
 for i, n in enumerate(kern.arg_names):
     if n in cx:

@@ -34,8 +34,8 @@ def _tile_coords(seqlen_max, num_heads, group, BLOCK: tl.constexpr):
 
 @triton.jit
 def _heavy_rows_first(pid_m, seqlen_max, BLOCK: tl.constexpr, HAS_RIGHT: tl.constexpr, HEAVY_FIRST: tl.constexpr):
-    """Row block to compute for launch-order row block pid_m. With a right window (causal) a query
-    block's work grows with its index, so the last (longest) block starts first and the grid's tail
+    """Row block to compute for launch-order row block pid_m. Under causal masks and right-only
+    windows a query block's work grows with its index (two-sided windows: flat, order is moot), so the last (longest) block starts first and the grid's tail
     is short work, as in the Gluon forward. Only the order the programs start in changes: every block
     is computed the same way, so results are bitwise the same either way."""
     if HEAVY_FIRST and HAS_RIGHT:
