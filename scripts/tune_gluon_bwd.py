@@ -50,9 +50,13 @@ CANDIDATES = {
 # session 6 measured (64, 32, 3|4, 4), (64, 64, 3, 4) and (128, 32, 4, 8) slower than (128, 64, 3, 8)
 # at every d = 128 row from s = 2048 (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json)
 DQ_CANDIDATES = {
-    128: [(128, 64, 4, 8), (128, 64, 3, 8), (128, 32, 6, 8), (128, 32, 8, 8), (64, 32, 6, 4)],
-    64: [(64, 64, 4, 4)],
+    128: [(128, 64, 4, 8), (128, 64, 3, 8), (64, 64, 2, 4, 0), (128, 64, 2, 8, 0), (64, 128, 2, 4, 0)],
+    64: [(64, 64, 4, 4), (64, 64, 2, 4, 0)],
 }
+# the dQ kernel's fifth number is ROTATED (0: the plain order, session 7, compiled on the CPU: no
+# spills; (64, 64, 2, 4) at 161 registers and 104 KiB, so two CTAs per SM like the Triton dQ kernel).
+# (128, 32, 6 | 8, 8) and (64, 32, 6, 4) lost every session-7 row to (128, 64, 4, 8) and left the list.
+DQ_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "ROTATED")
 KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")
 
 
@@ -68,11 +72,11 @@ def _bwd_ms(out, inputs, g, gluon: bool, gluon_dq: bool = False) -> float:
         gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
 
 
-def _sweep(candidates, launch, ref, flops, key):
+def _sweep(candidates, launch, ref, flops, key, keys=None):
     """Time launch(config) -> output for each candidate; compare with ref (None: the first's output)."""
     entries = []
     for cfg in candidates:
-        config = dict(zip(KEYS, cfg))
+        config = dict(zip(keys or KEYS, cfg))
         entry = dict(config)  # the config and what was measured of it
         try:
             got = launch(config)
@@ -118,7 +122,7 @@ def row_of(d, s, causal, dq_only=False):
         return (dq,)
 
     row["configs"] = _sweep(CANDIDATES[d][:1] if dq_only else CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv")
-    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq")
+    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq", DQ_KEYS)
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
@@ -137,7 +141,7 @@ def main():
     for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
         assert dict(zip(KEYS, CANDIDATES[d][0])) == BWD_DKDV_CONFIGS[d], d
         if d in DQ_CANDIDATES:
-            assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in KEYS[:4]), d
+            assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in DQ_KEYS[:4]), d
     rows = []
     for d in args.d:
         for s in args.seqlens:

@@ -42,7 +42,9 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
     if which == "dkdv":
         constexprs["WARPS_N"] = rest[0] if rest else 1
-        constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
+    else:
+        assert not rest or rest[0] == 1, "the dQ kernel has no WARPS_N"
+    constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
                  desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")

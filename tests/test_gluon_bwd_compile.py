@@ -117,18 +117,19 @@ def test_no_wgmma_reads_registers(compiled):
 
 def test_other_schedule_compiles_unserialised(tmp_path):
     # scripts/tune_gluon_bwd.py's candidates in the schedule the table does not take: the rotated one
-    # at d = 128 (the default until session 7) and the plain order at d = 64. An in-flight product
+    # at d = 128 (the default until session 7), the plain order at d = 64 and in the dQ kernel. An in-flight product
     # across steps once made ptxas serialise the wgmmas; neither build may.
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]]]
+    cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]],
+             ["bf16", 128, True, [64, 64, 2, 4, 1, 0], "dq"]]  # the dQ kernel's plain order too
     res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
                          text=True, env=env, timeout=900)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("no ptxas in this triton install")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2
+    assert len(rows) == 3
     for row in rows:
         assert not row["serialized"] and row["spill_bytes"] == 0 and row["shared"] <= SM90_MAX_SHARED, row

@@ -77,12 +77,12 @@ def _ds_of_step(s, dp, ds_buf, LSE, DELTA, base, seqlen, q_idx, step, qk_scale, 
 def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DELTA, stride_lb, stride_lh, seqlen,
                               n_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                              CAUSAL: gl.constexpr):
+                              CAUSAL: gl.constexpr, ROTATED: gl.constexpr = True):
     """dQ (b, s, h, d) of q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta (b, h, s) fp32
-    (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale."""
-    # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident when
-    # step j issues its scores, so the ring needs three slots at least
-    gl.static_assert(NUM_BUFFERS >= 3)
+    (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale.
+    ROTATED = False: the plain order of the dK/dV kernel's d = 128 / 256 configs (every product
+    waited for within its step, one dS buffer; the overlap comes from another CTA or warpgroup), a
+    tuning candidate here."""
     NUM_WARPS: gl.constexpr = gl.num_warps()
     s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, 16)  # S, dP: [BLOCK_M queries, BLOCK_N keys]
     acc_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)  # dQ: [BLOCK_M, HEAD_DIM]
@@ -106,8 +106,13 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     do_smem = gl.allocate_shared_memory(dtype, desc_do.block_type.shape, desc_do.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
-    # dS of two consecutive steps: step j writes buffer j % 2 while step j-1's product reads the other
-    ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], operand_smem_layout(BLOCK_M, BLOCK_N, dtype))
+    ds_layout: gl.constexpr = operand_smem_layout(BLOCK_M, BLOCK_N, dtype)
+    if ROTATED:
+        # dS of two consecutive steps: step j writes buffer j % 2 while step j-1's product reads the other
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], ds_layout)
+    else:
+        # the plain order retires a step's product before the next step writes dS: one buffer
+        ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_M, BLOCK_N], ds_layout)
     q_ready, ready = _barriers(NUM_BUFFERS)
     _load_pair(desc_q, desc_do, q_smem, do_smem, q_ready, off_b, m0, off_h)
     for i in gl.static_range(NUM_BUFFERS):
@@ -119,31 +124,52 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     do_tile = do_smem.reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
 
-    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
-    s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
-                          HEAD_DIM)
-    s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
-    for j in range(0, n_steps - 1):
-        s_next, dp_next = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, j + 1, s_layout, NUM_BUFFERS,
-                                        BLOCK_M, BLOCK_N, HEAD_DIM)
-        # the tensor cores hold dQ of step j-1 and the scores of step j+1: this runs under them.
-        # Buffer j % 2 was last read by step j-2's product, retired by step j-1's wait.
-        _ds_of_step(s, dp, ds_smem.index(j % 2), LSE, DELTA, base, seqlen, q_idx, j, qk_scale, key_layout, dtype, BLOCK_N,
-                    CAUSAL)
-        dq, s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dq, s_next, dp_next))
-        # step j-1's slot is free: its scores retired at the previous wait, its dQ product just now
-        refill = j - 1 + NUM_BUFFERS
-        if (j >= 1) & (refill < n_steps):
-            _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
-        k_tile = k_smem.index(j % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
-        dq = warpgroup_mma(ds_smem.index(j % 2), k_tile, dq, is_async=True)
-    last = n_steps - 1
-    _ds_of_step(s, dp, ds_smem.index(last % 2), LSE, DELTA, base, seqlen, q_idx, last, qk_scale, key_layout, dtype, BLOCK_N,
-                CAUSAL)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    k_tile = k_smem.index(last % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
-    dq = warpgroup_mma(ds_smem.index(last % 2), k_tile, dq, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    if ROTATED:
+        # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident
+        # when step j issues its scores, so the ring needs three slots at least
+        gl.static_assert(NUM_BUFFERS >= 3)
+        dq = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+        s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                              HEAD_DIM)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        for j in range(0, n_steps - 1):
+            s_next, dp_next = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, j + 1, s_layout, NUM_BUFFERS,
+                                            BLOCK_M, BLOCK_N, HEAD_DIM)
+            # the tensor cores hold dQ of step j-1 and the scores of step j+1: this runs under them.
+            # Buffer j % 2 was last read by step j-2's product, retired by step j-1's wait.
+            _ds_of_step(s, dp, ds_smem.index(j % 2), LSE, DELTA, base, seqlen, q_idx, j, qk_scale, key_layout, dtype,
+                        BLOCK_N, CAUSAL)
+            dq, s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dq, s_next, dp_next))
+            # step j-1's slot is free: its scores retired at the previous wait, its dQ product just now
+            refill = j - 1 + NUM_BUFFERS
+            if (j >= 1) & (refill < n_steps):
+                _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N)
+            k_tile = k_smem.index(j % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
+            dq = warpgroup_mma(ds_smem.index(j % 2), k_tile, dq, is_async=True)
+        last = n_steps - 1
+        _ds_of_step(s, dp, ds_smem.index(last % 2), LSE, DELTA, base, seqlen, q_idx, last, qk_scale, key_layout, dtype,
+                    BLOCK_N, CAUSAL)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        k_tile = k_smem.index(last % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
+        dq = warpgroup_mma(ds_smem.index(last % 2), k_tile, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    else:
+        gl.static_assert(NUM_BUFFERS >= 2)
+        # a plain tensor: the loop carries it waited for, not as an in-flight accumulator
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        for j in range(0, n_steps):
+            s, dp = _issue_scores(q_tile, do_tile, k_smem, v_smem, ready, j, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                                  HEAD_DIM)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+            _ds_of_step(s, dp, ds_smem.index(0), LSE, DELTA, base, seqlen, q_idx, j, qk_scale, key_layout, dtype,
+                        BLOCK_N, CAUSAL)
+            k_tile = k_smem.index(j % NUM_BUFFERS).reshape([BLOCK_N, HEAD_DIM])
+            dq = warpgroup_mma(ds_smem.index(0), k_tile, dq, is_async=True)
+            # nothing stays in flight across steps (as in the dK/dV kernel's plain order)
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+            if j + NUM_BUFFERS < n_steps:  # step j's slot is free: load the step NUM_BUFFERS ahead
+                _load_k_v(desc_k, desc_v, k_smem, v_smem, ready, j + NUM_BUFFERS, off_b, off_hk, NUM_BUFFERS,
+                          BLOCK_N)
 
     _invalidate(q_ready, ready, NUM_BUFFERS)
     # Q is dead (every wgmma reading it retired): stage dQ there for the TMA store, which also clips
@@ -154,7 +180,9 @@ def _gluon_attn_bwd_dq_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, LSE, DEL
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps) per head dim. d = 128: two warpgroups on 128 query rows
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, ROTATED]) per head dim. Session 7 added the plain order
+# (ROTATED = 0) as tuning candidates, compiled on the CPU only; the rotated builds of this table
+# compile to the same SASS as before that change, so their GPU verification stands. d = 128: two warpgroups on 128 query rows
 # share each K / V tile of a 4-slot ring (224 KiB of shared memory, one CTA per SM): the fastest of
 # the nine configs swept on the H200 at every length from 2048
 # (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json, tune_gluon_bwd_dq_h200_2026-11-30.json),

@@ -120,6 +120,9 @@ def dq_refusal(q, k, v, dout, dq, p: AttnParams) -> str | None:
     return None
 
 
+DQ_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "ROTATED")
+
+
 def _config(table: dict, d: int, config: dict | None, keys: tuple | None = None) -> dict:
     from flashtile.kernels.gluon_bwd import CONFIG_KEYS
 
@@ -146,15 +149,17 @@ def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causa
 
     b, s, h, d = q.shape
     h_k = k.shape[2]
-    cfg = _config(BWD_DQ_CONFIGS, d, config, keys=("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps"))
+    cfg = _config(BWD_DQ_CONFIGS, d, config, keys=DQ_CONFIG_KEYS)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
+    # ROTATED (0: the plain order, a tuning candidate) only when given: absent, the kernel's default
+    order = {"ROTATED": cfg["ROTATED"]} if "ROTATED" in cfg else {}
     _gluon_attn_bwd_dq_kernel[(cdiv(s, bm), b * h)](
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dq, [1, bm, 1, d]),
         lse, delta, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E, softmax_scale,
         HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
-        num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"], **order)
 
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
