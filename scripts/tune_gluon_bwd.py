@@ -72,19 +72,32 @@ def _bwd_ms(out, inputs, g, gluon: bool, gluon_dq: bool = False) -> float:
         gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
 
 
-def _sweep(candidates, launch, ref, flops, key, keys=None):
-    """Time launch(config) -> output for each candidate; compare with ref (None: the first's output)."""
+# a candidate's missing trailing numbers take the kernel's defaults, not the table's (the table's
+# ROTATED = 0 would otherwise turn a rotated candidate into the plain order)
+KERNEL_DEFAULTS = {"WARPS_N": 1, "ROTATED": 1}
+
+
+def _sweep(candidates, launch, ref, flops, key, outputs, keys=None):
+    """Time launch(config) -> output for each candidate; compare with ref (None: the first's output).
+    outputs are NaN-filled before each candidate's checked launch, so a config that skips rows
+    cannot pass on the previous candidate's values."""
     entries = []
+    keys = keys or KEYS
     for cfg in candidates:
-        config = dict(zip(keys or KEYS, cfg))
+        config = dict(zip(keys, cfg))
+        config.update({k: KERNEL_DEFAULTS[k] for k in keys[len(cfg):]})
         entry = dict(config)  # the config and what was measured of it
         try:
+            for x in outputs:
+                x.fill_(float("nan"))
             got = launch(config)
             torch.cuda.synchronize()
             if ref is None:
                 ref = tuple(x.clone() for x in got)
             entry["max_rel_diff"] = max(((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
                                         for a, r in zip(got, ref))
+            if not all(torch.isfinite(x).all() for x in got):
+                entry["max_rel_diff"] = float("nan")  # rows left unwritten: a broken config
             entry[f"{key}_ms"] = _ms(lambda config=config: launch(config))
             entry[f"{key}_tflops"] = flops / entry[f"{key}_ms"] / 1e9
         except Exception as exc:  # record and go on
@@ -121,8 +134,8 @@ def row_of(d, s, causal, dq_only=False):
         gluon_bwd.gluon_attn_bwd_dq(qd, kd, vd, gd, lse, delta, dq, scale, causal, config=config)
         return (dq,)
 
-    row["configs"] = _sweep(CANDIDATES[d][:1] if dq_only else CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv")
-    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq", DQ_KEYS)
+    row["configs"] = _sweep(CANDIDATES[d][:1] if dq_only else CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv", (dk, dv))
+    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq", (dq,), DQ_KEYS)
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]

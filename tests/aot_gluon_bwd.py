@@ -5,7 +5,8 @@ be unset there).
     python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 128, true, [64, 32, 4, 4], "dq"]]'
 
 A case's optional fifth element names the kernel: "dkdv" (the default) or "dq". A config's optional
-fifth and sixth numbers are the dK/dV kernel's WARPS_N (d = 256) and ROTATED (0: the plain order).
+fifth and sixth numbers are WARPS_N (the dK/dV kernel's two warpgroups side by side at d = 256; must be
+1 for the dQ kernel) and ROTATED (0: the plain order, both kernels).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized"}.

@@ -82,19 +82,25 @@ def test_keys_past_the_sequence_add_nothing_at_very_negative_scores(dq_on, monke
     assert (got[0].float() - want[0].float()).abs().max().item() <= 2e-2 * want[0].float().abs().max().item()
 
 
-@pytest.mark.parametrize("config", [(64, 64, 2, 4), (128, 64, 2, 8), (64, 128, 2, 4)])
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize("d,config,dtype", [(128, (64, 64, 2, 4), BF16), (128, (128, 64, 2, 8), BF16),
+                                            (128, (64, 128, 2, 4), BF16), (128, (64, 64, 2, 4), FP16),
+                                            (64, (64, 64, 2, 4), BF16)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s", [77, 1000])
-def test_plain_order_candidates_match_triton(config, causal, s):
+def test_plain_order_candidates_match_triton(monkeypatch, d, config, dtype, causal, s):
     # scripts/tune_gluon_bwd.py's ROTATED = 0 dQ candidates (session 7, compiled on the CPU only),
     # launched directly, against the Triton dQ kernel (the route never takes them)
+    monkeypatch.setattr(gluon_bwd, "DQ_OVERRIDE", False)  # the reference is the Triton dQ kernel
     torch.manual_seed(0)
-    b, h, h_k, d = 2, 4, 2, 128
-    q = torch.randn(b, s, h, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    b, h, h_k = 2, 4, 2
+    q = torch.randn(b, s, h, d, device=DEV, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(b, s, h_k, d, device=DEV, dtype=dtype, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    want = torch.autograd.grad(out, q, g)[0]  # s < 1024: the Triton kernels
+    want = torch.autograd.grad(out, q, g)[0]
     delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.full_like(q, float("nan"))  # rows the kernel skipped would stay NaN
     cfg = dict(zip(("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps"), config), ROTATED=0)

@@ -14,6 +14,10 @@ keys swapped:
       wait(0); refill the ring slot of step j-1
       issue  dQ += dS_j K_j                    in flight into step j+1
 
+ROTATED = False (session 7, a tuning candidate) is the dK/dV kernel's plain order instead: each step
+issues S and dP, waits, writes dS, issues dQ += dS K and waits, so nothing is in flight across steps
+and the overlap has to come from another CTA on the SM.
+
 dS reaches its product through shared memory (two buffers, alternating by step), never as a register
 operand: the dK/dV kernel's register-operand version hit a ptxas register hazard on the H200. lse
 and delta are loaded per step (as in the dK/dV kernel, from L1/L2): loaded once before the loop and
