@@ -174,23 +174,24 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
-    # Triton 3.6's ptxas segfaults on the dQ kernel's descriptor loads when they are software
-    # pipelined (num_stages >= 2; tests/test_sm90_compile.py), so dQ takes them only unpipelined.
-    tma_dq = tma and s_q == 1
-    desc_q, desc_do = (_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma else (q, dout)
-    desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     feature_flags["USE_TMA"] = tma
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton
     # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
     dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
+    # q and dout by descriptor for the Triton dK/dV programs only (the Gluon kernel builds its own)
+    desc_q, desc_do = ((_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma and not dkdv_done
+                       else (q, dout))
+    # Triton 3.6's ptxas segfaults on the dQ kernel's descriptor loads when they are software
+    # pipelined (num_stages >= 2; tests/test_sm90_compile.py), so dQ takes them only unpipelined;
+    # in one launch the dQ programs run at the dK/dV programs' stages
+    tma_dq = tma and (s_kv if one_launch else s_q) == 1
+    desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     if dkdv_done:
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0)
     if one_launch:
-        # one grid: dQ's descriptors only unpipelined (the ptxas crash above), warps/stages from dK/dV
-        tma_dq = tma and s_kv == 1
-        desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
+        # one grid: warps/stages from dK/dV
         n_dkdv = cdiv(max(seqlen_k, 1), bn_kv) * b * h_k
         n_dq = cdiv(max(seqlen_q, 1), bm_q) * b * h
         del feature_flags["USE_TMA"]
