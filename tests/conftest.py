@@ -24,6 +24,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def tiny_triton_tiles(monkeypatch):
+    """The Triton forward and backward kernels through the interpreter, on 16 x 16 tiles (tiny odd
+    shapes then cross both the masked and the unmasked block paths)."""
+    from flashtile.backends.triton import attn_bwd, attn_fwd
+
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(attn_fwd, "CONFIG_OVERRIDE", (16, 16, 4, 1))
+    monkeypatch.setattr(attn_bwd, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     # A different but reproducible draw per test: never the same inputs everywhere.

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, record_calls, repeated_grads
+from attn_cases import check_padded, grads_switched, record_calls, repeated_grads
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), like the Gluon forward's tests, not in full runs
@@ -49,14 +49,7 @@ def test_gluon_dkdv_repeatable(gluon_on, shape):
 
 
 def test_gluon_dkdv_matches_triton(gluon_on, monkeypatch):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16)
-    out = flashtile.flash_attn_func(q, k, v, causal=True)
-    got = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-    assert gluon_on
-    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
-    want = torch.autograd.grad(out, (q, k, v), g)
+    got, want = grads_switched(monkeypatch, gluon_bwd, "OVERRIDE", gluon_on, device=DEV)
     for a, b in zip(got, want):
         # two fp32 summation orders, one bf16 rounding each
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()

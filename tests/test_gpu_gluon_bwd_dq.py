@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, record_calls, repeated_grads
+from attn_cases import check_padded, grads_switched, record_calls, repeated_grads
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), not in full runs
@@ -43,14 +43,7 @@ def test_gluon_dq_repeatable(dq_on):
 
 
 def test_gluon_dq_matches_triton(dq_on, monkeypatch):
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16)
-    out = flashtile.flash_attn_func(q, k, v, causal=True)
-    got = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-    assert dq_on
-    monkeypatch.setattr(gluon_bwd, "DQ_OVERRIDE", False)
-    want = torch.autograd.grad(out, (q, k, v), g)
+    got, want = grads_switched(monkeypatch, gluon_bwd, "DQ_OVERRIDE", dq_on, device=DEV)
     # dK / dV: the same kernel either way; dQ: two fp32 summation orders, one bf16 rounding each
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
     assert (got[0].float() - want[0].float()).abs().max().item() <= 2e-2 * want[0].float().abs().max().item()

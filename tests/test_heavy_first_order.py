@@ -9,18 +9,9 @@ import torch
 
 import flashtile
 from attn_cases import varlen_inputs
-from flashtile.backends.triton import attn_bwd as bwd_launcher
-from flashtile.backends.triton import attn_fwd as fwd_launcher
 from flashtile.backends.triton import host
 
-pytestmark = pytest.mark.interpret
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(fwd_launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
-    monkeypatch.setattr(bwd_launcher, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
+pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("tiny_triton_tiles")]
 
 
 def _nan_filled(alloc):

@@ -12,14 +12,7 @@ from attn_cases import check_padded, check_varlen
 from flashtile.backends.triton import attn_bwd as bwd_launcher
 from flashtile.backends.triton import attn_fwd as fwd_launcher
 
-pytestmark = pytest.mark.interpret
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(fwd_launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
-    monkeypatch.setattr(bwd_launcher, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
+pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("tiny_triton_tiles")]
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (1, 33), (37, 20), (20, 45)])
