@@ -166,7 +166,7 @@ for step in "${steps[@]}"; do
         --plot "$WORK/fwdbwd.png" 2>> "$WORK/bench_bwd.log" >> "$summary" ;;
     bench-heavy-first)
       # causal Triton forward (d = 64 / 256) and backward (the dQ kernel; d = 128 / 256) with the
-      # longest row blocks started first (FLASHTILE_HEAVY_FIRST=1, the default) and in launch order (0),
+      # longest row blocks started first (FLASHTILE_HEAVY_FIRST=1) and in launch order (0, the default until this A/B),
       # alternated twice so that neither setting always runs first
       for hf in 0 1 0 1; do
         FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench fwd --d 64 256 --causal yes --peers \

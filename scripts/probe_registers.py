@@ -37,7 +37,7 @@ def probe(kernel_name: str, constexprs: dict, warps: int, stages: int, types: di
     for i, name in enumerate(kern.arg_names):
         param = kern.params[i]
         if name not in constexprs and param.is_constexpr and param.default is not inspect.Parameter.empty:
-            constexprs = dict(constexprs, **{name: param.default})  # e.g. HEAVY_FIRST = True
+            constexprs = dict(constexprs, **{name: param.default})  # e.g. HEAVY_FIRST = False
         if name in constexprs:
             sig[name], consts[(i,)] = "constexpr", constexprs[name]
         elif types and name in types:

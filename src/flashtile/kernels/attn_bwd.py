@@ -434,7 +434,7 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr = True,
+    HEAVY_FIRST: tl.constexpr = False,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)

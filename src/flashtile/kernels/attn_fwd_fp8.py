@@ -127,7 +127,7 @@ def _attn_fwd_fp8_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_Q_DESCALE: tl.constexpr, HAS_K_DESCALE: tl.constexpr, HAS_V_DESCALE: tl.constexpr,
-    USE_TMA: tl.constexpr, SOFT_ROUND_P: tl.constexpr, HEAVY_FIRST: tl.constexpr = True,
+    USE_TMA: tl.constexpr, SOFT_ROUND_P: tl.constexpr, HEAVY_FIRST: tl.constexpr = False,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
