@@ -14,6 +14,8 @@
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
 #   bench-heavy-first  causal Triton fwd (d=64/256) and bwd (d=128/256) with FLASHTILE_HEAVY_FIRST=0 then 1
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
+#                 (ROUTE_SEQLENS, e.g. "512", times other lengths)
+#   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), plain and with FLASHTILE_FAST_LAUNCH=1
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -180,8 +182,8 @@ for step in "${steps[@]}"; do
       # Gluon dK/dV kernel forced on and off, eager and as CUDA-graph replays, one file each
       for on in 0 1; do
         for graph in "" --cuda-graph; do
-          FLASHTILE_GLUON_BWD=$on python3 -m flashtile.bench bwd --d 128 256 --seqlens 1024 --peers flash $graph \
-            --out "$WORK/bwd_s1024_gluon${on}${graph:+_graph}.json" 2>> "$WORK/bench_bwd_s1024_route.log" >> "$summary"
+          FLASHTILE_GLUON_BWD=$on python3 -m flashtile.bench bwd --d 128 256 --seqlens ${ROUTE_SEQLENS:-1024} --peers flash \
+            $graph --out "$WORK/bwd_s${ROUTE_SEQLENS:-1024}_gluon${on}${graph:+_graph}.json" 2>> "$WORK/bench_bwd_s1024_route.log" >> "$summary"
           pack
         done
       done ;;
@@ -193,6 +195,12 @@ for step in "${steps[@]}"; do
       pack
       python3 -m flashtile.bench bwd --seqlens 512 1024 --peers flash cudnn --cuda-graph \
         --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
+    host-breakdown)
+      # host time per piece of an eager call (empty-kernel launches, descriptors, autograd, whole calls
+      # beside SDPA flash), then the same with the launch fast path
+      python3 scripts/host_breakdown.py --out "$WORK/host_breakdown.json" 2> "$WORK/host_breakdown.log" >> "$summary"
+      FLASHTILE_FAST_LAUNCH=1 python3 scripts/host_breakdown.py --out "$WORK/host_breakdown_fast.json" \
+        2>> "$WORK/host_breakdown.log" >> "$summary" ;;
     profile-bwd)
       python3 scripts/profile_bwd.py --out "$WORK/profile_bwd.json" 2> "$WORK/profile_bwd.log" >> "$summary" ;;
     host-profile-fast)
