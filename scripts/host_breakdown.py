@@ -99,17 +99,29 @@ def main() -> None:
         "noop kernel, 1 arg, kernel[grid](...)": lambda: _noop1[(1,)](x),
         "noop kernel, 1 arg, compiled[grid](...)": lambda: compiled1[(1, 1, 1)](x),
         "noop kernel, 30 args, kernel[grid](...)": lambda: _noop30[(1,)](*args30, C=1),
-        "noop kernel, 30 args, compiled[grid](...)": lambda: compiled30[(1, 1, 1)](*args30),
+        "noop kernel, 30 args, compiled[grid](...)": lambda: compiled30[(1, 1, 1)](*args30, 1),
         "Gluon TensorDescriptor (cached layout)": lambda: gluon_descriptor(q, [1, 64, 1, d]),
         "Triton TensorDescriptor": lambda: triton_descriptor(q, 64, d),
         "autograd.grad, identity Function": lambda: torch.autograd.grad(_Identity.apply(xg), xg, gx),
         "SDPA flash fwd, inference (causal)": lambda: sdpa_flash(qt, kt, vt),
         "flashtile fwd, inference (causal)": lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+        "flashtile fwd, with grad (causal)": lambda: flashtile.flash_attn_func(qg, kg, vg, causal=True),
         "SDPA flash fwd+bwd step (causal)": sdpa_step,
         "flashtile fwd+bwd step (causal)": ft_step,
+        "flashtile fwd+bwd step, Gluon fwd + Gluon dK/dV forced": ("gluon", ft_step),
+        "flashtile fwd+bwd step, Triton only": ("triton", ft_step),
+        "flashtile fwd, inference, Gluon forced": ("gluon", lambda: flashtile.flash_attn_func(q, k, v, causal=True)),
+        "flashtile fwd, inference, Triton only": ("triton", lambda: flashtile.flash_attn_func(q, k, v, causal=True)),
     }
     results = {}
+    from flashtile.backends.triton import gluon_bwd, gluon_route
+
     for name, fn in pieces.items():
+        if isinstance(fn, tuple):  # pin both Gluon routes on or off for this piece
+            route, fn = fn
+            gluon_route.OVERRIDE = gluon_bwd.OVERRIDE = route == "gluon"
+        else:
+            gluon_route.OVERRIDE = gluon_bwd.OVERRIDE = None
         if "inference" in name:
             with torch.no_grad():
                 us = per_call_us(fn)
