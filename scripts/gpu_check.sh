@@ -15,6 +15,7 @@
 #   bench-heavy-first  causal Triton fwd (d=64/256) and bwd (d=128/256) with FLASHTILE_HEAVY_FIRST=0 then 1
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
 #                 (ROUTE_SEQLENS, e.g. "512", times other lengths)
+#   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), plain and with FLASHTILE_FAST_LAUNCH=1
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
@@ -201,6 +202,8 @@ for step in "${steps[@]}"; do
       python3 scripts/host_breakdown.py --out "$WORK/host_breakdown.json" 2> "$WORK/host_breakdown.log" >> "$summary"
       FLASHTILE_FAST_LAUNCH=1 python3 scripts/host_breakdown.py --out "$WORK/host_breakdown_fast.json" \
         2>> "$WORK/host_breakdown.log" >> "$summary" ;;
+    host-trace)
+      python3 scripts/host_trace.py --out "$WORK/host_trace.txt" 2> "$WORK/host_trace.log" >> "$summary" ;;
     profile-bwd)
       python3 scripts/profile_bwd.py --out "$WORK/profile_bwd.json" 2> "$WORK/profile_bwd.log" >> "$summary" ;;
     host-profile-fast)
