@@ -3,7 +3,7 @@
 Usage: PYTHONPATH=src python scripts/host_trace.py [--out f.txt] [--shape b,s,h,d]
 
 Wraps every function defined in a flashtile module (in every module namespace that holds it, and
-the autograd Functions' forward/backward), Triton's JITFunction.run and CompiledKernel.run, and a
+the autograd Functions' forward/backward), Triton's JITFunction.run, and a
 few torch calls, with a timer that adds the call's inclusive wall time to a per-name total. Then
 runs inference forwards and training steps back to back at a tiny shape (kernels of a few
 microseconds, so the loop runs at the host's speed) and prints microseconds per call of the outer
@@ -75,12 +75,9 @@ def _wrap_flashtile() -> int:
 
 
 def _wrap_triton_and_torch() -> None:
-    from triton.compiler.compiler import CompiledKernel
     from triton.runtime.jit import JITFunction
 
     JITFunction.run = _timed("triton JITFunction.run (kernel[grid](...))", JITFunction.run)
-    CompiledKernel.run = _timed("triton CompiledKernel launcher (inside run)", CompiledKernel.__dict__["run"]) \
-        if "run" in CompiledKernel.__dict__ else CompiledKernel.run
     torch.autograd.grad = _timed("torch.autograd.grad (whole backward)", torch.autograd.grad)
     for name in ("empty", "empty_like", "zeros"):
         setattr(torch, name, _timed(f"torch.{name}", getattr(torch, name)))
