@@ -14,7 +14,7 @@
 #   bench-bwd-short  backward at s=512/1024, default timing and CUDA-graph replays
 #   bench-heavy-first  causal Triton fwd (d=64/256) and bwd (d=128/256) with FLASHTILE_HEAVY_FIRST=0 then 1
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
-#                 (ROUTE_SEQLENS, e.g. "512", times other lengths)
+#                 (ROUTE_SEQLENS, e.g. "512", times other lengths; ROUTE_MODES=eager: no graphs)
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), plain and with FLASHTILE_FAST_LAUNCH=1
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -182,9 +182,10 @@ for step in "${steps[@]}"; do
       # is the Gluon route's slow d = 128 causal s = 1024 row host time? the s = 1024 rows with the
       # Gluon dK/dV kernel forced on and off, eager and as CUDA-graph replays, one file each
       for on in 0 1; do
-        for graph in "" --cuda-graph; do
-          FLASHTILE_GLUON_BWD=$on python3 -m flashtile.bench bwd --d 128 256 --seqlens ${ROUTE_SEQLENS:-1024} --peers flash \
-            $graph --out "$WORK/bwd_s${ROUTE_SEQLENS:-1024}_gluon${on}${graph:+_graph}.json" 2>> "$WORK/bench_bwd_s1024_route.log" >> "$summary"
+        for mode in ${ROUTE_MODES:-eager graph}; do
+          graph=$([[ $mode == graph ]] && echo --cuda-graph)
+          FLASHTILE_GLUON_BWD=$on python3 -m flashtile.bench bwd --d 128 256 --seqlens ${ROUTE_SEQLENS:=1024} --peers flash \
+            $graph --out "$WORK/bwd_s${ROUTE_SEQLENS// /_}_gluon${on}${graph:+_graph}.json" 2>> "$WORK/bench_bwd_s1024_route.log" >> "$summary"
           pack
         done
       done ;;

@@ -1,7 +1,7 @@
-"""GPU tests of the experimental launch fast path (FLASHTILE_FAST_LAUNCH, backends/triton/host.py).
+"""GPU tests of the launch cache (backends/triton/host.py; on by default, FLASHTILE_FAST_LAUNCH=0 off).
 
-With it on, every Triton launch after the first of its specialisation calls the compiled kernel
-directly. Results must be bit-identical to the normal path, and a launch whose arguments Triton
+With it on, every Triton or Gluon launch after the first with its argument key calls the compiled
+kernel's launcher directly. Results must be bit-identical to the normal path, and a launch whose arguments Triton
 would specialise differently (a misaligned pointer) must not reuse the wrong kernel.
 """
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import gluon_route, host
+from flashtile.backends.triton import gluon_bwd, gluon_route, host
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -19,7 +19,8 @@ DEV = "cuda"
 def fast(monkeypatch):
     monkeypatch.setattr(host, "FAST_LAUNCH", True)
     monkeypatch.setattr(host, "_COMPILED", {})
-    monkeypatch.setattr(gluon_route, "OVERRIDE", False)  # Triton kernels only: they launch via host.launch
+    monkeypatch.setattr(gluon_route, "OVERRIDE", False)  # Triton kernels here; the Gluon test forces them
+    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
 
 
 def _step(q, k, v, g, **kw):
@@ -66,3 +67,19 @@ def test_decode_through_the_fast_path(fast, monkeypatch):
     monkeypatch.setattr(host, "FAST_LAUNCH", False)
     normal = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
     assert all(torch.equal(o, normal) for o in outs)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_kernels_through_the_cache(fast, monkeypatch, causal):
+    # the Gluon forward and dK/dV kernels take Gluon tensor descriptors, keyed by Triton's own
+    # specialisation (block shape, dtype, layout)
+    monkeypatch.setattr(gluon_route, "OVERRIDE", True)
+    monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
+    q, k, v, g = _qkv(s=512, d=128)
+    first, second = _step(q, k, v, g, causal=causal), _step(q, k, v, g, causal=causal)
+    names = {getattr(key[0], "__name__", "") for key in host._COMPILED}
+    assert any("gluon" in name for name in names), names
+    monkeypatch.setattr(host, "FAST_LAUNCH", False)
+    normal = _step(q, k, v, g, causal=causal)
+    for a, b, c in zip(first, second, normal):
+        assert torch.equal(a, c) and torch.equal(b, c)

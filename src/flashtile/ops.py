@@ -312,6 +312,9 @@ class EagerAttention(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = attn_fwd_impl(*inputs)
         _setup_context(ctx, inputs, output)
+        # lse and probs are not differentiable: their gradients are never read, so the engine need
+        # not allocate and zero-fill them on every backward (host time of short steps)
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
@@ -319,4 +322,6 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dprobs):
         # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
         # second derivative must fail loudly (the op path raises too), never come back as zero
+        if dout is None:  # no gradient reached the output (not materialised): none for the inputs
+            return (None,) * ctx.n_inputs
         return _input_grads(ctx, dout, torch.ops.flashtile.attn_bwd if traced(dout) else attn_bwd_impl)

@@ -13,7 +13,7 @@ import torch
 
 from flashtile.backends.triton import gluon_bwd, host
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
@@ -162,7 +162,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     so = _strides3(out, p.varlen)
     sdo = _strides3(dout, p.varlen)
     pre_m = 64
-    _attn_bwd_preprocess_kernel[(cdiv(max(seqlen_q, 1), pre_m) * b * h,)](
+    run_kernel(_attn_bwd_preprocess_kernel, (cdiv(max(seqlen_q, 1), pre_m) * b * h,),
         out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
         HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
 

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
@@ -160,7 +160,7 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
     with device_guard(k):
-        _kv_append_kernel[(s_new * b,)](  # flat grid: axis 1 would cap the batch at 65535
+        run_kernel(_kv_append_kernel, (s_new * b,),  # flat grid: axis 1 would cap the batch at 65535
             k, v, k_cache, v_cache,
             cache_seqlens if cache_seqlens is not None else dummy,
             cache_batch_idx if cache_batch_idx is not None else dummy,
@@ -295,7 +295,7 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
         return out, lse
     extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
     with device_guard(out):
-        _combine_kernel[(b * sq * h,)](  # flat grid: the batch on axis 1 would be capped at 65535
+        run_kernel(_combine_kernel, (b * sq * h,),  # flat grid: the batch on axis 1 would be capped at 65535
             out_partial, lse_partial, out, lse,
             ns, sq, h,
             *out_partial.stride()[:4],

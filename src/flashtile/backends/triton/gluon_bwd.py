@@ -26,7 +26,7 @@ import torch
 
 from flashtile.backends.triton import gluon_route
 from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor
-from flashtile.backends.triton.host import capability, cdiv
+from flashtile.backends.triton.host import capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
 # None: FLASHTILE_GLUON_BWD decides; True / False: always / never where the kernel can run (tests).
@@ -34,11 +34,13 @@ OVERRIDE: bool | None = None
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 # where the H200 measured the win (module docstring): the default route takes only these, from the
-# sequence length given per (head_dim, causal); causal d = 128 at s = 1024 measured 0.78x, so it
-# starts at s = 2048 (the forward route's causal threshold), while causal d = 256 won from s = 1024
-MIN_SEQLEN = {(128, False): 1024, (128, True): 2048, (256, False): 1024, (256, True): 1024}
-# fp16 was measured at d = 128 only (session 6): fp16 d = 256 stays on Triton unless forced
-PREFERRED_DTYPES = {128: (torch.bfloat16, torch.float16), 256: (torch.bfloat16,)}
+# sequence length given per (head_dim, causal). Causal d = 128 at s = 1024 measured 0.78x in session
+# 7, but session 8 timed that backward directly at 1.16x (tune_gluon_bwd_h200_2026-11-30_session8.json)
+# and as CUDA graphs at 1.14x (bwd_s1024_route_h200_2026-11-30_session8.json): the 0.78x was the
+# eager timing's host noise, so it starts at s = 1024 like the others
+MIN_SEQLEN = {(128, False): 1024, (128, True): 1024, (256, False): 1024, (256, True): 1024}
+# fp16 d = 256: 1.43x-1.59x of the Triton dK/dV at s = 1024-16384 (gluon_bwd_fp16_d256_h200_2026-11-30.json)
+PREFERRED_DTYPES = {128: (torch.bfloat16, torch.float16), 256: (torch.bfloat16, torch.float16)}
 # CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
 MAX_GRID_Y = 65535
 # The kernel version in this file passed tests/test_gpu_gluon_bwd.py on the H200. A change to the
@@ -154,7 +156,7 @@ def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causa
     _check_stats(lse, delta)
     # ROTATED (0: the plain order, a tuning candidate) only when given: absent, the kernel's default
     order = {"ROTATED": cfg["ROTATED"]} if "ROTATED" in cfg else {}
-    _gluon_attn_bwd_dq_kernel[(cdiv(s, bm), b * h)](
+    run_kernel(_gluon_attn_bwd_dq_kernel, (cdiv(s, bm), b * h),
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dq, [1, bm, 1, d]),
         lse, delta, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E, softmax_scale,
@@ -179,7 +181,7 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, the d = 128 / 256
     # table's choice) only when given: absent, the kernel's defaults (1, rotated) apply
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
-    _gluon_attn_bwd_dkdv_kernel[(cdiv(s, bn), b * h_k)](
+    run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),
         lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k, softmax_scale * LOG2E, softmax_scale, **meta)

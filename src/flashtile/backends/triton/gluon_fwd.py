@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from flashtile.backends.triton.host import capability, cdiv, device_guard
+from flashtile.backends.triton.host import capability, cdiv, device_guard, run_kernel
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128, 256)
@@ -184,7 +184,7 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (cdiv(s, bm), b * h)
     with device_guard(q):
-        _gluon_attn_fwd_kernel[grid](
+        run_kernel(_gluon_attn_fwd_kernel, grid,
             _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
             _descriptor(out, [1, bm, 1, d]),
             lse, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,
@@ -220,7 +220,7 @@ def gluon_attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, q_de
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (cdiv(s, bm), b * h)
     with device_guard(q):
-        _gluon_attn_fwd_fp8_kernel[grid](
+        run_kernel(_gluon_attn_fwd_fp8_kernel, grid,
             _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v_t, [1, 1, d, bn]),
             _descriptor(out, [1, bm, 1, d]), lse, *(x if x is not None else lse for x in ds),
             lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,

@@ -88,9 +88,10 @@ def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) 
     or forced by OVERRIDE)."""
     if OVERRIDE is False or os.environ.get("FLASHTILE_GLUON", "1") == "0":
         return False
-    if q.device.type != "cuda" or capability(q.device) != (9, 0) or refusal(q, k, v, p) is not None:
+    # the cheap tests first: refusal() reads strides and pointers, on every forward call
+    if not OVERRIDE and not preferred(q, p):
         return False
-    return bool(OVERRIDE) or preferred(q, p)
+    return q.device.type == "cuda" and capability(q.device) == (9, 0) and refusal(q, k, v, p) is None
 
 
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):

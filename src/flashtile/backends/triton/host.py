@@ -14,14 +14,19 @@ import os
 import warnings
 
 import torch
+from triton import knobs
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 from triton.runtime.errors import OutOfResources
 
-# FLASHTILE_HEAVY_FIRST=1: causal forward and dQ programs start with their longest row blocks
-# (kernels/attn_fwd.py _heavy_rows_first; results are bitwise the same either way). Off by default:
-# the compiled kernels with it have not run on a GPU yet (gpu_check.sh bench-heavy-first decides).
-# Read at import (tests flip the attribute). Triton kernels only: the Gluon forward always starts
-# its longest blocks first; the one-launch and Gluon dQ variants do not.
-HEAVY_FIRST = os.environ.get("FLASHTILE_HEAVY_FIRST", "0") not in ("", "0")
+# Causal forward and dQ programs start with their longest row blocks (kernels/attn_fwd.py
+# _heavy_rows_first; results are bitwise the same either way, tests/test_gpu_heavy_first.py). On by
+# default: the H200 A/B (gpu_check.sh bench-heavy-first, alternated 0 1 0 1 in one call;
+# benchmarks/results/heavy_first_ab_h200_2026-11-30.json) measured it 0.6%-7% faster at s = 8192 and
+# 16384 (the d = 256 causal forward +7% at 16384) and even, within the spread, below. FLASHTILE_HEAVY_FIRST=0 turns it off; read at import (tests flip the attribute).
+# Triton kernels only: the Gluon forward always starts its longest blocks first; the one-launch and
+# Gluon dQ variants do not.
+HEAVY_FIRST = os.environ.get("FLASHTILE_HEAVY_FIRST", "1") not in ("", "0")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,9 +38,16 @@ def next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(x: torch.Tensor):
-    """Triton launches on the *current* CUDA device and stream: make that the tensors' device."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the *current* CUDA device and stream: make that the tensors' device
+    (a no-op context when it already is, the common case: switching costs two driver calls)."""
+    device = x.device
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device)
 
 
 @functools.cache
@@ -63,25 +75,59 @@ def _launch_key(kernel, args, num_warps, num_stages, meta) -> tuple:
     return (kernel, device, tuple(t.dtype for t in tensors), num_warps, num_stages, tuple(sorted(meta.items())))
 
 
-# Experimental, off by default until measured on the GPU (FLASHTILE_FAST_LAUNCH=1): after a kernel's
-# first launch with a given argument specialisation, later launches call the compiled kernel
-# directly and skip JITFunction.run's binder, cache-key string and bookkeeping. On the H200
-# machine's CPU a Triton launch costs about 110 us under cProfile
-# (benchmarks/results/host_profile_h200_2026-11-30.txt), which bounds short training steps.
-FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "0") not in ("", "0")
-# (kernel, device, warps, stages, constexprs, per-argument specialisation) -> CompiledKernel
+# The launch cache (FLASHTILE_FAST_LAUNCH=0 turns it off): after a kernel's first launch with a given
+# argument key, later launches call the compiled kernel's launcher directly, skipping
+# JITFunction.run's binder, its string cache key, its global-value check and the stream lookup
+# through the driver object. On the H200 machine's CPU a kernel[grid](...) launch of an empty
+# kernel with 30 arguments takes 31-34 us and the compiled launcher 10-16 us
+# (benchmarks/results/host_breakdown_h200_2026-11-30.json), and a training step makes 4-5 launches.
+FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") not in ("", "0")
+# (kernel, keywords, argument key + device) -> (CompiledKernel, keyword/default param values, device)
 _COMPILED: dict = {}
+# a bound on the cache: a key holds exact integer values, so a stream of new shapes adds entries
+_COMPILED_MAX = 4096
 
 
-def _specialisation(args) -> tuple:
-    """What Triton specialises a launch on, per positional argument: type, and 16-byte alignment
-    of pointers / divisibility of integers (an integer equal to 1 becomes a constant). Computed
-    with every specialisation on, so the key is at least as fine as Triton's own (arguments
-    marked do_not_specialize only add entries that share one compiled kernel)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
+def _arg_key(args, require_cuda: bool = True) -> tuple | None:
+    """A key at least as fine as Triton's specialisation of these positional arguments.
 
-    return tuple(native_specialize_impl(BaseBackend, a, False, True, True) for a in args)
+    Triton specialises an int on its value's range, divisibility by 16 and == 1; a float on its
+    type only; a tensor on its dtype and 16-byte alignment; None and bools as themselves. Keying an
+    int on its exact value (and a bool apart from the int it equals) is finer than all of that, so
+    a launch can only reuse a kernel Triton itself would have picked for it. Anything else (tensor
+    descriptors) takes Triton's own specialisation. The first tensor's CUDA device index ends the
+    key. None: an argument that cannot be keyed, or no CUDA tensor (the interpreter).
+    """
+    key = []
+    add = key.append
+    device = None
+    for a in args:
+        t = type(a)
+        if t is int:
+            add(a)
+        elif t is float:
+            add(float)
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+            if device is None:
+                if a.device.type != "cuda" and require_cuda:  # the interpreter: no compiled kernels
+                    return None
+                device = a.device.index
+            add((a.dtype, not a.data_ptr() & 15))
+        elif a is None:
+            add(None)
+        elif t is bool:
+            add((bool, a))
+        else:
+            try:
+                spec = native_specialize_impl(BaseBackend, a, False, True, True)
+                hash(spec)
+            except Exception:  # noqa: BLE001 - whatever Triton cannot key takes the normal path
+                return None
+            add((t, spec))
+    if device is None and require_cuda:
+        return None
+    add(device)  # last: _launch_cached reads it back for the stream
+    return tuple(key)
 
 
 def launch_tail(kernel, n_args: int, meta: dict) -> list | None:
@@ -101,14 +147,57 @@ def launch_tail(kernel, n_args: int, meta: dict) -> list | None:
     return tail
 
 
-def _fast_key(kernel, args, num_warps, num_stages, meta):
-    try:
-        spec = _specialisation(args)
-        key = (kernel, torch.cuda.current_device(), num_warps, num_stages, tuple(meta.items()), spec)
-        hash(key)
-        return key
-    except TypeError:  # an argument Triton cannot specialise (or an unhashable keyword): normal path
+def _fast_key(kernel, args, meta):
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        return None  # profilers' launch hooks get their metadata from the normal path
+    arg_key = _arg_key(args)
+    if arg_key is None:
         return None
+    try:
+        key = (kernel, tuple(meta.items()), arg_key)
+        hash(key)
+    except TypeError:  # an unhashable keyword: the normal path
+        return None
+    return key
+
+
+def _stream(device: int):
+    # the current stream's handle, as Triton's own launch path reads it
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _launch_cached(hit, grid, args) -> None:
+    compiled, tail, device = hit
+    g0 = grid[0]
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    compiled.run(g0, g1, g2, _stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *tail)
+
+
+def _remember(key, kernel, result, n_args: int, meta: dict) -> None:
+    if not hasattr(result, "packed_metadata"):
+        return
+    # compile options among the keywords (num_warps, launch_pdl) live in the compiled kernel
+    tail = launch_tail(kernel, n_args, {k: v for k, v in meta.items() if k in kernel.arg_names})
+    if tail is not None:
+        if len(_COMPILED) >= _COMPILED_MAX:
+            _COMPILED.clear()
+        _COMPILED[key] = (result, tail, key[2][-1])
+
+
+def run_kernel(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)`` (a Triton or Gluon kernel), through the launch cache."""
+    key = _fast_key(kernel, args, meta) if FAST_LAUNCH and not callable(grid) else None
+    if key is not None:
+        hit = _COMPILED.get(key)
+        if hit is not None:
+            _launch_cached(hit, grid, args)
+            return hit[0]
+    result = kernel[grid](*args, **meta)
+    if key is not None:
+        _remember(key, kernel, result, len(args), meta)
+    return result
 
 
 def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
@@ -128,15 +217,13 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
         key = _launch_key(kernel, args, num_warps, num_stages, meta)
         stages = _REDUCED_STAGES.get(key, num_stages)
     key_stages = stages
-    # a compiled kernel takes exactly three grid dimensions (JITFunction pads them itself)
-    fast_grid = None if callable(grid) else tuple(grid) + (1,) * (3 - len(grid))
-    fast_key = _fast_key(kernel, args, num_warps, stages, meta) if FAST_LAUNCH and fast_grid else None
+    fast_key = (_fast_key(kernel, args, dict(meta, num_warps=num_warps, num_stages=stages))
+                if FAST_LAUNCH and not callable(grid) else None)
     if fast_key is not None:
         hit = _COMPILED.get(fast_key)
         if hit is not None:
-            compiled, tail = hit
-            compiled[fast_grid](*args, *tail)
-            return compiled
+            _launch_cached(hit, grid, args)
+            return hit[0]
     while True:
         try:
             result = kernel[grid](*args, num_warps=num_warps, num_stages=stages, **meta)
@@ -155,9 +242,6 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
                               RuntimeWarning, stacklevel=2)
             _REDUCED_STAGES[key] = stages
         # cache only what was compiled for the key's own stage count (a retry may have lowered it)
-        if fast_key is not None and stages == key_stages and hasattr(result, "packed_metadata"):
-            # compile options among the keywords (launch_pdl) live in the compiled kernel's metadata
-            tail = launch_tail(kernel, len(args), {k: v for k, v in meta.items() if k in kernel.arg_names})
-            if tail is not None:
-                _COMPILED[fast_key] = (result, tail)
+        if fast_key is not None and stages == key_stages:
+            _remember(fast_key, kernel, result, len(args), meta)
         return result

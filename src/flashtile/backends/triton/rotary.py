@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.backends.triton.host import cdiv, device_guard, next_pow2
+from flashtile.backends.triton.host import cdiv, device_guard, next_pow2, run_kernel
 from flashtile.kernels.rotary import _rotary_kernel, rotary_config
 
 # Tests pin a small block so interpreter runs cross several row blocks on short sequences.
@@ -55,7 +55,7 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_off
     if grid[0] == 0:
         return out
     with device_guard(x):
-        _rotary_kernel[grid](
+        run_kernel(_rotary_kernel, grid,
             x, out, cos, sin,
             cu_seqlens if varlen else dummy,
             seqlen_offsets if offsets_is_tensor else dummy,
