@@ -23,7 +23,8 @@ from triton.runtime.errors import OutOfResources
 # _heavy_rows_first; results are bitwise the same either way, tests/test_gpu_heavy_first.py). On by
 # default: the H200 A/B (gpu_check.sh bench-heavy-first, alternated 0 1 0 1 in one call;
 # benchmarks/results/heavy_first_ab_h200_2026-11-30.json) measured it 0.6%-7% faster at s = 8192 and
-# 16384 (the d = 256 causal forward +7% at 16384) and even, within the spread, below. FLASHTILE_HEAVY_FIRST=0 turns it off; read at import (tests flip the attribute).
+# 16384 (the d = 256 causal forward +7% at 16384) and even, within the spread, below.
+# FLASHTILE_HEAVY_FIRST=0 turns it off; read at import (tests flip the attribute).
 # Triton kernels only: the Gluon forward always starts its longest blocks first; the one-launch and
 # Gluon dQ variants do not.
 HEAVY_FIRST = os.environ.get("FLASHTILE_HEAVY_FIRST", "1") not in ("", "0")
