@@ -16,7 +16,7 @@
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
 #                 (ROUTE_SEQLENS, e.g. "512", times other lengths; ROUTE_MODES=eager: no graphs)
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
-#   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), plain and with FLASHTILE_FAST_LAUNCH=1
+#   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), then with FLASHTILE_FAST_LAUNCH=0
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -199,9 +199,9 @@ for step in "${steps[@]}"; do
         --out "$WORK/bwd_short_graph.json" 2>> "$WORK/bench_bwd_short.log" >> "$summary" ;;
     host-breakdown)
       # host time per piece of an eager call (empty-kernel launches, descriptors, autograd, whole calls
-      # beside SDPA flash), then the same with the launch fast path
+      # beside SDPA flash), then the same with the launch cache off
       python3 scripts/host_breakdown.py --out "$WORK/host_breakdown.json" 2> "$WORK/host_breakdown.log" >> "$summary"
-      FLASHTILE_FAST_LAUNCH=1 python3 scripts/host_breakdown.py --out "$WORK/host_breakdown_fast.json" \
+      FLASHTILE_FAST_LAUNCH=0 python3 scripts/host_breakdown.py --out "$WORK/host_breakdown_nocache.json" \
         2>> "$WORK/host_breakdown.log" >> "$summary" ;;
     host-trace)
       python3 scripts/host_trace.py --out "$WORK/host_trace.txt" 2> "$WORK/host_trace.log" >> "$summary" ;;
