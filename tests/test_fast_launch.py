@@ -49,6 +49,25 @@ def test_key_needs_a_cuda_tensor():
     assert host._arg_key([3, 4.0]) is None
 
 
+def test_launch_hooks_turn_the_cache_off():
+    # Triton 3.6's hook slots are HookChain objects, never None: the first GPU run of the cache
+    # tested "is not None", so nothing was ever cached
+    from triton import knobs
+
+    assert not host.launch_hooks_set()
+
+    def hook(metadata):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert host.launch_hooks_set()
+        assert host._fast_key(object(), (1,), {}) is None
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert not host.launch_hooks_set()
+
+
 def test_fast_key_is_off_without_a_specialisable_argument():
     kernel = SimpleNamespace()
     assert host._fast_key(kernel, ("not a kernel argument",), {}) is None

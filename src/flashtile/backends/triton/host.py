@@ -148,9 +148,16 @@ def launch_tail(kernel, n_args: int, meta: dict) -> list | None:
     return tail
 
 
+def launch_hooks_set() -> bool:
+    """Has a profiler (e.g. Proton) added a launch hook? Triton 3.6 keeps them in HookChain
+    objects that are never None: an empty chain means none."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
 def _fast_key(kernel, args, meta):
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        return None  # profilers' launch hooks get their metadata from the normal path
+    if launch_hooks_set():
+        return None  # launch hooks get their metadata from the normal path
     arg_key = _arg_key(args)
     if arg_key is None:
         return None
