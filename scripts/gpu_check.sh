@@ -15,6 +15,7 @@
 #   bench-heavy-first  causal Triton fwd (d=64/256) and bwd (d=128/256) with FLASHTILE_HEAVY_FIRST=0 then 1
 #   bench-bwd-s1024-route  d=128/256 s=1024 backward with the Gluon dK/dV route forced on and off, eager and graphs
 #                 (ROUTE_SEQLENS, e.g. "512", times other lengths; ROUTE_MODES=eager: no graphs)
+#   host-ab-cache  the launch cache on and off, alternated in one process (AB_ROUNDS rounds)
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), then with FLASHTILE_FAST_LAUNCH=0
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -203,6 +204,9 @@ for step in "${steps[@]}"; do
       python3 scripts/host_breakdown.py --out "$WORK/host_breakdown.json" 2> "$WORK/host_breakdown.log" >> "$summary"
       FLASHTILE_FAST_LAUNCH=0 python3 scripts/host_breakdown.py --out "$WORK/host_breakdown_nocache.json" \
         2>> "$WORK/host_breakdown.log" >> "$summary" ;;
+    host-ab-cache)
+      python3 scripts/host_breakdown.py --ab-cache ${AB_ROUNDS:-8} --out "$WORK/host_ab_cache.json" \
+        2> "$WORK/host_ab_cache.log" >> "$summary" ;;
     host-trace)
       python3 scripts/host_trace.py --out "$WORK/host_trace.txt" 2> "$WORK/host_trace.log" >> "$summary" ;;
     profile-bwd)

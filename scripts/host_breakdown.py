@@ -63,6 +63,8 @@ class _Identity(torch.autograd.Function):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ab-cache", type=int, default=0, metavar="N",
+                    help="only an A/B of the launch cache: N rounds alternating it on and off in this process")
     args = ap.parse_args()
     dev = "cuda"
     x = torch.empty(64, device=dev)
@@ -113,9 +115,27 @@ def main() -> None:
         "flashtile fwd, inference, Gluon forced": ("gluon", lambda: flashtile.flash_attn_func(q, k, v, causal=True)),
         "flashtile fwd, inference, Triton only": ("triton", lambda: flashtile.flash_attn_func(q, k, v, causal=True)),
     }
-    results = {}
-    from flashtile.backends.triton import gluon_bwd, gluon_route
+    from flashtile.backends.triton import gluon_bwd, gluon_route, host
 
+    if args.ab_cache:
+        # the machine's host times drift by 20% between runs: alternate the two settings in one
+        # process, several rounds, and compare medians
+        ab = {"inference": flashtile.flash_attn_func, "step": ft_step}
+        samples = {(name, flag): [] for name in ab for flag in (True, False)}
+        for _ in range(args.ab_cache):
+            for flag in (True, False):
+                host.FAST_LAUNCH = flag
+                with torch.no_grad():
+                    samples[("inference", flag)].append(
+                        per_call_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True), 200, 3))
+                samples[("step", flag)].append(per_call_us(ft_step, 200, 3))
+        results = {f"{name}, cache {'on' if flag else 'off'}": round(statistics.median(v), 2)
+                   for (name, flag), v in samples.items()}
+        for name, us in results.items():
+            print(f"{us:9.1f} us  {name} (median of {args.ab_cache} alternated rounds)", flush=True)
+        pieces = {}
+    else:
+        results = {}
     for name, fn in pieces.items():
         if isinstance(fn, tuple):  # pin both Gluon routes on or off for this piece
             route, fn = fn
