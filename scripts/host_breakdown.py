@@ -120,7 +120,7 @@ def main() -> None:
     if args.ab_cache:
         # the machine's host times drift by 20% between runs: alternate the two settings in one
         # process, several rounds, and compare medians
-        ab = {"inference": flashtile.flash_attn_func, "step": ft_step}
+        ab = ("inference", "step", "step, Gluon fwd + dK/dV forced")
         samples = {(name, flag): [] for name in ab for flag in (True, False)}
         for _ in range(args.ab_cache):
             for flag in (True, False):
@@ -129,6 +129,9 @@ def main() -> None:
                     samples[("inference", flag)].append(
                         per_call_us(lambda: flashtile.flash_attn_func(q, k, v, causal=True), 200, 3))
                 samples[("step", flag)].append(per_call_us(ft_step, 200, 3))
+                gluon_route.OVERRIDE = gluon_bwd.OVERRIDE = True
+                samples[(ab[2], flag)].append(per_call_us(ft_step, 200, 3))
+                gluon_route.OVERRIDE = gluon_bwd.OVERRIDE = None
         results = {f"{name}, cache {'on' if flag else 'off'}": round(statistics.median(v), 2)
                    for (name, flag), v in samples.items()}
         for name, us in results.items():
