@@ -38,7 +38,7 @@ def test_eager_path_matches_op_bitwise(packing, dropout_p):
     rng_state = torch.tensor([1234, 0], dtype=torch.int64) if dropout_p > 0 else None
     dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(9))
 
-    eager_out = ag.EagerAttention.apply(*ag.fwd_op_args(*tensors, p, rng_state, packing))[0]
+    eager_out = ag.eager_attention(*tensors, p, packing, rng_state)[0]
     assert type(eager_out.grad_fn).__name__ == "EagerAttentionBackward"
     leaves = [t for t in tensors if t is not None]
     eager_grads = torch.autograd.grad(eager_out, leaves, dout)
@@ -88,7 +88,7 @@ def test_varlen_partial_grads_and_probs_match_op():
     _, _, _, p = ag.varlen_params(q, k, v, cu, cu, 14, 14, 0.25, None, True, (-1, -1), 0.0, None, False, True)
     rng_state = torch.tensor([77, 0], dtype=torch.int64)
     dout = torch.randn(total, h, d, generator=torch.Generator().manual_seed(5))
-    eager = ag.EagerAttention.apply(*ag.fwd_op_args(q, k, v, p, rng_state, PACK_NONE))
+    eager = ag.eager_attention(q, k, v, p, PACK_NONE, rng_state)
     op = torch.ops.flashtile.attn_fwd(*ag.fwd_op_args(q, k, v, p, rng_state, PACK_NONE))
     for got, want in zip(eager, op):  # out, lse and the dropout probabilities
         assert torch.equal(got, want)
@@ -96,3 +96,26 @@ def test_varlen_partial_grads_and_probs_match_op():
     want = torch.autograd.grad(op[0], (q, v), dout)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_plain_function_apply_matches_the_fast_apply():
+    # eager_attention skips Function.apply's Python preamble; the class's own apply must agree
+    q, k, v = (_leaf(1, 11, 2, 16, seed=i) for i in range(3))
+    _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    fast = ag.eager_attention(q, k, v, p, PACK_NONE, None)
+    plain = ag.EagerAttention.apply(q, k, v, p, PACK_NONE, None)
+    assert fast[2] is None and plain[2] is None  # no probabilities allocated when not asked for
+    assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
+    dout = torch.randn(1, 11, 2, 16, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(torch.autograd.grad(fast[0], (q, k, v), dout), torch.autograd.grad(plain[0], (q, k, v), dout)):
+        assert torch.equal(a, b)
+
+
+def test_unused_output_gives_no_gradient():
+    # gradients are not materialised: a backward that reaches the node through lse only (it is not
+    # differentiable) or not at all must not fail
+    q, k, v = (_leaf(1, 9, 2, 16, seed=i) for i in range(3))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert not lse.requires_grad
+    (out.sum() * 0).backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))

@@ -22,10 +22,12 @@ from flashtile.ops import (
     PACK_KV,
     PACK_NONE,
     PACK_QKV,
-    EagerAttention,
+    EagerAttention,  # noqa: F401 - re-exported: tests and docs name it here
     attn_bwd_impl,
     attn_fwd_impl,
+    bwd_op_scalars,
     draw_rng_state,
+    eager_attention,
     traced,
     unpack,
 )
@@ -95,12 +97,6 @@ def fwd_op_args(q, k, v, p: AttnParams, rng_state, packing: int) -> tuple:
             p.q_descale, p.k_descale, p.v_descale)
 
 
-def bwd_op_scalars(p: AttnParams) -> tuple:
-    """The trailing scalars of ``flashtile::attn_bwd`` / ``attn_bwd_into`` (after the tensors)."""
-    return (p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
-            p.window_right, p.softcap, p.deterministic)
-
-
 def _packed_views(q, kv_or_none, qkv_or_none, varlen: bool):
     """Last-dim-contiguous packed tensors and their q, k, v views (pack dim 2, varlen 1)."""
     dim = 1 if varlen else 2
@@ -123,11 +119,10 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
     if _eager_inference(q, k, v):
         return _direct_forward(q, k, v, p, packing)
     rng_state = rng_state_for(p, q.device)
-    args = fwd_op_args(q, k, v, p, rng_state, packing)
     if traced(q):
-        out, lse, probs = torch.ops.flashtile.attn_fwd(*args)
+        out, lse, probs = torch.ops.flashtile.attn_fwd(*fwd_op_args(q, k, v, p, rng_state, packing))
     else:  # eager training: the op's autograd formula without its dispatcher (host time)
-        out, lse, probs = EagerAttention.apply(*args)
+        out, lse, probs = eager_attention(q, k, v, p, packing, rng_state)
     return _result(out, lse, probs, p.return_probs)
 
 

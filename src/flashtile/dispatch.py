@@ -9,11 +9,11 @@ each one with its reason.
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import replace
 
 import torch
 
+from flashtile import env
 from flashtile.params import AttnParams
 
 # Backends in order of preference; modules are imported lazily so a missing triton does not break
@@ -27,14 +27,22 @@ class NoBackendError(RuntimeError):
 
 def interpret_requested() -> bool:
     """True when ``FLASHTILE_INTERPRET=1``: CPU tensors go through the Triton kernels' interpreter."""
-    return os.environ.get("FLASHTILE_INTERPRET", "0") not in ("", "0", "false", "False")
+    return env.get("FLASHTILE_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+_LOADED: dict = {}  # imported backend modules (import_module's own lookup costs microseconds a call)
 
 
 def _load(name: str):
+    mod = _LOADED.get(name)
+    if mod is not None:
+        return mod, None
     try:
-        return importlib.import_module(name), None
+        mod = importlib.import_module(name)
     except Exception as exc:  # an unusable backend must not hide the others
         return None, f"cannot be imported ({type(exc).__name__}: {exc})"
+    _LOADED[name] = mod
+    return mod, None
 
 
 def choose(op: str, q, p: AttnParams):

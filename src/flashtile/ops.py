@@ -297,25 +297,45 @@ def traced(x: Tensor) -> bool:
             or torch._C._len_torch_dispatch_stack() > 0)
 
 
+def bwd_op_scalars(p: AttnParams) -> tuple:
+    """The trailing scalars of ``flashtile::attn_bwd`` / ``attn_bwd_into`` (after the tensors)."""
+    return (p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
+            p.window_right, p.softcap, p.deterministic)
+
+
 class EagerAttention(torch.autograd.Function):
     """``flashtile::attn_fwd`` with its registered autograd formula, without the op dispatcher.
 
-    Eager training calls take this; torch.compile traces the op instead (``attention`` in
-    autograd.py picks). Same arguments, same saved tensors, same backend calls, so the results are
-    the op's bit for bit; what it saves is host time: the op's argument handling (``fill_defaults``
-    for 23 arguments) and its autograd wrapper cost about 300 us of host time per forward +
-    backward with the kernels stubbed out (CPU), against about 120 us for the whole public call
-    on this path (docs/compile.md); short training steps are bound by that host time.
+    Eager training calls take this (through :func:`eager_attention`); torch.compile traces the op
+    instead (``attention`` in autograd.py picks). Same backend calls with the same parameters, so
+    the results are the op's bit for bit (tests/test_eager_autograd.py). What it saves is host time,
+    which short training steps are bound by (docs/backward.md): the op carries a call's parameters
+    as 23 separate arguments, fills their defaults and rebuilds its AttnParams on both sides, while
+    this Function takes the checked call's AttnParams as they are and keeps them for the backward,
+    with the backend chosen for the forward.
     """
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = attn_fwd_impl(*inputs)
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, p: AttnParams, packing: int, rng_state):
+        # p is this call's own (autograd.padded_params / varlen_params built it): the dropout draw
+        # goes into it as attn_fwd_impl's params_from_args would put it
+        p.seed, p.offset = _seed_offset(rng_state, p.dropout_p)
+        qu, ku, vu = unpack(q, k, v, packing)
+        out, lse, probs = dispatch.forward(qu, ku, vu, p)
+        lse = lse.to(_lse_dtype(qu))
+        if not p.return_probs:
+            probs = None  # never returned to the caller: no allocation (the op returns an empty tensor)
+        elif probs is None:
+            probs = qu.new_empty(0)
+        else:
+            probs = probs.to(torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.p, ctx.packing, ctx.rng_state = p, packing, rng_state
+        ctx.mark_non_differentiable(*(x for x in (lse, probs) if x is not None))
         # lse and probs are not differentiable: their gradients are never read, so the engine need
-        # not allocate and zero-fill them on every backward (host time of short steps)
+        # not allocate and zero-fill them on every backward
         ctx.set_materialize_grads(False)
-        return output
+        return out, lse, probs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -323,5 +343,31 @@ class EagerAttention(torch.autograd.Function):
         # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
         # second derivative must fail loudly (the op path raises too), never come back as zero
         if dout is None:  # no gradient reached the output (not materialised): none for the inputs
-            return (None,) * ctx.n_inputs
-        return _input_grads(ctx, dout, torch.ops.flashtile.attn_bwd if traced(dout) else attn_bwd_impl)
+            return None, None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        p, packing = ctx.p, ctx.packing
+        if traced(dout):  # a tracer in the backward: the op, for its fake implementation
+            dq, dk, dv = torch.ops.flashtile.attn_bwd(
+                dout, q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes,
+                ctx.rng_state, *bwd_op_scalars(p), packing)
+        else:  # what attn_bwd_impl runs, with the forward's parameters
+            (dq, dk, dv), views = _grad_buffers(q, k, v, packing)
+            qu, ku, vu = unpack(q, k, v, packing)
+            dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+            dispatch.choose("bwd", qu, p).bwd(dout, qu, ku, vu, out, lse, p, *views)
+        return dq, dk if k is not None else None, dv if v is not None else None, None, None, None
+
+
+# Function.apply's own preamble (a signature check, and a generator over every argument to unwrap
+# dead functorch wrappers) costs microseconds per call; eager_attention does the same work for the
+# three tensors it has and calls the C++ apply directly.
+_FUNCTION_APPLY = super(torch.autograd.Function, EagerAttention).apply
+
+
+def eager_attention(q, k, v, p: AttnParams, packing: int, rng_state):
+    """``EagerAttention.apply(q, k, v, p, packing, rng_state)``: ``(out, lse, probs-or-None)``."""
+    if torch._C._are_functorch_transforms_active():
+        return EagerAttention.apply(q, k, v, p, packing, rng_state)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    return _FUNCTION_APPLY(unwrap(q), k if k is None else unwrap(k), v if v is None else unwrap(v), p, packing,
+                           rng_state)

@@ -7,10 +7,10 @@ FLASHTILE_GLUON_BWD)."""
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
+from flashtile import env
 from flashtile.backends.triton import gluon_bwd, host
 from flashtile.backends.triton.attn_fwd import LOG2E, _descriptor, _tma_ok, arch_of
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
@@ -42,7 +42,7 @@ def use_fused_dq(p: AttnParams) -> bool:
         return False
     if FUSED_OVERRIDE is not None:
         return FUSED_OVERRIDE
-    return os.environ.get("FLASHTILE_BWD_FUSED_DQ", "0") not in ("", "0")
+    return env.get("FLASHTILE_BWD_FUSED_DQ", "0") not in ("", "0")
 
 
 # How the fused variant adds dQ: True = one bulk tensor reduce-add (TMA) per tile, False = an fp32
@@ -61,7 +61,7 @@ def fused_dq_mode(q: torch.Tensor) -> int:
 def use_tma(*tensors) -> bool:
     if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
         return TMA_OVERRIDE and all(x.numel() > 0 for x in tensors)
-    if os.environ.get("FLASHTILE_BWD_TMA", "0") in ("", "0"):
+    if env.get("FLASHTILE_BWD_TMA", "0") in ("", "0"):
         return False
     q = tensors[0]
     if q.device.type != "cuda" or capability(q.device)[0] < 9:
@@ -78,7 +78,7 @@ ONE_LAUNCH_OVERRIDE: bool | None = None
 def use_one_launch(p: AttnParams) -> bool:
     if ONE_LAUNCH_OVERRIDE is not None:
         return ONE_LAUNCH_OVERRIDE
-    return os.environ.get("FLASHTILE_BWD_ONE_LAUNCH", "0") not in ("", "0")
+    return env.get("FLASHTILE_BWD_ONE_LAUNCH", "0") not in ("", "0")
 
 
 _TABLE_OVERRIDES: dict | None = None
@@ -93,7 +93,7 @@ def config_overrides() -> dict:
     global _TABLE_OVERRIDES
     if _TABLE_OVERRIDES is None:
         table = {}
-        path = os.environ.get("FLASHTILE_BWD_CONFIGS")
+        path = env.get("FLASHTILE_BWD_CONFIGS")
         if path:
             with open(path) as f:
                 for key, (kv_cfg, q_cfg) in json.load(f).items():

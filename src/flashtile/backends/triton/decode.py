@@ -7,10 +7,10 @@ only, so a decode step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from flashtile import env
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
@@ -27,7 +27,7 @@ FUSED_APPEND = True
 # The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
-FUSED_COMBINE = os.environ.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
+FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -49,8 +49,8 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     if PDL_OVERRIDE is not None:
         on = PDL_OVERRIDE
     else:
-        env = os.environ.get("FLASHTILE_DECODE_PDL", "")
-        on = (kv_bytes <= PDL_MAX_KV_BYTES and not fp8) if env == "" else env != "0"
+        setting = env.get("FLASHTILE_DECODE_PDL", "")
+        on = (kv_bytes <= PDL_MAX_KV_BYTES and not fp8) if setting == "" else setting != "0"
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 

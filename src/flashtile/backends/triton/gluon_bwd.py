@@ -20,10 +20,9 @@ here too, only when forced (``FLASHTILE_GLUON_BWD_DQ=1``): it measured slower th
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from flashtile import env
 from flashtile.backends.triton import gluon_route
 from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor
 from flashtile.backends.triton.host import capability, cdiv, run_kernel
@@ -79,8 +78,8 @@ def preferred(q, causal: bool) -> bool:
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     """Compute dK, dV of this backward with the Gluon kernel? (an sm_90 GPU, a call it covers, and
     measured faster, or forced by FLASHTILE_GLUON_BWD=1 / OVERRIDE)."""
-    env = os.environ.get("FLASHTILE_GLUON_BWD", "")
-    forced = OVERRIDE if OVERRIDE is not None else (None if env == "" else env != "0")
+    setting = env.get("FLASHTILE_GLUON_BWD", "")
+    forced = OVERRIDE if OVERRIDE is not None else (None if setting == "" else setting != "0")
     if forced is False or q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
     # the cheap test first: refusal() reads strides and pointers
@@ -101,8 +100,8 @@ DQ_GPU_VERIFIED = True
 
 def use_gluon_bwd_dq(q, k, v, dout, dq, p: AttnParams) -> bool:
     """Compute dQ of this backward with the Gluon dQ kernel? (forced on only, for now)."""
-    env = os.environ.get("FLASHTILE_GLUON_BWD_DQ", "")
-    forced = DQ_OVERRIDE if DQ_OVERRIDE is not None else env not in ("", "0")
+    setting = env.get("FLASHTILE_GLUON_BWD_DQ", "")
+    forced = DQ_OVERRIDE if DQ_OVERRIDE is not None else setting not in ("", "0")
     if not forced or q.device.type != "cuda" or capability(q.device) != (9, 0) or not DQ_GPU_VERIFIED:
         return False
     return dq_refusal(q, k, v, dout, dq, p) is None

@@ -12,10 +12,9 @@ else, and any GPU but sm_90, goes to Triton.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from flashtile import env
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability
 from flashtile.params import AttnParams
@@ -86,7 +85,7 @@ def preferred(q: torch.Tensor, p: AttnParams) -> bool:
 def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> bool:
     """Route this forward call to the Gluon kernel? (an sm_90 GPU, supported, and measured faster
     or forced by OVERRIDE)."""
-    if OVERRIDE is False or os.environ.get("FLASHTILE_GLUON", "1") == "0":
+    if OVERRIDE is False or env.get("FLASHTILE_GLUON", "1") == "0":
         return False
     # the cheap tests first: refusal() reads strides and pointers, on every forward call
     if not OVERRIDE and not preferred(q, p):
