@@ -50,7 +50,7 @@
 #                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300),
-# GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate"), BENCH_GLUON_BWD_ARGS (e.g.
+# GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate"), GPU_K (the same for the other test steps), BENCH_GLUON_BWD_ARGS (e.g.
 # "--d 128 --dtype fp16"), GLUON_BWD_PROBE=0 (bench-gluon-bwd without the probe), TUNE_GLUON_BWD_ARGS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
 # returns at most 8 files) after every step, so a call cut by its time limit still returns the
@@ -95,7 +95,8 @@ for step in "${steps[@]}"; do
         tests-kv) files=(tests/test_gpu_kvcache.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
-      python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" "${files[@]}" \
+      python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" \
+        ${GPU_K:+-k "$GPU_K"} "${files[@]}" \
         > "$WORK/gpu_$step.log" 2>&1
       rc=$?
       [[ $rc -ne 0 ]] && status=$rc
