@@ -111,11 +111,72 @@ def test_plain_function_apply_matches_the_fast_apply():
         assert torch.equal(a, b)
 
 
-def test_unused_output_gives_no_gradient():
-    # gradients are not materialised: a backward that reaches the node through lse only (it is not
-    # differentiable) or not at all must not fail
+class _NoGradient(torch.autograd.Function):
+    """Passes its input through and sends no gradient back (None, not materialised as zeros)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.set_materialize_grads(False)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])
+def test_a_missing_output_gradient_gives_zero_input_gradients(eager):
+    # gradients are not materialised for the Function's outputs: when none reaches `out`, the
+    # inputs must still get zeros, as on the op path (optimizers and DDP treat None differently)
     q, k, v = (_leaf(1, 9, 2, 16, seed=i) for i in range(3))
-    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
-    assert not lse.requires_grad
-    (out.sum() * 0).backward()
-    assert torch.equal(q.grad, torch.zeros_like(q))
+    _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    out = ag.eager_attention(q, k, v, p, PACK_NONE, None)[0] if eager else _op_call(q, k, v, p, PACK_NONE, None)
+    _NoGradient.apply(out).sum().backward()
+    for t in (q, k, v):
+        assert t.grad is not None and torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_in_place_change_of_a_side_tensor_fails_the_backward():
+    q, k, v = (_leaf(1, 9, 2, 16, seed=i) for i in range(3))
+    alibi = torch.rand(2, dtype=torch.float32)
+    out = flashtile.flash_attn_func(q, k, v, alibi_slopes=alibi, causal=True)
+    alibi.mul_(3)  # the backward would silently use other slopes
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+_FEATURES = [
+    dict(causal=False),
+    dict(window_size=(3, 2)),
+    dict(softcap=5.0, causal=True),
+    dict(alibi=True),
+    dict(deterministic=True, causal=True),
+    dict(return_probs=True),  # dropout 0: an empty probabilities tensor, as from the op
+    dict(return_probs=True, dropout_p=0.3),
+]
+
+
+@pytest.mark.parametrize("feature", range(len(_FEATURES)))
+def test_eager_path_matches_op_with_features(feature):
+    kw = dict(_FEATURES[feature])
+    b, s, h, h_k, d = 2, 21, 4, 2, 16  # GQA
+    q = _leaf(b, s, h, d, seed=0)
+    k, v = _leaf(b, s + 5, h_k, d, seed=1), _leaf(b, s + 5, h_k, d, seed=2)
+    k.requires_grad_(False)  # gradients for q and v only
+    alibi = torch.rand(h, dtype=torch.float32) if kw.pop("alibi", False) else None
+    _, _, _, p = ag.padded_params(q, k, v, kw.get("dropout_p", 0.0), None, kw.get("causal", False),
+                                  kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0), alibi,
+                                  kw.get("deterministic", False), kw.get("return_probs", False))
+    rng_state = torch.tensor([99, 0], dtype=torch.int64) if p.dropout_p > 0 else None
+    eager = ag.eager_attention(q, k, v, p, PACK_NONE, rng_state)
+    op = torch.ops.flashtile.attn_fwd(*ag.fwd_op_args(q, k, v, p, rng_state, PACK_NONE))
+    assert torch.equal(eager[0], op[0]) and torch.equal(eager[1], op[1])
+    if p.return_probs:
+        assert torch.equal(eager[2], op[2])
+    else:
+        assert eager[2] is None  # never returned to the caller: not allocated
+    dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(4))
+    got = torch.autograd.grad(eager[0], (q, v), dout)
+    want = torch.autograd.grad(op[0], (q, v), dout)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -117,3 +117,25 @@ def test_sweeps_see_the_table_config_fail(monkeypatch):
     with pytest.raises(OutOfResources):  # neither the memo nor a retry: the config as asked
         host.launch(kern, (1,), num_warps=4, num_stages=3)
     assert kern.tried == [3]
+
+
+def test_env_get_follows_os_environ(monkeypatch):
+    import os
+    from unittest import mock
+
+    from flashtile import env
+
+    monkeypatch.delenv("FLASHTILE_TEST_SWITCH", raising=False)
+    assert env.get("FLASHTILE_TEST_SWITCH") is None
+    assert env.get("FLASHTILE_TEST_SWITCH", "d") == "d"
+    monkeypatch.setenv("FLASHTILE_TEST_SWITCH", "1")
+    assert env.get("FLASHTILE_TEST_SWITCH") == "1"
+    os.environ["FLASHTILE_TEST_SWITCH"] = "é"  # decoded as os.environ decodes it
+    assert env.get("FLASHTILE_TEST_SWITCH") == os.environ.get("FLASHTILE_TEST_SWITCH")
+    monkeypatch.delenv("FLASHTILE_TEST_SWITCH")
+    assert env.get("FLASHTILE_TEST_SWITCH") is None
+    with mock.patch.dict(os.environ, {"FLASHTILE_TEST_SWITCH": "2"}):
+        assert env.get("FLASHTILE_TEST_SWITCH") == "2"
+    with mock.patch("os.environ", {"FLASHTILE_TEST_SWITCH": "3"}):  # a replaced mapping
+        assert env.get("FLASHTILE_TEST_SWITCH") == "3"
+    assert env.get("FLASHTILE_TEST_SWITCH") is None

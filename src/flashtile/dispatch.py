@@ -30,19 +30,21 @@ def interpret_requested() -> bool:
     return env.get("FLASHTILE_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-_LOADED: dict = {}  # imported backend modules (import_module's own lookup costs microseconds a call)
+# (module, None) or (None, why it cannot be imported), per backend: import_module's own lookup costs
+# microseconds a call, and a failing import (no triton on a CPU-only install) would be retried each time
+_LOADED: dict = {}
 
 
 def _load(name: str):
-    mod = _LOADED.get(name)
-    if mod is not None:
-        return mod, None
+    hit = _LOADED.get(name)
+    if hit is not None:
+        return hit
     try:
-        mod = importlib.import_module(name)
+        hit = importlib.import_module(name), None
     except Exception as exc:  # an unusable backend must not hide the others
-        return None, f"cannot be imported ({type(exc).__name__}: {exc})"
-    _LOADED[name] = mod
-    return mod, None
+        hit = None, f"cannot be imported ({type(exc).__name__}: {exc})"
+    _LOADED[name] = hit
+    return hit
 
 
 def choose(op: str, q, p: AttnParams):

@@ -5,21 +5,23 @@ flip them with ``monkeypatch.setenv`` between calls, so they cannot be read once
 ``os.environ.get`` encodes the name and decodes the value on every read, about 2 us each on the
 H200 machine's CPU; :func:`get` looks the pre-encoded name up in the same mapping ``os.environ``
 writes through (CPython's ``os.environ._data`` on POSIX), so it sees every change made through
-``os.environ``, and decodes only a value that is set. Elsewhere it is ``os.environ.get``.
+``os.environ``, and decodes only a value that is set. Elsewhere, or when ``os.environ`` itself was
+replaced (``mock.patch("os.environ", ...)``), it is ``os.environ.get``.
 """
 
 from __future__ import annotations
 
 import os
 
-_DATA = getattr(os.environ, "_data", None)
+_ENVIRON = os.environ
+_DATA = getattr(_ENVIRON, "_data", None)
 _FAST = os.name == "posix" and isinstance(_DATA, dict)
 _NAMES: dict[str, bytes] = {}
 
 
 def get(name: str, default: str | None = None) -> str | None:
     """``os.environ.get(name, default)``."""
-    if not _FAST:
+    if not _FAST or os.environ is not _ENVIRON:  # a replaced os.environ (mock.patch): ask it
         return os.environ.get(name, default)
     key = _NAMES.get(name)
     if key is None:

@@ -311,8 +311,9 @@ class EagerAttention(torch.autograd.Function):
     the results are the op's bit for bit (tests/test_eager_autograd.py). What it saves is host time,
     which short training steps are bound by (docs/backward.md): the op carries a call's parameters
     as 23 separate arguments, fills their defaults and rebuilds its AttnParams on both sides, while
-    this Function takes the checked call's AttnParams as they are and keeps them for the backward,
-    with the backend chosen for the forward.
+    this Function takes the checked call's AttnParams as they are and keeps them for the backward.
+    The tensors inside them (cu_seqlens, seqused, ALiBi slopes) are saved too, so an in-place change
+    between forward and backward fails as it does on the op path.
     """
 
     @staticmethod
@@ -329,7 +330,8 @@ class EagerAttention(torch.autograd.Function):
             probs = qu.new_empty(0)
         else:
             probs = probs.to(torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k,
+                              p.alibi_slopes)
         ctx.p, ctx.packing, ctx.rng_state = p, packing, rng_state
         ctx.mark_non_differentiable(*(x for x in (lse, probs) if x is not None))
         # lse and probs are not differentiable: their gradients are never read, so the engine need
@@ -342,10 +344,11 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse, _dprobs):
         # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
         # second derivative must fail loudly (the op path raises too), never come back as zero
-        if dout is None:  # no gradient reached the output (not materialised): none for the inputs
-            return None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+        # (unpacking the saved tensors checks none was modified in place since the forward)
+        q, k, v, out, lse, *_ = ctx.saved_tensors
         p, packing = ctx.p, ctx.packing
+        if dout is None:  # not materialised: a zero gradient reached the output, as the op path sees it
+            dout = torch.zeros_like(out)
         if traced(dout):  # a tracer in the backward: the op, for its fake implementation
             dq, dk, dv = torch.ops.flashtile.attn_bwd(
                 dout, q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes,
@@ -367,6 +370,8 @@ _FUNCTION_APPLY = super(torch.autograd.Function, EagerAttention).apply
 def eager_attention(q, k, v, p: AttnParams, packing: int, rng_state):
     """``EagerAttention.apply(q, k, v, p, packing, rng_state)``: ``(out, lse, probs-or-None)``."""
     if torch._C._are_functorch_transforms_active():
+        # Function.apply's own path, which raises its error: this Function has no setup_context,
+        # so torch.func transforms are not supported (the op path refuses them the same way)
         return EagerAttention.apply(q, k, v, p, packing, rng_state)
     unwrap = torch._C._functorch.unwrap_if_dead
     return _FUNCTION_APPLY(unwrap(q), k if k is None else unwrap(k), v if v is None else unwrap(v), p, packing,
