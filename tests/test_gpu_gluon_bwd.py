@@ -33,8 +33,10 @@ def test_gluon_dkdv_grads(gluon_on, d, causal, s, h, h_k):
     assert gluon_on, "the Gluon dK/dV kernel did not run"
 
 
-def test_gluon_dkdv_fp16_and_long(gluon_on):
-    check_padded(1, 4096, 4096, 4, 4, 128, torch.float16, device=DEV, causal=True)
+@pytest.mark.parametrize("d", [128, 256])  # fp16 d = 256 is routed by default since session 8
+@pytest.mark.parametrize("causal", [False, True])
+def test_gluon_dkdv_fp16_and_long(gluon_on, d, causal):
+    check_padded(1, 4096, 4096, 4, 4, d, torch.float16, device=DEV, causal=causal)
     assert gluon_on
 
 
