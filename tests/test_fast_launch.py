@@ -25,8 +25,8 @@ def test_tail_takes_keywords_then_defaults_in_signature_order():
     assert host.launch_tail(kernel, 2, dict(A=1, C=3, Z=0)) is None  # an unknown keyword
 
 
-def _key(args):
-    return host._arg_key(args, require_cuda=False)
+def _key(args, n_plain=None):
+    return host._arg_key(args, n_plain, require_cuda=False)
 
 
 def test_key_separates_what_triton_compiles_differently():
@@ -35,12 +35,33 @@ def test_key_separates_what_triton_compiles_differently():
     assert _key([aligned]) != _key([offset])  # 16-byte alignment of a pointer
     assert _key([aligned]) == _key([buf[8:40]])  # another aligned pointer: the same kernel
     assert _key([aligned]) != _key([aligned.float()])  # dtype
-    assert _key([16]) != _key([17]) != _key([1])  # divisibility by 16, and 1 as a constant
-    assert _key([2**31]) != _key([16])  # i64 against i32
+    assert len({_key([16]), _key([17]), _key([1])}) == 3  # divisibility by 16, and 1 as a constant
+    assert _key([2**31]) != _key([16]) and _key([2**31 + 1]) != _key([17])  # i64 against i32
+    assert _key([2**63]) != _key([2**62])  # u64 against i64
     assert _key([1]) != _key([True]) and _key([0]) != _key([False])  # bools are i1, not ints
     assert _key([None]) != _key([0])
-    assert _key([0.5]) == _key([2.0])  # floats are not specialised on their value
     assert _key([0.5]) != _key([1])
+
+
+def test_key_shares_what_triton_compiles_alike():
+    # per-call values (dropout seeds, cache lengths) must not miss the cache on every call
+    assert _key([17]) == _key([33]) == _key([12345])
+    assert _key([16]) == _key([-32]) == _key([4096])
+    assert _key([0.5]) == _key([2.0])  # floats are not specialised on their value
+    assert _key([True]) == _key([False])  # nor bools
+
+
+def test_constexpr_positions_are_keyed_on_their_value():
+    assert _key([17, 5], n_plain=1) != _key([17, 6], n_plain=1)
+    assert _key([17, 1], n_plain=1) != _key([17, True], n_plain=1)
+    assert _key([17, 0.5], n_plain=1) != _key([17, 2.0], n_plain=1)
+    assert _key([17, 33], n_plain=2) == _key([33, 17], n_plain=2)
+
+
+def test_n_plain_counts_the_parameters_before_the_first_constexpr():
+    kernel = SimpleNamespace(params=[SimpleNamespace(is_constexpr=c) for c in (False, False, True, False)])
+    assert host._n_plain(kernel) == 2
+    assert host._n_plain(SimpleNamespace(params=[SimpleNamespace(is_constexpr=False)])) == 1
 
 
 def test_key_needs_a_cuda_tensor():
@@ -49,12 +70,27 @@ def test_key_needs_a_cuda_tensor():
     assert host._arg_key([3, 4.0]) is None
 
 
-def test_launch_hooks_turn_the_cache_off():
+def _keyable(monkeypatch):
+    monkeypatch.setattr(host, "_arg_key", lambda args, n_plain=None: tuple(args))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return SimpleNamespace(params=[], pre_run_hooks=[])
+
+
+def test_keywords_are_keyed_on_type_and_value(monkeypatch):
+    kernel = _keyable(monkeypatch)
+    assert host._fast_key(kernel, (3,), dict(R=0)) == host._fast_key(kernel, (3,), dict(R=0))
+    assert host._fast_key(kernel, (3,), dict(R=0)) != host._fast_key(kernel, (3,), dict(R=False))
+    assert host._fast_key(kernel, (3,), dict(N=16)) != host._fast_key(kernel, (3,), dict(N=16.0))
+
+
+def test_launch_hooks_turn_the_cache_off(monkeypatch):
     # Triton 3.6's hook slots are HookChain objects, never None: the first GPU run of the cache
     # tested "is not None", so nothing was ever cached
     from triton import knobs
 
+    kernel = _keyable(monkeypatch)
     assert not host.launch_hooks_set()
+    assert host._fast_key(kernel, (1,), {}) is not None
 
     def hook(metadata):
         return None
@@ -62,15 +98,22 @@ def test_launch_hooks_turn_the_cache_off():
     knobs.runtime.launch_enter_hook.add(hook)
     try:
         assert host.launch_hooks_set()
-        assert host._fast_key(object(), (1,), {}) is None
+        assert host._fast_key(kernel, (1,), {}) is None
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert not host.launch_hooks_set()
+    kernel.pre_run_hooks.append(hook)
+    assert host._fast_key(kernel, (1,), {}) is None
 
 
-def test_fast_key_is_off_without_a_specialisable_argument():
-    kernel = SimpleNamespace()
-    assert host._fast_key(kernel, ("not a kernel argument",), {}) is None
+def test_a_full_cache_evicts_its_oldest_entry(monkeypatch):
+    compiled = _Compiled()
+    kernel = SimpleNamespace(params=[], arg_names=[])
+    monkeypatch.setattr(host, "_COMPILED", {})
+    monkeypatch.setattr(host, "_COMPILED_MAX", 2)
+    for i in range(3):
+        host._remember(("key", i, 0), kernel, compiled, 0, {})
+    assert list(host._COMPILED) == [("key", 1, 0), ("key", 2, 0)]
 
 
 class _Compiled:
@@ -114,7 +157,7 @@ def test_a_miss_launches_normally_and_remembers_the_compiled_kernel(monkeypatch)
     kernel = Kernel()
     monkeypatch.setattr(host, "FAST_LAUNCH", True)
     monkeypatch.setattr(host, "_COMPILED", {})
-    monkeypatch.setattr(host, "_fast_key", lambda k, args, meta: (k, tuple(meta.items()), args + (0,)))
+    monkeypatch.setattr(host, "_fast_key", lambda k, args, meta: (k, tuple(meta.items()), args, 0))
     monkeypatch.setattr(host, "_stream", lambda device: "s")
     assert host.run_kernel(kernel, (2,), "x", 7, C=3, num_warps=4) is compiled
     assert seen == [((2,), ("x", 7), dict(C=3, num_warps=4))]

@@ -1,8 +1,9 @@
 """GPU tests of the launch cache (backends/triton/host.py; on by default, FLASHTILE_FAST_LAUNCH=0 off).
 
 With it on, every Triton or Gluon launch after the first with its argument key calls the compiled
-kernel's launcher directly. Results must be bit-identical to the normal path, and a launch whose arguments Triton
-would specialise differently (a misaligned pointer) must not reuse the wrong kernel.
+kernel's launcher directly. Results must be bit-identical to the normal path, later launches must
+hit (per-call seeds and lengths included), and a launch whose arguments Triton would specialise
+differently (a misaligned pointer) must not reuse the wrong kernel.
 """
 
 import pytest
@@ -17,10 +18,20 @@ DEV = "cuda"
 
 @pytest.fixture
 def fast(monkeypatch):
+    """The cache on and empty; returns the list its hits are recorded in."""
     monkeypatch.setattr(host, "FAST_LAUNCH", True)
     monkeypatch.setattr(host, "_COMPILED", {})
+    hits = []
+    launch_cached = host._launch_cached
+
+    def counted(hit, grid, args):
+        hits.append(hit[0])
+        launch_cached(hit, grid, args)
+
+    monkeypatch.setattr(host, "_launch_cached", counted)
     monkeypatch.setattr(gluon_route, "OVERRIDE", False)  # Triton kernels here; the Gluon test forces them
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
+    return hits
 
 
 def _step(q, k, v, g, **kw):
@@ -33,13 +44,22 @@ def _qkv(s=300, d=64, dtype=torch.bfloat16):
     return q, k, v, torch.randn(2, s, 4, d, device=DEV, dtype=dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 8), softcap=20.0)])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(window_size=(64, 8), softcap=20.0),
+                                dict(dropout_p=0.2, deterministic=True)])
 def test_fast_path_is_bit_identical(fast, monkeypatch, kw):
     q, k, v, g = _qkv()
-    first, second = _step(q, k, v, g, **kw), _step(q, k, v, g, **kw)  # compile + cache, then cached
+
+    def seeded_step():  # the same dropout mask in every run (seeds are drawn per call)
+        torch.manual_seed(5)
+        return _step(q, k, v, g, **kw)
+
+    first = seeded_step()  # compile + cache
     assert host._COMPILED, "nothing was cached"
+    assert not fast
+    second = seeded_step()  # every launch from the cache
+    assert len(fast) >= 4, f"only {len(fast)} launches hit the cache"
     monkeypatch.setattr(host, "FAST_LAUNCH", False)
-    normal = _step(q, k, v, g, **kw)
+    normal = seeded_step()
     for a, b, c in zip(first, second, normal):
         assert torch.equal(a, c) and torch.equal(b, c)
 
@@ -47,10 +67,13 @@ def test_fast_path_is_bit_identical(fast, monkeypatch, kw):
 def test_misaligned_inputs_do_not_reuse_an_aligned_kernel(fast, monkeypatch):
     q, k, v, g = _qkv(d=64)
     _step(q, k, v, g)
-    # head dim 63 views one element into a wider buffer: base pointers 2 bytes off 16-byte alignment
-    wide = [torch.randn(2, 300, 4, 64, device=DEV, dtype=torch.bfloat16) for _ in range(3)]
-    qm, km, vm = (w[..., 1:].detach().requires_grad_(True) for w in wide)
-    gm = torch.randn(2, 300, 4, 63, device=DEV, dtype=torch.bfloat16)
+    # the same shapes and strides one element into a wider buffer: base pointers 2 bytes off
+    # 16-byte alignment, so only the alignment part of the key tells the two apart
+    n = q.numel()
+    bufs = [torch.randn(n + 1, device=DEV, dtype=torch.bfloat16) for _ in range(4)]
+    qm, km, vm = (b_[1:].view(q.shape).detach().requires_grad_(True) for b_ in bufs[:3])
+    gm = bufs[3][1:].view(q.shape)
+    assert qm.data_ptr() % 16 == 2
     fast_out = _step(qm, km, vm, gm)
     monkeypatch.setattr(host, "FAST_LAUNCH", False)
     normal = _step(qm, km, vm, gm)
@@ -64,6 +87,13 @@ def test_decode_through_the_fast_path(fast, monkeypatch):
     q = torch.randn(b, 1, h, d, device=DEV, dtype=torch.bfloat16)
     lens = torch.tensor([4000, 1234], device=DEV, dtype=torch.int32)
     outs = [flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens) for _ in range(2)]
+    assert fast, "the second decode call did not hit the cache"
+    # an int length changes every step: one kernel class for all of them, so later steps hit too
+    hits = len(fast)
+    for length in (3001, 3002):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=length)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3003)
+    assert len(fast) > hits
     monkeypatch.setattr(host, "FAST_LAUNCH", False)
     normal = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
     assert all(torch.equal(o, normal) for o in outs)
@@ -77,7 +107,7 @@ def test_gluon_kernels_through_the_cache(fast, monkeypatch, causal):
     monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
     q, k, v, g = _qkv(s=512, d=128)
     first, second = _step(q, k, v, g, causal=causal), _step(q, k, v, g, causal=causal)
-    names = {getattr(key[0], "__name__", "") for key in host._COMPILED}
+    names = {getattr(hit, "name", "") for hit in fast}
     assert any("gluon" in name for name in names), names
     monkeypatch.setattr(host, "FAST_LAUNCH", False)
     normal = _step(q, k, v, g, causal=causal)

@@ -82,42 +82,62 @@ def _launch_key(kernel, args, num_warps, num_stages, meta) -> tuple:
 # through the driver object. On the H200 machine's CPU a kernel[grid](...) launch of an empty
 # kernel with 30 arguments takes 31-34 us and the compiled launcher 10-16 us
 # (benchmarks/results/host_breakdown_h200_2026-11-30.json), and a training step makes 4-5 launches.
+# Not followed once a kernel is cached: changes to a kernel's globals (ours never change) and
+# TRITON_INSTRUMENTATION_MODE; launch hooks and pre-run hooks send every launch the normal way.
+# Kernels are keyed by id(): they are module-level objects that live as long as the process.
 FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") not in ("", "0")
-# (kernel, keywords, argument key + device) -> (CompiledKernel, keyword/default param values, device)
+# (kernel id, debug, keywords, their types, argument key, device) -> (CompiledKernel, keyword/default
+# param values, device)
 _COMPILED: dict = {}
-# a bound on the cache: a key holds exact integer values, so a stream of new shapes adds entries
+# a bound on the cache (constexprs such as tile sizes and head dims multiply the keys)
 _COMPILED_MAX = 4096
 
 
-def _arg_key(args, require_cuda: bool = True) -> tuple | None:
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_I64_MAX = (1 << 63) - 1
+
+
+def _int_class(a: int) -> int:
+    """What Triton compiles a non-constexpr int argument on: 1 becomes a constant; otherwise its
+    type (i32, i64 or u64 by range) and whether 16 divides it. Per-call values (dropout seeds,
+    lengths) of the same class share one kernel, as in Triton."""
+    if a == 1:
+        return -1
+    width = 0 if _I32[0] <= a <= _I32[1] else 1 if a <= _I64_MAX else 2
+    return 2 * width + (a % 16 == 0)
+
+
+def _arg_key(args, n_plain: int | None = None, require_cuda: bool = True) -> tuple | None:
     """A key at least as fine as Triton's specialisation of these positional arguments.
 
-    Triton specialises an int on its value's range, divisibility by 16 and == 1; a float on its
-    type only; a tensor on its dtype and 16-byte alignment; None and bools as themselves. Keying an
-    int on its exact value (and a bool apart from the int it equals) is finer than all of that, so
-    a launch can only reuse a kernel Triton itself would have picked for it. Anything else (tensor
-    descriptors) takes Triton's own specialisation. The first tensor's CUDA device index ends the
-    key. None: an argument that cannot be keyed, or no CUDA tensor (the interpreter).
+    Of the first ``n_plain`` (the parameters before the kernel's first constexpr), Triton
+    specialises an int on its class (``_int_class``), a float and a bool on their type only, a
+    tensor on its dtype and 16-byte alignment, None as itself, and anything else (tensor
+    descriptors) its own way, which is used as it is. Arguments past ``n_plain`` fill constexpr
+    parameters, which Triton compiles on their exact value: they are keyed on type and value.
+    None: an argument that cannot be keyed, or no CUDA tensor among them (the interpreter).
     """
     key = []
     add = key.append
-    device = None
-    for a in args:
+    cuda = False
+    for i, a in enumerate(args):
         t = type(a)
-        if t is int:
-            add(a)
+        if n_plain is not None and i >= n_plain:
+            add((t, a))  # a constexpr by position
+        elif t is int:
+            add(_int_class(a))
         elif t is float:
             add(float)
         elif t is torch.Tensor or isinstance(a, torch.Tensor):
-            if device is None:
+            if not cuda:
                 if a.device.type != "cuda" and require_cuda:  # the interpreter: no compiled kernels
                     return None
-                device = a.device.index
+                cuda = True
             add((a.dtype, not a.data_ptr() & 15))
         elif a is None:
             add(None)
         elif t is bool:
-            add((bool, a))
+            add(bool)
         else:
             try:
                 spec = native_specialize_impl(BaseBackend, a, False, True, True)
@@ -125,10 +145,24 @@ def _arg_key(args, require_cuda: bool = True) -> tuple | None:
             except Exception:  # noqa: BLE001 - whatever Triton cannot key takes the normal path
                 return None
             add((t, spec))
-    if device is None and require_cuda:
+    if not cuda and require_cuda:
         return None
-    add(device)  # last: _launch_cached reads it back for the stream
     return tuple(key)
+
+
+def _n_plain(kernel) -> int | None:
+    """The number of the kernel's parameters before its first constexpr one (kept on the kernel)."""
+    n = getattr(kernel, "_flashtile_n_plain", None)
+    if n is None:
+        params = getattr(kernel, "params", None)
+        if params is None:
+            return None
+        n = next((i for i, p in enumerate(params) if getattr(p, "is_constexpr", False)), len(params))
+        try:
+            kernel._flashtile_n_plain = n
+        except AttributeError:  # a kernel object that takes no attributes: counted each launch
+            pass
+    return n
 
 
 def launch_tail(kernel, n_args: int, meta: dict) -> list | None:
@@ -156,13 +190,17 @@ def launch_hooks_set() -> bool:
 
 
 def _fast_key(kernel, args, meta):
-    if launch_hooks_set():
-        return None  # launch hooks get their metadata from the normal path
-    arg_key = _arg_key(args)
+    if launch_hooks_set() or getattr(kernel, "pre_run_hooks", None):
+        return None  # hooks get their metadata / calls from the normal path
+    arg_key = _arg_key(args, _n_plain(kernel))
     if arg_key is None:
         return None
     try:
-        key = (kernel, tuple(meta.items()), arg_key)
+        # keywords are constexprs and compile options: keyed on type and value (True, 1 and 1.0
+        # are equal in Python but compile apart in Triton); the current device last, which is the
+        # one Triton compiles for and whose stream it launches on
+        key = (id(kernel), knobs.runtime.debug, tuple(meta.items()), tuple(map(type, meta.values())), arg_key,
+               torch.cuda.current_device())
         hash(key)
     except TypeError:  # an unhashable keyword: the normal path
         return None
@@ -189,9 +227,9 @@ def _remember(key, kernel, result, n_args: int, meta: dict) -> None:
     # compile options among the keywords (num_warps, launch_pdl) live in the compiled kernel
     tail = launch_tail(kernel, n_args, {k: v for k, v in meta.items() if k in kernel.arg_names})
     if tail is not None:
-        if len(_COMPILED) >= _COMPILED_MAX:
-            _COMPILED.clear()
-        _COMPILED[key] = (result, tail, key[2][-1])
+        if len(_COMPILED) >= _COMPILED_MAX:  # evict the oldest entry (dicts keep insertion order)
+            del _COMPILED[next(iter(_COMPILED))]
+        _COMPILED[key] = (result, tail, key[-1])
 
 
 def run_kernel(kernel, grid, *args, **meta):
