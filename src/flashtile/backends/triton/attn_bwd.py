@@ -113,9 +113,8 @@ def config_overrides() -> dict:
 
 def _strides3(x: torch.Tensor, varlen: bool):
     """(batch, row, head) strides; varlen tensors have no batch dim (the kernels add cu_seqlens)."""
-    if varlen:
-        return 0, x.stride(0), x.stride(1)
-    return x.stride(0), x.stride(1), x.stride(2)
+    st = x.stride()  # one call: each stride(i) call costs host time on the launch path
+    return (0, st[0], st[1]) if varlen else st[:3]
 
 
 def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):

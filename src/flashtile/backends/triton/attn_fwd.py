@@ -112,11 +112,12 @@ def _attn_fwd(q, k, v, p: AttnParams):
         b, seqlen_q = q.shape[:2]
         seqlen_k = k.shape[1]
         lse = torch.empty(b, h, seqlen_q, device=q.device, dtype=torch.float32)
-        sq_b, sq_m, sq_h = q.stride(0), q.stride(1), q.stride(2)
-        sk_b, sk_n, sk_h = k.stride(0), k.stride(1), k.stride(2)
-        sv_b, sv_n, sv_h = v.stride(0), v.stride(1), v.stride(2)
-        so_b, so_m, so_h = out.stride(0), out.stride(1), out.stride(2)
-        lse_b, lse_h = lse.stride(0), lse.stride(1)
+        # one stride() call per tensor: each stride(i) call costs host time on the launch path
+        sq_b, sq_m, sq_h = q.stride()[:3]
+        sk_b, sk_n, sk_h = k.stride()[:3]
+        sv_b, sv_n, sv_h = v.stride()[:3]
+        so_b, so_m, so_h = out.stride()[:3]
+        lse_b, lse_h = lse.stride()[:2]
     probs = None
     if want_probs:
         probs = torch.zeros(b, h, seqlen_q, seqlen_k, device=q.device, dtype=torch.float32)
