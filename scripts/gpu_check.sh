@@ -18,6 +18,8 @@
 #   host-ab-cache  the launch cache on and off, alternated in one process (AB_ROUNDS rounds)
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), then with FLASHTILE_FAST_LAUNCH=0
+#   tests-bwd-pdl  the backward with programmatic dependent launch of its dQ kernel (FLASHTILE_BWD_PDL), against ordinary launches
+#   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -85,6 +87,7 @@ for step in "${steps[@]}"; do
     tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch|tests-fused-dq)
       case $step in
         tests-fast-launch) files=(tests/test_gpu_fast_launch.py) ;;
+        tests-bwd-pdl) files=(tests/test_gpu_bwd_pdl.py) ;;
         tests-one-launch) files=(tests/test_gpu_bwd_one_launch.py) ;;
         tests-fused-dq) files=(tests/test_gpu_bwd_fused_dq.py) ;;
         tests-fp8) files=(tests/test_gpu_gluon_route.py tests/test_gpu_fp8.py) ;;
@@ -178,6 +181,14 @@ for step in "${steps[@]}"; do
           --out "$WORK/fwd_causal_heavy_first${hf}_$SECONDS.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
         FLASHTILE_HEAVY_FIRST=$hf python3 -m flashtile.bench bwd --d 128 256 --causal yes --seqlens 2048 4096 16384 \
           --peers --out "$WORK/bwd_causal_heavy_first${hf}_$SECONDS.json" 2>> "$WORK/bench_heavy_first.log" >> "$summary"
+        pack
+      done ;;
+    bench-bwd-pdl)
+      # the backward with the dQ kernel launched behind the dK/dV kernel (FLASHTILE_BWD_PDL=1) and without,
+      # alternated twice; after tests-bwd-pdl
+      for pdl in 0 1 0 1; do
+        FLASHTILE_BWD_PDL=$pdl python3 -m flashtile.bench bwd --d 64 128 256 --seqlens 1024 2048 4096 16384 --peers \
+          --out "$WORK/bwd_pdl${pdl}_$SECONDS.json" 2>> "$WORK/bench_bwd_pdl.log" >> "$summary"
         pack
       done ;;
     bench-bwd-s1024-route)

@@ -6,10 +6,12 @@ be unset there).
 
 A case's optional fifth element names the kernel: "dkdv" (the default) or "dq". A config's optional
 fifth and sixth numbers are WARPS_N (the dK/dV kernel's two warpgroups side by side at d = 256; must be
-1 for the dQ kernel) and ROTATED (0: the plain order, both kernels).
+1 for the dQ kernel) and ROTATED (0: the plain order, both kernels); a seventh, the dK/dV kernel's
+LAUNCH_DEPENDENTS (1: programmatic dependent launch of the dQ kernel).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
-{"tag", "shared", "regs", "spill_bytes", "serialized"}.
+{"tag", "shared", "regs", "spill_bytes", "serialized", "gdc_launch"} (griddepcontrol.launch_dependents
+instructions in the PTX).
 """
 
 import json
@@ -21,7 +23,7 @@ KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
 def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
-    split = "".join(f"{name}{val}" for name, val in zip(("x", "r"), cfg[4:]))
+    split = "".join(f"{name}{val}" for name, val in zip(("x", "r", "p"), cfg[4:]))
     return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}{split}"
 
 
@@ -46,6 +48,9 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     else:
         assert not rest or rest[0] == 1, "the dQ kernel has no WARPS_N"
     constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
+    if len(rest) > 2:
+        assert which == "dkdv", "LAUNCH_DEPENDENTS is the dK/dV kernel's"
+        constexprs["LAUNCH_DEPENDENTS"] = bool(rest[2])
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
                  desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
@@ -55,8 +60,9 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     log = row.pop("ptxas_log")
     regs = re.findall(r"Used (\d+) registers", log)
     spill = re.findall(r"(\d+) bytes spill stores", log)
+    ptx = (out / f"{row['tag']}.ptx").read_text()
     return dict(row, num_warps=nw, regs=int(regs[0]) if regs else None, spill_bytes=int(spill[0]) if spill else None,
-                serialized="serializ" in log.lower())
+                serialized="serializ" in log.lower(), gdc_launch=ptx.count("griddepcontrol.launch_dependents"))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ import subprocess
 
 def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out: pathlib.Path, tag: str,
                      **options) -> dict:
-    """Arguments not in constexprs take their type from types, else i32; pointers are marked
+    """Constexprs not given take their defaults; other arguments not in constexprs take their type
+    from types, else i32; pointers are marked
     16-byte divisible, as the JIT specialises aligned tensors. Writes <tag>.ttgir / .sass / .ptx /
     .ptxas.log under out; returns dict(tag, shared, ptxas_log)."""
+    import inspect
+
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -18,6 +21,9 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
 
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
+        param = kernel.params[i]
+        if name not in constexprs and param.is_constexpr and param.default is not inspect.Parameter.empty:
+            constexprs = dict(constexprs, **{name: param.default})  # e.g. LAUNCH_DEPENDENTS = False
         if name in constexprs:
             sig[name] = "constexpr"
             consts[(i,)] = constexprs[name]

@@ -129,3 +129,29 @@ def test_other_schedule_compiles_unserialised(tmp_path):
     assert len(rows) == 3
     for row in rows:
         assert not row["serialized"] and row["spill_bytes"] == 0 and row["shared"] <= SM90_MAX_SHARED, row
+
+
+def test_table_builds_carry_no_griddepcontrol(compiled):
+    _, rows = compiled
+    assert all(row["gdc_launch"] == 0 for row in rows), [row["tag"] for row in rows if row["gdc_launch"]]
+
+
+def test_launch_dependents_builds(tmp_path):
+    # attn_bwd.use_bwd_pdl (FLASHTILE_BWD_PDL=1): the table's d = 128 / 256 dK/dV builds signal the dQ
+    # kernel's programmatic dependent launch once, at their start, and stay unserialised
+    pytest.importorskip("triton.experimental.gluon")
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    cases = [["bf16", d, causal, _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS) + [1]]
+             for d in (128, 256) for causal in (False, True)]
+    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
+                         text=True, env=env, timeout=900)
+    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("no ptxas in this triton install")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4
+    for row in rows:
+        assert row["gdc_launch"] == 1 and not row["serialized"] and row["shared"] <= SM90_MAX_SHARED, row

@@ -22,7 +22,9 @@ def _desc(block_rows, d, varlen=False):
     return f"tensordesc<bf16[{block_rows},1,{d}]>" if varlen else f"tensordesc<bf16[1,{block_rows},1,{d}]>"
 
 
-def _compile(tmp_path, kernel, module, constexprs, types, warps, stages):
+def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=None):
+    """Compile; returns the number of warp-group dots. ``gdc``: which griddepcontrol instructions
+    (wait, launch_dependents) the build must carry; by default both with USE_PDL, else none."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -34,10 +36,10 @@ def _compile(tmp_path, kernel, module, constexprs, types, warps, stages):
     fields = res.stdout.split()
     shared = int(fields[fields.index("SHARED") + 1])
     assert shared <= SM90_MAX_SHARED, f"{kernel} {constexprs} needs {shared} bytes of shared memory"
-    # no griddepcontrol unless programmatic dependent launch is asked for, and then both instructions
-    gdc = [int(fields[fields.index(name) + 1]) for name in ("GDC_WAIT", "GDC_LAUNCH")]
-    want = bool(constexprs.get("USE_PDL"))
-    assert [n > 0 for n in gdc] == [want, want], f"{kernel}: griddepcontrol wait / launch_dependents {gdc}"
+    # no griddepcontrol unless programmatic dependent launch is asked for
+    counts = [int(fields[fields.index(name) + 1]) for name in ("GDC_WAIT", "GDC_LAUNCH")]
+    want = list(gdc) if gdc is not None else [bool(constexprs.get("USE_PDL"))] * 2
+    assert [n > 0 for n in counts] == want, f"{kernel}: griddepcontrol wait / launch_dependents {counts}"
     return int(fields[fields.index("WGMMA") + 1])
 
 
@@ -71,6 +73,19 @@ def test_backward_compiles_for_sm90(tmp_path, tma):
     # ptxas (Triton 3.6) segfaults on the pipelined variant, so the launcher never asks for it.
     stages = 1 if tma else 2
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, stages) == 9
+
+
+def test_backward_pdl_builds_compile_for_sm90(tmp_path):
+    # attn_bwd.use_bwd_pdl (FLASHTILE_BWD_PDL=1): the dK/dV kernel only signals (launch_dependents),
+    # the dQ kernel launched behind it only waits (at its end)
+    d = 128
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=64, BLOCK_N=128, BLOCK_D=d, USE_TMA=False, FUSED_DQ=False,
+              LAUNCH_DEPENDENTS=True)
+    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2,
+                    gdc=(False, True)) == 12
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=128, BLOCK_N=64, BLOCK_D=d, USE_TMA=False, WAIT_AT_END=True)
+    assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2,
+                    gdc=(True, False)) == 9
 
 
 def test_one_launch_backward_compiles_for_sm90(tmp_path):

@@ -15,6 +15,7 @@ Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attn_fwd import (
     SHORT_SEQLEN,
@@ -296,7 +297,13 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
+    if LAUNCH_DEPENDENTS:
+        # programmatic dependent launch (backends/triton/attn_bwd.py use_bwd_pdl): the dQ kernel,
+        # which reads nothing this kernel writes, may be scheduled once every program here started,
+        # onto the SMs this grid's last wave leaves idle
+        gdc_launch_dependents()
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q,
                   SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left,
@@ -434,7 +441,7 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
@@ -446,6 +453,12 @@ def _attn_bwd_dq_kernel(
                 stride_lse_b, stride_lse_h, stride_alibi_b,
                 HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT,
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION)
+    if WAIT_AT_END:
+        # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs
+        # were all written before that kernel started, so no wait before reading; waiting here, at
+        # the end, makes this grid's completion imply the dK/dV kernel's, so later work in the
+        # stream sees both finished
+        gdc_wait()
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE + ["n_dkdv_programs"])

@@ -174,7 +174,8 @@ def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.c
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, stride_lb, stride_lh,
                                 seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1, ROTATED: gl.constexpr = True):
+                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1, ROTATED: gl.constexpr = True,
+                                LAUNCH_DEPENDENTS: gl.constexpr = False):
     """dK, dV (b, s, h_k, d) of q, k, v, dout (b, s, h[_k], d), lse and delta (b, h, s) fp32 (natural
     log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
@@ -183,7 +184,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     waited for within its step, so no scores are held across steps and 64-row steps fit in
     registers; the overlap then comes from a second CTA on the SM (d = 128) or from the two
     warpgroups (d = 256). ROTATED = True: the next step's scores are issued before this step's
-    gradient products (d = 64's default)."""
+    gradient products (d = 64's default). LAUNCH_DEPENDENTS: let the dQ kernel launched after this one
+    with programmatic dependent launch start on the SMs this grid's last wave leaves idle."""
+    if LAUNCH_DEPENDENTS:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # each column group is whole warpgroups, and its share of a step's queries a wgmma width
     gl.static_assert((NUM_WARPS // WARPS_N) % 4 == 0)

@@ -81,6 +81,20 @@ def use_one_launch(p: AttnParams) -> bool:
     return env.get("FLASHTILE_BWD_ONE_LAUNCH", "0") not in ("", "0")
 
 
+# Programmatic dependent launch of the dQ kernel behind the dK/dV kernel (sm_90+). The two read the
+# same inputs and write different outputs, so dQ needs nothing from dK/dV: every dK/dV program
+# signals at its start, the dQ grid is then scheduled onto the SMs the dK/dV grid's last wave leaves
+# idle, and each dQ program waits for the dK/dV grid only at its end (so the stream's later work sees
+# both done). The split path only (not the fused, one-launch or Gluon-dQ variants). Off until
+# measured on the H200 (FLASHTILE_BWD_PDL=1; gpu_check.sh bench-bwd-pdl); tests pin BWD_PDL_OVERRIDE.
+BWD_PDL_OVERRIDE: bool | None = None
+
+
+def use_bwd_pdl(q: torch.Tensor) -> bool:
+    on = BWD_PDL_OVERRIDE if BWD_PDL_OVERRIDE is not None else env.get("FLASHTILE_BWD_PDL", "0") not in ("", "0")
+    return on and q.device.type == "cuda" and capability(q.device)[0] >= 9
+
+
 _TABLE_OVERRIDES: dict | None = None
 
 
@@ -179,6 +193,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton
     # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
     dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
+    gluon_dq = not fused and not one_launch and gluon_bwd.use_gluon_bwd_dq(q, k, v, dout, dq, p)
+    pdl = not fused and not one_launch and not gluon_dq and use_bwd_pdl(q)
     # q and dout by descriptor for the Triton dK/dV programs only (the Gluon kernel builds its own)
     desc_q, desc_do = ((_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma and not dkdv_done
                        else (q, dout))
@@ -188,7 +204,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     tma_dq = tma and (s_kv if one_launch else s_q) == 1
     desc_k, desc_v = (_descriptor(k, bn_q, block_d), _descriptor(v, bn_q, block_d)) if tma_dq else (k, v)
     if dkdv_done:
-        gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0)
+        gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0,
+                                      launch_dependents=pdl)
     if one_launch:
         # one grid: warps/stages from dK/dV
         n_dkdv = cdiv(max(seqlen_k, 1), bn_kv) * b * h_k
@@ -217,11 +234,11 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
             *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
             *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
-            FUSED_DQ=fused_mode, num_warps=w_kv, num_stages=s_kv)
+            FUSED_DQ=fused_mode, num_warps=w_kv, num_stages=s_kv, **({"LAUNCH_DEPENDENTS": True} if pdl else {}))
     if fused:
         dq.copy_(dq_acc.mul_(p.softmax_scale))
         return
-    if gluon_bwd.use_gluon_bwd_dq(q, k, v, dout, dq, p):  # experimental: FLASHTILE_GLUON_BWD_DQ=1
+    if gluon_dq:  # experimental: FLASHTILE_GLUON_BWD_DQ=1
         gluon_bwd.gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, p.softmax_scale, p.window_right == 0)
         return
     feature_flags["USE_TMA"] = tma_dq
@@ -230,4 +247,5 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
-        HEAVY_FIRST=host.HEAVY_FIRST, num_warps=w_q, num_stages=s_q)
+        HEAVY_FIRST=host.HEAVY_FIRST, num_warps=w_q, num_stages=s_q,
+        **({"WAIT_AT_END": True, "launch_pdl": True} if pdl else {}))

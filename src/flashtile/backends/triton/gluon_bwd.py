@@ -164,10 +164,11 @@ def gluon_attn_bwd_dq(q, k, v, dout, lse, delta, dq, softmax_scale: float, causa
 
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
-                        config: dict | None = None) -> None:
+                        config: dict | None = None, launch_dependents: bool = False) -> None:
     """Write dk, dv (b, s, h_k, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``;
-    ``config`` overrides the table's (tuning)."""
+    ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
+    is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl)."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     b, s, h, d = q.shape
@@ -180,6 +181,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, the d = 128 / 256
     # table's choice) only when given: absent, the kernel's defaults (1, rotated) apply
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
+    if launch_dependents:
+        meta["LAUNCH_DEPENDENTS"] = True
     run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
         _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
         _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),

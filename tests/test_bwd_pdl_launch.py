@@ -1,0 +1,79 @@
+"""The backward's programmatic-dependent-launch wiring (backends/triton/attn_bwd.py use_bwd_pdl), on CPU.
+
+With it on, the dK/dV kernel (Triton or Gluon) is built to signal its dependents and the dQ kernel
+is launched behind it with ``launch_pdl`` and waits at its end; every other variant launches as
+before. The kernels are stubbed here: their builds are checked by tests/test_sm90_compile.py and
+tests/test_gluon_bwd_compile.py, their results against ordinary launches by tests/test_gpu_bwd_pdl.py.
+"""
+
+import pytest
+import torch
+
+from flashtile import autograd as ag
+from flashtile.backends.triton import attn_bwd, gluon_bwd
+
+
+def _backward(monkeypatch, pdl=True, gluon_dkdv=False, **overrides):
+    """Run the launcher with recording stubs for every launch: [(kernel name, keywords)]."""
+    calls = []
+
+    def record(kernel, grid, *args, **meta):
+        calls.append((getattr(kernel, "__name__", str(kernel)), meta))
+
+    monkeypatch.setattr(attn_bwd, "launch", record)
+    monkeypatch.setattr(attn_bwd, "run_kernel", record)
+    monkeypatch.setattr(attn_bwd, "use_bwd_pdl", lambda q: pdl)
+    monkeypatch.setattr(gluon_bwd, "use_gluon_bwd", lambda *a: gluon_dkdv)
+    monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv",
+                        lambda *a, **kw: calls.append(("gluon_dkdv", kw)))
+    for name, value in overrides.items():
+        monkeypatch.setattr(attn_bwd, name, value)
+    q, k, v, dout = (torch.randn(1, 64, 2, 64, dtype=torch.float16) for _ in range(4))
+    _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
+    attn_bwd._attn_bwd(dout, q, k, v, out, lse, p, *(torch.empty_like(q) for _ in range(3)))
+    return dict(calls)
+
+
+def test_split_backward_with_pdl(monkeypatch):
+    calls = _backward(monkeypatch)
+    assert calls["_attn_bwd_dkdv_kernel"]["LAUNCH_DEPENDENTS"] is True
+    assert calls["_attn_bwd_dq_kernel"]["WAIT_AT_END"] is True and calls["_attn_bwd_dq_kernel"]["launch_pdl"] is True
+    assert "launch_pdl" not in calls["_attn_bwd_preprocess_kernel"]
+
+
+def test_gluon_dkdv_signals_too(monkeypatch):
+    calls = _backward(monkeypatch, gluon_dkdv=True)
+    assert calls["gluon_dkdv"]["launch_dependents"] is True
+    assert "_attn_bwd_dkdv_kernel" not in calls
+    assert calls["_attn_bwd_dq_kernel"]["launch_pdl"] is True
+
+
+def test_off_leaves_every_launch_as_before(monkeypatch):
+    calls = _backward(monkeypatch, pdl=False, gluon_dkdv=True)
+    assert calls["gluon_dkdv"]["launch_dependents"] is False
+    assert not {"WAIT_AT_END", "launch_pdl"} & set(calls["_attn_bwd_dq_kernel"])
+
+
+@pytest.mark.parametrize("variant", [dict(FUSED_OVERRIDE=True), dict(ONE_LAUNCH_OVERRIDE=True)])
+def test_other_variants_take_no_pdl(monkeypatch, variant):
+    calls = _backward(monkeypatch, **variant)
+    for name, meta in calls.items():
+        assert not {"LAUNCH_DEPENDENTS", "WAIT_AT_END", "launch_pdl"} & set(meta), name
+
+
+def test_rule_needs_a_cuda_hopper(monkeypatch):
+    q = torch.empty(1, 4, 1, 8)
+    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
+    assert not attn_bwd.use_bwd_pdl(q)  # CPU tensors (the interpreter)
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
+    monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
+    assert attn_bwd.use_bwd_pdl(q)
+    monkeypatch.setattr(attn_bwd, "capability", lambda device: (8, 0))
+    assert not attn_bwd.use_bwd_pdl(q)  # Ampere has no programmatic dependent launch
+    monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", None)
+    monkeypatch.delenv("FLASHTILE_BWD_PDL", raising=False)
+    assert not attn_bwd.use_bwd_pdl(q)  # off by default until measured
+    monkeypatch.setenv("FLASHTILE_BWD_PDL", "1")
+    assert attn_bwd.use_bwd_pdl(q)
