@@ -3,7 +3,8 @@
 Order of preference: the Triton kernels (CUDA tensors, or CPU tensors through Triton's interpreter
 when ``FLASHTILE_INTERPRET=1``), then the CPU path (CPU tensors). Each backend module exposes
 ``NAME`` and ``refusal(op, q, params) -> str | None``; when every backend refuses, the error lists
-each one with its reason.
+each one with its reason. A refusal may depend only on the op, q's device and dtype, and
+``FLASHTILE_INTERPRET``: the choice is remembered under those, since it is made on every call.
 """
 
 from __future__ import annotations
@@ -47,14 +48,23 @@ def _load(name: str):
     return hit
 
 
+# (op, device, dtype, interpret) -> the backend module chosen for it
+_CHOSEN: dict = {}
+
+
 def choose(op: str, q, p: AttnParams):
     """Return the backend module that runs ``op`` ("fwd" or "bwd") for these inputs."""
+    key = (op, q.device, q.dtype, interpret_requested())
+    mod = _CHOSEN.get(key)
+    if mod is not None:
+        return mod
     reasons = []
     for name in _BACKENDS:
         mod, why = _load(name)
         if mod is not None:
             why = mod.refusal(op, q, p)
             if why is None:
+                _CHOSEN[key] = mod
                 return mod
         reasons.append(f"  - {name.rsplit('.', 1)[-1]}: {why}")
     raise NoBackendError(

@@ -323,7 +323,8 @@ class EagerAttention(torch.autograd.Function):
         p.seed, p.offset = _seed_offset(rng_state, p.dropout_p)
         qu, ku, vu = unpack(q, k, v, packing)
         out, lse, probs = dispatch.forward(qu, ku, vu, p)
-        lse = lse.to(_lse_dtype(qu))
+        if lse.dtype != _lse_dtype(qu):
+            lse = lse.to(_lse_dtype(qu))
         if not p.return_probs:
             probs = None  # never returned to the caller: no allocation (the op returns an empty tensor)
         elif probs is None:
