@@ -1,6 +1,9 @@
 """Host time of flashtile's Python path with the kernels stubbed out (CPU, no GPU needed).
 
-Usage: PYTHONPATH=src python scripts/host_overhead.py [--calls 3000]
+Usage: PYTHONPATH=src python scripts/host_overhead.py [--calls 3000] [--triton-launchers]
+--triton-launchers: stub only the kernel launches and run the Triton backend's launchers (the code a
+GPU call runs, through the interpreter's dispatch on CPU tensors; set before torch/triton import),
+instead of the CPU backend.
 Replaces the CPU backend's compute with empty outputs, so what is timed is everything around the
 kernels: argument checks, dispatch, autograd, the custom op's dispatcher. Prints microseconds per
 call (best of 5 batches) for: an inference call, a forward + backward through the public function
@@ -9,6 +12,7 @@ registered autograd (the path torch.compile traces). docs/compile.md quotes it.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -42,11 +46,29 @@ def _best_us(fn, calls: int) -> float:
     return best
 
 
+def _stub_launches():
+    from flashtile.backends.triton import attn_bwd, attn_fwd, host
+
+    def no_launch(*args, **kwargs):
+        return None
+
+    for module in (host, attn_fwd, attn_bwd):
+        for name in ("launch", "run_kernel"):
+            if hasattr(module, name):
+                setattr(module, name, no_launch)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--triton-launchers", action="store_true")
     args = ap.parse_args()
-    _stub_backends()
+    if args.triton_launchers:
+        if os.environ.get("TRITON_INTERPRET") != "1" or os.environ.get("FLASHTILE_INTERPRET") != "1":
+            raise SystemExit("--triton-launchers needs TRITON_INTERPRET=1 FLASHTILE_INTERPRET=1 in the environment")
+        _stub_launches()
+    else:
+        _stub_backends()
     q, k, v = (torch.randn(1, 16, 1, 16, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, 16, 1, 16)
     _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
