@@ -138,13 +138,14 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
 
 
 def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
+    varlen = p.varlen  # a property: read once
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
-    max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if p.varlen else max(q.shape[1], k.shape[1])
+    max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if varlen else max(q.shape[1], k.shape[1])
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(
         arch_of(q.device), block_d, config_overrides(), p.causal, max_seqlen)
-    if p.varlen:
+    if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
         lse_b, lse_h = 0, lse.stride(0)
@@ -153,7 +154,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         seqlen_k = k.shape[1]
         lse_b, lse_h = lse.stride(0), lse.stride(1)
     # keys/rows cut off by seqused_* (and whole empty sequences) are never visited: pre-zero them
-    if p.varlen:
+    if varlen:
         dk.zero_()
         dv.zero_()
         if p.seqused_q is not None:
@@ -165,24 +166,24 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         return
     delta = torch.empty_like(lse)
     dummy = lse
-    cu_q = p.cu_seqlens_q if p.varlen else dummy
-    cu_k = p.cu_seqlens_k if p.varlen else dummy
+    cu_q = p.cu_seqlens_q if varlen else dummy
+    cu_k = p.cu_seqlens_k if varlen else dummy
     used_q = p.seqused_q if p.seqused_q is not None else dummy
     used_k = p.seqused_k if p.seqused_k is not None else dummy
     alibi = p.alibi_slopes if p.alibi_slopes is not None else dummy
     alibi_b = 0 if p.alibi_slopes is None or p.alibi_slopes.dim() == 1 else p.alibi_slopes.stride(0)
-    flags = dict(IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None)
-    so = _strides3(out, p.varlen)
-    sdo = _strides3(dout, p.varlen)
+    flags = dict(IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None)
+    so = _strides3(out, varlen)
+    sdo = _strides3(dout, varlen)
     pre_m = 64
     run_kernel(_attn_bwd_preprocess_kernel, (cdiv(max(seqlen_q, 1), pre_m) * b * h,),
         out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
-        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
+        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
 
     qk_scale = p.softmax_scale / p.softcap if p.softcap > 0 else p.softmax_scale * LOG2E
     common = (qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
               p.offset & 0xFFFFFFFF, p.window_left, p.window_right, p.softmax_scale)
-    sq_, sk_, sv_ = _strides3(q, p.varlen), _strides3(k, p.varlen), _strides3(v, p.varlen)
+    sq_, sk_, sv_ = _strides3(q, varlen), _strides3(k, varlen), _strides3(v, varlen)
     feature_flags = dict(HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
                          HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
@@ -215,7 +216,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
             _attn_bwd_one_launch_kernel, (n_dkdv + n_dq,),
             q, k, v, dout, lse, delta, dk, dv, dq, desc_q, desc_do, desc_k, desc_v, cu_q, cu_k, used_q, used_k,
             alibi, *common, seqlen_q, seqlen_k, h, h_k, h // h_k, n_dkdv, *sq_, *sk_, *sv_, *sdo,
-            *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
+            *_strides3(dk, varlen), *_strides3(dv, varlen), *_strides3(dq, varlen), lse_b, lse_h, alibi_b,
             HEAD_DIM=d, BLOCK_M1=bm_kv, BLOCK_N1=bn_kv, BLOCK_M2=bm_q, BLOCK_N2=bn_q, BLOCK_D=block_d, **flags,
             **feature_flags, USE_TMA_DKDV=tma, USE_TMA_DQ=tma_dq, num_warps=w_kv, num_stages=s_kv)
         return
@@ -231,8 +232,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
             _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),
             q, k, v, dout, lse, delta, dk, dv, dq_acc_arg, desc_q, desc_do, cu_q, cu_k, used_q, used_k, alibi,
             *common, seqlen_q, seqlen_k, h, h_k, h // h_k, *sq_, *sk_, *sv_, *sdo,
-            *_strides3(dk, p.varlen), *_strides3(dv, p.varlen), lse_b, lse_h, alibi_b,
-            *(_strides3(dq_acc, p.varlen) if fused else (0, 0, 0)),
+            *_strides3(dk, varlen), *_strides3(dv, varlen), lse_b, lse_h, alibi_b,
+            *(_strides3(dq_acc, varlen) if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=block_d, **flags, **feature_flags,
             FUSED_DQ=fused_mode, num_warps=w_kv, num_stages=s_kv, **({"LAUNCH_DEPENDENTS": True} if pdl else {}))
     if fused:
@@ -245,7 +246,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     launch(
         _attn_bwd_dq_kernel, (cdiv(max(seqlen_q, 1), bm_q) * b * h,),
         q, k, v, dout, lse, delta, dq, desc_k, desc_v, cu_q, cu_k, used_q, used_k, alibi, *common,
-        seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, p.varlen), lse_b, lse_h, alibi_b,
+        seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, varlen), lse_b, lse_h, alibi_b,
         HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
         HEAVY_FIRST=host.HEAVY_FIRST, num_warps=w_q, num_stages=s_q,
         **({"WAIT_AT_END": True, "launch_pdl": True} if pdl else {}))

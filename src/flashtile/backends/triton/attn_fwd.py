@@ -78,11 +78,12 @@ def attn_fwd(q, k, v, p: AttnParams):
 
 
 def _attn_fwd(q, k, v, p: AttnParams):
+    varlen = p.varlen  # a property: read once
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
     arch = arch_of(q.device)
-    max_k = p.max_seqlen_k if p.varlen else k.shape[1]
+    max_k = p.max_seqlen_k if varlen else k.shape[1]
     block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(
         arch, block_d, p.causal, max_k, config_overrides())
     tma = use_tma(q, k, v)
@@ -91,7 +92,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
 
     out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
     want_probs = p.return_probs and p.dropout_p > 0
-    if p.varlen:
+    if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
         total_q = q.shape[0]
@@ -144,7 +145,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
     launch(
         _attn_fwd_kernel, grid,
         q, k, v, out, lse, probs_arg, desc_q, desc_k, desc_v,
-        p.cu_seqlens_q if p.varlen else dummy, p.cu_seqlens_k if p.varlen else dummy,
+        p.cu_seqlens_q if varlen else dummy, p.cu_seqlens_k if varlen else dummy,
         p.seqused_q if p.seqused_q is not None else dummy,
         p.seqused_k if p.seqused_k is not None else dummy,
         alibi if alibi is not None else dummy,
@@ -154,7 +155,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
         sq_b, sq_m, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_m, so_h,
         lse_b, lse_h, alibi_stride_b, pb, ph, pm,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        IS_VARLEN=p.varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
+        IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=host.HEAVY_FIRST,
