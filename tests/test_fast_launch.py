@@ -71,7 +71,7 @@ def test_key_needs_a_cuda_tensor():
 
 
 def _keyable(monkeypatch):
-    monkeypatch.setattr(host, "_arg_key", lambda args, n_plain=None: tuple(args))
+    monkeypatch.setattr(host, "_arg_key", lambda args, n_plain=None, require_cuda=True: tuple(args))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return SimpleNamespace(params=[], pre_run_hooks=[])
 
@@ -131,13 +131,13 @@ class _Compiled:
 def test_cached_launch_pads_the_grid_to_three_dimensions(monkeypatch):
     # the compiled launcher takes three grid dimensions, then the stream, function, metadata and
     # hooks, then every parameter's value in signature order
-    compiled = _Compiled()
+    compiled, kernel = _Compiled(), object()
     monkeypatch.setattr(host, "FAST_LAUNCH", True)
     monkeypatch.setattr(host, "_fast_key", lambda *a: "key")
     monkeypatch.setattr(host, "_stream", lambda device: f"stream{device}")
-    monkeypatch.setitem(host._COMPILED, "key", (compiled, [5], 0))
-    assert host.launch(object(), (4, 2), 1, 2, num_warps=4, num_stages=2) is compiled
-    assert host.run_kernel(object(), (3,), 1, num_warps=4) is compiled
+    monkeypatch.setitem(host._COMPILED, "key", (compiled, [5], 0, kernel))
+    assert host.launch(kernel, (4, 2), 1, 2, num_warps=4, num_stages=2) is compiled
+    assert host.run_kernel(kernel, (3,), 1, num_warps=4) is compiled
     assert compiled.calls == [(4, 2, 1, "stream0", "fn", "meta", None, None, None, 1, 2, 5),
                               (3, 1, 1, "stream0", "fn", "meta", None, None, None, 1, 5)]
 
@@ -161,7 +161,7 @@ def test_a_miss_launches_normally_and_remembers_the_compiled_kernel(monkeypatch)
     monkeypatch.setattr(host, "_stream", lambda device: "s")
     assert host.run_kernel(kernel, (2,), "x", 7, C=3, num_warps=4) is compiled
     assert seen == [((2,), ("x", 7), dict(C=3, num_warps=4))]
-    assert list(host._COMPILED.values()) == [(compiled, [3], 0)]  # num_warps is an option, not a param
+    assert list(host._COMPILED.values()) == [(compiled, [3], 0, kernel)]  # num_warps is an option, not a param
     host.run_kernel(kernel, (2,), "x", 7, C=3, num_warps=4)
     assert len(seen) == 1 and compiled.calls == [(2, 1, 1, "s", "fn", "meta", None, None, None, "x", 7, 3)]
 
@@ -177,3 +177,70 @@ def test_callable_grid_takes_the_normal_path(monkeypatch):
 
     host.launch(Kernel(), len, 1, num_warps=4, num_stages=2)
     assert seen == [(len, (1,))]
+
+
+def test_an_entry_serves_only_the_kernel_it_was_made_for(monkeypatch):
+    # keys hold id(kernel): a new object that reuses a freed kernel's id must not get its entry
+    compiled = _Compiled()
+    seen = []
+
+    class Kernel:
+        params, arg_names = [], []
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(grid) or compiled
+
+    monkeypatch.setattr(host, "FAST_LAUNCH", True)
+    monkeypatch.setattr(host, "_fast_key", lambda *a: "same key")
+    monkeypatch.setitem(host._COMPILED, "same key", (compiled, [], 0, object()))
+    host.run_kernel(Kernel(), (1,))
+    assert seen == [(1,)] and not compiled.calls  # launched the normal way
+
+
+_BOUNDARIES = [0, 1, 2, 15, 16, 17, 32, -1, -15, -16, -17, 2**31 - 17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+               -2**31, -2**31 - 1, -2**31 - 16, 2**32, 2**62, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16,
+               2**64 - 16, 2**64 - 1, -2**63, -2**63 + 16]
+
+
+def test_int_classes_never_merge_what_triton_compiles_apart():
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    def triton_spec(a):
+        return native_specialize_impl(BaseBackend, a, False, True, True)
+
+    for a in _BOUNDARIES:
+        for b in _BOUNDARIES:
+            if host._int_class(a) == host._int_class(b):
+                assert triton_spec(a) == triton_spec(b), (a, b)
+
+
+def test_ints_triton_refuses_take_the_normal_path():
+    assert _key([2**64]) is None and _key([-2**63 - 1]) is None
+    assert _key([2**64 - 1]) is not None and _key([-2**63]) is not None
+
+
+def _jit_like(n_plain):
+    return SimpleNamespace(params=[SimpleNamespace(is_constexpr=i >= n_plain) for i in range(n_plain + 2)],
+                           pre_run_hooks=[])
+
+
+def test_fast_key_parts(monkeypatch):
+    from triton import knobs
+
+    kernel = _jit_like(1)
+    device = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+
+    def key(args, meta=None):
+        return host._fast_key(kernel, args, meta or {}, require_cuda=False)
+
+    assert key((17, 64)) != key((17, 128))  # a constexpr by position: its value
+    assert key((17, 64)) == key((33, 64))  # the plain int: its class
+    base = key((17, 64))
+    device[0] = 1
+    assert key((17, 64)) != base  # the current device
+    device[0] = 0
+    monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    assert key((17, 64)) != base  # Triton's debug knob
+    assert host._fast_key(SimpleNamespace(pre_run_hooks=[]), (17,), {}, require_cuda=False) is None  # not a JIT kernel

@@ -45,13 +45,29 @@ def test_pdl_gradients_are_bitwise_the_ordinary_ones(monkeypatch, case):
 
 
 def test_later_work_sees_dk_dv_complete(monkeypatch):
-    # dK / dV come from the kernel the dQ kernel overlaps: a reduction queued right after the
-    # backward must read their final values (the dQ programs wait for that kernel at their end)
-    case = CASES[2]
-    want = [g.float().sum() for g in _grads(monkeypatch, False, case)]
-    for _ in range(5):
-        got = [g.float().sum() for g in _grads(monkeypatch, True, case)]
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # one long dK/dV program (128 keys against 16384 queries, one head) and many short dQ programs:
+    # without the dQ grid's end-wait it would finish long before the dK/dV kernel, and a reduction
+    # queued right after the backward (no sync in between) would read unfinished dK / dV
+    from flashtile.backends.triton import host
+
+    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    q = torch.randn(1, 16384, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    k, v = (torch.randn(1, 128, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+            for _ in range(2))
+    do = torch.randn(1, 16384, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g)
+
+    def sums(pdl):
+        monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", pdl)
+        grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v), (q, k, v), do)
+        return torch.stack([x.float().sum() for x in grads])  # queued behind the backward
+
+    want = sums(False)
+    got = [sums(True) for _ in range(20)]
+    assert all(torch.equal(x, want) for x in got)
+    if host.FAST_LAUNCH:  # the dQ kernel really went out with programmatic dependent launch
+        pdl_kernels = [hit[0].name for hit in host._COMPILED.values() if getattr(hit[0].metadata, "launch_pdl", False)]
+        assert any("dq" in name for name in pdl_kernels), pdl_kernels
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]])

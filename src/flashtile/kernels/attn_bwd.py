@@ -455,10 +455,12 @@ def _attn_bwd_dq_kernel(
                 HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION)
     if WAIT_AT_END:
         # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs
-        # were all written before that kernel started, so no wait before reading; waiting here, at
-        # the end, makes this grid's completion imply the dK/dV kernel's, so later work in the
-        # stream sees both finished
-        gdc_wait()
+        # were all written before that kernel started, so no wait before reading. One program
+        # waiting at its end makes this grid's completion imply the dK/dV kernel's, so later work
+        # in the stream sees both finished; only the last one waits, so the others free their SMs
+        # as soon as they are done
+        if tl.program_id(0) == tl.num_programs(0) - 1:
+            gdc_wait()
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE + ["n_dkdv_programs"])

@@ -84,15 +84,16 @@ def use_one_launch(p: AttnParams) -> bool:
 # Programmatic dependent launch of the dQ kernel behind the dK/dV kernel (sm_90+). The two read the
 # same inputs and write different outputs, so dQ needs nothing from dK/dV: every dK/dV program
 # signals at its start, the dQ grid is then scheduled onto the SMs the dK/dV grid's last wave leaves
-# idle, and each dQ program waits for the dK/dV grid only at its end (so the stream's later work sees
-# both done). The split path only (not the fused, one-launch or Gluon-dQ variants). Off until
+# idle, and the dQ grid's last program waits for the dK/dV grid at its end (so the stream's later
+# work sees both done; the other dQ programs free their SMs when done). NVIDIA only. The split path only (not the fused, one-launch or Gluon-dQ variants). Off until
 # measured on the H200 (FLASHTILE_BWD_PDL=1; gpu_check.sh bench-bwd-pdl); tests pin BWD_PDL_OVERRIDE.
 BWD_PDL_OVERRIDE: bool | None = None
 
 
 def use_bwd_pdl(q: torch.Tensor) -> bool:
     on = BWD_PDL_OVERRIDE if BWD_PDL_OVERRIDE is not None else env.get("FLASHTILE_BWD_PDL", "0") not in ("", "0")
-    return on and q.device.type == "cuda" and capability(q.device)[0] >= 9
+    # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
+    return on and q.device.type == "cuda" and torch.version.hip is None and capability(q.device)[0] >= 9
 
 
 _TABLE_OVERRIDES: dict | None = None

@@ -82,12 +82,14 @@ def _launch_key(kernel, args, num_warps, num_stages, meta) -> tuple:
 # through the driver object. On the H200 machine's CPU a kernel[grid](...) launch of an empty
 # kernel with 30 arguments takes 31-34 us and the compiled launcher 10-16 us
 # (benchmarks/results/host_breakdown_h200_2026-11-30.json), and a training step makes 4-5 launches.
-# Not followed once a kernel is cached: changes to a kernel's globals (ours never change) and
-# TRITON_INSTRUMENTATION_MODE; launch hooks and pre-run hooks send every launch the normal way.
-# Kernels are keyed by id(): they are module-level objects that live as long as the process.
+# Not followed once a kernel is cached: changes to a kernel's globals (ours never change), and
+# compile settings changed at run time (TRITON_INSTRUMENTATION_MODE, TRITON_OVERRIDE_ARCH,
+# knobs.language.default_fp_fusion, the libdevice path); launch hooks and pre-run hooks send every
+# launch the normal way. Constexprs compare by ==, so 0.0 and -0.0 share a key (ours are ints,
+# bools and strings). Keys hold the kernel's id(); an entry is used only for that very object.
 FAST_LAUNCH = os.environ.get("FLASHTILE_FAST_LAUNCH", "1") not in ("", "0")
 # (kernel id, debug, keywords, their types, argument key, device) -> (CompiledKernel, keyword/default
-# param values, device)
+# param values, device, the kernel itself)
 _COMPILED: dict = {}
 # a bound on the cache (constexprs such as tile sizes and head dims multiply the keys)
 _COMPILED_MAX = 4096
@@ -105,6 +107,9 @@ def _int_class(a: int) -> int:
         return -1
     width = 0 if _I32[0] <= a <= _I32[1] else 1 if a <= _I64_MAX else 2
     return 2 * width + (a % 16 == 0)
+
+
+_INT_RANGE = (-(1 << 63), (1 << 64) - 1)  # what Triton takes at all (it raises past it)
 
 
 def _arg_key(args, n_plain: int | None = None, require_cuda: bool = True) -> tuple | None:
@@ -125,6 +130,8 @@ def _arg_key(args, n_plain: int | None = None, require_cuda: bool = True) -> tup
         if n_plain is not None and i >= n_plain:
             add((t, a))  # a constexpr by position
         elif t is int:
+            if not _INT_RANGE[0] <= a <= _INT_RANGE[1]:
+                return None  # the normal path raises Triton's own error
             add(_int_class(a))
         elif t is float:
             add(float)
@@ -189,10 +196,13 @@ def launch_hooks_set() -> bool:
     return any(getattr(h, "calls", h) for h in hooks)
 
 
-def _fast_key(kernel, args, meta):
+def _fast_key(kernel, args, meta, require_cuda: bool = True):
     if launch_hooks_set() or getattr(kernel, "pre_run_hooks", None):
         return None  # hooks get their metadata / calls from the normal path
-    arg_key = _arg_key(args, _n_plain(kernel))
+    n_plain = _n_plain(kernel)
+    if n_plain is None:  # not a JIT kernel: positional constexprs could not be told apart
+        return None
+    arg_key = _arg_key(args, n_plain, require_cuda)
     if arg_key is None:
         return None
     try:
@@ -212,8 +222,14 @@ def _stream(device: int):
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+def _cached(key, kernel):
+    """The cache's entry for key, if it was made for this very kernel object (keys hold its id)."""
+    hit = _COMPILED.get(key)
+    return hit if hit is not None and hit[3] is kernel else None
+
+
 def _launch_cached(hit, grid, args) -> None:
-    compiled, tail, device = hit
+    compiled, tail, device, _ = hit
     g0 = grid[0]
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
@@ -229,14 +245,14 @@ def _remember(key, kernel, result, n_args: int, meta: dict) -> None:
     if tail is not None:
         if len(_COMPILED) >= _COMPILED_MAX:  # evict the oldest entry (dicts keep insertion order)
             del _COMPILED[next(iter(_COMPILED))]
-        _COMPILED[key] = (result, tail, key[-1])
+        _COMPILED[key] = (result, tail, key[-1], kernel)
 
 
 def run_kernel(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)`` (a Triton or Gluon kernel), through the launch cache."""
     key = _fast_key(kernel, args, meta) if FAST_LAUNCH and not callable(grid) else None
     if key is not None:
-        hit = _COMPILED.get(key)
+        hit = _cached(key, kernel)
         if hit is not None:
             _launch_cached(hit, grid, args)
             return hit[0]
@@ -266,7 +282,7 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     fast_key = (_fast_key(kernel, args, dict(meta, num_warps=num_warps, num_stages=stages))
                 if FAST_LAUNCH and not callable(grid) else None)
     if fast_key is not None:
-        hit = _COMPILED.get(fast_key)
+        hit = _cached(fast_key, kernel)
         if hit is not None:
             _launch_cached(hit, grid, args)
             return hit[0]
