@@ -85,8 +85,9 @@ def use_one_launch(p: AttnParams) -> bool:
 # same inputs and write different outputs, so dQ needs nothing from dK/dV: every dK/dV program
 # signals at its start, the dQ grid is then scheduled onto the SMs the dK/dV grid's last wave leaves
 # idle, and the dQ grid's last program waits for the dK/dV grid at its end (so the stream's later
-# work sees both done; the other dQ programs free their SMs when done). NVIDIA only. The split path only (not the fused, one-launch or Gluon-dQ variants). Off until
-# measured on the H200 (FLASHTILE_BWD_PDL=1; gpu_check.sh bench-bwd-pdl); tests pin BWD_PDL_OVERRIDE.
+# work sees both done; the other dQ programs free their SMs when done). NVIDIA only. The split path
+# only (not the fused, one-launch or Gluon-dQ variants). Off until measured on the H200
+# (FLASHTILE_BWD_PDL=1; gpu_check.sh bench-bwd-pdl); tests pin BWD_PDL_OVERRIDE.
 BWD_PDL_OVERRIDE: bool | None = None
 
 
