@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flashtile
+from attn_cases import check_padded, check_varlen
 from flashtile.backends.triton import attn_bwd, gluon_bwd
 
 pytestmark = pytest.mark.gpu
@@ -94,3 +95,20 @@ def test_deterministic_runs_repeat(monkeypatch):
     runs = [_grads(monkeypatch, True, CASES[2], deterministic=True) for _ in range(10)]
     for grads in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
+
+
+FEATURES = [dict(dropout_p=0.15), dict(window_size=(100, 20)), dict(softcap=20.0, causal=True), dict(alibi="h")]
+
+
+@pytest.mark.parametrize("feature", range(len(FEATURES)))
+def test_pdl_with_features_against_the_reference(monkeypatch, feature):
+    # the Triton route's other builds (dropout, windows, softcap, ALiBi) with both flags, checked by
+    # FlashAttention's tolerance rule against the reference
+    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
+    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
+    check_padded(2, 300, 500, 4, 2, 64, torch.bfloat16, device=DEV, **FEATURES[feature])
+
+
+def test_pdl_varlen_against_the_reference(monkeypatch):
+    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
+    check_varlen([1, 300, 0, 700, 77], [5, 300, 17, 900, 0], 8, 2, 128, torch.bfloat16, device=DEV, causal=True)
