@@ -60,18 +60,25 @@ def _exp2_under_mma(sass: str) -> int:
     return best
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
+def _compile_cases(out, cases) -> list:
+    """Compile the cases for sm_90 in a subprocess (TRITON_INTERPRET unset there): one row each."""
     pytest.importorskip("triton.experimental.gluon")
-    out = tmp_path_factory.mktemp("gluon_bwd")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(out / "cache")
-    res = subprocess.run([sys.executable, str(SCRIPT), str(out), json.dumps(_cases())], capture_output=True,
+    res = subprocess.run([sys.executable, str(SCRIPT), str(out), json.dumps(cases)], capture_output=True,
                          text=True, env=env, timeout=900)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("no ptxas in this triton install")
     assert res.returncode == 0, res.stderr[-3000:]
-    return out, [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(cases)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gluon_bwd")
+    return out, _compile_cases(out, _cases())
 
 
 def test_every_config_compiles_without_spills(compiled):
@@ -115,17 +122,9 @@ def test_other_schedule_compiles_unserialised(tmp_path):
     # scripts/tune_gluon_bwd.py's candidates in the schedule the table does not take: the rotated one
     # at d = 128 (the default until session 7), the plain order at d = 64 and in the dQ kernel. An in-flight product
     # across steps once made ptxas serialise the wgmmas; neither build may.
-    pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]],
              ["bf16", 128, True, [64, 64, 2, 4, 1, 0], "dq"]]  # the dQ kernel's plain order too
-    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
-                         text=True, env=env, timeout=900)
-    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("no ptxas in this triton install")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_cases(tmp_path, cases)
     assert len(rows) == 3
     for row in rows:
         assert not row["serialized"] and row["spill_bytes"] == 0 and row["shared"] <= SM90_MAX_SHARED, row
@@ -142,16 +141,9 @@ def test_launch_dependents_builds(tmp_path):
     pytest.importorskip("triton.experimental.gluon")
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
 
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     cases = [["bf16", d, causal, _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS) + [1]]
              for d in (128, 256) for causal in (False, True)]
-    res = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), json.dumps(cases)], capture_output=True,
-                         text=True, env=env, timeout=900)
-    if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("no ptxas in this triton install")
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    rows = _compile_cases(tmp_path, cases)
     assert len(rows) == 4
     for row in rows:
         assert row["gdc_launch"] == 1 and not row["serialized"] and row["shared"] <= SM90_MAX_SHARED, row
