@@ -243,4 +243,8 @@ def test_fast_key_parts(monkeypatch):
     device[0] = 0
     monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
     assert key((17, 64)) != base  # Triton's debug knob
+    monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    # launch()'s compile options (num_warps, num_stages)
+    assert host._fast_key(kernel, (17, 64), {}, (4, 2), require_cuda=False) != \
+        host._fast_key(kernel, (17, 64), {}, (8, 2), require_cuda=False)
     assert host._fast_key(SimpleNamespace(pre_run_hooks=[]), (17,), {}, require_cuda=False) is None  # not a JIT kernel

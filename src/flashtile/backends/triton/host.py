@@ -196,7 +196,7 @@ def launch_hooks_set() -> bool:
     return any(getattr(h, "calls", h) for h in hooks)
 
 
-def _fast_key(kernel, args, meta, require_cuda: bool = True):
+def _fast_key(kernel, args, meta, options: tuple = (), require_cuda: bool = True):
     if launch_hooks_set() or getattr(kernel, "pre_run_hooks", None):
         return None  # hooks get their metadata / calls from the normal path
     n_plain = _n_plain(kernel)
@@ -209,8 +209,8 @@ def _fast_key(kernel, args, meta, require_cuda: bool = True):
         # keywords are constexprs and compile options: keyed on type and value (True, 1 and 1.0
         # are equal in Python but compile apart in Triton); the current device last, which is the
         # one Triton compiles for and whose stream it launches on
-        key = (id(kernel), knobs.runtime.debug, tuple(meta.items()), tuple(map(type, meta.values())), arg_key,
-               torch.cuda.current_device())
+        key = (id(kernel), knobs.runtime.debug, tuple(meta.items()), tuple(map(type, meta.values())), options,
+               arg_key, torch.cuda.current_device())
         hash(key)
     except TypeError:  # an unhashable keyword: the normal path
         return None
@@ -279,7 +279,8 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
         key = _launch_key(kernel, args, num_warps, num_stages, meta)
         stages = _REDUCED_STAGES.get(key, num_stages)
     key_stages = stages
-    fast_key = (_fast_key(kernel, args, dict(meta, num_warps=num_warps, num_stages=stages))
+    # num_warps / num_stages are compile options: keyed beside the keywords, without copying them
+    fast_key = (_fast_key(kernel, args, meta, (num_warps, stages))
                 if FAST_LAUNCH and not callable(grid) else None)
     if fast_key is not None:
         hit = _cached(fast_key, kernel)
