@@ -178,14 +178,25 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, al
 
 # ---------------------------------------------------------------------------------------------- bwd
 
-def _run_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-             alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-             window_left, window_right, softcap, deterministic):
-    p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
-                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic, False)
+def _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
+                max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                deterministic) -> AttnParams:
+    return params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
+                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
+                            window_right, softcap, deterministic, False)
+
+
+def _backend_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
+    """Write dq, dk, dv (unpacked views) on the chosen backend."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     dispatch.choose("bwd", q, p).bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
+
+
+def _packed_bwd(dout, q, k, v, out, lse, p: AttnParams, packing: int):
+    """Gradients shaped like the op's tensor inputs (packed ones whole) for one backward."""
+    grads, views = _grad_buffers(q, k, v, packing)
+    _backend_bwd(dout, *unpack(q, k, v, packing), out, lse, p, *views)
+    return grads
 
 
 def _grad_buffers(q, k, v, packing):
@@ -218,11 +229,10 @@ def attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q
                   rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
                   window_right, softcap, deterministic, packing):
     """The body of ``flashtile::attn_bwd`` as a plain function (eager calls skip the op dispatcher)."""
-    grads, views = _grad_buffers(q, k, v, packing)
-    _run_bwd(dout, *unpack(q, k, v, packing), out, lse, *views, cu_seqlens_q, cu_seqlens_k, seqused_q,
-             seqused_k, alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-             window_left, window_right, softcap, deterministic)
-    return grads
+    p = _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
+                    max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                    deterministic)
+    return _packed_bwd(dout, q, k, v, out, lse, p, packing)
 
 
 @attn_bwd.register_fake
@@ -239,9 +249,10 @@ def attn_bwd_into(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   rng_state: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                   softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                   deterministic: bool) -> Tensor:
-    _run_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-             alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-             window_left, window_right, softcap, deterministic)
+    p = _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
+                    max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
+                    deterministic)
+    _backend_bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
     return _softmax_d(dout, out, cu_seqlens_q is not None)
 
 
@@ -355,10 +366,7 @@ class EagerAttention(torch.autograd.Function):
                 dout, q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes,
                 ctx.rng_state, *bwd_op_scalars(p), packing)
         else:  # what attn_bwd_impl runs, with the forward's parameters
-            (dq, dk, dv), views = _grad_buffers(q, k, v, packing)
-            qu, ku, vu = unpack(q, k, v, packing)
-            dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-            dispatch.choose("bwd", qu, p).bwd(dout, qu, ku, vu, out, lse, p, *views)
+            dq, dk, dv = _packed_bwd(dout, q, k, v, out, lse, p, packing)
         return dq, dk if k is not None else None, dv if v is not None else None, None, None, None
 
 
