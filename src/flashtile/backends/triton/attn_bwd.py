@@ -1,8 +1,8 @@
 """Launcher of the backward kernels: delta preprocess, then the dK/dV and dQ kernels (default), or
 one of the measured alternatives behind flags: both in one grid (FLASHTILE_BWD_ONE_LAUNCH), dQ fused
 into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (the default at d = 128 / 256
-from s = 1024, causal d = 128 from s = 2048, where backends/triton/gluon_bwd.py measured it faster;
-FLASHTILE_GLUON_BWD)."""
+from s = 1024, where backends/triton/gluon_bwd.py measured it faster; FLASHTILE_GLUON_BWD). With
+FLASHTILE_BWD_PDL=1 the dQ kernel starts while the dK/dV kernel drains (use_bwd_pdl)."""
 
 from __future__ import annotations
 

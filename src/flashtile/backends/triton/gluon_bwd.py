@@ -5,10 +5,12 @@ all-Triton backward in one process:
 - d = 128, session 7 (plain-order config): 1.08x-1.17x from s = 1024 plain and s = 4096 causal, but
   0.78x causal at s = 1024 (benchmarks/results/gluon_bwd_h200_2026-11-30_session7.json); session 6's
   rotated schedule had measured 1.00x-1.11x bf16 and 1.02x-1.12x fp16;
-- d = 256, session 7: 1.43x-1.64x at s = 1024 to 16384, plain and causal, bf16 (the same file).
-So those calls take it by default from s = 1024 (d = 256: bf16 only; fp16 there was not measured),
-causal d = 128 from s = 2048 (MIN_SEQLEN; shorter
-sequences were not compared in one process, and keep the Triton kernel's short-sequence tiles).
+- d = 256, session 7: 1.43x-1.64x at s = 1024 to 16384, plain and causal, bf16 (the same file);
+  fp16 1.43x-1.59x in session 8 (gluon_bwd_fp16_d256_h200_2026-11-30.json);
+- causal d = 128 at s = 1024, session 8: 1.16x timed directly
+  (tune_gluon_bwd_h200_2026-11-30_session8.json; session 7's 0.78x was that process's noise).
+So bf16 / fp16 calls at d = 128 / 256 take it by default from s = 1024 (MIN_SEQLEN). s = 512 keeps
+the Triton kernel's short-sequence tiles: faster as CUDA graphs, slower eager when last measured.
 At d = 64 it was 0.95x-1.05x (slower from s = 4096), so d = 64 stays on Triton unless forced.
 tests/test_gpu_gluon_bwd.py passed on the H200 for d = 64, 128, 256
 (gpu_tests_gluon_bwd_h200_2026-11-30_session7.log).
