@@ -84,7 +84,7 @@ status=0
 for step in "${steps[@]}"; do
   echo "== $step ($(date +%H:%M:%S))" | tee -a "$summary"
   case $step in
-    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch|tests-fused-dq)
+    tests|tests-fwd|tests-bwd|tests-kv|tests-rest|tests-route|tests-fp8|tests-fast-launch|tests-one-launch|tests-fused-dq|tests-bwd-pdl)
       case $step in
         tests-fast-launch) files=(tests/test_gpu_fast_launch.py) ;;
         tests-bwd-pdl) files=(tests/test_gpu_bwd_pdl.py) ;;
