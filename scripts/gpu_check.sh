@@ -19,6 +19,7 @@
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), then with FLASHTILE_FAST_LAUNCH=0
 #   tests-bwd-pdl  the backward with programmatic dependent launch of its dQ kernel (FLASHTILE_BWD_PDL), against ordinary launches
+#   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
@@ -191,6 +192,8 @@ for step in "${steps[@]}"; do
           --out "$WORK/bwd_pdl${pdl}_$SECONDS.json" 2>> "$WORK/bench_bwd_pdl.log" >> "$summary"
         pack
       done ;;
+    probe-bwd-modes)
+      python3 scripts/probe_bwd_modes.py --out "$WORK/probe_bwd_modes.json" >> "$summary" 2> "$WORK/probe_bwd_modes.log" ;;
     bench-bwd-s1024-route)
       # is the Gluon route's slow d = 128 causal s = 1024 row host time? the s = 1024 rows with the
       # Gluon dK/dV kernel forced on and off, eager and as CUDA-graph replays, one file each
