@@ -22,7 +22,7 @@ def _backward(monkeypatch, pdl=True, gluon_dkdv=False, **overrides):
 
     monkeypatch.setattr(attn_bwd, "launch", record)
     monkeypatch.setattr(attn_bwd, "run_kernel", record)
-    monkeypatch.setattr(attn_bwd, "use_bwd_pdl", lambda q: pdl)
+    monkeypatch.setattr(attn_bwd, "use_bwd_pdl", lambda q, causal, seqlen: pdl)
     monkeypatch.setattr(gluon_bwd, "use_gluon_bwd", lambda *a: gluon_dkdv)
     monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv",
                         lambda *a, **kw: calls.append(("gluon_dkdv", kw)))
@@ -74,6 +74,25 @@ def test_rule_needs_a_cuda_hopper(monkeypatch):
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
     monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", None)
     monkeypatch.delenv("FLASHTILE_BWD_PDL", raising=False)
-    assert not attn_bwd.use_bwd_pdl(q)  # off by default until measured
+    q64, q128 = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 1, 128)
+    for t in (q64, q128):
+        monkeypatch.setattr(type(t), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
+    # the measured rule (pdl_preferred): d = 64 everywhere, d = 128 causal 2048..4096, non-causal 1024
+    assert attn_bwd.use_bwd_pdl(q64, False, 1024) and attn_bwd.use_bwd_pdl(q64, True, 16384)
+    assert attn_bwd.use_bwd_pdl(q128, True, 2048) and attn_bwd.use_bwd_pdl(q128, True, 4096)
+    assert not attn_bwd.use_bwd_pdl(q128, False, 4096) and not attn_bwd.use_bwd_pdl(q128, True, 16384)
+    assert not attn_bwd.use_bwd_pdl(q128, True, 1024)
+    monkeypatch.setenv("FLASHTILE_BWD_PDL", "0")
+    assert not attn_bwd.use_bwd_pdl(q64, False, 1024)  # forced off
     monkeypatch.setenv("FLASHTILE_BWD_PDL", "1")
-    assert attn_bwd.use_bwd_pdl(q)
+    assert attn_bwd.use_bwd_pdl(q128, False, 4096)  # forced on
+
+
+def test_pdl_preferred_table():
+    """The rule's rows, as measured (bwd_pdl_ab_h200_2026-11-30_session9.json)."""
+    pref = attn_bwd.pdl_preferred
+    assert all(pref(64, c, s) for c in (False, True) for s in (512, 1024, 16384))
+    assert [pref(128, False, s) for s in (1024, 2048, 4096, 16384)] == [True, False, False, False]
+    assert [pref(128, True, s) for s in (1024, 2048, 4096, 8192, 16384)] == [False, True, True, False, False]
+    assert [pref(256, True, s) for s in (1024, 2048, 16384)] == [False, True, True]
+    assert [pref(256, False, s) for s in (1024, 2048, 16384)] == [True, True, True]

@@ -1,8 +1,8 @@
 """Launcher of the backward kernels: delta preprocess, then the dK/dV and dQ kernels (default), or
 one of the measured alternatives behind flags: both in one grid (FLASHTILE_BWD_ONE_LAUNCH), dQ fused
 into the dK/dV kernel (FLASHTILE_BWD_FUSED_DQ), or the Gluon dK/dV kernel (the default at d = 128 / 256
-from s = 1024, where backends/triton/gluon_bwd.py measured it faster; FLASHTILE_GLUON_BWD). With
-FLASHTILE_BWD_PDL=1 the dQ kernel starts while the dK/dV kernel drains (use_bwd_pdl)."""
+from s = 1024, where backends/triton/gluon_bwd.py measured it faster; FLASHTILE_GLUON_BWD). Where
+measured faster the dQ kernel starts while the dK/dV kernel drains (use_bwd_pdl, FLASHTILE_BWD_PDL)."""
 
 from __future__ import annotations
 
@@ -86,13 +86,36 @@ def use_one_launch(p: AttnParams) -> bool:
 # signals at its start, the dQ grid is then scheduled onto the SMs the dK/dV grid's last wave leaves
 # idle, and the dQ grid's last program waits for the dK/dV grid at its end (so the stream's later
 # work sees both done; the other dQ programs free their SMs when done). NVIDIA only. The split path
-# only (not the fused, one-launch or Gluon-dQ variants). Off until measured on the H200
-# (FLASHTILE_BWD_PDL=1; gpu_check.sh bench-bwd-pdl); tests pin BWD_PDL_OVERRIDE.
+# only (not the fused, one-launch or Gluon-dQ variants).
+# On where the H200 measured it faster (bwd_pdl_ab_h200_2026-11-30_session9.json, off/on alternated
+# twice in one call): d = 64 1.5%-3.8% at every s from 1024 to 16384, d = 256 2%-4% from s = 2048
+# (neutral at non-causal 16384), d = 128 causal 1.5%-1.6% at s = 2048 / 4096 and non-causal 2% at
+# 1024. Off where it was not:
+# d = 128 non-causal from 2048 (0.99x-1.00x) and causal 16384 (0.98x), and causal s = 1024 at
+# d = 128 / 256, whose eager times vary by host time more than PDL can win. FLASHTILE_BWD_PDL=0 / 1
+# forces it off / on everywhere; tests pin BWD_PDL_OVERRIDE.
 BWD_PDL_OVERRIDE: bool | None = None
 
 
-def use_bwd_pdl(q: torch.Tensor) -> bool:
-    on = BWD_PDL_OVERRIDE if BWD_PDL_OVERRIDE is not None else env.get("FLASHTILE_BWD_PDL", "0") not in ("", "0")
+def pdl_preferred(d: int, causal: bool, seqlen: int) -> bool:
+    """Where the H200 measured the dQ kernel's programmatic dependent launch faster (see above)."""
+    if d <= 64:
+        return True
+    if causal and seqlen < 2048:
+        return False
+    if d <= 128:
+        return seqlen <= 4096 if causal else seqlen <= 1024
+    return True
+
+
+def use_bwd_pdl(q: torch.Tensor, causal: bool = False, seqlen: int = 0) -> bool:
+    """Launch the dQ kernel behind the dK/dV kernel? (``seqlen``: the longer of the query and key
+    lengths; ``causal``: the mask is causal)."""
+    if BWD_PDL_OVERRIDE is not None:
+        on = BWD_PDL_OVERRIDE
+    else:
+        forced = env.get("FLASHTILE_BWD_PDL", "")
+        on = forced not in ("", "0") if forced else pdl_preferred(q.shape[-1], causal, seqlen)
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return on and q.device.type == "cuda" and torch.version.hip is None and capability(q.device)[0] >= 9
 
@@ -197,7 +220,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
     dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
     gluon_dq = not fused and not one_launch and gluon_bwd.use_gluon_bwd_dq(q, k, v, dout, dq, p)
-    pdl = not fused and not one_launch and not gluon_dq and use_bwd_pdl(q)
+    pdl = not fused and not one_launch and not gluon_dq and use_bwd_pdl(q, p.causal, max_seqlen)
     # q and dout by descriptor for the Triton dK/dV programs only (the Gluon kernel builds its own)
     desc_q, desc_do = ((_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma and not dkdv_done
                        else (q, dout))
