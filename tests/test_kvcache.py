@@ -462,10 +462,22 @@ def test_torch_compile_inductor():
 def test_num_splits_heuristic():
     h = launcher.num_splits_heuristic
     assert h(256, 2048, 132) == 1  # a grid that fills the GPU is not split
-    s = h(8, 2048, 132)  # b=1, h_k=8: split until the waves are nearly full
-    assert 8 <= s <= 33 and (8 * s) / (-(-8 * s // 132) * 132) >= 0.85
+    # b=1, h_k=8 on 132 SMs: 16 splits give every program an equal share in one wave (15 left the
+    # slowest program 5 of 64 blocks, 16 gives 4)
+    assert h(8, 64, 132) == 16 and h(8, 1024, 132) == 16
     assert h(8, 3, 132) == 1  # too few key blocks to split
     assert h(64, 2048, 132) == 2
+    assert h(16, 64, 132) == 8  # b=2: 128 programs, one wave
+    assert h(8, 2048, 132) == 16  # 33 splits (two waves) model 1% faster: not worth the merge
+    # the choice is within the slack of the model's minimum, and no fewer splits are
+    def cost(s, programs, blocks):
+        return -(-programs * s // 132) * (-(-blocks // s) + launcher.START_BLOCKS)
+
+    for programs, blocks in [(8, 64), (8, 2048), (24, 64), (40, 300), (64, 2048)]:
+        best = h(programs, blocks, 132)
+        least = min(cost(s, programs, blocks) for s in range(1, min(128, blocks // 2) + 1))
+        assert cost(best, programs, blocks) <= least * (1 + launcher.SPLIT_SLACK)
+        assert all(cost(s, programs, blocks) > least * (1 + launcher.SPLIT_SLACK) for s in range(1, best))
 
 
 def test_bench_decode_cpu_smoke(tmp_path):

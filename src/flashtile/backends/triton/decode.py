@@ -75,6 +75,10 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # A split of fewer key blocks than this costs more in the combine than it gains in parallelism.
 MIN_BLOCKS_PER_SPLIT = 2
 MAX_SPLITS = 128
+# A program's start-up (its first loads' latency, before the pipeline streams) in key-block loads,
+# for num_splits_heuristic's time model: it makes a second wave cost more than halving the blocks.
+START_BLOCKS = 1
+SPLIT_SLACK = 0.03
 # A grid of at least this many programs per SM is not split.
 SPLIT_FREE_FILL = 0.8
 
@@ -98,23 +102,27 @@ def _arch(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=4096)  # pure function of a few ints, called on every decode step
 def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """How many ways to split the keys so ``programs * splits`` fills the GPU in whole waves.
+    """How many ways to split the keys: the count whose slowest SM has the least to do.
 
     ``programs`` = batch * kv heads * query-row blocks; ``key_blocks`` = cache capacity / BLOCK_N (an
-    upper bound on a row's key blocks: actual lengths live on the device and are not read). A grid
-    that already fills most SMs is not split. Otherwise take the fewest splits whose wave efficiency
-    (work / (waves * SMs)) is within 85% of the best, so the combine stays cheap.
+    upper bound on a row's key blocks: actual lengths live on the device and are not read). Split s
+    gives every program cdiv(key_blocks, s) key blocks (the kernel cuts a row's blocks into equal,
+    block-aligned shares) and the grid cdiv(programs * s, sms) waves (a 128-key launch holds one CTA
+    per SM). The time is modelled as waves * (blocks per program + START_BLOCKS), START_BLOCKS being
+    a program's start-up (its first loads' latency) in block loads; the fewest splits within
+    SPLIT_SLACK of the least time win. A grid that already fills most SMs is not split.
+
+    The old rule (fewest splits within 85% of the best wave efficiency) took 15 splits for 8 kv heads
+    on 132 SMs: 5 blocks for the slowest program at 8k keys where 16 splits give every program 4.
     """
     if programs <= 0 or programs >= SPLIT_FREE_FILL * sms:
         return 1
     limit = max(1, min(max_splits, sms, key_blocks // MIN_BLOCKS_PER_SPLIT))
-    eff = []
-    for s in range(1, limit + 1):
-        work = programs * s
-        eff.append(work / (cdiv(work, sms) * sms))
-    best = max(eff)
-    return next(s for s, e in enumerate(eff, 1) if e >= 0.85 * best)
-
+    costs = [cdiv(programs * s, sms) * (cdiv(key_blocks, s) + START_BLOCKS) for s in range(1, limit + 1)]
+    least = min(costs)
+    # the fewest splits within SPLIT_SLACK of the least: many-wave grids round their way to near ties
+    # that more partial results and merge work would lose
+    return next(s for s, c in enumerate(costs, 1) if c <= least * (1 + SPLIT_SLACK))
 
 
 def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, page_size: int = 0,
