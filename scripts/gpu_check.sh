@@ -19,6 +19,8 @@
 #   host-trace    inclusive host time per flashtile function of an eager call (scripts/host_trace.py)
 #   host-breakdown  host time per piece of an eager call (scripts/host_breakdown.py), then with FLASHTILE_FAST_LAUNCH=0
 #   tests-bwd-pdl  the backward with programmatic dependent launch of its dQ kernel (FLASHTILE_BWD_PDL), against ordinary launches
+#   bench-decode-b1-layers  bench-decode-layers' b = 1 rows alone
+#   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -192,6 +194,12 @@ for step in "${steps[@]}"; do
           --out "$WORK/bwd_pdl${pdl}_$SECONDS.json" 2>> "$WORK/bench_bwd_pdl.log" >> "$summary"
         pack
       done ;;
+    bench-decode-b1-layers)
+      # the b = 1 rows of bench-decode-layers' table alone
+      python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --out "$WORK/decode_graph_layers8_b1.json" \
+        2> "$WORK/bench_decode_layers.log" >> "$summary" ;;
+    probe-decode-layout)
+      python3 scripts/probe_decode_layout.py --out "$WORK/probe_decode_layout.json" >> "$summary" 2> "$WORK/probe_decode_layout.log" ;;
     probe-bwd-modes)
       python3 scripts/probe_bwd_modes.py --out "$WORK/probe_bwd_modes.json" >> "$summary" 2> "$WORK/probe_bwd_modes.log" ;;
     bench-bwd-s1024-route)

@@ -1,0 +1,57 @@
+"""Which key tile a decode launch takes (backends/triton/decode.py decode_attn + launch_config), on
+CPU with an sm_90 of 132 SMs standing in and the kernel launch captured instead of run: contiguous
+bf16/fp16 split launches whose splits read at most SHORT_SPLIT_KEYS keys take 64-key tiles, others
+the table's."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode
+from flashtile.kernels.decode import DECODE_CONFIGS
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    calls = []
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode, "launch", lambda kernel, grid, *args, **meta: calls.append((grid, meta)))
+    monkeypatch.setattr(decode, "combine", lambda *a, **k: None)
+    monkeypatch.setattr(decode, "CONFIG_OVERRIDE", None)
+    return calls
+
+
+def _decode(b, capacity, num_splits=0, paged=False):
+    h, h_k, d = 32, 8, 128
+    q = torch.zeros(b, 1, h, d, dtype=torch.float16)
+    if paged:
+        page = 16
+        kc = torch.zeros(b * capacity // page, page, h_k, d, dtype=torch.float16)
+        table = torch.arange(b * capacity // page, dtype=torch.int32).reshape(b, -1)
+    else:
+        kc = torch.zeros(b, capacity, h_k, d, dtype=torch.float16)
+        table = None
+    decode.decode_attn(q, kc, kc, s_new=0, cache_seqlens=None, cache_len_const=capacity, cache_batch_idx=None,
+                       cache_leftpad=None, block_table=table, rotary_cos=None, rotary_sin=None,
+                       rotary_interleaved=False, rotary_per_token=False, softmax_scale=1.0, window_left=-1,
+                       window_right=-1, softcap=0.0, alibi_slopes=None, num_splits=num_splits)
+
+
+def test_short_splits_take_64_key_tiles(captured):
+    table_bn = DECODE_CONFIGS[("sm90", 128)][0]
+    _decode(1, 8192)  # b = 1: 16 splits of 512 keys
+    grid, meta = captured[-1]
+    assert meta["BLOCK_N"] == min(table_bn, 64) and meta["NUM_SPLITS"] == 16 and grid == (16 * 8,)
+    _decode(1, 131072)  # 16 splits of 8192 keys: the table's tiles
+    assert captured[-1][1]["BLOCK_N"] == table_bn
+    _decode(8, 8192)  # b = 8: 2 splits of 4096 keys
+    assert captured[-1][1]["BLOCK_N"] == table_bn and captured[-1][1]["NUM_SPLITS"] == 2
+    _decode(1, 8192, num_splits=1)  # unsplit: the table's
+    assert captured[-1][1]["BLOCK_N"] == table_bn
+    _decode(1, 8192, num_splits=4)  # forced 4 splits of 2048 keys: the table's
+    assert captured[-1][1]["BLOCK_N"] == table_bn
+
+
+def test_paged_caches_keep_their_tiles(captured):
+    _decode(1, 8192, paged=True)
+    assert captured[-1][1]["BLOCK_N"] == DECODE_CONFIGS[("sm90", 128)][0]
