@@ -59,8 +59,3 @@ def test_decode_launch_config_rules():
     assert launch_config("sm90", 128, False, 4) == (bn // 2, w, st)
     # the interpreter's tiny row is left alone (no paging extras beyond the stage rule)
     assert launch_config("interpret", 128, False, 2) == DECODE_CONFIGS[("interpret", 0)]
-    # short splits of a contiguous bf16/fp16 cache on sm_90 take 64-key tiles (measured), nothing else
-    assert launch_config("sm90", 128, False, 2, split_keys=512) == (min(bn, 64), w, st)
-    assert launch_config("sm90", 128, False, 2, split_keys=1025) == (bn, w, st)
-    assert launch_config("sm90", 128, True, 2, page_size=16, split_keys=512) == (bn, w, st + 2)
-    assert launch_config("sm90", 128, False, 1, split_keys=512)[0] == launch_config("sm90", 128, False, 1)[0]

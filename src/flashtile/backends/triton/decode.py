@@ -79,8 +79,6 @@ MAX_SPLITS = 128
 # for num_splits_heuristic's time model: it makes a second wave cost more than halving the blocks.
 START_BLOCKS = 1
 SPLIT_SLACK = 0.03
-# A split launch whose splits read at most this many keys takes 64-key tiles (launch_config).
-SHORT_SPLIT_KEYS = 1024
 # A grid of at least this many programs per SM is not split.
 SPLIT_FREE_FILL = 0.8
 
@@ -128,7 +126,7 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
 
 
 def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, page_size: int = 0,
-                  grid_full: bool = False, split_keys: int = 0) -> tuple[int, int, int]:
+                  grid_full: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a decode launch: the table's row, adjusted for the layout.
 
     The table is tuned for 2-byte caches; fp32 caches halve BLOCK_N so a pipeline stage holds as
@@ -141,15 +139,6 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     if cache_elem_bytes >= 4:
         block_n = max(16, block_n // 2)
     if paged and grid_full and page_size < 64 < block_n:
-        block_n = 64
-    # Contiguous split launches whose splits are short (``split_keys``: the keys one split reads, at
-    # most SHORT_SPLIT_KEYS) take 64-key tiles: at b = 1 with 16 splits they measured 21.0 against
-    # 22.5 us at 8k keys and 32.0 against 32.7 at 16k (single-call graphs,
-    # tune_decode_tiles_b1_h200_2026-11-30_session9.json), while at 128k 128-key tiles stay faster
-    # (137 against 146 us, tune_decode_b1_splits_h200_2026-11-30.json). Paged caches measured slower
-    # on 64-key tiles at b = 1, 8k (28.6 against 25.4 us, the same file) and keep theirs; other GPUs
-    # and fp8 / fp32 caches were not measured.
-    if arch == "sm90" and cache_elem_bytes == 2 and not paged and 0 < split_keys <= SHORT_SPLIT_KEYS and block_n > 64:
         block_n = 64
     if paged and num_stages > 1:
         # Triton's pipeliner gives the block-table load its own stage ahead of the K/V loads that
@@ -219,14 +208,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid_full = b * h_k * m_blocks >= SPLIT_FREE_FILL * num_sms(q.device)
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
         _arch(q.device), block_d, paged, k_cache.element_size(), page_size, grid_full)
-    if CONFIG_OVERRIDE is None and not paged and not grid_full:
-        # the keys one split reads with the table's tiles decide whether shorter tiles pay off
-        splits = num_splits if num_splits > 0 else num_splits_heuristic(
-            b * h_k * m_blocks, cdiv(max(capacity, 1), block_n), num_sms(q.device))
-        split_keys = cdiv(max(capacity, 1), max(1, min(splits, MAX_SPLITS)))
-        if splits > 1:
-            block_n, num_warps, num_stages = launch_config(
-                _arch(q.device), block_d, paged, k_cache.element_size(), page_size, grid_full, split_keys)
 
     is_fp8 = q.dtype == FP8_DTYPE
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16) if is_fp8 else torch.empty_like(q)
