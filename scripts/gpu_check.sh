@@ -26,6 +26,7 @@
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
+#   bench-decode-fused-combine-layers  b = 1 in 8-layer graphs, fused split merge off/on alternated twice
 #   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
 #                 graph launch per model step), and b = 1 single-call graphs beside it
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
@@ -277,6 +278,14 @@ for step in "${steps[@]}"; do
       # the split merge fused into the decode kernel (off by default) against the combine kernel
       FLASHTILE_DECODE_FUSED_COMBINE=1 python3 -m flashtile.bench decode --cuda-graph --batch 1 8 \
         --out "$WORK/decode_graph_fused_combine.json" 2> "$WORK/bench_decode_fc.log" >> "$summary" ;;
+    bench-decode-fused-combine-layers)
+      # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
+      # per layer; PDL is on for these sizes) against the merge kernel, alternated twice, no peers
+      for fc in 0 1 0 1; do
+        FLASHTILE_DECODE_FUSED_COMBINE=$fc python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --peers \
+          --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc.log" >> "$summary"
+        pack
+      done ;;
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
