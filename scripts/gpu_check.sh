@@ -198,7 +198,7 @@ for step in "${steps[@]}"; do
     bench-decode-b1-layers)
       # the b = 1 rows of bench-decode-layers' table alone
       python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --out "$WORK/decode_graph_layers8_b1.json" \
-        2> "$WORK/bench_decode_layers.log" >> "$summary" ;;
+        2> "$WORK/bench_decode_b1_layers.log" >> "$summary" ;;
     probe-decode-layout)
       python3 scripts/probe_decode_layout.py --out "$WORK/probe_decode_layout.json" >> "$summary" 2> "$WORK/probe_decode_layout.log" ;;
     probe-bwd-modes)
@@ -280,10 +280,10 @@ for step in "${steps[@]}"; do
         --out "$WORK/decode_graph_fused_combine.json" 2> "$WORK/bench_decode_fc.log" >> "$summary" ;;
     bench-decode-fused-combine-layers)
       # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
-      # per layer; PDL is on for these sizes) against the merge kernel, alternated twice, no peers
+      # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers
       for fc in 0 1 0 1; do
         FLASHTILE_DECODE_FUSED_COMBINE=$fc python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --peers \
-          --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc.log" >> "$summary"
+          --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc_layers.log" >> "$summary"
         pack
       done ;;
     bench-fp8)

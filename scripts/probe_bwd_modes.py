@@ -6,7 +6,8 @@ Benchmark runs have shown the causal s = 1024 backward at d = 128 / 256 (b = 16,
 0.64 ms in one process and 0.99 ms in another with the same code (bench-bwd-pdl, session 9), and the
 delta + dQ part of it at 0.30 or 0.58 ms (session 8). These rows come right after the heaviest rows
 of a benchmark run (non-causal s = 16384). This probe times the row
-- fresh, before anything heavy has run;
+- "fresh": before the heavy loop of its own round (only the very first round is before any heavy
+  call; later rounds follow the previous round's heat and settling);
 - right after about 2 s of s = 16384 backward calls, then again every ~0.25 s for about 3 s (does a
   hot GPU run slower for a while?);
 - with the dQ kernel's programmatic dependent launch off and on (FLASHTILE_BWD_PDL);
@@ -60,7 +61,8 @@ def kernel_split(step, reps: int = 5) -> dict:
     times: dict[str, float] = {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0:
-            times[e.key[:60]] = round(e.device_time_total / reps, 1)
+            name = e.key[:60]
+            times[name] = round(times.get(name, 0.0) + e.device_time_total / reps, 1)
     return times
 
 
@@ -76,6 +78,7 @@ def main():
     args = ap.parse_args()
     rows = []
     heavy = make(128, 16384, False)
+    heavy()  # compile before the first 2 s of heat, so every heavy loop is as long
     for d in args.d:
         row = make(d, 1024, True)
         for pdl in (False, True, False, True):

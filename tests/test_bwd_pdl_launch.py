@@ -13,8 +13,9 @@ from flashtile import autograd as ag
 from flashtile.backends.triton import attn_bwd, gluon_bwd
 
 
-def _backward(monkeypatch, pdl=True, gluon_dkdv=False, **overrides):
-    """Run the launcher with recording stubs for every launch: [(kernel name, keywords)]."""
+def _backward(monkeypatch, pdl=True, gluon_dkdv=False, causal=True, window=(-1, -1), seqlen_k=64, **overrides):
+    """Run the launcher with recording stubs for every launch: [(kernel name, keywords)]; the rule's
+    arguments are recorded as ("use_bwd_pdl", {"causal": ..., "seqlen": ...})."""
     calls = []
 
     def record(kernel, grid, *args, **meta):
@@ -22,14 +23,19 @@ def _backward(monkeypatch, pdl=True, gluon_dkdv=False, **overrides):
 
     monkeypatch.setattr(attn_bwd, "launch", record)
     monkeypatch.setattr(attn_bwd, "run_kernel", record)
-    monkeypatch.setattr(attn_bwd, "use_bwd_pdl", lambda q, causal, seqlen: pdl)
+    def rule(q, causal, seqlen):
+        calls.append(("use_bwd_pdl", {"causal": causal, "seqlen": seqlen}))
+        return pdl
+
+    monkeypatch.setattr(attn_bwd, "use_bwd_pdl", rule)
     monkeypatch.setattr(gluon_bwd, "use_gluon_bwd", lambda *a: gluon_dkdv)
     monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv",
                         lambda *a, **kw: calls.append(("gluon_dkdv", kw)))
     for name, value in overrides.items():
         monkeypatch.setattr(attn_bwd, name, value)
-    q, k, v, dout = (torch.randn(1, 64, 2, 64, dtype=torch.float16) for _ in range(4))
-    _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
+    q, dout = (torch.randn(1, 64, 2, 64, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(1, seqlen_k, 2, 64, dtype=torch.float16) for _ in range(2))
+    _, _, _, p = ag.padded_params(q, k, v, 0.0, None, causal, window, 0.0, None, False, False)
     out, lse = torch.empty_like(q), torch.empty(1, 2, 64)
     attn_bwd._attn_bwd(dout, q, k, v, out, lse, p, *(torch.empty_like(q) for _ in range(3)))
     return dict(calls)
@@ -40,6 +46,17 @@ def test_split_backward_with_pdl(monkeypatch):
     assert calls["_attn_bwd_dkdv_kernel"]["LAUNCH_DEPENDENTS"] is True
     assert calls["_attn_bwd_dq_kernel"]["WAIT_AT_END"] is True and calls["_attn_bwd_dq_kernel"]["launch_pdl"] is True
     assert "launch_pdl" not in calls["_attn_bwd_preprocess_kernel"]
+
+
+@pytest.mark.parametrize("causal,window,seqlen_k,expected", [
+    (True, (-1, -1), 64, (True, 64)),
+    (False, (-1, -1), 96, (False, 96)),  # the longer of the two lengths
+    (False, (-1, 0), 64, (True, 64)),  # an explicit (-1, 0) window is the causal mask
+    (True, (8, -1), 64, (False, 64)),  # a band (window_left >= 0) is not
+])
+def test_rule_gets_the_mask_and_length(monkeypatch, causal, window, seqlen_k, expected):
+    calls = _backward(monkeypatch, causal=causal, window=window, seqlen_k=seqlen_k)
+    assert (calls["use_bwd_pdl"]["causal"], calls["use_bwd_pdl"]["seqlen"]) == expected
 
 
 def test_gluon_dkdv_signals_too(monkeypatch):
@@ -65,12 +82,12 @@ def test_other_variants_take_no_pdl(monkeypatch, variant):
 def test_rule_needs_a_cuda_hopper(monkeypatch):
     q = torch.empty(1, 4, 1, 8)
     monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
-    assert not attn_bwd.use_bwd_pdl(q)  # CPU tensors (the interpreter)
+    assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # CPU tensors (the interpreter)
     monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
-    assert attn_bwd.use_bwd_pdl(q)
+    assert attn_bwd.use_bwd_pdl(q, True, 2048)
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (8, 0))
-    assert not attn_bwd.use_bwd_pdl(q)  # Ampere has no programmatic dependent launch
+    assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # Ampere has no programmatic dependent launch
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
     monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", None)
     monkeypatch.delenv("FLASHTILE_BWD_PDL", raising=False)
@@ -82,10 +99,17 @@ def test_rule_needs_a_cuda_hopper(monkeypatch):
     assert attn_bwd.use_bwd_pdl(q128, True, 2048) and attn_bwd.use_bwd_pdl(q128, True, 4096)
     assert not attn_bwd.use_bwd_pdl(q128, False, 4096) and not attn_bwd.use_bwd_pdl(q128, True, 16384)
     assert not attn_bwd.use_bwd_pdl(q128, True, 1024)
+    monkeypatch.setenv("FLASHTILE_BWD_PDL", "")
+    assert attn_bwd.use_bwd_pdl(q64, False, 1024) and not attn_bwd.use_bwd_pdl(q128, False, 4096)  # the rule
     monkeypatch.setenv("FLASHTILE_BWD_PDL", "0")
     assert not attn_bwd.use_bwd_pdl(q64, False, 1024)  # forced off
     monkeypatch.setenv("FLASHTILE_BWD_PDL", "1")
     assert attn_bwd.use_bwd_pdl(q128, False, 4096)  # forced on
+    # the rule was measured on the H200 only: other sm_90+ GPUs take PDL only when forced
+    monkeypatch.setattr(attn_bwd, "capability", lambda device: (10, 0))
+    assert attn_bwd.use_bwd_pdl(q64, False, 1024)
+    monkeypatch.delenv("FLASHTILE_BWD_PDL")
+    assert not attn_bwd.use_bwd_pdl(q64, False, 1024)
 
 
 def test_pdl_preferred_table():

@@ -88,12 +88,15 @@ def use_one_launch(p: AttnParams) -> bool:
 # work sees both done; the other dQ programs free their SMs when done). NVIDIA only. The split path
 # only (not the fused, one-launch or Gluon-dQ variants).
 # On where the H200 measured it faster (bwd_pdl_ab_h200_2026-11-30_session9.json, off/on alternated
-# twice in one call): d = 64 1.5%-3.8% at every s from 1024 to 16384, d = 256 2%-4% from s = 2048
-# (neutral at non-causal 16384), d = 128 causal 1.5%-1.6% at s = 2048 / 4096 and non-causal 2% at
-# 1024. Off where it was not:
-# d = 128 non-causal from 2048 (0.99x-1.00x) and causal 16384 (0.98x), and causal s = 1024 at
-# d = 128 / 256, whose eager times vary by host time more than PDL can win. FLASHTILE_BWD_PDL=0 / 1
-# forces it off / on everywhere; tests pin BWD_PDL_OVERRIDE.
+# twice in one call, fixed 16k-token batches): d = 64 1.5%-3.8% at every s from 1024 to 16384 but
+# non-causal 16384 (0.8%); d = 256 1.2%-3.9% from s = 2048 (neutral at non-causal 16384) and 2.2% at
+# non-causal 1024; d = 128 causal 1.5%-1.6% at s = 2048 / 4096 and non-causal 2% at 1024. Off where
+# it was not: d = 128 non-causal from 2048 (0.99x-1.00x) and causal 16384 (0.98x), and causal
+# s = 1024 at d = 128 / 256, whose eager times vary by host time more than PDL can win. Other head
+# dims take the nearest measured row, varlen calls their longest sequence; "causal" is the plain
+# causal mask (window (-1, 0)), banded windows count as not causal. The rule is the default on the
+# H200's sm_90 only; FLASHTILE_BWD_PDL=0 / 1 forces it off / on everywhere (on: any sm_90+ NVIDIA
+# GPU); tests pin BWD_PDL_OVERRIDE.
 BWD_PDL_OVERRIDE: bool | None = None
 
 
@@ -108,16 +111,19 @@ def pdl_preferred(d: int, causal: bool, seqlen: int) -> bool:
     return True
 
 
-def use_bwd_pdl(q: torch.Tensor, causal: bool = False, seqlen: int = 0) -> bool:
+def use_bwd_pdl(q: torch.Tensor, causal: bool, seqlen: int) -> bool:
     """Launch the dQ kernel behind the dK/dV kernel? (``seqlen``: the longer of the query and key
-    lengths; ``causal``: the mask is causal)."""
-    if BWD_PDL_OVERRIDE is not None:
-        on = BWD_PDL_OVERRIDE
-    else:
-        forced = env.get("FLASHTILE_BWD_PDL", "")
-        on = forced not in ("", "0") if forced else pdl_preferred(q.shape[-1], causal, seqlen)
+    lengths; ``causal``: the mask is plain causal)."""
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
-    return on and q.device.type == "cuda" and torch.version.hip is None and capability(q.device)[0] >= 9
+    if q.device.type != "cuda" or torch.version.hip is not None:
+        return False
+    cap = capability(q.device)
+    if BWD_PDL_OVERRIDE is not None:
+        return BWD_PDL_OVERRIDE and cap[0] >= 9
+    forced = env.get("FLASHTILE_BWD_PDL", "")
+    if forced:
+        return forced != "0" and cap[0] >= 9
+    return cap == (9, 0) and pdl_preferred(q.shape[-1], causal, seqlen)
 
 
 _TABLE_OVERRIDES: dict | None = None
@@ -220,7 +226,9 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     # dQ kernel below; the experimental Triton variants, when switched on, keep the whole backward
     dkdv_done = not fused and not one_launch and gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
     gluon_dq = not fused and not one_launch and gluon_bwd.use_gluon_bwd_dq(q, k, v, dout, dq, p)
-    pdl = not fused and not one_launch and not gluon_dq and use_bwd_pdl(q, p.causal, max_seqlen)
+    # the rule's "causal" is the plain causal mask, as the Gluon route's (a banded window is not)
+    pdl = (not fused and not one_launch and not gluon_dq
+           and use_bwd_pdl(q, p.window_right == 0 and p.window_left < 0, max_seqlen))
     # q and dout by descriptor for the Triton dK/dV programs only (the Gluon kernel builds its own)
     desc_q, desc_do = ((_descriptor(q, bm_kv, block_d), _descriptor(dout, bm_kv, block_d)) if tma and not dkdv_done
                        else (q, dout))
