@@ -70,7 +70,8 @@ def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, pa
 
 
 @triton.jit
-def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk_hi, t, slope, offs_n, offs_d,
+def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, blk_lo, blk_hi, t,
+                  slope, offs_n, offs_d,
                   leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right,
                   stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
                   K_NEW, V_NEW, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos, seqlen_ro,
@@ -78,8 +79,15 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
                   PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr):
+                  NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
+                  USE_TMA: tl.constexpr):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
+
+    USE_TMA (contiguous caches, unmasked blocks only): K and V tiles come by tensor descriptor
+    (DESC_K / DESC_V over the whole (batch, capacity, kv heads, d) cache) instead of pointer loads.
+    Masked blocks keep pointer loads: a descriptor zero-fills only past the cache's capacity, and
+    keys between a row's length and the capacity may hold anything (NaN included) that the
+    probabilities' zeros would not cancel in P V.
 
     NEW (implies MASK): the blocks hold this call's new keys at relative positions >= new_start;
     those come straight from K_NEW / V_NEW (rotated at ``cache_len + t`` and rounded to the cache
@@ -112,6 +120,10 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
             kt = tl.where(fresh[None, :], kn, kt)
         elif MASK:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        elif USE_TMA:
+            # the descriptor's box is [1, BLOCK_N, 1, BLOCK_D] (BLOCK_D = offs_d's length)
+            row = (start_n + leftpad).to(tl.int32)
+            kt = tl.trans(DESC_K.load([cache_row.to(tl.int32), row, kv_head, 0]).reshape(BLOCK_N, offs_d.shape[0]))
         else:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         # fp8 caches: e4m3 -> fp16 is exact; the descales are folded into qk_scale and the output
@@ -141,6 +153,9 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
             vt = tl.where(fresh[:, None], vn, vt)
         elif MASK:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif USE_TMA:
+            vt = DESC_V.load([cache_row.to(tl.int32), (start_n + leftpad).to(tl.int32), kv_head, 0]).reshape(
+                BLOCK_N, offs_d.shape[0])
         else:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc = tl.dot(p.to(q.dtype), vt.to(q.dtype), acc, input_precision=DOT_PRECISION)
@@ -155,7 +170,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, BLOCK_TABLE, b, cache_row, blk_lo, blk
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER,
+    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
@@ -178,7 +193,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -284,38 +299,38 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_inner(
-        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
+        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
         tl.minimum(tl.minimum(full_lo, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
         page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
     acc, m_i, l_i = _decode_inner(
-        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
+        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
         tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
         page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
     acc, m_i, l_i = _decode_inner(
-        acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
+        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
         page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
     if FUSED_NEW:  # the blocks holding new keys, all masked
         acc, m_i, l_i = _decode_inner(
-            acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(tl.maximum(lo, s_lo), new_blk),
+            acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(tl.maximum(lo, s_lo), new_blk),
             tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
             page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
             stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
             seqlen_ro,
             True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED)
+            DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED, False)
 
     if USE_PDL:
         # the next kernel (the split merge) may start launching; it waits for this grid's end itself

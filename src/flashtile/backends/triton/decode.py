@@ -11,6 +11,7 @@ import functools
 import torch
 
 from flashtile import env
+from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
@@ -28,6 +29,29 @@ FUSED_APPEND = True
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
 FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
+# Tensor-descriptor (TMA) loads of the K and V tiles of a contiguous cache's unmasked key blocks
+# (kernels/decode.py _decode_inner), instead of pointer loads. On the same cache layout flashtile
+# and cuDNN read at the same speed, while cuDNN on its own head-major layout is 1.5%-3% faster
+# (probe_decode_layout_h200_2026-11-30_session9.json); bulk copies are what is left to try on ours.
+# Off until measured on the H200 (FLASHTILE_DECODE_TMA=1 turns it on where the strides allow);
+# tests pin TMA_OVERRIDE (True runs it under the interpreter too).
+TMA_OVERRIDE: bool | None = None
+
+
+def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> bool:
+    """Load the interior key blocks by tensor descriptor? Contiguous caches (one row per batch row)
+    whose base and strides TMA can address; sm_90+ GPUs, or the interpreter when forced."""
+    if paged or k_cache.numel() == 0 or v_cache.numel() == 0:
+        return False
+    if not (_tma_ok(k_cache) and _tma_ok(v_cache)):
+        return False
+    if TMA_OVERRIDE is not None:
+        return TMA_OVERRIDE
+    if env.get("FLASHTILE_DECODE_TMA", "0") in ("", "0"):
+        return False
+    return k_cache.device.type == "cuda" and torch.version.hip is None and capability(k_cache.device)[0] >= 9
+
+
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -252,6 +276,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
+    tma = use_decode_tma(k_cache, v_cache, paged)
+    desc_k, desc_v = ((_descriptor(k_cache, block_n, block_d), _descriptor(v_cache, block_n, block_d)) if tma
+                      else (k_cache, v_cache))
     with device_guard(q):
         launch(
             _decode_kernel, grid,
@@ -263,7 +290,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             alibi if alibi is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
             q_ds, k_ds, v_ds, k_new if fused else dummy, v_new if fused else dummy,
-            counters if counters is not None else dummy,
+            counters if counters is not None else dummy, desc_k, desc_v,
             qk_scale, softcap, window_left, window_right,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
             capacity,
@@ -287,7 +314,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
-            num_warps=num_warps, num_stages=num_stages, **pdl,
+            num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))

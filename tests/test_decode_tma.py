@@ -1,0 +1,108 @@
+"""The decode kernel's tensor-descriptor loads (backends/triton/decode.py use_decode_tma, off by
+default until measured on the H200), on CPU through the interpreter.
+
+With TMA forced, a contiguous cache's unmasked key blocks are read by descriptor; the masked blocks
+(a row's last partial block, window edges, the new keys) keep pointer loads. Results must equal the
+pointer path's bit for bit (same data, same arithmetic; to rounding where the head dim is padded)
+and the independent oracle of
+test_kvcache.py, also when the cache holds NaN past every row's length: a descriptor does not mask
+those keys, so they must never be read by one.
+"""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode as launcher
+from flashtile.kvcache import flash_attn_with_kvcache
+from test_kvcache import CASES, _run_and_check, dense_oracle, make_case
+
+CONTIGUOUS = ["read_only_int_len", "read_only_full_cache", "append_rows", "batch_idx", "leftpad", "window",
+              "causal_prefill", "gqa_8_to_1", "mha_odd_d", "larger_cache_than_batch", "softcap"]
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """The interpreter with a tiny config (16-key tiles), and a record of every decode launch's
+    keywords, forwarded to the real launch."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+    metas = []
+    real = launcher.launch
+
+    def record(kernel, grid, *args, **meta):
+        if kernel is launcher._decode_kernel:
+            metas.append(meta)
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", record)
+    return metas
+
+
+def _call(q, kc, vc, args, num_splits):
+    args = dict(args)
+    if "scale" in args:
+        args["softmax_scale"] = args.pop("scale")
+    kc, vc = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
+    return out, lse, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("name", CONTIGUOUS)
+def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
+    torch.manual_seed(0)
+    q, kc, vc, args = make_case(dtype=dtype, cap=70, **CASES[name])
+    for splits in (1, 3):
+        monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
+        ref = _call(q, kc, vc, args, splits)
+        assert "USE_TMA" not in interp[-1]
+        monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+        got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
+        assert interp[-1].get("USE_TMA") is True, "the descriptor path did not run"
+        if q.shape[-1] & (q.shape[-1] - 1) == 0:
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "TMA and pointer loads differ"
+        else:
+            # a padded head dim (24 in 32-wide tiles): the interpreter's matmul takes the transposed
+            # descriptor tile in another memory order and rounds differently (measured ~2e-7 in fp32)
+            tol = 1e-6 if dtype == torch.float32 else 2e-3
+            assert (got[0] - ref[0]).abs().max().item() <= tol and (got[1] - ref[1]).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("name", ["append_rows", "leftpad", "window", "read_only_int_len"])
+def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
+    """NaN in every cache slot past a row's keys (and the append's): the masked tail block reads
+    them only through masked pointer loads, so the output stays finite and equals the oracle's."""
+    torch.manual_seed(1)
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    lens = args.get("cache_seqlens")
+    b = q.shape[0]
+    s_new = args["k"].shape[1] if "k" in args else 0
+    for i in range(b):
+        n = lens if isinstance(lens, int) else (kc.shape[1] - s_new if lens is None else int(lens[i]))
+        kc[i, n + s_new:] = float("nan")
+        vc[i, n + s_new:] = float("nan")
+    ref_out, ref_lse, ref_kc, ref_vc = dense_oracle(q, kc, vc, **args)  # reads only each row's keys
+    out, lse, kc2, vc2 = _call(q, kc, vc, args, 3)
+    assert interp[-1].get("USE_TMA") is True
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref_out).abs().max().item() <= 2e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-4
+    torch.testing.assert_close(vc2, ref_vc, rtol=0, atol=0, equal_nan=True)  # the append, NaN left alone
+
+
+def test_rule(monkeypatch):
+    kc = torch.zeros(2, 64, 2, 16, dtype=torch.float16)
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
+    monkeypatch.delenv("FLASHTILE_DECODE_TMA", raising=False)
+    assert not launcher.use_decode_tma(kc, kc, paged=False)  # off by default
+    monkeypatch.setenv("FLASHTILE_DECODE_TMA", "1")
+    assert not launcher.use_decode_tma(kc, kc, paged=False)  # a CPU tensor: no TMA unless forced
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    assert launcher.use_decode_tma(kc, kc, paged=False)
+    assert not launcher.use_decode_tma(kc, kc, paged=True)  # paged caches: pointer loads
+    odd = torch.zeros(2, 64, 2, 13, dtype=torch.float16)  # 26-byte rows: no TMA stride
+    assert not launcher.use_decode_tma(odd, odd, paged=False)
+    assert not launcher.use_decode_tma(kc[:, :0], kc[:, :0], paged=False)  # empty
