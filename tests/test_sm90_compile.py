@@ -158,3 +158,23 @@ def test_decode_launch_configs_fit_sm90_shared_memory(tmp_path, d, paged, dtype)
     if dtype == "fp32":
         types.update({name: "*fp32" for name in ("Q", "K", "V", "O", "K_NEW", "V_NEW")})
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, warps, stages)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused-append-merge"])
+def test_decode_tma_compiles_for_sm90(tmp_path, fused):
+    # FLASHTILE_DECODE_TMA=1 (backends/triton/decode.py use_decode_tma): the unmasked blocks' K / V
+    # tiles by descriptor, software-pipelined at the table's config for d = 128 (128 keys, 4 warps,
+    # 3 stages), with PDL as the default b = 1 launch has it; ptxas must not crash (it does on the
+    # backward's pipelined descriptor loads) and shared memory must fit
+    from flashtile.backends.triton.decode import launch_config
+
+    d = 128
+    block_n, warps, stages = launch_config("sm90", d, False, 2)
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=False, PAGE_ALIGNED=False,
+              PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=fused, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=d if fused else 0,
+              ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False,
+              FUSED_NEW=fused, FUSED_COMBINE=fused, USE_PDL=True, USE_TMA=True)
+    desc = f"tensordesc<bf16[1,{block_n},1,{d}]>"
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, dict(DECODE_INTS, DESC_K=desc, DESC_V=desc),
+             warps, stages)
