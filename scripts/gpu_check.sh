@@ -23,6 +23,8 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
+#   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
+#   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -289,6 +291,27 @@ for step in "${steps[@]}"; do
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
+    tests-decode-tma)
+      # the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA), alone and timed out; -s shows
+      # whether they were bitwise equal to pointer loads
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_decode_tma.py \
+        > "$WORK/gpu_tests_decode_tma.log" 2>&1
+      rc=$?
+      [[ $rc -ne 0 ]] && status=$rc
+      echo $rc > "$WORK/decode_tma_tests.rc"
+      tail -n 25 "$WORK/gpu_tests_decode_tma.log" >> "$summary" ;;
+    bench-decode-tma)
+      # the 8-layer decode table without, then with descriptor loads, alternated twice, beside cuDNN;
+      # contiguous caches only (paged ones never take them); after tests-decode-tma passed
+      if [[ $(cat "$WORK/decode_tma_tests.rc" 2>/dev/null) != 0 ]]; then
+        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
+      else
+        for tma in 0 1 0 1; do
+          FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --pages --peers cudnn \
+            --out "$WORK/decode_layers8_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma.log" >> "$summary"
+          pack
+        done
+      fi ;;
     tests-decode-pdl)
       # programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL), alone and timed out
       timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode_pdl.py \

@@ -1,0 +1,85 @@
+"""GPU tests of the decode kernel's tensor-descriptor loads (FLASHTILE_DECODE_TMA,
+backends/triton/decode.py TMA_OVERRIDE; off by default until measured): against the reference, and
+against pointer loads (the same values reach the same MMAs, so the outputs should agree bit for
+bit; the assert allows bf16 rounding so a different but correct lowering is not a failure, and the
+test prints whether they were bitwise equal). Run alone: gpu_check.sh tests-decode-tma."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode as launcher
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]  # gluon: not in the default GPU runs
+
+
+@pytest.fixture
+def sm90():
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA needs sm_90")
+
+
+def _record_tma(monkeypatch):
+    seen = []
+    real = launcher.launch
+
+    def launch(kernel, grid, *args, **meta):
+        if kernel is launcher._decode_kernel:
+            seen.append(meta.get("USE_TMA", False))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", launch)
+    return seen
+
+
+@pytest.mark.parametrize("b,cap,num_splits,s_new,rotary", [(1, 8192, 0, 0, False), (1, 8192, 1, 1, True),
+                                                           (4, 4099, 0, 1, False), (8, 16384, 3, 2, True)])
+def test_tma_against_reference_and_pointer_loads(sm90, monkeypatch, b, cap, num_splits, s_new, rotary):
+    seen = _record_tma(monkeypatch)
+    q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, rotary=rotary)
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
+    outs = []
+    for tma in (False, True):
+        monkeypatch.setattr(launcher, "TMA_OVERRIDE", tma)
+        out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, num_splits=num_splits,
+                                           return_softmax_lse=True, **kw)
+        outs.append((out, lse))
+    assert seen[-2:] == [False, True]
+    (o0, l0), (o1, l1) = outs
+    print("bitwise equal to pointer loads:", torch.equal(o0, o1) and torch.equal(l0, l1))
+    assert (o0.float() - o1.float()).abs().max().item() <= 1e-2
+    assert (l0 - l1).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("leftpad,batch_idx", [(True, False), (False, True)])
+def test_tma_with_leftpad_and_batch_idx(sm90, monkeypatch, leftpad, batch_idx):
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    seen = _record_tma(monkeypatch)
+    b, cap = 3, 5000
+    q, kc, vc, kw = _inputs(b, 1, 1, 32, 8, 128, cap, torch.bfloat16)
+    if leftpad:
+        kw["cache_leftpad"] = (kw["cache_seqlens"] // 3).to(torch.int32)
+    if batch_idx:
+        big_k = torch.randn(b + 2, cap, 8, 128, device="cuda", dtype=torch.bfloat16)
+        big_v = torch.randn_like(big_k)
+        idx = torch.tensor([4, 0, 2], device="cuda", dtype=torch.int32)
+        big_k[idx.long()], big_v[idx.long()] = kc, vc
+        kc, vc = big_k, big_v
+        kw["cache_batch_idx"] = idx
+    _check(q, kc, vc, kw, causal=True)
+    assert seen and all(seen)
+
+
+def test_tma_never_reads_past_the_rows(sm90, monkeypatch):
+    """NaN in every slot past each row's keys: only masked pointer loads may touch them."""
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    b, cap = 4, 8192
+    q, kc, vc, kw = _inputs(b, 1, 0, 32, 8, 128, cap, torch.bfloat16)
+    lens = kw["cache_seqlens"]
+    for i in range(b):
+        kc[i, int(lens[i]):] = float("nan")
+        vc[i, int(lens[i]):] = float("nan")
+    out = flash_attn_with_kvcache(q, kc, vc, causal=True, **kw)
+    assert torch.isfinite(out).all()
