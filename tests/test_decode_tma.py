@@ -106,3 +106,5 @@ def test_rule(monkeypatch):
     odd = torch.zeros(2, 64, 2, 13, dtype=torch.float16)  # 26-byte rows: no TMA stride
     assert not launcher.use_decode_tma(odd, odd, paged=False)
     assert not launcher.use_decode_tma(kc[:, :0], kc[:, :0], paged=False)  # empty
+    f8 = kc.to(torch.float8_e4m3fn)
+    assert not launcher.use_decode_tma(f8, f8, paged=False)  # fp8 caches: not tested with descriptors

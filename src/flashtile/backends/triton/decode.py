@@ -39,9 +39,10 @@ TMA_OVERRIDE: bool | None = None
 
 
 def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> bool:
-    """Load the interior key blocks by tensor descriptor? Contiguous caches (one row per batch row)
-    whose base and strides TMA can address; sm_90+ GPUs, or the interpreter when forced."""
-    if paged or k_cache.numel() == 0 or v_cache.numel() == 0:
+    """Load the interior key blocks by tensor descriptor? Contiguous 16- / 32-bit caches (one row per
+    batch row) whose base and strides TMA can address (fp8 caches: not tested with it); sm_90+ GPUs,
+    or the interpreter when forced."""
+    if paged or k_cache.numel() == 0 or v_cache.numel() == 0 or k_cache.dtype == FP8_DTYPE:
         return False
     if not (_tma_ok(k_cache) and _tma_ok(v_cache)):
         return False
