@@ -28,6 +28,7 @@
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
+#   tests-decode-fused-graph  the fused split merge inside CUDA graphs (captured, not the merge kernel)
 #   bench-decode-fused-combine-layers  b = 1 in 8-layer graphs, fused split merge off/on alternated twice
 #   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
 #                 graph launch per model step), and b = 1 single-call graphs beside it
@@ -280,9 +281,18 @@ for step in "${steps[@]}"; do
       # the split merge fused into the decode kernel (off by default) against the combine kernel
       FLASHTILE_DECODE_FUSED_COMBINE=1 python3 -m flashtile.bench decode --cuda-graph --batch 1 8 \
         --out "$WORK/decode_graph_fused_combine.json" 2> "$WORK/bench_decode_fc.log" >> "$summary" ;;
+    tests-decode-fused-graph)
+      # the fused split merge captured in CUDA graphs (warm-up and capture on one stream), alone
+      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode_fused_graph.py \
+        > "$WORK/gpu_tests_decode_fused_graph.log" 2>&1
+      rc=$?
+      [[ $rc -ne 0 ]] && status=$rc
+      echo $rc > "$WORK/decode_fused_graph_tests.rc"
+      tail -n 25 "$WORK/gpu_tests_decode_fused_graph.log" >> "$summary" ;;
     bench-decode-fused-combine-layers)
       # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
-      # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers
+      # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers;
+      # after tests-decode-fused-graph (which checks that graphs capture the fused path at all)
       for fc in 0 1 0 1; do
         FLASHTILE_DECODE_FUSED_COMBINE=$fc python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --peers \
           --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc_layers.log" >> "$summary"

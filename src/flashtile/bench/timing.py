@@ -85,7 +85,10 @@ def bench_graph(fn: Callable[[], object], device: str, warmup_ms: float = 25, re
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # capture on the warm-up stream: per-stream state made during warm-up (the fused decode merge's
+    # counters, backends/triton/decode.py) must be there in the capture, or the captured call takes
+    # another path (torch.cuda.graph otherwise captures on a stream of its own)
+    with torch.cuda.graph(graph, stream=stream):
         fn()
     return bench(graph.replay, device, warmup_ms, rep_ms)
 
