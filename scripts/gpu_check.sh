@@ -292,7 +292,11 @@ for step in "${steps[@]}"; do
     bench-decode-fused-combine-layers)
       # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
       # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers;
-      # after tests-decode-fused-graph (which checks that graphs capture the fused path at all)
+      # after tests-decode-fused-graph passed in this call (it checks graphs capture the fused path at all)
+      if [[ $(cat "$WORK/decode_fused_graph_tests.rc" 2>/dev/null) != 0 ]]; then
+        echo "skipped: tests-decode-fused-graph did not pass in this call" | tee -a "$summary"
+        continue
+      fi
       for fc in 0 1 0 1; do
         FLASHTILE_DECODE_FUSED_COMBINE=$fc python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --peers \
           --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc_layers.log" >> "$summary"
@@ -318,6 +322,7 @@ for step in "${steps[@]}"; do
       else
         for tma in 0 1 0 1; do
           FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --pages --peers cudnn \
+            --seqlens 8192 32768 131072 \
             --out "$WORK/decode_layers8_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma.log" >> "$summary"
           pack
         done

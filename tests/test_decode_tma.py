@@ -16,8 +16,13 @@ from flashtile.backends.triton import decode as launcher
 from flashtile.kvcache import flash_attn_with_kvcache
 from test_kvcache import CASES, _run_and_check, dense_oracle, make_case
 
-CONTIGUOUS = ["read_only_int_len", "read_only_full_cache", "append_rows", "batch_idx", "leftpad", "window",
-              "causal_prefill", "gqa_8_to_1", "mha_odd_d", "larger_cache_than_batch", "softcap"]
+# cases of test_kvcache.py plus two whose unmasked interior is wide enough for descriptor loads
+# with 16-key tiles (its "window" case, 7 keys wide, has none) and whose masked tails are not
+# new keys (new-key blocks never consider descriptors)
+CASES = dict(CASES, wide_window=dict(s_new=0, sq=1, window_size=(40, 0)),
+             read_only_leftpad=dict(s_new=0, leftpad=True, causal=True))
+CONTIGUOUS = ["read_only_int_len", "read_only_full_cache", "append_rows", "batch_idx", "leftpad", "wide_window",
+              "read_only_leftpad", "causal_prefill", "gqa_8_to_1", "mha_odd_d", "larger_cache_than_batch", "softcap"]
 
 
 @pytest.fixture
@@ -69,7 +74,7 @@ def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
             assert (got[0] - ref[0]).abs().max().item() <= tol and (got[1] - ref[1]).abs().max().item() <= tol
 
 
-@pytest.mark.parametrize("name", ["append_rows", "leftpad", "window", "read_only_int_len"])
+@pytest.mark.parametrize("name", ["append_rows", "leftpad", "wide_window", "read_only_int_len", "read_only_leftpad"])
 def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
     """NaN in every cache slot past a row's keys (and the append's): the masked tail block reads
     them only through masked pointer loads, so the output stays finite and equals the oracle's."""

@@ -4,7 +4,8 @@ Its counters are per stream and never allocated during a capture, so a capture t
 path only on a stream that ran the call once before (as `bench_graph` now does: warm-up and capture
 on one stream); on a stream without counters it falls back to the merge kernel, with the same
 results. Until session 9 the benchmark captured on torch's own capture stream, so its "fused merge"
-rows had measured the merge kernel. Run alone: gpu_check.sh tests-decode-fused-graph."""
+rows had (all but by chance: side streams come from a pool of 32) measured the merge kernel.
+Run alone: gpu_check.sh tests-decode-fused-graph."""
 
 import pytest
 import torch
@@ -60,6 +61,8 @@ def test_fused_merge_is_captured_after_a_warm_up_on_the_capture_stream(monkeypat
 
 
 def test_capture_on_a_fresh_stream_falls_back_to_the_merge_kernel(monkeypatch):
+    # torch hands out side streams round-robin from a pool, so "fresh" means: no counters anywhere
+    monkeypatch.setattr(launcher, "_COUNTERS", {})
     monkeypatch.setattr(launcher, "FUSED_COMBINE", True)
     merges = _count_merges(monkeypatch)
     q, kc, vc, kw = _inputs(1, 1, 0, 32, 8, 128, 8192, torch.bfloat16)

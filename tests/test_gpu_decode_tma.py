@@ -72,6 +72,18 @@ def test_tma_with_leftpad_and_batch_idx(sm90, monkeypatch, leftpad, batch_idx):
     assert seen and all(seen)
 
 
+@pytest.mark.parametrize("d,dtype", [(64, torch.bfloat16), (80, torch.float16), (256, torch.bfloat16),
+                                     (128, torch.float32)])
+def test_tma_other_head_dims_and_dtypes(sm90, monkeypatch, d, dtype):
+    """d = 80 (128-wide tiles: the descriptor zero-fills past d), 256 (32-key tiles, 512-byte rows),
+    fp32 (64-key tiles), against the reference with a fused append."""
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    seen = _record_tma(monkeypatch)
+    q, kc, vc, kw = _inputs(2, 1, 1, 16, 4, d, 3000, dtype)
+    _check(q, kc, vc, kw, causal=True)
+    assert seen and all(seen)
+
+
 def test_tma_never_reads_past_the_rows(sm90, monkeypatch):
     """NaN in every slot past each row's keys: only masked pointer loads may touch them."""
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)

@@ -22,9 +22,10 @@ def _desc(block_rows, d, varlen=False):
     return f"tensordesc<bf16[{block_rows},1,{d}]>" if varlen else f"tensordesc<bf16[1,{block_rows},1,{d}]>"
 
 
-def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=None):
+def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=None, bulk=None):
     """Compile; returns the number of warp-group dots. ``gdc``: which griddepcontrol instructions
-    (wait, launch_dependents) the build must carry; by default both with USE_PDL, else none."""
+    (wait, launch_dependents) the build must carry; by default both with USE_PDL, else none.
+    ``bulk``: whether the PTX must (True) or must not (False) hold TMA bulk-tensor copies."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -40,6 +41,9 @@ def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=Non
     counts = [int(fields[fields.index(name) + 1]) for name in ("GDC_WAIT", "GDC_LAUNCH")]
     want = list(gdc) if gdc is not None else [bool(constexprs.get("USE_PDL"))] * 2
     assert [n > 0 for n in counts] == want, f"{kernel}: griddepcontrol wait / launch_dependents {counts}"
+    if bulk is not None:
+        n_bulk = int(fields[fields.index("BULK") + 1])
+        assert (n_bulk > 0) == bulk, f"{kernel}: {n_bulk} bulk-tensor copies"
     return int(fields[fields.index("WGMMA") + 1])
 
 
@@ -177,4 +181,7 @@ def test_decode_tma_compiles_for_sm90(tmp_path, fused):
               FUSED_NEW=fused, FUSED_COMBINE=fused, USE_PDL=True, USE_TMA=True)
     desc = f"tensordesc<bf16[1,{block_n},1,{d}]>"
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, dict(DECODE_INTS, DESC_K=desc, DESC_V=desc),
-             warps, stages)
+             warps, stages, bulk=True)
+    # and the same build without the switch has no bulk copies
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_TMA=False), DECODE_INTS, warps,
+             stages, bulk=False)

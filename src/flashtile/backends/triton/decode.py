@@ -42,15 +42,16 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) ->
     """Load the interior key blocks by tensor descriptor? Contiguous 16- / 32-bit caches (one row per
     batch row) whose base and strides TMA can address (fp8 caches: not tested with it); sm_90+ GPUs,
     or the interpreter when forced."""
-    if paged or k_cache.numel() == 0 or v_cache.numel() == 0 or k_cache.dtype == FP8_DTYPE:
+    # the switches first: with them off (the default) a call pays one dict lookup, not the stride checks
+    if TMA_OVERRIDE is None:
+        if env.get("FLASHTILE_DECODE_TMA", "0") in ("", "0"):
+            return False
+        if k_cache.device.type != "cuda" or torch.version.hip is not None or capability(k_cache.device)[0] < 9:
+            return False
+    elif not TMA_OVERRIDE:
         return False
-    if not (_tma_ok(k_cache) and _tma_ok(v_cache)):
-        return False
-    if TMA_OVERRIDE is not None:
-        return TMA_OVERRIDE
-    if env.get("FLASHTILE_DECODE_TMA", "0") in ("", "0"):
-        return False
-    return k_cache.device.type == "cuda" and torch.version.hip is None and capability(k_cache.device)[0] >= 9
+    # _tma_ok also refuses empty tensors
+    return not paged and k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
