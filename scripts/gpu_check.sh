@@ -79,6 +79,18 @@ if python3 -c "import xdist" 2>/dev/null && [[ ${GPU_TEST_WORKERS:-8} -gt 1 ]]; 
   xdist=(-n "${GPU_TEST_WORKERS:-8}")
 fi
 pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
+# timed_tests NAME PYTEST_ARGS...: gpu-marked tests run alone under GLUON_TIMEOUT (default 300 s); log in
+# gpu_tests_NAME.log, exit status in NAME_tests.rc, which tests_passed NAME reads to gate bench steps
+timed_tests() {
+  local name=$1 rc
+  shift
+  timeout "${GLUON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$WORK/gpu_tests_$name.log" 2>&1
+  rc=$?
+  [[ $rc -ne 0 ]] && status=$rc
+  echo $rc > "$WORK/${name}_tests.rc"
+  tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
+}
+tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
 steps=()
 for a in "$@"; do  # tune-short: the three open sweeps
   if [[ $a == tune-short ]]; then steps+=(tune-fwd-short tune-fp8 tune-bwd-short); else steps+=("$a"); fi
@@ -120,12 +132,7 @@ for step in "${steps[@]}"; do
     tests-gluon-bwd)
       # the Gluon backward kernels' GPU tests (marker gluon, so not in full runs); the rc gates the
       # bench steps that force these kernels on
-      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider "${xdist[@]}" \
-        tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py > "$WORK/gpu_tests_gluon_bwd.log" 2>&1
-      rc=$?
-      [[ $rc -ne 0 ]] && status=$rc
-      echo $rc > "$WORK/gluon_bwd_tests.rc"
-      tail -n 25 "$WORK/gpu_tests_gluon_bwd.log" >> "$summary" ;;
+      timed_tests gluon_bwd "${xdist[@]}" tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py ;;
     bench-gluon-bwd)
       # where the Gluon dK/dV kernel disagrees with Triton, then its speed against the all-Triton backward
       [[ ${GLUON_BWD_PROBE:-1} == 1 ]] && timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py \
@@ -251,7 +258,7 @@ for step in "${steps[@]}"; do
         >> "$summary" 2> "$WORK/tune_gluon_bwd.log" ;;
     bench-bwd-flex-gluon)
       # bench-bwd-flex with the Gluon dK/dV kernel routed in; only after tests-gluon-bwd passed in this call
-      if [[ $(cat "$WORK/gluon_bwd_tests.rc" 2>/dev/null) == 0 ]]; then
+      if tests_passed gluon_bwd; then
         python3 scripts/bench_bwd_gluon_route.py bwd --d 128 --seqlens 1024 2048 4096 8192 16384 --peers flash flex \
           --out "$WORK/bwd_flex_gluon.json" 2> "$WORK/bench_bwd_flex_gluon.log" >> "$summary"
       else
@@ -259,7 +266,7 @@ for step in "${steps[@]}"; do
       fi ;;
     bench-bwd-flex-gluon-dq)
       # bench-bwd-flex-gluon with the Gluon dQ kernel routed in too; only after tests-gluon-bwd passed
-      if [[ $(cat "$WORK/gluon_bwd_tests.rc" 2>/dev/null) == 0 ]]; then
+      if tests_passed gluon_bwd; then
         FLASHTILE_GLUON_BWD_DQ=1 python3 scripts/bench_bwd_gluon_route.py bwd --d 128 \
           --seqlens 1024 2048 4096 8192 16384 --peers flash flex --out "$WORK/bwd_flex_gluon_dq.json" \
           2> "$WORK/bench_bwd_flex_gluon_dq.log" >> "$summary"
@@ -283,17 +290,12 @@ for step in "${steps[@]}"; do
         --out "$WORK/decode_graph_fused_combine.json" 2> "$WORK/bench_decode_fc.log" >> "$summary" ;;
     tests-decode-fused-graph)
       # the fused split merge captured in CUDA graphs (warm-up and capture on one stream), alone
-      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode_fused_graph.py \
-        > "$WORK/gpu_tests_decode_fused_graph.log" 2>&1
-      rc=$?
-      [[ $rc -ne 0 ]] && status=$rc
-      echo $rc > "$WORK/decode_fused_graph_tests.rc"
-      tail -n 25 "$WORK/gpu_tests_decode_fused_graph.log" >> "$summary" ;;
+      timed_tests decode_fused_graph tests/test_gpu_decode_fused_graph.py ;;
     bench-decode-fused-combine-layers)
       # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
       # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers;
       # after tests-decode-fused-graph passed in this call (it checks graphs capture the fused path at all)
-      if [[ $(cat "$WORK/decode_fused_graph_tests.rc" 2>/dev/null) != 0 ]]; then
+      if ! tests_passed decode_fused_graph; then
         echo "skipped: tests-decode-fused-graph did not pass in this call" | tee -a "$summary"
         continue
       fi
@@ -308,16 +310,11 @@ for step in "${steps[@]}"; do
     tests-decode-tma)
       # the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA), alone and timed out; -s shows
       # whether they were bitwise equal to pointer loads
-      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_decode_tma.py \
-        > "$WORK/gpu_tests_decode_tma.log" 2>&1
-      rc=$?
-      [[ $rc -ne 0 ]] && status=$rc
-      echo $rc > "$WORK/decode_tma_tests.rc"
-      tail -n 25 "$WORK/gpu_tests_decode_tma.log" >> "$summary" ;;
+      timed_tests decode_tma -s tests/test_gpu_decode_tma.py ;;
     bench-decode-tma)
       # the 8-layer decode table without, then with descriptor loads, alternated twice, beside cuDNN;
       # contiguous caches only (paged ones never take them); after tests-decode-tma passed
-      if [[ $(cat "$WORK/decode_tma_tests.rc" 2>/dev/null) != 0 ]]; then
+      if ! tests_passed decode_tma; then
         echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
       else
         for tma in 0 1 0 1; do
@@ -329,16 +326,11 @@ for step in "${steps[@]}"; do
       fi ;;
     tests-decode-pdl)
       # programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL), alone and timed out
-      timeout ${GLUON_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_decode_pdl.py \
-        > "$WORK/gpu_tests_decode_pdl.log" 2>&1
-      rc=$?
-      [[ $rc -ne 0 ]] && status=$rc
-      echo $rc > "$WORK/decode_pdl_tests.rc"
-      tail -n 25 "$WORK/gpu_tests_decode_pdl.log" >> "$summary" ;;
+      timed_tests decode_pdl tests/test_gpu_decode_pdl.py ;;
     bench-decode-layers-pdl)
       # bench-decode-layers' first table with FLASHTILE_DECODE_PDL=1, after tests-decode-pdl passed
       # (ordinary launches first, in the same call, for the ratio)
-      if [[ $(cat "$WORK/decode_pdl_tests.rc" 2>/dev/null) == 0 ]]; then
+      if tests_passed decode_pdl; then
         FLASHTILE_DECODE_PDL=0 python3 -m flashtile.bench decode --cuda-graph --layers 8 ${PDL_BENCH_ARGS:-} \
           --out "$WORK/decode_graph_layers8_nopdl.json" 2> "$WORK/bench_decode_layers_pdl.log" >> "$summary"
         pack
