@@ -122,8 +122,8 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         elif USE_TMA:
             # the descriptor's box is [1, BLOCK_N, 1, BLOCK_D] (BLOCK_D = offs_d's length)
-            row = (start_n + leftpad).to(tl.int32)
-            kt = tl.trans(DESC_K.load([cache_row.to(tl.int32), row, kv_head, 0]).reshape(BLOCK_N, offs_d.shape[0]))
+            tma_at = [cache_row.to(tl.int32), (start_n + leftpad).to(tl.int32), kv_head, 0]  # V's too
+            kt = tl.trans(DESC_K.load(tma_at).reshape(BLOCK_N, offs_d.shape[0]))
         else:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)
         # fp8 caches: e4m3 -> fp16 is exact; the descales are folded into qk_scale and the output
@@ -154,8 +154,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
         elif MASK:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif USE_TMA:
-            vt = DESC_V.load([cache_row.to(tl.int32), (start_n + leftpad).to(tl.int32), kv_head, 0]).reshape(
-                BLOCK_N, offs_d.shape[0])
+            vt = DESC_V.load(tma_at).reshape(BLOCK_N, offs_d.shape[0])
         else:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=d_ok[None, :], other=0.0)
         acc = tl.dot(p.to(q.dtype), vt.to(q.dtype), acc, input_precision=DOT_PRECISION)
