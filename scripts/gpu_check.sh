@@ -25,9 +25,8 @@
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
+#   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
-#   tests-decode-prefetch  the decode kernel's L2 prefetch before its PDL wait (FLASHTILE_DECODE_PREFETCH), alone
-#   bench-decode-prefetch  8-layer graphs of the default-PDL rows with 0 / 4 / 2 / 8 blocks prefetched, twice
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
 #   tests-decode-fused-graph  the fused split merge inside CUDA graphs (captured, not the merge kernel)
@@ -326,20 +325,17 @@ for step in "${steps[@]}"; do
           pack
         done
       fi ;;
-    tests-decode-prefetch)
-      # the decode kernel's L2 prefetch before its PDL wait (FLASHTILE_DECODE_PREFETCH), alone
-      timed_tests decode_prefetch "${xdist[@]}" tests/test_gpu_decode_prefetch.py ;;
-    bench-decode-prefetch)
-      # 8-layer graphs of the rows PDL covers by default (b = 1 to 64k, b = 8 at 8k), prefetching 0 / 4 /
-      # 2 / 8 key blocks per program, alternated twice, no peers; after tests-decode-prefetch passed
-      if ! tests_passed decode_prefetch; then
-        echo "skipped: tests-decode-prefetch did not pass in this call" | tee -a "$summary"
+    bench-decode-tma-small)
+      # descriptor loads on the small calls (b = 1 / 8 / 32 at 8k-64k, 8-layer graphs, contiguous only, no
+      # peers), FLASHTILE_DECODE_TMA=0 1 alternated three times; after tests-decode-tma passed
+      if ! tests_passed decode_tma; then
+        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
         continue
       fi
-      for pf in 0 4 2 8 0 4 2 8; do
-        FLASHTILE_DECODE_PREFETCH=$pf python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 \
+      for tma in 0 1 0 1 0 1; do
+        FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 32 \
           --seqlens 8192 16384 65536 --pages --peers \
-          --out "$WORK/decode_layers8_prefetch${pf}_$SECONDS.json" 2>> "$WORK/bench_decode_prefetch.log" >> "$summary"
+          --out "$WORK/decode_layers8_small_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma_small.log" >> "$summary"
         pack
       done ;;
     tests-decode-pdl)

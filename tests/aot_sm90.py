@@ -6,9 +6,8 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
-Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> L2_PREFETCH <n>
-L2_PREFETCH_AFTER_WAIT <n>`` (griddepcontrol, TMA bulk-tensor copy and L2 prefetch instructions in the
-PTX; the last counts prefetches that come after the first griddepcontrol.wait in program text).
+Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n>`` (griddepcontrol
+and TMA bulk-tensor copy instructions in the PTX).
 """
 
 import importlib
@@ -56,9 +55,7 @@ def main(module, kernel, constexprs, types, warps, stages):
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
     ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
-          "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
-          "L2_PREFETCH", ptx.count("prefetch.global.L2"), "L2_PREFETCH_AFTER_WAIT",
-          ptx.partition("griddepcontrol.wait")[2].count("prefetch.global.L2"))
+          "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"))
 
 
 if __name__ == "__main__":

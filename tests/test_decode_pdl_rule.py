@@ -55,26 +55,3 @@ def test_never_without_griddepcontrol(sm90):
     sm90.setattr(decode, "capability", lambda device: (9, 0))
     sm90.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
     assert not decode.use_pdl(CUDA, SMALL)
-
-
-# The L2 prefetch before the PDL wait (decode.prefetch_blocks): only with PDL, never for paged caches
-# or a cache_batch_idx, FLASHTILE_DECODE_PREFETCH giving the blocks per program.
-def test_prefetch_only_with_pdl_on_contiguous_caches(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_PREFETCH", "4")
-    assert decode.prefetch_blocks(True, False, False) == 4
-    assert decode.prefetch_blocks(False, False, False) == 0
-    assert decode.prefetch_blocks(True, True, False) == 0
-    assert decode.prefetch_blocks(True, False, True) == 0
-    monkeypatch.setenv("FLASHTILE_DECODE_PREFETCH", "0")
-    assert decode.prefetch_blocks(True, False, False) == 0
-    monkeypatch.delenv("FLASHTILE_DECODE_PREFETCH")
-    assert decode.prefetch_blocks(True, False, False) == decode.DEFAULT_PREFETCH_BLOCKS
-    monkeypatch.setattr(decode, "PREFETCH_OVERRIDE", 2)
-    assert decode.prefetch_blocks(True, False, False) == 2
-    assert decode.prefetch_blocks(True, True, False) == 0
-
-
-def test_prefetch_switch_names_a_bad_value(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_PREFETCH", "yes")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PREFETCH"):
-        decode.prefetch_blocks(True, False, False)

@@ -162,66 +162,6 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     return acc, m_i, l_i
 
 
-@triton.jit
-def _prefetch_to_l2(ptrs):
-    """prefetch.global.L2 on every address of ``ptrs``: lines come into L2, nothing waits for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_first_blocks(K, V, SEQLENS, LEFTPAD, cache_len_const, s_new, seqlen_q, num_kv_heads, group,
-                           num_m_blocks, capacity, window_left, window_right,
-                           stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           HAS_SEQLENS: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr,
-                           HAS_RIGHT: tl.constexpr, PREFETCH_BLOCKS: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                           ROW_LINES: tl.constexpr):
-    """Start pulling this program's first PREFETCH_BLOCKS key blocks (K and V) into L2.
-
-    Runs before griddepcontrol.wait, while the previous kernel drains (programmatic dependent
-    launch), so the first tiles' HBM latency overlaps that kernel's tail. The lengths it reads may
-    race the previous kernel's writes (a serving loop's ``cache_seqlens += 1``): they only choose
-    which lines to prefetch, never a result, so a stale value costs bandwidth, not correctness. The
-    reads are volatile so the compiler cannot merge them with the real ones after the wait, and L2 is
-    the device's point of coherence, so those real loads see every write the previous kernel made.
-    Contiguous caches without ``cache_batch_idx`` only (the launcher's rule): the row is the batch
-    index and every address is clamped inside the cache.
-    """
-    pid = tl.program_id(0)
-    split = pid % NUM_SPLITS
-    pid_mb = pid // NUM_SPLITS
-    pid_m = pid_mb % num_m_blocks
-    pid_bk = pid_mb // num_m_blocks
-    b = pid_bk // num_kv_heads
-    kv_head = pid_bk % num_kv_heads
-    if HAS_SEQLENS:
-        cache_len = tl.load(SEQLENS + b, volatile=True)
-    else:
-        cache_len = cache_len_const
-    leftpad = cache_len * 0
-    if HAS_LEFTPAD:
-        leftpad = tl.load(LEFTPAD + b, volatile=True)
-    seqlen_k = cache_len + s_new - leftpad
-    t_first = (pid_m * BLOCK_M) // group
-    t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    per_split = tl.cdiv(hi - lo, NUM_SPLITS)
-    s_lo = lo + split * per_split
-    end = tl.minimum(tl.minimum(s_lo + per_split, hi) * BLOCK_N, seqlen_k)
-    keys = s_lo * BLOCK_N + tl.arange(0, PREFETCH_BLOCKS * BLOCK_N)
-    # keys past this split's share fall back to its first key (a repeated prefetch costs nothing);
-    # every position is clamped into [0, capacity) so no address leaves the cache
-    keys = tl.where(keys < end, keys, s_lo * BLOCK_N)
-    pos = tl.minimum(tl.maximum(keys + leftpad, 0), tl.maximum(capacity - 1, 0)).to(tl.int64)
-    # one address per 128-byte line of a key's row, none past the row's last element
-    lines = tl.minimum(tl.arange(0, ROW_LINES) * LINE_ELEMS, HEAD_DIM - 1)
-    b64 = b.to(tl.int64)
-    _prefetch_to_l2(K + b64 * stride_kb + kv_head * stride_kh + pos[:, None] * stride_kn + lines[None, :])
-    _prefetch_to_l2(V + b64 * stride_vb + kv_head * stride_vh + pos[:, None] * stride_vn + lines[None, :])
-
-
 # Lengths and window bounds change between calls; specialising on them would only recompile (and
 # would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
@@ -252,19 +192,12 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PREFETCH_BLOCKS: tl.constexpr = 0,
-    LINE_ELEMS: tl.constexpr = 64, ROW_LINES: tl.constexpr = 1,
+    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     if USE_PDL:
-        if PREFETCH_BLOCKS > 0:
-            _prefetch_first_blocks(K, V, SEQLENS, LEFTPAD, cache_len_const, s_new, seqlen_q, num_kv_heads, group,
-                                   num_m_blocks, capacity, window_left, window_right,
-                                   stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, NUM_SPLITS, HAS_SEQLENS, HAS_LEFTPAD, HAS_LEFT, HAS_RIGHT,
-                                   PREFETCH_BLOCKS, LINE_ELEMS, ROW_LINES)
-        # launched early (programmatic dependent launch): wait here, before the first read that
-        # counts (the prefetch above only warms L2), until the previous kernel in the stream (an
-        # append, a previous layer's merge) has finished and flushed its writes
+        # launched early (programmatic dependent launch): wait here, before the first read, until the
+        # previous kernel in the stream (an append, a previous layer's merge) has finished and
+        # flushed its writes
         gdc_wait()
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split

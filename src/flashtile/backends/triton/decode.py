@@ -80,30 +80,6 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
-# L2 prefetch under PDL: a decode kernel launched early asks L2 for its first key blocks before
-# griddepcontrol.wait (kernels/decode.py _prefetch_first_blocks), so their HBM latency overlaps the
-# previous kernel's tail. It only moves lines into L2: results are bitwise those without it. Contiguous
-# caches without cache_batch_idx (a paged tile's addresses need the block table; a batch index would
-# be read racing the previous kernel, like the lengths, but an out-of-range one could leave the cache).
-# FLASHTILE_DECODE_PREFETCH=n sets the blocks per program (0 = off); tests pin PREFETCH_OVERRIDE.
-PREFETCH_OVERRIDE: int | None = None
-DEFAULT_PREFETCH_BLOCKS = 0
-
-
-def prefetch_blocks(pdl: bool, paged: bool, has_batch_idx: bool) -> int:
-    """Key blocks per program to prefetch into L2 before the PDL wait (0: none)."""
-    if not pdl or paged or has_batch_idx:
-        return 0
-    if PREFETCH_OVERRIDE is not None:
-        return PREFETCH_OVERRIDE
-    setting = env.get("FLASHTILE_DECODE_PREFETCH", "")
-    if setting == "":
-        return DEFAULT_PREFETCH_BLOCKS
-    if not setting.isdigit():
-        raise ValueError(f"FLASHTILE_DECODE_PREFETCH must be a number of key blocks (0 = off), got {setting!r}")
-    return int(setting)
-
-
 # Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
 # Grown, never freed: a captured CUDA graph keeps the address it was captured with.
 _COUNTERS: dict = {}
@@ -300,10 +276,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged)
-    prefetch = prefetch_blocks(bool(pdl), paged, cache_batch_idx is not None)
-    if prefetch:
-        line_elems = 128 // k_cache.element_size()  # elements per 128-byte line
-        pdl.update(PREFETCH_BLOCKS=prefetch, LINE_ELEMS=line_elems, ROW_LINES=next_pow2(cdiv(d, line_elems)))
     desc_k, desc_v = ((_descriptor(k_cache, block_n, block_d), _descriptor(v_cache, block_n, block_d)) if tma
                       else (k_cache, v_cache))
     with device_guard(q):
