@@ -1,5 +1,6 @@
-"""The decode kernel's tensor-descriptor loads (backends/triton/decode.py use_decode_tma, off by
-default until measured on the H200), on CPU through the interpreter.
+"""The decode kernel's tensor-descriptor loads (backends/triton/decode.py use_decode_tma; by default
+on sm_90 where a program reads few key blocks, as measured on the H200), on CPU through the
+interpreter, and the default rule with a CUDA device standing in.
 
 With TMA forced, a contiguous cache's unmasked key blocks are read by descriptor; the masked blocks
 (a row's last partial block, window edges, the new keys) keep pointer loads. Results must equal the
@@ -102,9 +103,9 @@ def test_rule(monkeypatch):
     kc = torch.zeros(2, 64, 2, 16, dtype=torch.float16)
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
     monkeypatch.delenv("FLASHTILE_DECODE_TMA", raising=False)
-    assert not launcher.use_decode_tma(kc, kc, paged=False)  # off by default
+    assert not launcher.use_decode_tma(kc, kc, paged=False)  # a CPU tensor: never by default
     monkeypatch.setenv("FLASHTILE_DECODE_TMA", "1")
-    assert not launcher.use_decode_tma(kc, kc, paged=False)  # a CPU tensor: no TMA unless forced
+    assert not launcher.use_decode_tma(kc, kc, paged=False)  # nor forced: only TMA_OVERRIDE runs the interpreter
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     assert launcher.use_decode_tma(kc, kc, paged=False)
     assert not launcher.use_decode_tma(kc, kc, paged=True)  # paged caches: pointer loads
@@ -113,3 +114,34 @@ def test_rule(monkeypatch):
     assert not launcher.use_decode_tma(kc[:, :0], kc[:, :0], paged=False)  # empty
     f8 = kc.to(torch.float8_e4m3fn)
     assert not launcher.use_decode_tma(f8, f8, paged=False)  # fp8 caches: not tested with descriptors
+
+
+class _OnCuda:
+    """A CPU tensor that says it lives on a CUDA device (the rule reads device, dtype, strides, pointer)."""
+
+    def __init__(self, t):
+        self.t, self.device = t, torch.device("cuda")
+
+    def __getattr__(self, name):
+        return getattr(self.t, name)
+
+
+@pytest.mark.parametrize("setting", ["", "1", "0"])
+@pytest.mark.parametrize("major", [8, 9, 10])
+def test_default_rule_on_gpus(monkeypatch, setting, major):
+    # the default follows the H200 measurement: sm_90, few key blocks per program, power-of-two d;
+    # "1" forces it on any sm_90+ GPU whatever the blocks, "0" off
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
+    monkeypatch.setattr(launcher, "capability", lambda device: (major, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setenv("FLASHTILE_DECODE_TMA", setting)
+    kc = _OnCuda(torch.zeros(2, 64, 2, 16, dtype=torch.float16))
+    few, many = launcher.TMA_MAX_BLOCKS_PER_PROGRAM, launcher.TMA_MAX_BLOCKS_PER_PROGRAM + 1
+    want_few = {"": major == 9, "1": major >= 9, "0": False}[setting]
+    want_many = {"": False, "1": major >= 9, "0": False}[setting]
+    assert launcher.use_decode_tma(kc, kc, False, few) is want_few
+    assert launcher.use_decode_tma(kc, kc, False, many) is want_many
+    assert launcher.use_decode_tma(kc, kc, False, few, pow2_d=False) is (setting == "1" and major >= 9)
+    assert launcher.use_decode_tma(kc, kc, True, few) is False  # paged: never
+    monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
+    assert launcher.use_decode_tma(kc, kc, False, few) is False

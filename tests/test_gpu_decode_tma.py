@@ -1,5 +1,5 @@
 """GPU tests of the decode kernel's tensor-descriptor loads (FLASHTILE_DECODE_TMA,
-backends/triton/decode.py TMA_OVERRIDE; off by default until measured): against the reference, and
+backends/triton/decode.py TMA_OVERRIDE; on by default for small programs since session 10): against the reference, and
 against pointer loads (the same values reach the same MMAs, so the outputs should agree bit for
 bit; the assert allows bf16 rounding so a different but correct lowering is not a failure, and the
 test prints whether they were bitwise equal). Run alone: gpu_check.sh tests-decode-tma."""

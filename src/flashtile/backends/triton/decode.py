@@ -30,28 +30,41 @@ FUSED_APPEND = True
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
 FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
 # Tensor-descriptor (TMA) loads of the K and V tiles of a contiguous cache's unmasked key blocks
-# (kernels/decode.py _decode_inner), instead of pointer loads. On the same cache layout flashtile
-# and cuDNN read at the same speed, while cuDNN on its own head-major layout is 1.5%-3% faster
-# (probe_decode_layout_h200_2026-11-30_session9.json); bulk copies are what is left to try on ours.
-# Off until measured on the H200 (FLASHTILE_DECODE_TMA=1 turns it on where the strides allow);
-# tests pin TMA_OVERRIDE (True runs it under the interpreter too).
+# (kernels/decode.py _decode_inner), instead of pointer loads. Measured on the H200 in 8-layer graphs
+# (decode_layers8_small_tma_ab_h200_2026-11-30_session10.json, three alternations; and
+# decode_layers8_tma_ab_..._session10.json): faster where a program reads few key blocks (b = 1 at 8k
+# 16.2 -> 15.8 us, b = 8 at 16k 125.7 -> 125.0, b = 32 at 8k 242.6 -> 240.7), even at 128 blocks and
+# 0.3%-0.8% slower from 256 (b = 8 at 64k, b = 32 at 32k-128k). So by default a launch takes them
+# when each program reads at most TMA_MAX_BLOCKS_PER_PROGRAM blocks (capacity / BLOCK_N / splits),
+# on sm_90 (the measured GPU), at power-of-two head dims (where they were bitwise equal to pointer
+# loads on the H200). FLASHTILE_DECODE_TMA=1 / 0 forces them on (sm_90+) / off; tests pin TMA_OVERRIDE
+# (True runs it under the interpreter too).
 TMA_OVERRIDE: bool | None = None
+TMA_MAX_BLOCKS_PER_PROGRAM = 64
 
 
-def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool) -> bool:
+def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, blocks_per_program: int = 0,
+                   pow2_d: bool = True) -> bool:
     """Load the interior key blocks by tensor descriptor? Contiguous 16- / 32-bit caches (one row per
-    batch row) whose base and strides TMA can address (fp8 caches: not tested with it); sm_90+ GPUs,
-    or the interpreter when forced."""
-    # the switches first: with them off (the default) a call pays one dict lookup, not the stride checks
+    batch row) whose base and strides TMA can address (fp8 caches: not tested with it); by default
+    where ``blocks_per_program`` (key blocks one program reads at the cache's capacity) is small and
+    the head dim ``pow2_d``, on sm_90; forced on for sm_90+ GPUs, or the interpreter by TMA_OVERRIDE."""
+    # the cheap refusals first: a paged call (most of a server's) pays no device or env lookups
+    if paged:
+        return False
     if TMA_OVERRIDE is None:
-        if env.get("FLASHTILE_DECODE_TMA", "0") in ("", "0"):
+        setting = env.get("FLASHTILE_DECODE_TMA", "")
+        if setting == "0" or (setting == "" and (blocks_per_program > TMA_MAX_BLOCKS_PER_PROGRAM or not pow2_d)):
             return False
-        if k_cache.device.type != "cuda" or torch.version.hip is not None or capability(k_cache.device)[0] < 9:
+        if k_cache.device.type != "cuda" or torch.version.hip is not None:
+            return False
+        major = capability(k_cache.device)[0]
+        if major < 9 or (setting == "" and major != 9):
             return False
     elif not TMA_OVERRIDE:
         return False
     # _tma_ok also refuses empty tensors
-    return not paged and k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
+    return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
@@ -275,7 +288,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    tma = use_decode_tma(k_cache, v_cache, paged)
+    tma = use_decode_tma(k_cache, v_cache, paged, cdiv(key_blocks, num_splits), block_d == d)
     desc_k, desc_v = ((_descriptor(k_cache, block_n, block_d), _descriptor(v_cache, block_n, block_d)) if tma
                       else (k_cache, v_cache))
     with device_guard(q):
