@@ -55,3 +55,18 @@ def test_never_without_griddepcontrol(sm90):
     sm90.setattr(decode, "capability", lambda device: (9, 0))
     sm90.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
     assert not decode.use_pdl(CUDA, SMALL)
+
+
+# FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): an experiment, off by default; contiguous
+# programs of at least LONG_PROGRAM_BLOCKS key blocks take the given warps.
+def test_long_program_warps(monkeypatch):
+    long, short = decode.LONG_PROGRAM_BLOCKS, decode.LONG_PROGRAM_BLOCKS - 1
+    monkeypatch.delenv("FLASHTILE_DECODE_LONG_WARPS", raising=False)
+    assert decode.long_program_warps(long, False, 4) == 4  # off by default
+    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
+    assert decode.long_program_warps(long, False, 4) == 8
+    assert decode.long_program_warps(short, False, 4) == 4
+    assert decode.long_program_warps(long, True, 4) == 4  # paged launches keep the table's
+    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "6")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_LONG_WARPS"):
+        decode.long_program_warps(long, False, 4)

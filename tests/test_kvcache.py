@@ -535,6 +535,35 @@ def test_bench_decode_layers_per_call(tmp_path, monkeypatch):
     assert all(r["us"]["flashtile"] > 0 and not r["mismatch"] for r in rows)
 
 
+def test_bench_decode_rounds_alternate_order(tmp_path, monkeypatch):
+    # --rounds R: the peers and contiguous flashtile are timed R times each, the first of each round
+    # rotating, and each reports its median; paged variants are timed once after the rounds. The fake
+    # timer returns 1, 2, 3, ... in call order, so the recorded times show the order of measurement.
+    import json
+
+    from flashtile.bench import decode as bench_decode
+    from flashtile.bench import main
+
+    ticks = iter(range(1, 100))
+
+    def fake_time(fn, device, args):
+        fn()
+        return float(next(ticks))
+
+    monkeypatch.setattr(bench_decode, "_time", fake_time)
+    out = tmp_path / "decode.json"
+    rc = main(["decode", "--device", "cpu", "--quick", "--batch", "1", "--seqlens", "64", "--pages", "16",
+               "--peers", "flash", "--rounds", "3", "--dtype", "fp16", "--out", str(out)])
+    assert rc == 0
+    row = json.loads(out.read_text())["rows"][0]
+    # rounds: flash, flashtile | flashtile, flash | flash, flashtile -> 1, 2 | 3, 4 | 5, 6
+    assert row["rounds_us"] == {"flash": [1.0, 4.0, 5.0], "flashtile": [2.0, 3.0, 6.0]}
+    assert row["us"]["flash"] == 4.0 and row["us"]["flashtile"] == 3.0  # medians
+    assert row["us"]["flashtile-p16"] == 7.0  # once, after the rounds
+    assert row["ratios"]["flash"] == 4.0 / 3.0
+    assert not row["mismatch"]
+
+
 def test_generate_example_runs():
     import importlib.util
     import pathlib

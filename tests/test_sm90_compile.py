@@ -185,3 +185,17 @@ def test_decode_tma_compiles_for_sm90(tmp_path, fused):
     # and the same build without the switch has no bulk copies
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_TMA=False), DECODE_INTS, warps,
              stages, bulk=False)
+
+
+def test_decode_long_program_warps_compile_for_sm90(tmp_path):
+    # FLASHTILE_DECODE_LONG_WARPS=8 (an experiment): the table's d = 128 contiguous config on 8 warps,
+    # unsplit as at b = 32, must compile and fit shared memory
+    from flashtile.backends.triton.decode import launch_config
+
+    d = 128
+    block_n, _, stages = launch_config("sm90", d, False, 2)
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=1, PAGED=False, PAGE_ALIGNED=False,
+              PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+              ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 8, stages)

@@ -19,6 +19,7 @@ cache from HBM. N shrinks for a row whose N caches would pass ``LAYER_BYTES_BUDG
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--peers", nargs="*", choices=tuple(PEER_BACKENDS), default=list(PEER_BACKENDS),
                    metavar="PEER", help="SDPA backends beside flashtile: flash cudnn (default both)")
     r.add_argument("--num-splits", type=int, default=0, help="flashtile's num_splits (0 = heuristic)")
+    r.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="time the peers and flashtile (contiguous) R times each, alternating which goes first, "
+                        "and report each one's median (default 1: peers first, then flashtile, once)")
     r.add_argument("--cuda-graph", action="store_true",
                    help="time a CUDA-graph replay of each call (removes Python launch overhead)")
     r.add_argument("--layers", type=int, default=1, metavar="N",
@@ -100,9 +104,21 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
 
 
-def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_tb_s: float | None) -> dict:
+def _flashtile_calls(q, caches, lens, page, num_splits, gen):
+    """One ``flash_attn_with_kvcache`` call per layer's cache: contiguous (``page`` None) or paged."""
     from flashtile import flash_attn_with_kvcache
 
+    calls = []
+    for kc, vc in caches:
+        table = None
+        if page is not None:
+            kc, vc, table = _paged(kc, vc, page, gen)
+        calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=num_splits))
+    return calls
+
+
+def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_tb_s: float | None) -> dict:
     dtype = DTYPES[args.dtype]
     kv_bytes = 2 * b * sk * h_k * d * torch.empty((), dtype=dtype).element_size()
     row = {"mode": "decode", "b": b, "seqlen_k": sk, "h": h, "h_k": h_k, "d": d, "dtype": args.dtype,
@@ -145,31 +161,62 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
             ref = sdpa(qt, *peer_caches[0], enable_gqa=True).transpose(1, 2)
         except Exception as e:
             row["check_error"] = "SDPA reference failed: " + _describe(e)
+    # every timed implementation as (name, zero-argument function timing one measurement); the peers'
+    # calls run under their SDPA backend
+    timers = []
     for name in dict.fromkeys(args.peers):
         try:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             if name == "cudnn" and torch.device(device).type != "cuda":
                 raise RuntimeError("SDPA's cuDNN backend needs a CUDA device")
-            with sdpa_kernel(getattr(SDPBackend, PEER_BACKENDS[name])):
-                calls = [lambda kt=kt, vt=vt: sdpa(qt, kt, vt, enable_gqa=True) for kt, vt in peer_caches]
-                calls[0]()
-                row["us"][name] = per_call_us(calls)
+            backend = getattr(SDPBackend, PEER_BACKENDS[name])
+            peer_calls = [lambda kt=kt, vt=vt: sdpa(qt, kt, vt, enable_gqa=True) for kt, vt in peer_caches]
+            with sdpa_kernel(backend):
+                peer_calls[0]()
+
+            def timer(calls=peer_calls, backend=backend):
+                with sdpa_kernel(backend):
+                    return per_call_us(calls)
+
+            timers.append((name, timer))
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
-    peer_caches = calls = None  # free the copies before the paged caches are built
+    contiguous = _flashtile_calls(q, caches, lens, None, args.num_splits, gen)
+    try:
+        check("flashtile", contiguous[0]())
+        timers.append(("flashtile", lambda: per_call_us(contiguous)))
+    except Exception as e:
+        row["us"]["flashtile"] = None
+        row["errors"]["flashtile"] = _describe(e)
+    times: dict = {name: [] for name, _ in timers}
+    for r in range(max(1, args.rounds)):
+        # round r starts at a different implementation: an order effect (heat, clocks, memory state)
+        # then lands on each in turn instead of always on the last one
+        order = timers[r % len(timers):] + timers[:r % len(timers)] if timers else []
+        for name, timer in order:
+            if name not in times:
+                continue
+            try:
+                times[name].append(timer())
+            except Exception as e:
+                row["errors"][name] = _describe(e)
+                times.pop(name)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+    for name, _ in timers:
+        ts = times.get(name)
+        row["us"][name] = statistics.median(ts) if ts else None
+        if args.rounds > 1 and ts:
+            row.setdefault("rounds_us", {})[name] = ts
+    # free the peers' copies before the paged caches are built (the closures hold them too)
+    timers = timer = peer_calls = peer_caches = contiguous = None
 
-    variants = [("flashtile", None)] + [(f"flashtile-p{p}", p) for p in (args.pages or ())]
-    for name, page in variants:
+    for page in args.pages or ():
+        name = f"flashtile-p{page}"
         try:
-            calls = []
-            for kc, vc in caches:
-                table = None
-                if page is not None:
-                    kc, vc, table = _paged(kc, vc, page, gen)
-                calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
-                    q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=args.num_splits))
+            calls = _flashtile_calls(q, caches, lens, page, args.num_splits, gen)
             check(name, calls[0]())
             row["us"][name] = per_call_us(calls)
         except Exception as e:

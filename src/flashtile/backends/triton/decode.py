@@ -67,6 +67,25 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, bl
     return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
+# Warps for long programs (an experiment, off): single-call sweeps on the H200 found (128 keys, 8 warps,
+# 3 stages) 0.7%-1% faster than the table's 4 warps at b = 32 from 64k (3722 against 3749 us at 128k,
+# tune_decode_b32_warps_h200_2026-11-30_session10.json; 1903 against 1924 at 64k in
+# tune_decode_b32_h200_2026-11-29.json) and 0.3% slower at 8k. FLASHTILE_DECODE_LONG_WARPS=n gives
+# contiguous-cache programs of at least LONG_PROGRAM_BLOCKS key blocks n warps, to be measured beside
+# cuDNN (gpu_check.sh bench-decode-long-warps) before it becomes a rule.
+LONG_PROGRAM_BLOCKS = 256
+
+
+def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int) -> int:
+    """The warps of a decode launch whose programs read ``blocks_per_program`` key blocks."""
+    setting = env.get("FLASHTILE_DECODE_LONG_WARPS", "")
+    if setting in ("", "0") or paged or blocks_per_program < LONG_PROGRAM_BLOCKS:
+        return num_warps
+    if setting not in ("4", "8"):
+        raise ValueError(f"FLASHTILE_DECODE_LONG_WARPS must be 4 or 8 (or 0 / unset: the table's), got {setting!r}")
+    return int(setting)
+
+
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -265,6 +284,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     if num_splits <= 0:
         num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
+    blocks_per_program = cdiv(key_blocks, num_splits)
+    if CONFIG_OVERRIDE is None:
+        num_warps = long_program_warps(blocks_per_program, paged, num_warps)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
@@ -288,7 +310,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    tma = use_decode_tma(k_cache, v_cache, paged, cdiv(key_blocks, num_splits), block_d == d)
+    tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program, block_d == d)
     desc_k, desc_v = ((_descriptor(k_cache, block_n, block_d), _descriptor(v_cache, block_n, block_d)) if tma
                       else (k_cache, v_cache))
     with device_guard(q):

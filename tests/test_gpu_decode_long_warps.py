@@ -1,0 +1,31 @@
+"""GPU tests of the long-program warp count (FLASHTILE_DECODE_LONG_WARPS, backends/triton/decode.py
+long_program_warps; an experiment, off by default): with the threshold lowered so these small caches
+count as long, 8-warp launches must match the reference, with and without a fused append, split or
+not. Run alone: gpu_check.sh tests-decode-long-warps."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode as launcher
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]  # gluon: not in the default GPU runs
+
+
+@pytest.mark.parametrize("b,cap,num_splits,s_new,rotary", [(32, 4096, 0, 0, False), (8, 8192, 1, 1, True),
+                                                           (3, 5000, 4, 2, False), (1, 8192, 0, 1, True)])
+def test_eight_warps_against_reference(monkeypatch, b, cap, num_splits, s_new, rotary):
+    monkeypatch.setattr(launcher, "LONG_PROGRAM_BLOCKS", 1)
+    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
+    warps = []
+    real = launcher.launch
+
+    def recording_launch(kernel, grid, *args, **meta):
+        if kernel is launcher._decode_kernel:
+            warps.append(meta["num_warps"])
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, rotary=rotary)
+    _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
+    assert warps == [8]
