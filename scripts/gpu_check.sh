@@ -27,7 +27,7 @@
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   tests-decode-long-warps  8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference
-#   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 3, FLASHTILE_DECODE_LONG_WARPS=0 8 0 8
+#   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -344,15 +344,16 @@ for step in "${steps[@]}"; do
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
     bench-decode-long-warps)
-      # the long rows beside cuDNN with --rounds 3 (the order of measurement rotating, medians), the
-      # table's 4 warps then 8 for programs of >= 256 key blocks, twice; after tests-decode-long-warps
+      # the long rows beside cuDNN with --rounds 4 (the order of measurement rotating, each first in two
+      # rounds; medians), the table's 4 warps then 8 for programs of >= 256 key blocks; after
+      # tests-decode-long-warps (one pair per call: the 128k rows take minutes)
       if ! tests_passed decode_long_warps; then
         echo "skipped: tests-decode-long-warps did not pass in this call" | tee -a "$summary"
         continue
       fi
-      for w in 0 8 0 8; do
+      for w in 0 8; do
         FLASHTILE_DECODE_LONG_WARPS=$w python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 8 32 \
-          --seqlens 32768 131072 --pages --peers cudnn --rounds 3 \
+          --seqlens 32768 131072 --pages --peers cudnn --rounds 4 \
           --out "$WORK/decode_layers8_long_warps${w}_$SECONDS.json" 2>> "$WORK/bench_decode_long_warps.log" >> "$summary"
         pack
       done ;;

@@ -99,21 +99,25 @@ def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
     torch.testing.assert_close(vc2, ref_vc, rtol=0, atol=0, equal_nan=True)  # the append, NaN left alone
 
 
+def _use(k, paged=False, blocks=1, fills=True):
+    return launcher.use_decode_tma(k, k, paged, blocks_per_program=blocks, d_fills_block=fills)
+
+
 def test_rule(monkeypatch):
     kc = torch.zeros(2, 64, 2, 16, dtype=torch.float16)
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
     monkeypatch.delenv("FLASHTILE_DECODE_TMA", raising=False)
-    assert not launcher.use_decode_tma(kc, kc, paged=False)  # a CPU tensor: never by default
+    assert not _use(kc)  # a CPU tensor: never by default
     monkeypatch.setenv("FLASHTILE_DECODE_TMA", "1")
-    assert not launcher.use_decode_tma(kc, kc, paged=False)  # nor forced: only TMA_OVERRIDE runs the interpreter
+    assert not _use(kc)  # nor forced: only TMA_OVERRIDE runs the interpreter
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
-    assert launcher.use_decode_tma(kc, kc, paged=False)
-    assert not launcher.use_decode_tma(kc, kc, paged=True)  # paged caches: pointer loads
+    assert _use(kc)
+    assert not _use(kc, paged=True)  # paged caches: pointer loads
     odd = torch.zeros(2, 64, 2, 13, dtype=torch.float16)  # 26-byte rows: no TMA stride
-    assert not launcher.use_decode_tma(odd, odd, paged=False)
-    assert not launcher.use_decode_tma(kc[:, :0], kc[:, :0], paged=False)  # empty
+    assert not _use(odd)
+    assert not _use(kc[:, :0])  # empty
     f8 = kc.to(torch.float8_e4m3fn)
-    assert not launcher.use_decode_tma(f8, f8, paged=False)  # fp8 caches: not tested with descriptors
+    assert not _use(f8)  # fp8 caches: not tested with descriptors
 
 
 class _OnCuda:
@@ -129,8 +133,8 @@ class _OnCuda:
 @pytest.mark.parametrize("setting", ["", "1", "0"])
 @pytest.mark.parametrize("major", [8, 9, 10])
 def test_default_rule_on_gpus(monkeypatch, setting, major):
-    # the default follows the H200 measurement: sm_90, few key blocks per program, power-of-two d;
-    # "1" forces it on any sm_90+ GPU whatever the blocks, "0" off
+    # the default follows the H200 measurement: sm_90, few key blocks per program, a head dim that
+    # fills its tile; "1" forces it on any sm_90+ GPU whatever the blocks, "0" off
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
     monkeypatch.setattr(launcher, "capability", lambda device: (major, 0))
     monkeypatch.setattr(torch.version, "hip", None)
@@ -139,9 +143,47 @@ def test_default_rule_on_gpus(monkeypatch, setting, major):
     few, many = launcher.TMA_MAX_BLOCKS_PER_PROGRAM, launcher.TMA_MAX_BLOCKS_PER_PROGRAM + 1
     want_few = {"": major == 9, "1": major >= 9, "0": False}[setting]
     want_many = {"": False, "1": major >= 9, "0": False}[setting]
-    assert launcher.use_decode_tma(kc, kc, False, few) is want_few
-    assert launcher.use_decode_tma(kc, kc, False, many) is want_many
-    assert launcher.use_decode_tma(kc, kc, False, few, pow2_d=False) is (setting == "1" and major >= 9)
-    assert launcher.use_decode_tma(kc, kc, True, few) is False  # paged: never
+    assert _use(kc, blocks=few) is want_few
+    assert _use(kc, blocks=many) is want_many
+    assert _use(kc, blocks=few, fills=False) is (setting == "1" and major >= 9)
+    assert _use(kc, paged=True, blocks=few) is False  # paged: never
     monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
-    assert launcher.use_decode_tma(kc, kc, False, few) is False
+    assert _use(kc, blocks=few) is False
+
+
+def test_switch_names_a_bad_value(monkeypatch):
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
+    monkeypatch.setenv("FLASHTILE_DECODE_TMA", "off")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_TMA"):
+        _use(torch.zeros(1, 16, 1, 16, dtype=torch.float16))
+
+
+def test_unchecked_descriptor_equals_the_checked_one():
+    # cache_descriptor skips TensorDescriptor's validation (use_decode_tma did it): same fields
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kc = torch.zeros(3, 40, 2, 64, dtype=torch.float16)[:, :33]  # a sliced capacity: strides of the full one
+    fast = launcher.cache_descriptor(kc, 16, 64)
+    checked = TensorDescriptor(kc, list(kc.shape), list(kc.stride()), [1, 16, 1, 64])
+    assert fast.base is kc and fast == checked
+
+
+@pytest.mark.parametrize("d,splits", [(16, 1), (24, 2)])
+def test_launcher_passes_blocks_per_program_and_tile_fill(interp, monkeypatch, d, splits):
+    # decode_attn hands the rule the key blocks one program reads at the cache's capacity (after the
+    # split count) and whether d fills its power-of-two tile (d = 24 runs in a 32-wide tile)
+    seen = []
+    real = launcher.use_decode_tma
+
+    def recording(k, v, paged, **kw):
+        seen.append(kw)
+        return real(k, v, paged, **kw)
+
+    monkeypatch.setattr(launcher, "use_decode_tma", recording)
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
+    cap = 100
+    q = torch.randn(1, 1, 4, d, dtype=torch.float16)
+    kc = torch.randn(1, cap, 2, d, dtype=torch.float16)
+    flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([70], dtype=torch.int32), num_splits=splits)
+    key_blocks = -(-cap // launcher.CONFIG_OVERRIDE[0])  # the interp fixture's 16-key tiles
+    assert seen == [dict(blocks_per_program=-(-key_blocks // splits), d_fills_block=d in (16, 32))]

@@ -16,6 +16,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gluon]  # gluon: not in the default G
                                                            (3, 5000, 4, 2, False), (1, 8192, 0, 1, True)])
 def test_eight_warps_against_reference(monkeypatch, b, cap, num_splits, s_new, rotary):
     monkeypatch.setattr(launcher, "LONG_PROGRAM_BLOCKS", 1)
+    # the programs the experiment targets (>= 256 blocks) take pointer loads by default; these short
+    # ones would take descriptor loads, so pin pointer loads to test the path that would run
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
     warps = []
     real = launcher.launch

@@ -564,6 +564,35 @@ def test_bench_decode_rounds_alternate_order(tmp_path, monkeypatch):
     assert not row["mismatch"]
 
 
+def test_bench_decode_frees_peer_copies_before_paging(monkeypatch):
+    # the peers' head-major copies (b, h_k, s, d) must be gone when the paged caches are built: at
+    # b = 32, 128k each copy is 8.6 GB
+    import gc
+    import warnings
+
+    from flashtile.bench import decode as bench_decode
+    from flashtile.bench import main
+
+    alive = []
+    real = bench_decode._paged
+
+    def counting_paged(k_cache, v_cache, page, gen):
+        b, s, h_k, d = k_cache.shape
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
+            warnings.simplefilter("ignore")
+            alive.append(sum(1 for o in gc.get_objects()
+                             if isinstance(o, torch.Tensor) and tuple(o.shape) == (b, h_k, s, d)))
+        return real(k_cache, v_cache, page, gen)
+
+    monkeypatch.setattr(bench_decode, "_paged", counting_paged)
+    for rounds in ("1", "2"):
+        assert main(["decode", "--device", "cpu", "--quick", "--batch", "1", "--seqlens", "64", "--pages", "16",
+                     "--peers", "flash", "--rounds", rounds, "--dtype", "fp16", "--warmup", "1", "--rep", "3",
+                     "--no-check", "--out", "/dev/null"]) == 0
+    assert alive == [0, 0]
+
+
 def test_generate_example_runs():
     import importlib.util
     import pathlib

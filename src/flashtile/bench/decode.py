@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--peers", nargs="*", choices=tuple(PEER_BACKENDS), default=list(PEER_BACKENDS),
                    metavar="PEER", help="SDPA backends beside flashtile: flash cudnn (default both)")
     r.add_argument("--num-splits", type=int, default=0, help="flashtile's num_splits (0 = heuristic)")
-    r.add_argument("--rounds", type=int, default=1, metavar="R",
+    r.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                    help="time the peers and flashtile (contiguous) R times each, alternating which goes first, "
                         "and report each one's median (default 1: peers first, then flashtile, once)")
     r.add_argument("--cuda-graph", action="store_true",
@@ -116,6 +116,39 @@ def _flashtile_calls(q, caches, lens, page, num_splits, gen):
         calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=num_splits))
     return calls
+
+
+def _time_in_rounds(timers: list, rounds: int, row: dict) -> None:
+    """Time every (name, timer) ``rounds`` times, round r starting at implementation r (mod their
+    number): an order effect (heat, clocks, memory state) then lands on each in turn instead of always
+    on the last. Each one's median goes to ``row["us"]``; with rounds > 1 its samples to
+    ``row["rounds_us"]``. One that fails is recorded in ``row["errors"]`` and dropped, samples and all.
+    A function of its own so that no local outlives it holding a timer (and the tensors it times)."""
+    times: dict = {name: [] for name, _ in timers}
+    for r in range(rounds):
+        start = r % len(timers) if timers else 0
+        for name, timer in timers[start:] + timers[:start]:
+            if name not in times:
+                continue
+            try:
+                times[name].append(timer())
+            except Exception as e:
+                row["errors"][name] = _describe(e)
+                times.pop(name)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+    for name, _ in timers:
+        ts = times.get(name)
+        row["us"][name] = statistics.median(ts) if ts else None
+        if rounds > 1 and ts:
+            row.setdefault("rounds_us", {})[name] = ts
+
+
+def _positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_tb_s: float | None) -> dict:
@@ -190,26 +223,7 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
     except Exception as e:
         row["us"]["flashtile"] = None
         row["errors"]["flashtile"] = _describe(e)
-    times: dict = {name: [] for name, _ in timers}
-    for r in range(max(1, args.rounds)):
-        # round r starts at a different implementation: an order effect (heat, clocks, memory state)
-        # then lands on each in turn instead of always on the last one
-        order = timers[r % len(timers):] + timers[:r % len(timers)] if timers else []
-        for name, timer in order:
-            if name not in times:
-                continue
-            try:
-                times[name].append(timer())
-            except Exception as e:
-                row["errors"][name] = _describe(e)
-                times.pop(name)
-                if isinstance(e, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
-    for name, _ in timers:
-        ts = times.get(name)
-        row["us"][name] = statistics.median(ts) if ts else None
-        if args.rounds > 1 and ts:
-            row.setdefault("rounds_us", {})[name] = ts
+    _time_in_rounds(timers, args.rounds, row)
     # free the peers' copies before the paged caches are built (the closures hold them too)
     timers = timer = peer_calls = peer_caches = contiguous = None
 
