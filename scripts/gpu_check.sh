@@ -26,6 +26,7 @@
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
+#   bench-decode-tma-paged  256-token pages with FLASHTILE_DECODE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-tma
 #   tests-decode-long-warps  8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -338,6 +339,19 @@ for step in "${steps[@]}"; do
         FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 32 \
           --seqlens 8192 16384 65536 --pages --peers \
           --out "$WORK/decode_layers8_small_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma_small.log" >> "$summary"
+        pack
+      done ;;
+    bench-decode-tma-paged)
+      # descriptor loads on 256-token pages (forced: not the default yet) against pointer loads, b = 1 / 8
+      # at 8k-64k in 8-layer graphs, FLASHTILE_DECODE_TMA=0 1 0 1; after tests-decode-tma passed
+      if ! tests_passed decode_tma; then
+        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
+        continue
+      fi
+      for tma in 0 1 0 1; do
+        FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 \
+          --seqlens 8192 16384 65536 --pages 256 --peers \
+          --out "$WORK/decode_layers8_p256_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma_paged.log" >> "$summary"
         pack
       done ;;
     tests-decode-long-warps)

@@ -22,6 +22,9 @@ from test_kvcache import CASES, _run_and_check, dense_oracle, make_case
 # new keys (new-key blocks never consider descriptors)
 CASES = dict(CASES, wide_window=dict(s_new=0, sq=1, window_size=(40, 0)),
              read_only_leftpad=dict(s_new=0, leftpad=True, causal=True))
+# page-aligned caches (pages of whole 16-key tiles, no left padding) take descriptors too
+CASES.update(paged_32_read_only=dict(page=32, s_new=0), paged_16_window=dict(page=16, s_new=1, window_size=(40, 0)))
+PAGED = ["paged_16", "paged_32_read_only", "paged_16_window"]
 CONTIGUOUS = ["read_only_int_len", "read_only_full_cache", "append_rows", "batch_idx", "leftpad", "wide_window",
               "read_only_leftpad", "causal_prefill", "gqa_8_to_1", "mha_odd_d", "larger_cache_than_batch", "softcap"]
 
@@ -75,6 +78,51 @@ def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
             assert (got[0] - ref[0]).abs().max().item() <= tol and (got[1] - ref[1]).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("name", PAGED)
+def test_page_aligned_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name):
+    torch.manual_seed(2)
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    for splits in (1, 3):
+        monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
+        ref = _call(q, kc, vc, args, splits)
+        assert "USE_TMA" not in interp[-1]
+        monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+        got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
+        assert interp[-1].get("USE_TMA") is True and interp[-1].get("PAGED") is True
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "TMA and pointer loads differ"
+
+
+@pytest.mark.parametrize("name", ["paged_3", "paged_16_leftpad"])
+def test_unaligned_pages_keep_pointer_loads(interp, monkeypatch, name):
+    # pages smaller than a tile, or shifted by left padding: a tile spans pages, no descriptor box fits
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    _run_and_check(q, kc, vc, args, num_splits=2)
+    assert "USE_TMA" not in interp[-1]
+
+
+def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch):
+    """Paged: NaN in every pool slot that holds no key of its row (past each row's length, and the
+    pages no row uses); descriptors read only whole unmasked tiles, so the result stays finite."""
+    torch.manual_seed(3)
+    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
+    q, kc, vc, args = make_case(cap=70, **CASES["paged_32_read_only"])
+    table, lens, page = args["block_table"], args["cache_seqlens"], kc.shape[1]
+    keep = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i in range(q.shape[0]):
+        for pos in range(int(lens[i])):
+            keep[table[i, pos // page], pos % page] = True
+    kc[~keep] = float("nan")
+    vc[~keep] = float("nan")
+    ref_out, ref_lse, _, _ = dense_oracle(q, kc, vc, **args)
+    out, lse, _, _ = _call(q, kc, vc, args, 3)
+    assert interp[-1].get("USE_TMA") is True
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref_out).abs().max().item() <= 2e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("name", ["append_rows", "leftpad", "wide_window", "read_only_int_len", "read_only_leftpad"])
 def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
     """NaN in every cache slot past a row's keys (and the append's): the masked tail block reads
@@ -112,7 +160,8 @@ def test_rule(monkeypatch):
     assert not _use(kc)  # nor forced: only TMA_OVERRIDE runs the interpreter
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     assert _use(kc)
-    assert not _use(kc, paged=True)  # paged caches: pointer loads
+    assert not _use(kc, paged=True)  # pages smaller than a tile: pointer loads
+    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=1, d_fills_block=True, page_aligned=True)
     odd = torch.zeros(2, 64, 2, 13, dtype=torch.float16)  # 26-byte rows: no TMA stride
     assert not _use(odd)
     assert not _use(kc[:, :0])  # empty
@@ -146,7 +195,10 @@ def test_default_rule_on_gpus(monkeypatch, setting, major):
     assert _use(kc, blocks=few) is want_few
     assert _use(kc, blocks=many) is want_many
     assert _use(kc, blocks=few, fills=False) is (setting == "1" and major >= 9)
-    assert _use(kc, paged=True, blocks=few) is False  # paged: never
+    # page-aligned paged caches: only when forced (not yet measured); smaller pages never
+    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=few, d_fills_block=True,
+                                   page_aligned=True) is (setting == "1" and major >= 9)
+    assert _use(kc, paged=True, blocks=few) is False
     monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
     assert _use(kc, blocks=few) is False
 
@@ -186,4 +238,4 @@ def test_launcher_passes_blocks_per_program_and_tile_fill(interp, monkeypatch, d
     kc = torch.randn(1, cap, 2, d, dtype=torch.float16)
     flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([70], dtype=torch.int32), num_splits=splits)
     key_blocks = -(-cap // launcher.CONFIG_OVERRIDE[0])  # the interp fixture's 16-key tiles
-    assert seen == [dict(blocks_per_program=-(-key_blocks // splits), d_fills_block=d in (16, 32))]
+    assert seen == [dict(blocks_per_program=-(-key_blocks // splits), d_fills_block=d in (16, 32), page_aligned=False)]

@@ -199,3 +199,21 @@ def test_decode_long_program_warps_compile_for_sm90(tmp_path):
               HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
               ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False)
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 8, stages)
+
+
+def test_paged_decode_tma_compiles_for_sm90(tmp_path):
+    # FLASHTILE_DECODE_TMA=1 on a page-aligned pool (256-token pages of 128-key tiles): the tile's page
+    # comes from the table, then one descriptor load per tile from the (pages, page_size, kv heads, d)
+    # pool, at the paged launch's depth (two stages more)
+    from flashtile.backends.triton.decode import launch_config
+
+    d = 128
+    block_n, warps, stages = launch_config("sm90", d, True, 2, 256)
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_ALIGNED=True,
+              PAGE_SHIFT=8, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+              ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False,
+              USE_PDL=True, USE_TMA=True)
+    desc = f"tensordesc<bf16[1,{block_n},1,{d}]>"
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, dict(DECODE_INTS, DESC_K=desc, DESC_V=desc),
+             warps, stages, bulk=True)

@@ -83,8 +83,9 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                   USE_TMA: tl.constexpr):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
 
-    USE_TMA (contiguous caches, unmasked blocks only): K and V tiles come by tensor descriptor
-    (DESC_K / DESC_V over the whole (batch, capacity, kv heads, d) cache) instead of pointer loads.
+    USE_TMA (contiguous or page-aligned caches, unmasked blocks only): K and V tiles come by tensor
+    descriptor (DESC_K / DESC_V over the whole (batch, capacity, kv heads, d) cache, or its (pages,
+    page_size, kv heads, d) pool) instead of pointer loads.
     Masked blocks keep pointer loads: a descriptor zero-fills only past the cache's capacity, and
     keys between a row's length and the capacity may hold anything (NaN included) that the
     probabilities' zeros would not cancel in P V.
@@ -121,8 +122,16 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
         elif MASK:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         elif USE_TMA:
-            # the descriptor's box is [1, BLOCK_N, 1, BLOCK_D] (BLOCK_D = offs_d's length)
-            tma_at = [cache_row.to(tl.int32), (start_n + leftpad).to(tl.int32), kv_head, 0]  # V's too
+            # the descriptor's box is [1, BLOCK_N, 1, BLOCK_D] (BLOCK_D = offs_d's length); V's
+            # coordinates are the same
+            if PAGED:
+                # page-aligned caches only (the launcher's rule): the tile lies in one page, the
+                # descriptor spans (pages, page_size, kv heads, d), and there is no left padding
+                page_idx = start_n // page_size
+                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx)
+                tma_at = [page, (start_n - page_idx * page_size).to(tl.int32), kv_head, 0]
+            else:
+                tma_at = [cache_row.to(tl.int32), (start_n + leftpad).to(tl.int32), kv_head, 0]
             kt = tl.trans(DESC_K.load(tma_at).reshape(BLOCK_N, offs_d.shape[0]))
         else:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None], other=0.0)

@@ -31,36 +31,40 @@ FUSED_APPEND = True
 FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
 # Tensor-descriptor (TMA) loads of the K and V tiles of a contiguous cache's unmasked key blocks
 # (kernels/decode.py _decode_inner), instead of pointer loads. Measured on the H200 in 8-layer graphs
-# (decode_layers8_small_tma_ab_h200_2026-11-30_session10.json, three alternations; and
+# (decode_layers8_small_tma_ab_h200_2026-11-30_session10.json, five runs 0 1 0 1 0; and
 # decode_layers8_tma_ab_..._session10.json): faster where a program reads few key blocks (b = 1 at 8k
-# 16.2 -> 15.8 us, b = 8 at 16k 125.7 -> 125.0, b = 32 at 8k 242.6 -> 240.7), mixed at 128 blocks
+# 16.2 -> 15.8 us, b = 8 at 16k 125.7 -> 125.1, b = 32 at 8k 242.6 -> 240.7), mixed at 128 blocks
 # (b = 32 at 16k even, b = 8 at 32k 0.3% slower) and 0.3%-0.9% slower from 256 (b = 8 at 64k / 128k,
 # b = 32 at 32k-128k). So by default a launch takes them when each program reads at most
 # TMA_MAX_BLOCKS_PER_PROGRAM blocks (capacity / BLOCK_N / splits), on sm_90 (the measured GPU), when
-# the head dim fills its tile (d = 32 / 64 / 128 / 256: there they were bitwise equal to pointer loads
-# on the H200). Eager and captured calls choose alike: a kernel first compiled inside a CUDA-graph
-# capture could not be loaded there. FLASHTILE_DECODE_TMA=1 / 0 forces them on (sm_90+) / off; tests
-# pin TMA_OVERRIDE (True runs it under the interpreter too).
+# the head dim fills its tile (d = 32 / 64 / 128 / 256; at d = 128 the GPU tests found them bitwise
+# equal to pointer loads, and a padded d rounds differently in the interpreter). Eager and captured
+# calls choose alike: a kernel first compiled inside a CUDA-graph capture could not be loaded there.
+# Page-aligned paged caches (pages of whole tiles) can take them too, only when forced (not yet
+# measured). FLASHTILE_DECODE_TMA=1 / 0 forces them on (sm_90+) / off; tests pin TMA_OVERRIDE (True
+# runs it under the interpreter too).
 TMA_OVERRIDE: bool | None = None
 TMA_MAX_BLOCKS_PER_PROGRAM = 64
 
 
 def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *, blocks_per_program: int,
-                   d_fills_block: bool) -> bool:
-    """Load the interior key blocks by tensor descriptor? Contiguous 16- / 32-bit caches (one row per
-    batch row) whose base and strides TMA can address (fp8 caches: not tested with it); by default
-    where ``blocks_per_program`` (key blocks one program reads at the cache's capacity) is small and
-    the head dim fills its power-of-two tile (``d_fills_block``), on sm_90; forced on for sm_90+ GPUs,
-    or the interpreter by TMA_OVERRIDE."""
-    # the cheap refusals first: a paged call (most of a server's) pays no device or env lookups
-    if paged:
+                   d_fills_block: bool, page_aligned: bool = False) -> bool:
+    """Load the interior key blocks by tensor descriptor? 16- / 32-bit caches whose base and strides
+    TMA can address (fp8 caches: not tested with it), contiguous (one row per batch row) or paged with
+    ``page_aligned`` tiles (every key tile inside one page); by default contiguous ones where
+    ``blocks_per_program`` (key blocks one program reads at the cache's capacity) is small and the head
+    dim fills its power-of-two tile (``d_fills_block``), on sm_90; forced on (paged ones too) for
+    sm_90+ GPUs, or the interpreter by TMA_OVERRIDE."""
+    # the cheap refusals first: a small-page call (most of a server's) pays no device or env lookups
+    if paged and not page_aligned:
         return False
     if TMA_OVERRIDE is None:
         setting = env.get("FLASHTILE_DECODE_TMA", "")
         if setting not in ("", "0", "1"):
             raise ValueError(f"FLASHTILE_DECODE_TMA must be 1 (on), 0 (off) or unset (the measured rule), "
                              f"got {setting!r}")
-        if setting == "0" or (setting == "" and (blocks_per_program > TMA_MAX_BLOCKS_PER_PROGRAM
+        # paged caches: not yet measured on a GPU, so only when forced
+        if setting == "0" or (setting == "" and (paged or blocks_per_program > TMA_MAX_BLOCKS_PER_PROGRAM
                                                  or not d_fills_block)):
             return False
         if k_cache.device.type != "cuda" or torch.version.hip is not None:
@@ -75,12 +79,13 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
 
 
 def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
-    """A (batch, capacity, kv heads, d) cache's descriptor with box [1, block_n, 1, block_d].
+    """A (batch, capacity, kv heads, d) cache's (or a (pages, page_size, kv heads, d) pool's)
+    descriptor with box [1, block_n, 1, block_d].
 
     Built without TensorDescriptor's own checks, which use_decode_tma has made (_tma_ok: non-empty,
-    16-byte aligned base and strides; a cache's last stride is 1): they cost about 1.4 us of Python
-    per descriptor, two per eager decode call (tests/test_decode_tma.py compares the fields with the
-    checked constructor's)."""
+    16-byte aligned base and strides; a cache's last stride is 1): on this project's CPU they took
+    over twice the time of the construction itself, on every eager decode call
+    (tests/test_decode_tma.py compares the fields with the checked constructor's)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     desc = object.__new__(TensorDescriptor)
@@ -332,7 +337,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d)
+    tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
+                         page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d)) if tma
                       else (k_cache, v_cache))
     with device_guard(q):
