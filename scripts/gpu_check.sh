@@ -95,6 +95,22 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
+# decode_ab TESTS NAME VAR "VALUES" BENCH_ARGS...: if the timed_tests step TESTS passed in this call,
+# `bench decode BENCH_ARGS` once per value of the environment variable VAR, in the order given (an A/B
+# alternated inside one call), each run's JSON as NAME<value>_<seconds>.json, packed after each run
+decode_ab() {
+  local tests=$1 name=$2 var=$3 values=$4 v
+  shift 4
+  if ! tests_passed "$tests"; then
+    echo "skipped: $name (its tests did not pass in this call)" | tee -a "$summary"
+    return
+  fi
+  for v in $values; do
+    env "$var=$v" python3 -m flashtile.bench decode "$@" --out "$WORK/$name${v}_$SECONDS.json" \
+      2>> "$WORK/bench_$name.log" >> "$summary"
+    pack
+  done
+}
 steps=()
 for a in "$@"; do  # tune-short: the three open sweeps
   if [[ $a == tune-short ]]; then steps+=(tune-fwd-short tune-fp8 tune-bwd-short); else steps+=("$a"); fi
@@ -299,15 +315,8 @@ for step in "${steps[@]}"; do
       # b = 1 per call in 8-layer graphs with the split merge fused into the decode kernel (one kernel
       # per layer; PDL is on by default up to 64k) against the merge kernel, alternated twice, no peers;
       # after tests-decode-fused-graph passed in this call (it checks graphs capture the fused path at all)
-      if ! tests_passed decode_fused_graph; then
-        echo "skipped: tests-decode-fused-graph did not pass in this call" | tee -a "$summary"
-        continue
-      fi
-      for fc in 0 1 0 1; do
-        FLASHTILE_DECODE_FUSED_COMBINE=$fc python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --peers \
-          --out "$WORK/decode_layers8_fused_combine${fc}_$SECONDS.json" 2>> "$WORK/bench_decode_fc_layers.log" >> "$summary"
-        pack
-      done ;;
+      decode_ab decode_fused_graph decode_layers8_fused_combine FLASHTILE_DECODE_FUSED_COMBINE "0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 --peers ;;
     bench-fp8)
       python3 -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 ${BENCH_ARGS:---peers cudnn} \
         --out "$WORK/fwd_fp8.json" --plot "$WORK/fwd_fp8.png" 2> "$WORK/bench_fp8.log" >> "$summary" ;;
@@ -316,44 +325,20 @@ for step in "${steps[@]}"; do
       # whether they were bitwise equal to pointer loads
       timed_tests decode_tma -s tests/test_gpu_decode_tma.py ;;
     bench-decode-tma)
-      # the 8-layer decode table without, then with descriptor loads, alternated twice, beside cuDNN;
-      # contiguous caches only (paged ones never take them); after tests-decode-tma passed
-      if ! tests_passed decode_tma; then
-        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
-      else
-        for tma in 0 1 0 1; do
-          FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --pages --peers cudnn \
-            --seqlens 8192 32768 131072 \
-            --out "$WORK/decode_layers8_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma.log" >> "$summary"
-          pack
-        done
-      fi ;;
+      # the 8-layer decode table without, then with descriptor loads (forced), alternated twice, beside
+      # cuDNN; after tests-decode-tma passed
+      decode_ab decode_tma decode_layers8_tma FLASHTILE_DECODE_TMA "0 1 0 1" \
+        --cuda-graph --layers 8 --pages --peers cudnn --seqlens 8192 32768 131072 ;;
     bench-decode-tma-small)
       # descriptor loads on the small calls (b = 1 / 8 / 32 at 8k-64k, 8-layer graphs, contiguous only, no
       # peers), FLASHTILE_DECODE_TMA=0 1 alternated three times; after tests-decode-tma passed
-      if ! tests_passed decode_tma; then
-        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
-        continue
-      fi
-      for tma in 0 1 0 1 0 1; do
-        FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 32 \
-          --seqlens 8192 16384 65536 --pages --peers \
-          --out "$WORK/decode_layers8_small_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma_small.log" >> "$summary"
-        pack
-      done ;;
+      decode_ab decode_tma decode_layers8_small_tma FLASHTILE_DECODE_TMA "0 1 0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 8 32 --seqlens 8192 16384 65536 --pages --peers ;;
     bench-decode-tma-paged)
       # descriptor loads on 256-token pages (forced: not the default yet) against pointer loads, b = 1 / 8
       # at 8k-64k in 8-layer graphs, FLASHTILE_DECODE_TMA=0 1 0 1; after tests-decode-tma passed
-      if ! tests_passed decode_tma; then
-        echo "skipped: tests-decode-tma did not pass in this call" | tee -a "$summary"
-        continue
-      fi
-      for tma in 0 1 0 1; do
-        FLASHTILE_DECODE_TMA=$tma python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 8 \
-          --seqlens 8192 16384 65536 --pages 256 --peers \
-          --out "$WORK/decode_layers8_p256_tma${tma}_$SECONDS.json" 2>> "$WORK/bench_decode_tma_paged.log" >> "$summary"
-        pack
-      done ;;
+      decode_ab decode_tma decode_layers8_p256_tma FLASHTILE_DECODE_TMA "0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 256 --peers ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
@@ -361,16 +346,8 @@ for step in "${steps[@]}"; do
       # the long rows beside cuDNN with --rounds 4 (the order of measurement rotating, each first in two
       # rounds; medians), the table's 4 warps then 8 for programs of >= 256 key blocks; after
       # tests-decode-long-warps (one pair per call: the 128k rows take minutes)
-      if ! tests_passed decode_long_warps; then
-        echo "skipped: tests-decode-long-warps did not pass in this call" | tee -a "$summary"
-        continue
-      fi
-      for w in 0 8; do
-        FLASHTILE_DECODE_LONG_WARPS=$w python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 8 32 \
-          --seqlens 32768 131072 --pages --peers cudnn --rounds 4 \
-          --out "$WORK/decode_layers8_long_warps${w}_$SECONDS.json" 2>> "$WORK/bench_decode_long_warps.log" >> "$summary"
-        pack
-      done ;;
+      decode_ab decode_long_warps decode_layers8_long_warps FLASHTILE_DECODE_LONG_WARPS "0 8" \
+        --cuda-graph --layers 8 --batch 8 32 --seqlens 32768 131072 --pages --peers cudnn --rounds 4 ;;
     tests-decode-pdl)
       # programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL), alone and timed out
       timed_tests decode_pdl tests/test_gpu_decode_pdl.py ;;

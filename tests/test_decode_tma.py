@@ -58,7 +58,7 @@ def _call(q, kc, vc, args, num_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("name", CONTIGUOUS)
+@pytest.mark.parametrize("name", CONTIGUOUS + PAGED)
 def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
     torch.manual_seed(0)
     q, kc, vc, args = make_case(dtype=dtype, cap=70, **CASES[name])
@@ -69,6 +69,7 @@ def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
         monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
         got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
         assert interp[-1].get("USE_TMA") is True, "the descriptor path did not run"
+        assert interp[-1]["PAGED"] is (name in PAGED)
         if q.shape[-1] & (q.shape[-1] - 1) == 0:
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "TMA and pointer loads differ"
         else:
@@ -76,20 +77,6 @@ def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
             # descriptor tile in another memory order and rounds differently (measured ~2e-7 in fp32)
             tol = 1e-6 if dtype == torch.float32 else 2e-3
             assert (got[0] - ref[0]).abs().max().item() <= tol and (got[1] - ref[1]).abs().max().item() <= tol
-
-
-@pytest.mark.parametrize("name", PAGED)
-def test_page_aligned_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name):
-    torch.manual_seed(2)
-    q, kc, vc, args = make_case(cap=70, **CASES[name])
-    for splits in (1, 3):
-        monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
-        ref = _call(q, kc, vc, args, splits)
-        assert "USE_TMA" not in interp[-1]
-        monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
-        got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
-        assert interp[-1].get("USE_TMA") is True and interp[-1].get("PAGED") is True
-        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "TMA and pointer loads differ"
 
 
 @pytest.mark.parametrize("name", ["paged_3", "paged_16_leftpad"])

@@ -36,10 +36,17 @@ def _record_tma(monkeypatch):
 @pytest.mark.parametrize("b,cap,num_splits,s_new,rotary", [(1, 8192, 0, 0, False), (1, 8192, 1, 1, True),
                                                            (4, 4099, 0, 1, False), (8, 16384, 3, 2, True)])
 def test_tma_against_reference_and_pointer_loads(sm90, monkeypatch, b, cap, num_splits, s_new, rotary):
-    seen = _record_tma(monkeypatch)
     q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, rotary=rotary)
+    _against_reference_and_pointer_loads(monkeypatch, q, kc, vc, kw, num_splits, "")
+
+
+def _against_reference_and_pointer_loads(monkeypatch, q, kc, vc, kw, num_splits, label):
+    """Descriptor loads against the reference, then against pointer loads on the same inputs: within
+    bf16 rounding (printed: whether bit for bit)."""
+    seen = _record_tma(monkeypatch)
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
+    assert seen[-1] is True
     outs = []
     for tma in (False, True):
         monkeypatch.setattr(launcher, "TMA_OVERRIDE", tma)
@@ -48,7 +55,7 @@ def test_tma_against_reference_and_pointer_loads(sm90, monkeypatch, b, cap, num_
         outs.append((out, lse))
     assert seen[-2:] == [False, True]
     (o0, l0), (o1, l1) = outs
-    print("bitwise equal to pointer loads:", torch.equal(o0, o1) and torch.equal(l0, l1))
+    print(f"{label}bitwise equal to pointer loads:", torch.equal(o0, o1) and torch.equal(l0, l1))
     assert (o0.float() - o1.float()).abs().max().item() <= 1e-2
     assert (l0 - l1).abs().max().item() <= 1e-3
 
@@ -102,22 +109,8 @@ def test_tma_never_reads_past_the_rows(sm90, monkeypatch):
 def test_page_aligned_tma_against_reference_and_pointer_loads(sm90, monkeypatch, page, b, cap, num_splits, s_new,
                                                               rotary):
     # pools of whole 128-key tiles (FLASHTILE_DECODE_TMA=1 forces descriptors there; not the default yet)
-    seen = _record_tma(monkeypatch)
     q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, page=page, rotary=rotary)
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
-    _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
-    assert seen[-1] is True
-    outs = []
-    for tma in (False, True):
-        monkeypatch.setattr(launcher, "TMA_OVERRIDE", tma)
-        out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, num_splits=num_splits,
-                                           return_softmax_lse=True, **kw)
-        outs.append((out, lse))
-    assert seen[-2:] == [False, True]
-    (o0, l0), (o1, l1) = outs
-    print("paged: bitwise equal to pointer loads:", torch.equal(o0, o1) and torch.equal(l0, l1))
-    assert (o0.float() - o1.float()).abs().max().item() <= 1e-2
-    assert (l0 - l1).abs().max().item() <= 1e-3
+    _against_reference_and_pointer_loads(monkeypatch, q, kc, vc, kw, num_splits, "paged: ")
 
 
 def test_page_aligned_tma_never_reads_outside_the_rows(sm90, monkeypatch):
