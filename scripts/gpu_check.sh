@@ -27,6 +27,7 @@
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   bench-decode-tma-paged  256-token pages with FLASHTILE_DECODE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-tma
+#   bench-decode-tma-eager  eager (host-bound) decode calls with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   tests-decode-long-warps  8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -339,6 +340,11 @@ for step in "${steps[@]}"; do
       # at 8k-64k in 8-layer graphs, FLASHTILE_DECODE_TMA=0 1 0 1; after tests-decode-tma passed
       decode_ab decode_tma decode_layers8_p256_tma FLASHTILE_DECODE_TMA "0 1 0 1" \
         --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 256 --peers ;;
+    bench-decode-tma-eager)
+      # eager calls (host-bound at these sizes) with and without descriptor loads: what building and
+      # encoding two descriptors per call costs; b = 1 / 8 at 8k / 16k, no peers, after tests-decode-tma
+      decode_ab decode_tma decode_eager_tma FLASHTILE_DECODE_TMA "0 1 0 1" \
+        --batch 1 8 --seqlens 8192 16384 --pages --peers ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
