@@ -6,8 +6,9 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
-Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n>`` (griddepcontrol
-and TMA bulk-tensor copy instructions in the PTX).
+Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> LOADS_AFTER_SHFL <n>``
+(griddepcontrol and TMA bulk-tensor copy instructions in the PTX, and global loads that come after its
+first warp shuffle, i.e. after the first reduction began).
 """
 
 import importlib
@@ -55,7 +56,8 @@ def main(module, kernel, constexprs, types, warps, stages):
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
     ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
-          "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"))
+          "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
+          "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"))
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ def _desc(block_rows, d, varlen=False):
     return f"tensordesc<bf16[{block_rows},1,{d}]>" if varlen else f"tensordesc<bf16[1,{block_rows},1,{d}]>"
 
 
-def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=None, bulk=None):
+def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=None, bulk=None, fields_out=None):
     """Compile; returns the number of warp-group dots. ``gdc``: which griddepcontrol instructions
     (wait, launch_dependents) the build must carry; by default both with USE_PDL, else none.
-    ``bulk``: whether the PTX must (True) or must not (False) hold TMA bulk-tensor copies."""
+    ``bulk``: whether the PTX must (True) or must not (False) hold TMA bulk-tensor copies.
+    ``fields_out``: a dict that receives every count the compile script printed."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
@@ -35,6 +36,8 @@ def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=Non
         pytest.skip("no ptxas in this triton install")
     assert res.returncode == 0, res.stderr[-3000:]
     fields = res.stdout.split()
+    if fields_out is not None:
+        fields_out.update(zip(fields[::2], map(int, fields[1::2])))
     shared = int(fields[fields.index("SHARED") + 1])
     assert shared <= SM90_MAX_SHARED, f"{kernel} {constexprs} needs {shared} bytes of shared memory"
     # no griddepcontrol unless programmatic dependent launch is asked for
@@ -217,3 +220,12 @@ def test_paged_decode_tma_compiles_for_sm90(tmp_path):
     desc = f"tensordesc<bf16[1,{block_n},1,{d}]>"
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, dict(DECODE_INTS, DESC_K=desc, DESC_V=desc),
              warps, stages, bulk=True)
+
+
+def test_combine_issues_its_loads_before_reducing(tmp_path):
+    # the merge sits between a layer's decode and the next: its partial-output loads must not wait for
+    # the lse reduction (they do not depend on it), so every global load precedes the first shuffle
+    counts = {}
+    _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128,
+             USE_PDL=True), {"O_PART": "*fp32", "LSE_PART": "*fp32"}, 4, 1, fields_out=counts)
+    assert counts["LOADS_AFTER_SHFL"] == 0, counts

@@ -423,14 +423,17 @@ def _combine_kernel(
     offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     s_ok = offs_s < num_splits
+    # both loads before any arithmetic: the partial outputs do not depend on the lse values, and
+    # written in this order the compiler issues them together (one memory latency, not two, on the
+    # path between a layer's decode and the next)
     lse_s = tl.load(LSE_PART + offs_s * stride_lps + b * stride_lpb + h * stride_lph + t * stride_lpm,
                     mask=s_ok, other=float("-inf"))
+    o_part = tl.load(O_PART + offs_s[:, None] * stride_ops + b * stride_opb + t * stride_opm + h * stride_oph
+                     + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     lse_max = tl.max(lse_s, 0)
     empty = lse_max == float("-inf")
     w = tl.exp(lse_s - tl.where(empty, 0.0, lse_max))
     w_sum = tl.sum(w, 0)
-    o_part = tl.load(O_PART + offs_s[:, None] * stride_ops + b * stride_opb + t * stride_opm + h * stride_oph
-                     + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(o_part * w[:, None], 0) / tl.where(empty, 1.0, w_sum)
     lse = tl.where(empty, float("inf"), lse_max + tl.log(tl.where(empty, 1.0, w_sum)))
     tl.store(O + b * stride_ob + t * stride_om + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
