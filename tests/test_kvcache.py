@@ -406,6 +406,8 @@ ERRORS = [
     ("num_splits", lambda q, kc, vc: dict(num_splits=-1)),
     ("softcap", lambda q, kc, vc: dict(softcap=-1.0)),
     ("4 dims", lambda q, kc, vc: dict(q=q[0])),
+    ("softmax_scale", lambda q, kc, vc: dict(softmax_scale=float("nan"))),
+    ("softmax_scale", lambda q, kc, vc: dict(softmax_scale="0.1")),
 ]
 
 
@@ -416,6 +418,25 @@ def test_errors_name_the_argument(match, make):
     kw.update(make(q, kc, vc))
     with pytest.raises((ValueError, TypeError), match=match):
         flash_attn_with_kvcache(**kw)
+
+
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_block_table_padding_past_the_pages_in_use(path, leftpad):
+    # entries past a row's pages in use (and before its left padding's page) are never read: tables
+    # padded with -1 work on CPU as on the GPU, while an invalid page in use is refused on CPU
+    torch.manual_seed(5)
+    q, kc, vc, args = make_case(page=4, s_new=2, cap=30, leftpad=leftpad, causal=True)
+    table, lens = args["block_table"], args["cache_seqlens"]
+    start = args["cache_leftpad"] if leftpad else torch.zeros_like(lens)
+    for i in range(q.shape[0]):
+        first, end = int(start[i]) // 4, -(-(int(lens[i]) + 2) // 4)
+        table[i, :first] = -1
+        table[i, end:] = -1
+    _run_and_check(q, kc, vc, args, num_splits=2)
+    busy = int(lens[0]) // 4  # row 0 is full: this page is in use
+    table[0, busy] = kc.shape[0]
+    with pytest.raises(ValueError, match="block_table entries of the pages in use"):
+        flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -53,7 +53,30 @@ def test_paged_errors():
     f = flashtile.flash_attn_varlen_func
     with pytest.raises(TypeError, match="block_table must be an int32"):
         f(q, kc, kc, cu_q, cu_k, 4, 6, block_table=torch.zeros(1, 2, dtype=torch.int64))
-    with pytest.raises(ValueError, match="fewer than max_seqlen_k"):
-        f(q, kc, kc, cu_q, cu_k, 4, 9, block_table=torch.zeros(1, 2, dtype=torch.int32))
     with pytest.raises(ValueError, match="paged cache"):
         f(q, kc[0], kc[0], cu_q, cu_k, 4, 6, block_table=torch.zeros(1, 2, dtype=torch.int32))
+    # the index tensors as in the dense varlen call
+    with pytest.raises(TypeError, match="cu_seqlens_k must be int32"):
+        f(q, kc, kc, cu_q, cu_k.long(), 4, 6, block_table=torch.zeros(1, 2, dtype=torch.int32))
+    # values checked on CPU (free there; on CUDA they would be host syncs, and are clamped instead)
+    with pytest.raises(ValueError, match="max_seqlen_k=5 is below the longest key length 6"):
+        f(q, kc, kc, cu_q, cu_k, 4, 5, block_table=torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="exceeds block_table's capacity"):
+        f(q, kc, kc, cu_q, torch.tensor([0, 9], dtype=torch.int32), 4, 9,
+          block_table=torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"pages in use must be in \[0, num_blocks=3\)"):
+        f(q, kc, kc, cu_q, cu_k, 4, 6, block_table=torch.tensor([[0, 3]], dtype=torch.int32))
+
+
+def test_max_seqlen_k_past_the_table_and_padded_entries():
+    # max_seqlen_k is an upper bound: above the table's capacity it is fine while every length fits;
+    # entries past a sequence's pages are padding (-1) and never read
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 2, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    cu_q = torch.tensor([0, 4], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6], dtype=torch.int32)
+    kc, vc, table = _paged(k, v, [6], 4)
+    table = torch.cat([table, torch.full((1, 1), -1, dtype=torch.int32)], 1)  # one padding entry more
+    want = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 6)
+    got = flashtile.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 4, 100, block_table=table)
+    assert (got - want).abs().max().item() < 1e-5

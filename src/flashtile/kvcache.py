@@ -12,6 +12,8 @@ graph. Argument checks read shapes, dtypes and devices only, never a CUDA tensor
 step can be captured in a CUDA graph.
 """
 
+import math
+
 import torch
 
 from flashtile.backends.masking import normalize_window
@@ -60,9 +62,18 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
         _fail(f"cache_leftpad must be in [0, cache_seqlens], got {cache_leftpad.tolist()}")
     if cache_batch_idx is not None and ((cache_batch_idx < 0).any() or (cache_batch_idx >= k_cache.shape[0]).any()):
         _fail(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
-    if block_table is not None and block_table.numel() and (
-            (block_table < 0).any() or (block_table >= k_cache.shape[0]).any()):
-        _fail(f"block_table entries must be in [0, num_blocks={k_cache.shape[0]})")
+    if block_table is not None and block_table.numel():
+        # only the pages a row uses, [leftpad, cache_seqlens + s_new): entries past them are never
+        # read (the kernels mask them), so tables padded with -1 work as on the GPU
+        page = k_cache.shape[1]
+        start = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(lens)
+        rows = block_table.shape[0]
+        first = (start // page).expand(rows)[:, None]
+        end = ((lens + s_new + page - 1) // page).expand(rows)[:, None]
+        cols = torch.arange(block_table.shape[1])
+        used = (cols >= first) & (cols < end)
+        if ((block_table < 0) | (block_table >= k_cache.shape[0]))[used].any():
+            _fail(f"block_table entries of the pages in use must be in [0, num_blocks={k_cache.shape[0]})")
 
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
@@ -134,7 +145,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         cache_batch_idx: int32 (b,): cache row of each batch row (not with ``block_table``). Without
             it, batch row i uses cache row i (``b_cache >= b``; rows past b are left untouched).
         cache_leftpad: int32 (b,): first valid cache index of each row.
-        block_table: int32 (b, max_blocks): pages of each row, in order.
+        block_table: int32 (b, max_blocks): pages of each row, in order. Entries past a row's pages
+            in use are never read (they may be padding such as -1).
         causal / window_size / softcap / alibi_slopes ((h,) or (b, h) fp32): as in flash_attn_func,
             aligned bottom-right with key length ``cache_seqlens + s_new - cache_leftpad``.
         num_splits: 0 = heuristic, 1 = no split, n = n splits of the keys (split-KV decoding).
@@ -145,6 +157,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             rotary with fp8.
     Returns out (b, sq, h, d), or (out, softmax_lse) with lse fp32 (b, h, sq) when
     ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf.
+
+    Values inside index tensors (cache_seqlens + s_new <= capacity, cache_leftpad <= cache_seqlens,
+    cache_batch_idx and the block_table pages in use within range) are checked on CPU. On CUDA that
+    check would be a host sync, so it is skipped: values out of range there are undefined behaviour
+    (wrong results or out-of-bounds reads), as in FlashAttention.
     """
     # -- tensors ---------------------------------------------------------------------------
     for name, x, layout in (("q", q, "(b, sq, h, d)"), ("k_cache", k_cache, "(b_cache, s_cache, h_k, d)"),
@@ -275,6 +292,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     # -- scalars ----------------------------------------------------------------------------------
     if softmax_scale is None:
         softmax_scale = d ** -0.5
+    elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale):
+        _fail(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     if not isinstance(softcap, (int, float)) or softcap < 0:
         _fail(f"softcap must be a float >= 0, got {softcap!r}")
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:

@@ -36,11 +36,17 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     return rotate_at_positions(x, cos, sin, positions, interleaved)
 
 
-def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, page_size: int):
-    """(dim-0 index, dim-1 index) into a cache for absolute positions ``abs_pos`` (b, n) of each row."""
+def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, page_size: int,
+                 num_blocks: int | None = None):
+    """(dim-0 index, dim-1 index) into a cache for absolute positions ``abs_pos`` (b, n) of each row.
+
+    ``num_blocks``: clamp the pages into the pool, for reads of positions that are masked afterwards
+    (past a row's pages in use the table may hold padding such as -1)."""
     if block_table is None:
         return batch_rows.view(-1, 1).expand_as(abs_pos), abs_pos
     pages = torch.gather(block_table.long(), 1, abs_pos // page_size)
+    if num_blocks is not None:
+        pages = pages.clamp(0, num_blocks - 1)
     return pages, abs_pos % page_size
 
 
@@ -103,7 +109,7 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     j = torch.arange(width, device=dev).view(1, -1)
     # positions past a row's length are clamped into the row's valid range and masked by seqused_k
     abs_pos = (left.view(-1, 1) + j).clamp(max=capacity - 1).clamp(min=0)
-    i0, i1 = _cache_index(abs_pos, rows, block_table, page_size)
+    i0, i1 = _cache_index(abs_pos, rows, block_table, page_size, k_cache.shape[0])
     if fp8:
         keys = k_cache.view(torch.uint8)[i0, i1].view(FP8_DTYPE)
         values = v_cache.view(torch.uint8)[i0, i1].view(FP8_DTYPE)
