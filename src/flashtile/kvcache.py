@@ -19,7 +19,14 @@ import torch
 from flashtile.backends.masking import normalize_window
 from flashtile.dispatch import interpret_requested
 from flashtile.fp8 import FP8_DTYPE
-from flashtile.validation import MAX_HEAD_DIM, check_alibi, check_descale, last_dim_contiguous, window_tuple
+from flashtile.validation import (
+    MAX_HEAD_DIM,
+    bad_pages_in_use,
+    check_alibi,
+    check_descale,
+    last_dim_contiguous,
+    window_tuple,
+)
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 _DTYPES = _KERNEL_DTYPES + (torch.float64,)  # float64 only on the CPU path
@@ -62,18 +69,12 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
         _fail(f"cache_leftpad must be in [0, cache_seqlens], got {cache_leftpad.tolist()}")
     if cache_batch_idx is not None and ((cache_batch_idx < 0).any() or (cache_batch_idx >= k_cache.shape[0]).any()):
         _fail(f"cache_batch_idx values must be in [0, {k_cache.shape[0]}), got {cache_batch_idx.tolist()}")
-    if block_table is not None and block_table.numel():
-        # only the pages a row uses, [leftpad, cache_seqlens + s_new): entries past them are never
-        # read (the kernels mask them), so tables padded with -1 work as on the GPU
-        page = k_cache.shape[1]
-        start = cache_leftpad.long() if cache_leftpad is not None else torch.zeros_like(lens)
-        rows = block_table.shape[0]
-        first = (start // page).expand(rows)[:, None]
-        end = ((lens + s_new + page - 1) // page).expand(rows)[:, None]
-        cols = torch.arange(block_table.shape[1])
-        used = (cols >= first) & (cols < end)
-        if ((block_table < 0) | (block_table >= k_cache.shape[0]))[used].any():
-            _fail(f"block_table entries of the pages in use must be in [0, num_blocks={k_cache.shape[0]})")
+    # only the pages a row uses, [leftpad, cache_seqlens + s_new): entries past them are never read
+    # (the kernels mask them), so tables padded with -1 work as on the GPU
+    if block_table is not None and block_table.numel() and bad_pages_in_use(
+            block_table, cache_leftpad if cache_leftpad is not None else 0, lens + s_new, k_cache.shape[1],
+            k_cache.shape[0]):
+        _fail(f"block_table entries of the pages in use must be in [0, num_blocks={k_cache.shape[0]})")
 
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.validation import check_cu_seqlens, check_seqused
+from flashtile.validation import bad_pages_in_use, check_cu_seqlens, check_seqused
 
 
 def _fail(msg: str, exc=ValueError):
@@ -73,6 +73,5 @@ def _check_host_values(lens, block_table, num_blocks: int, page_size: int, max_s
     if longest > capacity:
         _fail(f"a key length {longest} exceeds block_table's capacity ({block_table.shape[1]} pages of "
               f"{page_size} tokens)")
-    used = torch.arange(block_table.shape[1])[None, :] < ((lens.long() + page_size - 1) // page_size)[:, None]
-    if ((block_table < 0) | (block_table >= num_blocks))[used].any():
+    if bad_pages_in_use(block_table, 0, lens, page_size, num_blocks):
         _fail(f"block_table entries of the pages in use must be in [0, num_blocks={num_blocks})")

@@ -26,6 +26,18 @@ def _fail(msg: str, exc=ValueError):
     raise exc(f"flashtile: {msg}")
 
 
+def bad_pages_in_use(block_table: torch.Tensor, start, end, page_size: int, num_blocks: int) -> bool:
+    """Whether a CPU ``block_table`` (b, max_blocks) names a page outside [0, num_blocks) among the
+    pages each row uses, those holding its token positions [start, end) (int tensors broadcastable
+    to (b,)). Entries outside them are never read, so they may be padding such as -1."""
+    rows = block_table.shape[0]
+    first = (torch.as_tensor(start).long() // page_size).expand(rows)[:, None]
+    last = ((torch.as_tensor(end).long() + page_size - 1) // page_size).expand(rows)[:, None]
+    cols = torch.arange(block_table.shape[1])
+    used = (cols >= first) & (cols < last)
+    return bool(((block_table < 0) | (block_table >= num_blocks))[used].any())
+
+
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """The kernels need unit stride in the head dim; copy only when it is not already so."""
     return x if x.stride(-1) == 1 else x.contiguous()
