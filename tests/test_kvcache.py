@@ -597,14 +597,14 @@ def test_bench_decode_frees_peer_copies_before_paging(monkeypatch):
     alive = []
     real = bench_decode._paged
 
-    def counting_paged(k_cache, v_cache, page, gen):
+    def counting_paged(k_cache, v_cache, page, order):
         b, s, h_k, d = k_cache.shape
         gc.collect()
         with warnings.catch_warnings():  # isinstance on some of torch's deprecated objects warns
             warnings.simplefilter("ignore")
             alive.append(sum(1 for o in gc.get_objects()
                              if isinstance(o, torch.Tensor) and tuple(o.shape) == (b, h_k, s, d)))
-        return real(k_cache, v_cache, page, gen)
+        return real(k_cache, v_cache, page, order)
 
     monkeypatch.setattr(bench_decode, "_paged", counting_paged)
     for rounds in ("1", "2"):
@@ -612,6 +612,33 @@ def test_bench_decode_frees_peer_copies_before_paging(monkeypatch):
                      "--peers", "flash", "--rounds", rounds, "--dtype", "fp16", "--warmup", "1", "--rep", "3",
                      "--no-check", "--out", "/dev/null"]) == 0
     assert alive == [0, 0]
+
+
+def test_bench_decode_layers_share_one_block_table(monkeypatch):
+    # a model's layers keep one block table per sequence: the benchmark's paged layers must too, each
+    # with its own pool holding its own cache in that page order
+    import flashtile
+    from flashtile.bench import decode as bench_decode
+
+    seen = []
+
+    def recording(q, k_cache, v_cache, **kw):
+        seen.append((k_cache, v_cache, kw["block_table"]))
+
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache", recording)
+    gen = torch.Generator().manual_seed(0)
+    caches = [(torch.randn(2, 40, 2, 8), torch.randn(2, 40, 2, 8)) for _ in range(3)]
+    calls = bench_decode._flashtile_calls(torch.randn(2, 1, 4, 8), caches, torch.full((2,), 40), 16, 0, gen)
+    for call in calls:
+        call()
+    tables = [t for _, _, t in seen]
+    assert all(t is tables[0] for t in tables) and tables[0].dtype == torch.int32
+    assert sorted(tables[0].flatten().tolist()) == list(range(6))  # 2 rows x 3 pages, each used once
+    for (kc, vc), (pk, pv, table) in zip(caches, seen):
+        for b in range(2):
+            rows_k = pk[table[b].long()].reshape(-1, 2, 8)[:40]
+            rows_v = pv[table[b].long()].reshape(-1, 2, 8)[:40]
+            assert torch.equal(rows_k, kc[b]) and torch.equal(rows_v, vc[b])
 
 
 def test_generate_example_runs():

@@ -9,7 +9,9 @@ same process (a copy also writes, so a kernel that only reads can come in a litt
 Times are microseconds (median).
 
 ``--layers N`` times N calls per measurement, each on its own cache (N decoder layers of one model
-step; every implementation gets the same N), and reports the time per call. With ``--cuda-graph``
+step; every implementation gets the same N), and reports the time per call. Paged layers share one
+block table (each layer its own page pool, the same page ids), as serving engines keep one table
+per sequence for all layers; until session 11 each layer had a table of its own. With ``--cuda-graph``
 this is how a serving engine runs decode: one graph holding every layer, so the host's graph launch
 (several microseconds on a slow CPU) is paid once per step, not once per attention call. The caches
 are distinct and do_bench clears the L2 cache before each measurement, so every call reads its
@@ -83,12 +85,19 @@ def _time(fn, device: str, args) -> float:
     return bench(fn, device, args.warmup, args.rep) * 1e3
 
 
-def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page: int, gen: torch.Generator):
-    """The same cache in pages of ``page`` tokens, stored in a random page order."""
+def _page_order(k_cache: torch.Tensor, page: int, gen: torch.Generator) -> torch.Tensor:
+    """A random placement of the cache's pages in the pool (int64, (b * pages per row,)), as an
+    allocator leaves them."""
+    b, s = k_cache.shape[:2]
+    return torch.randperm(b * -(-s // page), generator=gen, device="cpu").to(k_cache.device)
+
+
+def _paged(k_cache: torch.Tensor, v_cache: torch.Tensor, page: int, order: torch.Tensor):
+    """The same cache in pages of ``page`` tokens, page j of the flattened rows stored at ``order[j]``;
+    returns the two pools and the block table."""
     b, s, h_k, d = k_cache.shape
     per_row = -(-s // page)
     n = b * per_row
-    order = torch.randperm(n, generator=gen, device="cpu").to(k_cache.device)
     table = order.view(b, per_row).to(torch.int32)
     pages_k = k_cache.new_zeros(n, page, h_k, d)
     pages_v = v_cache.new_zeros(n, page, h_k, d)
@@ -105,14 +114,20 @@ def _describe(e: BaseException) -> str:
 
 
 def _flashtile_calls(q, caches, lens, page, num_splits, gen):
-    """One ``flash_attn_with_kvcache`` call per layer's cache: contiguous (``page`` None) or paged."""
+    """One ``flash_attn_with_kvcache`` call per layer's cache: contiguous (``page`` None) or paged,
+    every layer's pool laid out in one page order (so the layers share one block table, as a model's
+    do; its values are equal, and the first layer's tensor serves them all)."""
     from flashtile import flash_attn_with_kvcache
 
     calls = []
+    order = None if page is None else _page_order(caches[0][0], page, gen)
+    shared_table = None
     for kc, vc in caches:
         table = None
         if page is not None:
-            kc, vc, table = _paged(kc, vc, page, gen)
+            kc, vc, table = _paged(kc, vc, page, order)
+            shared_table = table if shared_table is None else shared_table
+            table = shared_table
         calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=num_splits))
     return calls
