@@ -28,7 +28,7 @@
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   bench-decode-tma-paged  256-token pages with FLASHTILE_DECODE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-tma
 #   bench-decode-tma-eager  eager (host-bound) decode calls with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
-#   tests-decode-long-warps  8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference
+#   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
@@ -36,7 +36,7 @@
 #   tests-decode-fused-graph  the fused split merge inside CUDA graphs (captured, not the merge kernel)
 #   bench-decode-fused-combine-layers  b = 1 in 8-layer graphs, fused split merge off/on alternated twice
 #   bench-decode-layers  decode as CUDA graphs of 8 calls on 8 caches (--layers 8: per-call time with one
-#                 graph launch per model step), and b = 1 single-call graphs beside it
+#                 graph launch per model step; LAYERS_BENCH_ARGS, e.g. "--rounds 2"), and b = 1 single-call graphs beside it
 #   bench-decode-fused-combine  decode (b=1, 8) with the split merge fused into the decode kernel
 #   profile-bwd   where an eager training step's time goes (scripts/profile_bwd.py: eager vs grad vs graph,
 #                 host enqueue time, kernels by name)
@@ -135,7 +135,7 @@ for step in "${steps[@]}"; do
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
-        tests-kv) files=(tests/test_gpu_kvcache.py) ;;
+        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
       python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" \
@@ -372,7 +372,7 @@ for step in "${steps[@]}"; do
     bench-decode-layers)
       # per-call time inside a graph of 8 decode calls on 8 caches (a model step's layers), then
       # b = 1 as single-call graphs in the same process for comparison
-      python3 -m flashtile.bench decode --cuda-graph --layers 8 --out "$WORK/decode_graph_layers8.json" \
+      python3 -m flashtile.bench decode --cuda-graph --layers 8 ${LAYERS_BENCH_ARGS:-} --out "$WORK/decode_graph_layers8.json" \
         --plot "$WORK/decode_graph_layers8.png" 2> "$WORK/bench_decode_layers.log" >> "$summary"
       pack
       python3 -m flashtile.bench decode --cuda-graph --batch 1 --out "$WORK/decode_graph_b1_layers1.json" \

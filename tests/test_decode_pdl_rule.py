@@ -57,16 +57,25 @@ def test_never_without_griddepcontrol(sm90):
     assert not decode.use_pdl(CUDA, SMALL)
 
 
-# FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): an experiment, off by default; contiguous
-# programs of at least LONG_PROGRAM_BLOCKS key blocks take the given warps.
+# FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of
+# at least LONG_PROGRAM_BLOCKS key blocks take 8 warps (measured on the H200); 0 keeps the table's, 4 / 8
+# force a count on the long programs of any GPU.
 def test_long_program_warps(monkeypatch):
     long, short = decode.LONG_PROGRAM_BLOCKS, decode.LONG_PROGRAM_BLOCKS - 1
     monkeypatch.delenv("FLASHTILE_DECODE_LONG_WARPS", raising=False)
-    assert decode.long_program_warps(long, False, 4) == 4  # off by default
+    assert decode.long_program_warps(long, False, 4, "sm90") == 8  # the rule
+    assert decode.long_program_warps(short, False, 4, "sm90") == 4
+    assert decode.long_program_warps(long, True, 4, "sm90") == 4  # paged launches keep the table's
+    assert decode.long_program_warps(long, False, 4, "default") == 4  # not measured off sm_90
+    assert decode.long_program_warps(long, False, 4, "interpret") == 4
+    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "0")
+    assert decode.long_program_warps(long, False, 4, "sm90") == 4
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
-    assert decode.long_program_warps(long, False, 4) == 8
-    assert decode.long_program_warps(short, False, 4) == 4
-    assert decode.long_program_warps(long, True, 4) == 4  # paged launches keep the table's
-    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "6")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_LONG_WARPS"):
-        decode.long_program_warps(long, False, 4)
+    assert decode.long_program_warps(long, False, 4, "default") == 8
+    assert decode.long_program_warps(short, False, 4, "default") == 4
+    monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "4")
+    assert decode.long_program_warps(long, False, 4, "sm90") == 4
+    for bad in ("6", "on"):
+        monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_LONG_WARPS"):
+            decode.long_program_warps(short, False, 4, "sm90")  # checked on short programs too

@@ -183,8 +183,12 @@ def test_default_rule_on_gpus(monkeypatch, setting, major):
     assert _use(kc, blocks=few) is want_few
     assert _use(kc, blocks=many) is want_many
     assert _use(kc, blocks=few, fills=False) is (setting == "1" and major >= 9)
-    # page-aligned paged caches: only when forced (not yet measured); smaller pages never
-    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=few, d_fills_block=True,
+    # page-aligned paged caches: by default up to the lower paged limit; smaller pages never
+    paged_few, paged_many = launcher.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM, launcher.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM + 1
+    assert paged_many <= few
+    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=paged_few, d_fills_block=True,
+                                   page_aligned=True) is want_few
+    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=paged_many, d_fills_block=True,
                                    page_aligned=True) is (setting == "1" and major >= 9)
     assert _use(kc, paged=True, blocks=few) is False
     monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too

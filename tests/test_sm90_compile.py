@@ -191,7 +191,7 @@ def test_decode_tma_compiles_for_sm90(tmp_path, fused):
 
 
 def test_decode_long_program_warps_compile_for_sm90(tmp_path):
-    # FLASHTILE_DECODE_LONG_WARPS=8 (an experiment): the table's d = 128 contiguous config on 8 warps,
+    # long programs' 8 warps (decode.long_program_warps): the table's d = 128 contiguous config on 8 warps,
     # unsplit as at b = 32, must compile and fit shared memory
     from flashtile.backends.triton.decode import launch_config
 

@@ -40,21 +40,26 @@ FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
 # the head dim fills its tile (d = 32 / 64 / 128 / 256; at d = 128 the GPU tests found them bitwise
 # equal to pointer loads, and a padded d rounds differently in the interpreter). Eager and captured
 # calls choose alike: a kernel first compiled inside a CUDA-graph capture could not be loaded there.
-# Page-aligned paged caches (pages of whole tiles) can take them too, only when forced (not yet
-# measured). FLASHTILE_DECODE_TMA=1 / 0 forces them on (sm_90+) / off; tests pin TMA_OVERRIDE (True
-# runs it under the interpreter too).
+# Page-aligned paged caches (pages of whole tiles, e.g. 256 tokens) take them where a program reads
+# at most PAGED_TMA_MAX_BLOCKS_PER_PROGRAM blocks: 256-token pages in 8-layer graphs
+# (decode_layers8_p256_tma_ab_h200_2026-11-30_session11.json, 0 1 0 1) went from 17.3 / 17.4 to 16.9
+# us at b = 1, 8k (4 blocks per program), 25.3 -> 25.0 at 16k (8), 70.0 -> 69.7 at 64k (32) and
+# 69.5 -> 69.4 at b = 8, 8k (32), but 129.0 -> 129.3 at b = 8, 16k (64 blocks).
+# FLASHTILE_DECODE_TMA=1 / 0 forces them on (sm_90+) / off; tests pin TMA_OVERRIDE (True runs it
+# under the interpreter too).
 TMA_OVERRIDE: bool | None = None
 TMA_MAX_BLOCKS_PER_PROGRAM = 64
+PAGED_TMA_MAX_BLOCKS_PER_PROGRAM = 32
 
 
 def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *, blocks_per_program: int,
                    d_fills_block: bool, page_aligned: bool = False) -> bool:
     """Load the interior key blocks by tensor descriptor? 16- / 32-bit caches whose base and strides
     TMA can address (fp8 caches: not tested with it), contiguous (one row per batch row) or paged with
-    ``page_aligned`` tiles (every key tile inside one page); by default contiguous ones where
-    ``blocks_per_program`` (key blocks one program reads at the cache's capacity) is small and the head
-    dim fills its power-of-two tile (``d_fills_block``), on sm_90; forced on (paged ones too) for
-    sm_90+ GPUs, or the interpreter by TMA_OVERRIDE."""
+    ``page_aligned`` tiles (every key tile inside one page); by default where ``blocks_per_program``
+    (key blocks one program reads at the cache's capacity) is small (the paged limit is lower) and the
+    head dim fills its power-of-two tile (``d_fills_block``), on sm_90; forced on for sm_90+ GPUs, or
+    the interpreter by TMA_OVERRIDE."""
     # the cheap refusals first: a small-page call (most of a server's) pays no device or env lookups
     if paged and not page_aligned:
         return False
@@ -63,9 +68,8 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
         if setting not in ("", "0", "1"):
             raise ValueError(f"FLASHTILE_DECODE_TMA must be 1 (on), 0 (off) or unset (the measured rule), "
                              f"got {setting!r}")
-        # paged caches: not yet measured on a GPU, so only when forced
-        if setting == "0" or (setting == "" and (paged or blocks_per_program > TMA_MAX_BLOCKS_PER_PROGRAM
-                                                 or not d_fills_block)):
+        most = PAGED_TMA_MAX_BLOCKS_PER_PROGRAM if paged else TMA_MAX_BLOCKS_PER_PROGRAM
+        if setting == "0" or (setting == "" and (blocks_per_program > most or not d_fills_block)):
             return False
         if k_cache.device.type != "cuda" or torch.version.hip is not None:
             return False
@@ -94,23 +98,29 @@ def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
     return desc
 
 
-# Warps for long programs (an experiment, off): single-call sweeps on the H200 found (128 keys, 8 warps,
-# 3 stages) 0.7%-1% faster than the table's 4 warps at b = 32 from 64k (3722 against 3749 us at 128k,
-# tune_decode_b32_warps_h200_2026-11-30_session10.json; 1903 against 1924 at 64k in
-# tune_decode_b32_h200_2026-11-29.json) and 0.3% slower at 8k. FLASHTILE_DECODE_LONG_WARPS=n gives
-# contiguous-cache programs of at least LONG_PROGRAM_BLOCKS key blocks n warps, to be measured beside
-# cuDNN (gpu_check.sh bench-decode-long-warps) before it becomes a rule.
+# Warps for long programs: single-call sweeps on the H200 found (128 keys, 8 warps, 3 stages) faster
+# than the table's 4 warps at b = 32 from 64k: 3722 against 3749 us at 128k
+# (tune_decode_b32_warps_h200_2026-11-30_session10.json), 3803 / 3811 against 3835 / 3836 in session
+# 11's alternated sweep (tune_decode_long_h200_2026-11-30_session11.json, where b = 8 at 128k tied:
+# 960.7 / 959.5 against 960.7 / 960.5), 1903 against 1924 at 64k (tune_decode_b32_h200_2026-11-29.json);
+# 0.3% slower at 8k (64 blocks per program). So on sm_90 contiguous-cache programs of at least
+# LONG_PROGRAM_BLOCKS key blocks take 8 warps. FLASHTILE_DECODE_LONG_WARPS=0 keeps the table's warps,
+# =4 / =8 forces that count on those programs (any GPU).
 LONG_PROGRAM_BLOCKS = 256
+LONG_PROGRAM_WARPS = 8
 
 
-def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int) -> int:
+def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arch: str = "sm90") -> int:
     """The warps of a decode launch whose programs read ``blocks_per_program`` key blocks."""
     setting = env.get("FLASHTILE_DECODE_LONG_WARPS", "")
-    if setting in ("", "0"):
+    if setting not in ("", "0", "4", "8"):  # checked on every call, not only on the long ones it would change
+        raise ValueError(f"FLASHTILE_DECODE_LONG_WARPS must be 4 or 8 (or 0: the table's; unset: the measured "
+                         f"rule), got {setting!r}")
+    if setting == "0" or paged or blocks_per_program < LONG_PROGRAM_BLOCKS:
         return num_warps
-    if setting not in ("4", "8"):  # checked on every call, not only on the long ones it would change
-        raise ValueError(f"FLASHTILE_DECODE_LONG_WARPS must be 4 or 8 (or 0 / unset: the table's), got {setting!r}")
-    return num_warps if paged or blocks_per_program < LONG_PROGRAM_BLOCKS else int(setting)
+    if setting == "":
+        return LONG_PROGRAM_WARPS if arch == "sm90" else num_warps
+    return int(setting)
 
 
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
@@ -313,7 +323,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
     blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
-        num_warps = long_program_warps(blocks_per_program, paged, num_warps)
+        num_warps = long_program_warps(blocks_per_program, paged, num_warps, _arch(q.device))
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
