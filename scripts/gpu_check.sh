@@ -28,6 +28,8 @@
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   bench-decode-tma-paged  256-token pages with FLASHTILE_DECODE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-tma
 #   bench-decode-tma-eager  eager (host-bound) decode calls with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
+#   tests-decode-page-gather  the by-page gather for small pages (FLASHTILE_DECODE_PAGE_GATHER) on the GPU
+#   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -345,6 +347,16 @@ for step in "${steps[@]}"; do
       # encoding two descriptors per call costs; b = 1 / 8 at 8k / 16k, no peers, after tests-decode-tma
       decode_ab decode_tma decode_eager_tma FLASHTILE_DECODE_TMA "0 1 0 1" \
         --batch 1 8 --seqlens 8192 16384 --pages --peers ;;
+    tests-decode-page-gather)
+      # the by-page gather for small pages (FLASHTILE_DECODE_PAGE_GATHER) against the reference and per-key gathers
+      timed_tests decode_page_gather tests/test_gpu_decode_page_gather.py ;;
+    bench-decode-page-gather)
+      # 16-token pages with the by-page gather off / on, alternated twice, 8-layer graphs, b = 1 at 8k-64k and
+      # b = 8 / 32 at 8k (the contiguous column is each run's reference); after tests-decode-page-gather
+      decode_ab decode_page_gather decode_layers8_p16_gather FLASHTILE_DECODE_PAGE_GATHER "0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 --peers
+      decode_ab decode_page_gather decode_layers8_p16_gather_b8_32_ FLASHTILE_DECODE_PAGE_GATHER "0 1" \
+        --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 --pages 16 --peers ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;

@@ -6,14 +6,16 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
-Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> LOADS_AFTER_SHFL <n>``
-(griddepcontrol and TMA bulk-tensor copy instructions in the PTX, and global loads that come after its
-first warp shuffle, i.e. after the first reduction began).
+Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> LOADS_AFTER_SHFL <n>
+CP_ASYNC_16 <n> LD_GLOBAL <n>`` (griddepcontrol and TMA bulk-tensor copy instructions in the PTX, global
+loads that come after its first warp shuffle, i.e. after the first reduction began, the PTX's
+16-byte cp.async copies (pipelined tile loads) and its synchronous global loads).
 """
 
 import importlib
 import inspect
 import json
+import re
 import sys
 
 import triton
@@ -23,6 +25,7 @@ from triton.compiler import ASTSource
 FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
 INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
+TILE_COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10")  # a 16-byte async copy
 
 
 def main(module, kernel, constexprs, types, warps, stages):
@@ -57,7 +60,8 @@ def main(module, kernel, constexprs, types, warps, stages):
     ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
-          "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"))
+          "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
+          "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"))
 
 
 if __name__ == "__main__":

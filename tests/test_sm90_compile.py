@@ -204,6 +204,24 @@ def test_decode_long_program_warps_compile_for_sm90(tmp_path):
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 8, stages)
 
 
+@pytest.mark.parametrize("page_shift,block_n", [(4, 128), (4, 64), (0, 128)])
+def test_small_page_gather_by_page_compiles_and_pipelines_for_sm90(tmp_path, page_shift, block_n):
+    # FLASHTILE_DECODE_PAGE_GATHER=1 (decode.pages_per_tile): an unmasked tile reads one table entry
+    # per page and spreads it to its keys (tl.gather); the K / V tiles must stay pipelined (a reshape
+    # there compiled to unpipelined ld.global): as many 16-byte async tile copies as the per-key build
+    d = 128
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_ALIGNED=False,
+              PAGE_SHIFT=page_shift, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+              ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=False, FUSED_COMBINE=False,
+              USE_PDL=True)
+    per_key, by_page = {}, {}
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 5, fields_out=per_key)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, PAGES_PER_TILE=block_n >> page_shift),
+             DECODE_INTS, 4, 5, fields_out=by_page)
+    assert by_page["CP_ASYNC_16"] == per_key["CP_ASYNC_16"] > 0 and by_page["LD_GLOBAL"] <= per_key["LD_GLOBAL"]
+
+
 def test_paged_decode_tma_compiles_for_sm90(tmp_path):
     # FLASHTILE_DECODE_TMA=1 on a page-aligned pool (256-token pages of 128-key tiles): the tile's page
     # comes from the table, then one descriptor load per tile from the (pages, page_size, kv heads, d)

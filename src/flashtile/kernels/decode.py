@@ -34,14 +34,28 @@ LN2 = 0.6931471805599453
 @triton.jit
 def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
                  stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, CHECK_N: tl.constexpr):
+                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, CHECK_N: tl.constexpr,
+                 PAGES_PER_TILE: tl.constexpr = 0):
     """Element offsets (int64, [BLOCK_N]) of keys ``cols`` in the K and V caches.
 
     Page arithmetic stays in int32 and never divides a vector by the runtime page size: a 64-bit
     division per key costs about as much issue time as the tile's loads in this memory-bound loop.
     Power-of-two pages (PAGE_SHIFT >= 0) use shifts; a tile inside one page needs one scalar divide.
+    PAGES_PER_TILE > 0 (power-of-two pages smaller than the tile, no left padding; the launcher's
+    rule): an unmasked tile is that many whole pages, so it reads that many table entries, not one
+    per key, and spreads them to its keys in registers (tl.gather; a reshape of per-page offsets
+    there compiled to unpipelined loads).
     """
-    if PAGED:
+    if PAGED and PAGES_PER_TILE > 0 and not CHECK_N:
+        # every key of an unmasked tile is below seqlen_k <= capacity: all its pages are in use
+        ids = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + (start_n >> PAGE_SHIFT)
+                      + tl.arange(0, PAGES_PER_TILE)).to(tl.int64)
+        rel = cols - start_n
+        page = tl.gather(ids, rel >> PAGE_SHIFT, 0)
+        in_page = (rel & ((1 << PAGE_SHIFT) - 1)).to(tl.int64)
+        k_off = page * stride_kb + in_page * stride_kn
+        v_off = page * stride_vb + in_page * stride_vn
+    elif PAGED:
         pos = cols + leftpad  # int32: cache positions are < 2^31
         if PAGE_ALIGNED:
             # the whole tile lies in one page: one table read, offsets inside the page by subtraction
@@ -80,7 +94,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                   HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-                  USE_TMA: tl.constexpr):
+                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
 
     USE_TMA (contiguous or page-aligned caches, unmasked blocks only): K and V tiles come by tensor
@@ -103,7 +117,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
                                     stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                                    PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK)
+                                    PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK, PAGES_PER_TILE)
         if MASK:
             n_ok = cols < seqlen_k
         if NEW:
@@ -201,7 +215,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -321,7 +335,7 @@ def _decode_kernel(
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,

@@ -82,6 +82,28 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
     return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
+# Small-page gather by page (an experiment, off): power-of-two pages smaller than the key tile, without
+# left padding, let an unmasked tile read its BLOCK_N / page_size table entries and build each page's
+# offsets once, instead of one table entry and one 64-bit offset per key (kernels/decode.py
+# _key_offsets, PAGES_PER_TILE). Aimed at 16-token pages at b = 1, where a program reads only a few
+# tiles and their start-up is the cost. FLASHTILE_DECODE_PAGE_GATHER=1 turns it on until measured;
+# tests pin PAGE_GATHER_OVERRIDE.
+PAGE_GATHER_OVERRIDE: bool | None = None
+
+
+def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool) -> int:
+    """PAGES_PER_TILE of a launch: block_n // page_size where the by-page gather applies, else 0."""
+    on = PAGE_GATHER_OVERRIDE
+    if on is None:
+        setting = env.get("FLASHTILE_DECODE_PAGE_GATHER", "")
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"FLASHTILE_DECODE_PAGE_GATHER must be 1 (on) or 0 / unset (off), got {setting!r}")
+        on = setting == "1"
+    if not (on and paged and not has_leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0):
+        return 0
+    return block_n // page_size
+
+
 def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
     """A (batch, capacity, kv heads, d) cache's (or a (pages, page_size, kv heads, d) pool's)
     descriptor with box [1, block_n, 1, block_d].
@@ -375,6 +397,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             *(k_new.stride()[:3] if fused else (0, 0, 0)), *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             PAGED=paged, PAGE_ALIGNED=page_aligned,
+            PAGES_PER_TILE=pages_per_tile(paged, page_size, block_n, cache_leftpad is not None),
             PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
             HAS_SEQLENS=cache_seqlens is not None,
             HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,

@@ -1,0 +1,101 @@
+"""The decode kernel's by-page gather for small pages (backends/triton/decode.py pages_per_tile, an
+experiment: FLASHTILE_DECODE_PAGE_GATHER=1), on CPU through the interpreter with 16-key tiles.
+
+Power-of-two pages smaller than a tile, without left padding: an unmasked tile reads one table entry
+per page instead of one per key. Results must equal the per-key path's bit for bit (same addresses,
+same arithmetic) and the oracle of test_kvcache.py, also when every pool slot that holds no key of
+its row is NaN (the gather must read only pages in use).
+"""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode as launcher
+from flashtile.kvcache import flash_attn_with_kvcache
+from test_kvcache import _run_and_check, dense_oracle, make_case
+
+CASES = {
+    "page_1": dict(page=1, s_new=2, rotary="interleaved", rotary_dim=8),
+    "page_4_causal": dict(page=4, s_new=3, sq=3, causal=True),
+    "page_8_read_only": dict(page=8, s_new=0),
+    "page_8_window": dict(page=8, s_new=1, window_size=(40, 0)),
+    "page_2_gqa": dict(page=2, s_new=1, h=8, h_k=1),
+}
+
+
+@pytest.fixture
+def interp(monkeypatch):
+    """The interpreter with 16-key tiles, recording each decode launch's keywords."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+    metas = []
+    real = launcher.launch
+
+    def record(kernel, grid, *args, **meta):
+        if kernel is launcher._decode_kernel:
+            metas.append(meta)
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", record)
+    return metas
+
+
+def _call(q, kc, vc, args, num_splits):
+    kc, vc = kc.clone(), vc.clone()
+    out, lse = flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
+    return out, lse, kc, vc
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gather_by_page_matches_per_key_and_oracle(interp, monkeypatch, name):
+    torch.manual_seed(0)
+    q, kc, vc, args = make_case(dtype=torch.float16, cap=70, **CASES[name])
+    page = kc.shape[1]
+    for splits in (1, 3):
+        monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", False)
+        ref = _call(q, kc, vc, args, splits)
+        assert interp[-1]["PAGES_PER_TILE"] == 0
+        monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
+        got = _run_and_check(q, kc, vc, args, num_splits=splits)
+        assert interp[-1]["PAGES_PER_TILE"] == 16 // page, "the by-page gather did not run"
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), "by-page and per-key gathers differ"
+
+
+@pytest.mark.parametrize("name", ["page_4_causal", "page_8_read_only"])
+def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch, name):
+    torch.manual_seed(3)
+    monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
+    q, kc, vc, args = make_case(cap=70, **CASES[name])
+    table, lens, page = args["block_table"], args["cache_seqlens"], kc.shape[1]
+    s_new = args["k"].shape[1] if "k" in args else 0
+    keep = torch.zeros(kc.shape[:2], dtype=torch.bool)
+    for i in range(q.shape[0]):
+        for pos in range(int(lens[i]) + s_new):
+            keep[table[i, pos // page], pos % page] = True
+    kc[~keep] = float("nan")
+    vc[~keep] = float("nan")
+    ref_out, ref_lse, _, _ = dense_oracle(q, kc, vc, **args)
+    out, lse, _, _ = _call(q, kc, vc, args, 3)
+    assert interp[-1]["PAGES_PER_TILE"] == 16 // page
+    assert torch.isfinite(out).all()
+    assert (out.double() - ref_out).abs().max().item() <= 2e-5
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-4
+
+
+def test_rule(monkeypatch):
+    monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", None)
+    monkeypatch.delenv("FLASHTILE_DECODE_PAGE_GATHER", raising=False)
+    assert launcher.pages_per_tile(True, 16, 128, False) == 0  # off by default
+    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "1")
+    assert launcher.pages_per_tile(True, 16, 128, False) == 8
+    assert launcher.pages_per_tile(True, 1, 64, False) == 64
+    assert launcher.pages_per_tile(True, 16, 128, True) == 0  # left padding shifts tiles off pages
+    assert launcher.pages_per_tile(True, 24, 128, False) == 0  # not a power of two
+    assert launcher.pages_per_tile(True, 128, 128, False) == 0  # page-aligned: one entry per tile already
+    assert launcher.pages_per_tile(False, 16, 128, False) == 0
+    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PAGE_GATHER"):
+        launcher.pages_per_tile(True, 16, 128, False)

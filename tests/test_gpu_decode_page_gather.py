@@ -1,0 +1,38 @@
+"""GPU tests of the by-page gather for small pages (FLASHTILE_DECODE_PAGE_GATHER, backends/triton/decode.py
+pages_per_tile; an experiment, off by default): against the reference, and bit for bit against the
+per-key gather, at the launch configs the GPU picks (128- and 64-key tiles). Run alone:
+gpu_check.sh tests-decode-page-gather."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode as launcher
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("b,cap,page,s_new,rotary,d", [(1, 8192, 16, 0, False, 128), (2, 5000, 16, 1, True, 128),
+                                                       (40, 2048, 16, 1, False, 128), (3, 3000, 1, 2, False, 64),
+                                                       (4, 4096, 32, 0, False, 256)])
+def test_gather_by_page(monkeypatch, b, cap, page, s_new, rotary, d):
+    metas = []
+    real = launcher.launch
+
+    def recording_launch(kernel, grid, *args, **meta):
+        if kernel is launcher._decode_kernel:
+            metas.append(meta)
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(launcher, "launch", recording_launch)
+    q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, d, cap, torch.bfloat16, page=page, rotary=rotary, seed=b)
+    monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
+    _check(q, kc, vc, kw, causal=True)
+    assert metas[-1]["PAGES_PER_TILE"] > 0
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", on)
+        outs.append(flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, return_softmax_lse=True, **kw))
+        assert (metas[-1]["PAGES_PER_TILE"] > 0) is on
+    assert all(torch.equal(x, y) for x, y in zip(*outs)), "by-page and per-key gathers differ"
