@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("b,cap,page,s_new,rotary,d", [(1, 8192, 16, 0, False, 128), (2, 5000, 16, 1, True, 128),
                                                        (40, 2048, 16, 1, False, 128), (3, 3000, 1, 2, False, 64),
-                                                       (4, 4096, 32, 0, False, 256)])
+                                                       (4, 4096, 16, 0, False, 256)])
 def test_gather_by_page(monkeypatch, b, cap, page, s_new, rotary, d):
     metas = []
     real = launcher.launch
