@@ -97,8 +97,8 @@ def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool)
     if on is None:
         setting = env.get("FLASHTILE_DECODE_PAGE_GATHER", "")
         if setting not in ("", "0", "1"):
-            raise ValueError(f"FLASHTILE_DECODE_PAGE_GATHER must be 1 (on) or 0 / unset (off), got {setting!r}")
-        on = setting == "1"
+            raise ValueError(f"FLASHTILE_DECODE_PAGE_GATHER must be 0 (off) or 1 / unset (on), got {setting!r}")
+        on = setting != "0"
     if not (on and paged and not has_leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0):
         return 0
     return block_n // page_size
