@@ -28,7 +28,7 @@
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
 #   bench-decode-tma-paged  256-token pages with FLASHTILE_DECODE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-tma
 #   bench-decode-tma-eager  eager (host-bound) decode calls with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
-#   tests-decode-page-gather  the by-page gather for small pages (FLASHTILE_DECODE_PAGE_GATHER) on the GPU
+#   tests-decode-page-gather  the by-page gather for small pages (the default; FLASHTILE_DECODE_PAGE_GATHER) on the GPU
 #   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
@@ -137,7 +137,7 @@ for step in "${steps[@]}"; do
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
-        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py) ;;
+        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py tests/test_gpu_decode_page_gather.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
       python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" \

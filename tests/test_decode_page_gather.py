@@ -1,5 +1,5 @@
-"""The decode kernel's by-page gather for small pages (backends/triton/decode.py pages_per_tile, an
-experiment: FLASHTILE_DECODE_PAGE_GATHER=1), on CPU through the interpreter with 16-key tiles.
+"""The decode kernel's by-page gather for small pages (backends/triton/decode.py pages_per_tile, on by
+default; FLASHTILE_DECODE_PAGE_GATHER=0 turns it off), on CPU through the interpreter with 16-key tiles.
 
 Power-of-two pages smaller than a tile, without left padding: an unmasked tile reads one table entry
 per page instead of one per key. Results must equal the per-key path's bit for bit (same addresses,
@@ -88,7 +88,9 @@ def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch, name):
 def test_rule(monkeypatch):
     monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", None)
     monkeypatch.delenv("FLASHTILE_DECODE_PAGE_GATHER", raising=False)
-    assert launcher.pages_per_tile(True, 16, 128, False) == 0  # off by default
+    assert launcher.pages_per_tile(True, 16, 128, False) == 8  # on by default
+    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "0")
+    assert launcher.pages_per_tile(True, 16, 128, False) == 0
     monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "1")
     assert launcher.pages_per_tile(True, 16, 128, False) == 8
     assert launcher.pages_per_tile(True, 1, 64, False) == 64

@@ -1,7 +1,7 @@
 """GPU tests of the by-page gather for small pages (FLASHTILE_DECODE_PAGE_GATHER, backends/triton/decode.py
-pages_per_tile; an experiment, off by default): against the reference, and bit for bit against the
-per-key gather, at the launch configs the GPU picks (128- and 64-key tiles). Run alone:
-gpu_check.sh tests-decode-page-gather."""
+pages_per_tile; on by default since session 11): against the reference, and bit for bit against the
+per-key gather, at the launch configs the GPU picks (128-, 64- and, at d = 256, 32-key tiles). In
+gpu_check.sh tests-kv, and alone as tests-decode-page-gather."""
 
 import pytest
 import torch

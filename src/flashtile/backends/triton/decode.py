@@ -82,12 +82,14 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
     return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
-# Small-page gather by page (an experiment, off): power-of-two pages smaller than the key tile, without
-# left padding, let an unmasked tile read its BLOCK_N / page_size table entries and build each page's
-# offsets once, instead of one table entry and one 64-bit offset per key (kernels/decode.py
-# _key_offsets, PAGES_PER_TILE). Aimed at 16-token pages at b = 1, where a program reads only a few
-# tiles and their start-up is the cost. FLASHTILE_DECODE_PAGE_GATHER=1 turns it on until measured;
-# tests pin PAGE_GATHER_OVERRIDE.
+# Small-page gather by page: power-of-two pages smaller than the key tile, without left padding, let
+# an unmasked tile read its BLOCK_N / page_size table entries and spread them to its keys in registers,
+# instead of one table entry per key (kernels/decode.py _key_offsets, PAGES_PER_TILE; the loop body's
+# PTX shrinks by a quarter at 16-token pages). Measured on the H200 with 16-token pages in 8-layer
+# graphs (decode_layers8_p16_gather_ab_h200_2026-11-30_session11.json, 0 1 0 1; ..._b8_b32_...: 0 1):
+# faster in every row, b = 1 8k 18.96 / 18.98 -> 18.74 / 18.72 us, 64k 72.3 -> 71.7, b = 8 8k 71.9 ->
+# 71.6, and b = 32 8k (64-key tiles) 267.4 -> 252.1. On by default; FLASHTILE_DECODE_PAGE_GATHER=0
+# turns it off; tests pin PAGE_GATHER_OVERRIDE.
 PAGE_GATHER_OVERRIDE: bool | None = None
 
 
