@@ -20,6 +20,8 @@ CASES = {
     "page_8_read_only": dict(page=8, s_new=0),
     "page_8_window": dict(page=8, s_new=1, window_size=(40, 0)),
     "page_2_gqa": dict(page=2, s_new=1, h=8, h_k=1),
+    # ALiBi makes a key's position count, so pages swapped inside a tile change the result
+    "page_4_alibi": dict(page=4, s_new=0, alibi="bh"),
 }
 
 
@@ -77,6 +79,11 @@ def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch, name):
     kc[~keep] = float("nan")
     vc[~keep] = float("nan")
     ref_out, ref_lse, _, _ = dense_oracle(q, kc, vc, **args)
+    # and the table padded with -1 past each row's pages in use (the oracle read it unpadded)
+    per_row = table.shape[1]
+    for i in range(q.shape[0]):
+        used = -(-(int(lens[i]) + s_new) // page)
+        table[i, used:per_row] = -1
     out, lse, _, _ = _call(q, kc, vc, args, 3)
     assert interp[-1]["PAGES_PER_TILE"] == 16 // page
     assert torch.isfinite(out).all()

@@ -63,18 +63,20 @@ def test_never_without_griddepcontrol(sm90):
 def test_long_program_warps(monkeypatch):
     long, short = decode.LONG_PROGRAM_BLOCKS, decode.LONG_PROGRAM_BLOCKS - 1
     monkeypatch.delenv("FLASHTILE_DECODE_LONG_WARPS", raising=False)
-    assert decode.long_program_warps(long, False, 4, "sm90") == 8  # the rule
-    assert decode.long_program_warps(short, False, 4, "sm90") == 4
-    assert decode.long_program_warps(long, True, 4, "sm90") == 4  # paged launches keep the table's
-    assert decode.long_program_warps(long, False, 4, "default") == 4  # not measured off sm_90
-    assert decode.long_program_warps(long, False, 4, "interpret") == 4
+    assert decode.long_program_warps(long, False, 4, "sm90", True) == 8  # the rule
+    assert decode.long_program_warps(short, False, 4, "sm90", True) == 4
+    assert decode.long_program_warps(long, True, 4, "sm90", True) == 4  # paged launches keep the table's
+    assert decode.long_program_warps(long, False, 4, "sm90", False) == 4  # a shape not measured
+    assert decode.long_program_warps(long, False, 4, "default", True) == 4  # not measured off sm_90
+    assert decode.long_program_warps(long, False, 4, "interpret", True) == 4
+    assert decode.long_program_warps(long, False, 4) == 4  # no arch given: not sm_90's rule
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "0")
-    assert decode.long_program_warps(long, False, 4, "sm90") == 4
+    assert decode.long_program_warps(long, False, 4, "sm90", True) == 4
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
-    assert decode.long_program_warps(long, False, 4, "default") == 8
+    assert decode.long_program_warps(long, False, 4, "default") == 8  # forced: any shape, any GPU
     assert decode.long_program_warps(short, False, 4, "default") == 4
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "4")
-    assert decode.long_program_warps(long, False, 4, "sm90") == 4
+    assert decode.long_program_warps(long, False, 4, "sm90", True) == 4
     for bad in ("6", "on"):
         monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_LONG_WARPS"):

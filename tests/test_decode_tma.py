@@ -191,6 +191,10 @@ def test_default_rule_on_gpus(monkeypatch, setting, major):
     assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=paged_many, d_fills_block=True,
                                    page_aligned=True) is (setting == "1" and major >= 9)
     assert _use(kc, paged=True, blocks=few) is False
+    # paged pools of 4-byte caches: not measured, so only when forced
+    k32 = _OnCuda(torch.zeros(2, 64, 2, 16, dtype=torch.float32))
+    assert launcher.use_decode_tma(k32, k32, True, blocks_per_program=paged_few, d_fills_block=True,
+                                   page_aligned=True) is (setting == "1" and major >= 9)
     monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
     assert _use(kc, blocks=few) is False
 

@@ -108,7 +108,8 @@ def test_tma_never_reads_past_the_rows(sm90, monkeypatch):
                                                                 (128, 8, 16384, 3, 2, False)])
 def test_page_aligned_tma_against_reference_and_pointer_loads(sm90, monkeypatch, page, b, cap, num_splits, s_new,
                                                               rotary):
-    # pools of whole 128-key tiles (FLASHTILE_DECODE_TMA=1 forces descriptors there; not the default yet)
+    # pools of whole 128-key tiles (FLASHTILE_DECODE_TMA=1 forces descriptors there; by default only up
+    # to 32 key blocks per program)
     q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, page=page, rotary=rotary)
     _against_reference_and_pointer_loads(monkeypatch, q, kc, vc, kw, num_splits, "paged: ")
 

@@ -156,8 +156,10 @@ def test_decode_launch_configs_fit_sm90_shared_memory(tmp_path, d, paged, dtype)
     from flashtile.backends.triton.decode import launch_config
 
     block_n, warps, stages = launch_config("sm90", d, paged, 4 if dtype == "fp32" else 2)
+    # paged: 16-token pages, read by page in unmasked tiles (the default, decode.pages_per_tile)
     cx = dict(HEAD_DIM=d, BLOCK_M=64, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=4, PAGED=paged, PAGE_ALIGNED=False,
-              PAGE_SHIFT=4, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              PAGE_SHIFT=4, PAGES_PER_TILE=block_n // 16 if paged else 0, HAS_SEQLENS=True, HAS_BATCH_IDX=False,
+              HAS_LEFTPAD=False, HAS_LEFT=False,
               HAS_RIGHT=True, HAS_SOFTCAP=True, HAS_ALIBI=True, ROTARY_DIM=d, ROTARY_INTERLEAVED=False,
               ROTARY_PER_TOKEN=True, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", IS_FP8=False,
               FUSED_NEW=True, FUSED_COMBINE=True)

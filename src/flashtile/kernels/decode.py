@@ -47,7 +47,9 @@ def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, pa
     there compiled to unpipelined loads).
     """
     if PAGED and PAGES_PER_TILE > 0 and not CHECK_N:
-        # every key of an unmasked tile is below seqlen_k <= capacity: all its pages are in use
+        # every key of an unmasked tile is below seqlen_k <= capacity: all its pages are in use (and
+        # the launcher never sets PAGES_PER_TILE with left padding, which would shift tiles off pages)
+        tl.static_assert(PAGE_SHIFT >= 0, "the by-page gather needs power-of-two pages")
         ids = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + (start_n >> PAGE_SHIFT)
                       + tl.arange(0, PAGES_PER_TILE)).to(tl.int64)
         rel = cols - start_n

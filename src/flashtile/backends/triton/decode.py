@@ -40,8 +40,9 @@ FUSED_COMBINE = env.get("FLASHTILE_DECODE_FUSED_COMBINE", "0") not in ("", "0")
 # the head dim fills its tile (d = 32 / 64 / 128 / 256; at d = 128 the GPU tests found them bitwise
 # equal to pointer loads, and a padded d rounds differently in the interpreter). Eager and captured
 # calls choose alike: a kernel first compiled inside a CUDA-graph capture could not be loaded there.
-# Page-aligned paged caches (pages of whole tiles, e.g. 256 tokens) take them where a program reads
-# at most PAGED_TMA_MAX_BLOCKS_PER_PROGRAM blocks: 256-token pages in 8-layer graphs
+# Page-aligned paged caches (pages of whole tiles, e.g. 256 tokens) of 2 bytes per element (the
+# measured ones) take them where a program reads at most PAGED_TMA_MAX_BLOCKS_PER_PROGRAM blocks:
+# bf16 256-token pages in 8-layer graphs
 # (decode_layers8_p256_tma_ab_h200_2026-11-30_session11.json, 0 1 0 1) went from 17.3 / 17.4 to 16.9
 # us at b = 1, 8k (4 blocks per program), 25.3 -> 25.0 at 16k (8), 70.0 -> 69.7 at 64k (32) and
 # 69.5 -> 69.4 at b = 8, 8k (32), but 129.0 -> 129.3 at b = 8, 16k (64 blocks).
@@ -69,7 +70,9 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
             raise ValueError(f"FLASHTILE_DECODE_TMA must be 1 (on), 0 (off) or unset (the measured rule), "
                              f"got {setting!r}")
         most = PAGED_TMA_MAX_BLOCKS_PER_PROGRAM if paged else TMA_MAX_BLOCKS_PER_PROGRAM
-        if setting == "0" or (setting == "" and (blocks_per_program > most or not d_fills_block)):
+        # paged pools: measured with 2-byte caches only, so by default only those
+        unmeasured = paged and k_cache.element_size() != 2
+        if setting == "0" or (setting == "" and (blocks_per_program > most or not d_fills_block or unmeasured)):
             return False
         if k_cache.device.type != "cuda" or torch.version.hip is not None:
             return False
@@ -128,14 +131,18 @@ def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
 # 11's alternated sweep (tune_decode_long_h200_2026-11-30_session11.json, where b = 8 at 128k tied:
 # 960.7 / 959.5 against 960.7 / 960.5), 1903 against 1924 at 64k (tune_decode_b32_h200_2026-11-29.json);
 # 0.3% slower at 8k (64 blocks per program). So on sm_90 contiguous-cache programs of at least
-# LONG_PROGRAM_BLOCKS key blocks take 8 warps. FLASHTILE_DECODE_LONG_WARPS=0 keeps the table's warps,
-# =4 / =8 forces that count on those programs (any GPU).
+# LONG_PROGRAM_BLOCKS key blocks take 8 warps, in the measured shape only (``measured``: d = 128,
+# 128-key tiles, a 2-byte cache that is not fp8; other head dims and dtypes keep the table's warps
+# until measured). FLASHTILE_DECODE_LONG_WARPS=0 keeps the table's warps, =4 / =8 forces that count on
+# long programs of any shape and GPU.
 LONG_PROGRAM_BLOCKS = 256
 LONG_PROGRAM_WARPS = 8
 
 
-def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arch: str = "sm90") -> int:
-    """The warps of a decode launch whose programs read ``blocks_per_program`` key blocks."""
+def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arch: str = "default",
+                       measured: bool = False) -> int:
+    """The warps of a decode launch whose programs read ``blocks_per_program`` key blocks; ``measured``:
+    the launch has the shape the rule was measured on (d = 128, 128-key tiles, a bf16 / fp16 cache)."""
     setting = env.get("FLASHTILE_DECODE_LONG_WARPS", "")
     if setting not in ("", "0", "4", "8"):  # checked on every call, not only on the long ones it would change
         raise ValueError(f"FLASHTILE_DECODE_LONG_WARPS must be 4 or 8 (or 0: the table's; unset: the measured "
@@ -143,7 +150,7 @@ def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arc
     if setting == "0" or paged or blocks_per_program < LONG_PROGRAM_BLOCKS:
         return num_warps
     if setting == "":
-        return LONG_PROGRAM_WARPS if arch == "sm90" else num_warps
+        return LONG_PROGRAM_WARPS if arch == "sm90" and measured else num_warps
     return int(setting)
 
 
@@ -347,7 +354,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
     blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
-        num_warps = long_program_warps(blocks_per_program, paged, num_warps, _arch(q.device))
+        measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
+        num_warps = long_program_warps(blocks_per_program, paged, num_warps, _arch(q.device), measured)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
