@@ -30,6 +30,8 @@
 #   bench-decode-tma-eager  eager (host-bound) decode calls with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   tests-decode-page-gather  the by-page gather for small pages (the default; FLASHTILE_DECODE_PAGE_GATHER) on the GPU
 #   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
+#   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
+#   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -357,6 +359,20 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 --peers
       decode_ab decode_page_gather decode_layers8_p16_gather_b8_32_ FLASHTILE_DECODE_PAGE_GATHER "0 1" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 --pages 16 --peers ;;
+    tune-decode-occupancy)
+      # b = 32 (a grid of 256 programs, two waves at one CTA per SM): the table's 3-stage configs against
+      # 2-stage ones that fit two or three CTAs per SM, each config twice, alternated, single-call graphs
+      python3 scripts/tune_decode.py --batch 32 --seqlens 8192 131072 --pages --splits 0 \
+        --configs "128,4,3;128,8,3;128,4,2;128,8,2;128,4,3;128,8,3;128,4,2;128,8,2" \
+        --out "$WORK/tune_decode_occupancy.json" 2> "$WORK/tune_decode_occupancy.log" | tail -n 8 >> "$summary" ;;
+    bench-decode-b1-splits)
+      # b = 1 at 8k / 16k, contiguous, 8-layer graphs, with the split count forced (0 = the heuristic's 16),
+      # to re-check the heuristic's start-up constant now that short programs take descriptor loads
+      for n in 0 12 20 24 0; do
+        python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages --peers \
+          --num-splits "$n" --out "$WORK/decode_b1_splits${n}_$SECONDS.json" 2>> "$WORK/bench_b1_splits.log" >> "$summary"
+        pack
+      done ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
