@@ -141,7 +141,8 @@ def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=64, BLOCK_D=d, NUM_SPLITS=1, PAGED=True, PAGE_ALIGNED=False, PAGE_SHIFT=4,
               HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=True,
               HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-              DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True, FUSED_COMBINE=False)
+              DOT_PRECISION="tf32", IS_FP8=True, FUSED_NEW=True, FUSED_COMBINE=False,
+              PAGES_PER_TILE=4)  # 16-token pages read by page in unmasked tiles (the default)
     types = dict(DECODE_INTS, Q="*fp8e4nv", K="*fp8e4nv", V="*fp8e4nv", K_NEW="*fp8e4nv", V_NEW="*fp8e4nv")
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, types, 4, 2)
     # and with programmatic dependent launch, which fp8 caches take when FLASHTILE_DECODE_PDL=1 forces it
