@@ -35,6 +35,19 @@ def tiny_triton_tiles(monkeypatch):
     monkeypatch.setattr(attn_bwd, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
 
 
+@pytest.fixture
+def decode_interp(monkeypatch):
+    """The decode kernel through the interpreter on a tiny config (16-key tiles, 16-row query blocks),
+    and the keywords of every decode launch, recorded and forwarded to the real launch."""
+    from flashtile.backends.triton import decode as launcher
+    from spies import record_launch_meta
+
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+    return record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
     # A different but reproducible draw per test: never the same inputs everywhere.

@@ -25,3 +25,18 @@ def spy_launches(monkeypatch, module, name: str, forward: bool = True) -> Launch
     spy = LaunchSpy(getattr(module, name) if forward else None)
     monkeypatch.setattr(module, name, spy)
     return spy
+
+
+def record_launch_meta(monkeypatch, module, kernel) -> list:
+    """Wrap ``module.launch`` (a launcher module's launch helper) so each launch of ``kernel`` appends
+    its keyword arguments (constexprs, num_warps, ...) to the returned list, then runs for real."""
+    metas = []
+    real = module.launch
+
+    def record(launched, grid, *args, **meta):
+        if launched is kernel:
+            metas.append(meta)
+        return real(launched, grid, *args, **meta)
+
+    monkeypatch.setattr(module, "launch", record)
+    return metas

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashtile.backends.triton import decode as launcher
-from flashtile.kvcache import flash_attn_with_kvcache
+from test_decode_tma import _call
 from test_kvcache import _run_and_check, dense_oracle, make_case
 
 CASES = {
@@ -25,48 +25,24 @@ CASES = {
 }
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """The interpreter with 16-key tiles, recording each decode launch's keywords."""
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
-    metas = []
-    real = launcher.launch
-
-    def record(kernel, grid, *args, **meta):
-        if kernel is launcher._decode_kernel:
-            metas.append(meta)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(launcher, "launch", record)
-    return metas
-
-
-def _call(q, kc, vc, args, num_splits):
-    kc, vc = kc.clone(), vc.clone()
-    out, lse = flash_attn_with_kvcache(q, kc, vc, num_splits=num_splits, return_softmax_lse=True, **args)
-    return out, lse, kc, vc
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_gather_by_page_matches_per_key_and_oracle(interp, monkeypatch, name):
+def test_gather_by_page_matches_per_key_and_oracle(decode_interp, monkeypatch, name):
     torch.manual_seed(0)
     q, kc, vc, args = make_case(dtype=torch.float16, cap=70, **CASES[name])
     page = kc.shape[1]
     for splits in (1, 3):
         monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", False)
         ref = _call(q, kc, vc, args, splits)
-        assert interp[-1]["PAGES_PER_TILE"] == 0
+        assert decode_interp[-1]["PAGES_PER_TILE"] == 0
         monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
         got = _run_and_check(q, kc, vc, args, num_splits=splits)
-        assert interp[-1]["PAGES_PER_TILE"] == 16 // page, "the by-page gather did not run"
+        assert decode_interp[-1]["PAGES_PER_TILE"] == 16 // page, "the by-page gather did not run"
         for a, b in zip(got, ref):
             assert torch.equal(a, b), "by-page and per-key gathers differ"
 
 
 @pytest.mark.parametrize("name", ["page_4_causal", "page_8_read_only"])
-def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch, name):
+def test_nan_outside_the_rows_pages_is_never_read(decode_interp, monkeypatch, name):
     torch.manual_seed(3)
     monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES[name])
@@ -85,7 +61,7 @@ def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch, name):
         used = -(-(int(lens[i]) + s_new) // page)
         table[i, used:per_row] = -1
     out, lse, _, _ = _call(q, kc, vc, args, 3)
-    assert interp[-1]["PAGES_PER_TILE"] == 16 // page
+    assert decode_interp[-1]["PAGES_PER_TILE"] == 16 // page
     assert torch.isfinite(out).all()
     assert (out.double() - ref_out).abs().max().item() <= 2e-5
     fin = torch.isfinite(ref_lse)

@@ -29,25 +29,6 @@ CONTIGUOUS = ["read_only_int_len", "read_only_full_cache", "append_rows", "batch
               "read_only_leftpad", "causal_prefill", "gqa_8_to_1", "mha_odd_d", "larger_cache_than_batch", "softcap"]
 
 
-@pytest.fixture
-def interp(monkeypatch):
-    """The interpreter with a tiny config (16-key tiles), and a record of every decode launch's
-    keywords, forwarded to the real launch."""
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
-    metas = []
-    real = launcher.launch
-
-    def record(kernel, grid, *args, **meta):
-        if kernel is launcher._decode_kernel:
-            metas.append(meta)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(launcher, "launch", record)
-    return metas
-
-
 def _call(q, kc, vc, args, num_splits):
     args = dict(args)
     if "scale" in args:
@@ -59,17 +40,17 @@ def _call(q, kc, vc, args, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name", CONTIGUOUS + PAGED)
-def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
+def test_tma_matches_pointer_loads_and_oracle(decode_interp, monkeypatch, name, dtype):
     torch.manual_seed(0)
     q, kc, vc, args = make_case(dtype=dtype, cap=70, **CASES[name])
     for splits in (1, 3):
         monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
         ref = _call(q, kc, vc, args, splits)
-        assert "USE_TMA" not in interp[-1]
+        assert "USE_TMA" not in decode_interp[-1]
         monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
         got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
-        assert interp[-1].get("USE_TMA") is True, "the descriptor path did not run"
-        assert interp[-1]["PAGED"] is (name in PAGED)
+        assert decode_interp[-1].get("USE_TMA") is True, "the descriptor path did not run"
+        assert decode_interp[-1]["PAGED"] is (name in PAGED)
         if q.shape[-1] & (q.shape[-1] - 1) == 0:
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "TMA and pointer loads differ"
         else:
@@ -80,15 +61,15 @@ def test_tma_matches_pointer_loads_and_oracle(interp, monkeypatch, name, dtype):
 
 
 @pytest.mark.parametrize("name", ["paged_3", "paged_16_leftpad"])
-def test_unaligned_pages_keep_pointer_loads(interp, monkeypatch, name):
+def test_unaligned_pages_keep_pointer_loads(decode_interp, monkeypatch, name):
     # pages smaller than a tile, or shifted by left padding: a tile spans pages, no descriptor box fits
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES[name])
     _run_and_check(q, kc, vc, args, num_splits=2)
-    assert "USE_TMA" not in interp[-1]
+    assert "USE_TMA" not in decode_interp[-1]
 
 
-def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch):
+def test_nan_outside_the_rows_pages_is_never_read(decode_interp, monkeypatch):
     """Paged: NaN in every pool slot that holds no key of its row (past each row's length, and the
     pages no row uses); descriptors read only whole unmasked tiles, so the result stays finite."""
     torch.manual_seed(3)
@@ -101,15 +82,15 @@ def test_nan_outside_the_rows_pages_is_never_read(interp, monkeypatch):
             keep[table[i, pos // page], pos % page] = True
     kc[~keep] = float("nan")
     vc[~keep] = float("nan")
-    _finite_and_like_the_oracle(interp, q, kc, vc, args)
+    _finite_and_like_the_oracle(decode_interp, q, kc, vc, args)
 
 
-def _finite_and_like_the_oracle(interp, q, kc, vc, args):
+def _finite_and_like_the_oracle(decode_interp, q, kc, vc, args):
     """A descriptor-load call (3 splits) on caches holding NaN where no key is: finite and equal to
     the oracle, which reads only each row's keys. Returns the appended caches and the oracle's v."""
     ref_out, ref_lse, _, ref_vc = dense_oracle(q, kc, vc, **args)
     out, lse, kc2, vc2 = _call(q, kc, vc, args, 3)
-    assert interp[-1].get("USE_TMA") is True
+    assert decode_interp[-1].get("USE_TMA") is True
     assert torch.isfinite(out).all()
     assert (out.double() - ref_out).abs().max().item() <= 2e-5
     fin = torch.isfinite(ref_lse)
@@ -118,7 +99,7 @@ def _finite_and_like_the_oracle(interp, q, kc, vc, args):
 
 
 @pytest.mark.parametrize("name", ["append_rows", "leftpad", "wide_window", "read_only_int_len", "read_only_leftpad"])
-def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
+def test_nan_past_the_rows_is_never_read(decode_interp, monkeypatch, name):
     """NaN in every cache slot past a row's keys (and the append's): the masked tail block reads
     them only through masked pointer loads, so the output stays finite and equals the oracle's."""
     torch.manual_seed(1)
@@ -131,7 +112,7 @@ def test_nan_past_the_rows_is_never_read(interp, monkeypatch, name):
         n = lens if isinstance(lens, int) else (kc.shape[1] - s_new if lens is None else int(lens[i]))
         kc[i, n + s_new:] = float("nan")
         vc[i, n + s_new:] = float("nan")
-    _, vc2, ref_vc = _finite_and_like_the_oracle(interp, q, kc, vc, args)
+    _, vc2, ref_vc = _finite_and_like_the_oracle(decode_interp, q, kc, vc, args)
     torch.testing.assert_close(vc2, ref_vc, rtol=0, atol=0, equal_nan=True)  # the append, NaN left alone
 
 
@@ -217,7 +198,7 @@ def test_unchecked_descriptor_equals_the_checked_one():
 
 
 @pytest.mark.parametrize("d,splits", [(16, 1), (24, 2)])
-def test_launcher_passes_blocks_per_program_and_tile_fill(interp, monkeypatch, d, splits):
+def test_launcher_passes_blocks_per_program_and_tile_fill(decode_interp, monkeypatch, d, splits):
     # decode_attn hands the rule the key blocks one program reads at the cache's capacity (after the
     # split count) and whether d fills its power-of-two tile (d = 24 runs in a 32-wide tile)
     seen = []
@@ -233,5 +214,5 @@ def test_launcher_passes_blocks_per_program_and_tile_fill(interp, monkeypatch, d
     q = torch.randn(1, 1, 4, d, dtype=torch.float16)
     kc = torch.randn(1, cap, 2, d, dtype=torch.float16)
     flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([70], dtype=torch.int32), num_splits=splits)
-    key_blocks = -(-cap // launcher.CONFIG_OVERRIDE[0])  # the interp fixture's 16-key tiles
+    key_blocks = -(-cap // launcher.CONFIG_OVERRIDE[0])  # the decode_interp fixture's 16-key tiles
     assert seen == [dict(blocks_per_program=-(-key_blocks // splits), d_fills_block=d in (16, 32), page_aligned=False)]

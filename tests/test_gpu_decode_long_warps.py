@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from flashtile.backends.triton import decode as launcher
+from spies import record_launch_meta
 from test_gpu_kvcache import _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -21,15 +22,7 @@ def test_eight_warps_against_reference(monkeypatch, b, cap, num_splits, s_new, r
     # ones would take descriptor loads, so pin pointer loads to test the path that would run
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
     monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", "8")
-    warps = []
-    real = launcher.launch
-
-    def recording_launch(kernel, grid, *args, **meta):
-        if kernel is launcher._decode_kernel:
-            warps.append(meta["num_warps"])
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(launcher, "launch", recording_launch)
+    metas = record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)
     q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, 128, cap, torch.bfloat16, rotary=rotary)
     _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
-    assert warps == [8]
+    assert [m["num_warps"] for m in metas] == [8]

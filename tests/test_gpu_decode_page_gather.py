@@ -8,6 +8,7 @@ import torch
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.backends.triton import decode as launcher
+from spies import record_launch_meta
 from test_gpu_kvcache import _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -17,15 +18,7 @@ pytestmark = pytest.mark.gpu
                                                        (40, 2048, 16, 1, False, 128), (3, 3000, 1, 2, False, 64),
                                                        (4, 4096, 16, 0, False, 256)])
 def test_gather_by_page(monkeypatch, b, cap, page, s_new, rotary, d):
-    metas = []
-    real = launcher.launch
-
-    def recording_launch(kernel, grid, *args, **meta):
-        if kernel is launcher._decode_kernel:
-            metas.append(meta)
-        return real(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(launcher, "launch", recording_launch)
+    metas = record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)
     q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, d, cap, torch.bfloat16, page=page, rotary=rotary, seed=b)
     monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
     _check(q, kc, vc, kw, causal=True)

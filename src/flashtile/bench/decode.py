@@ -121,13 +121,11 @@ def _flashtile_calls(q, caches, lens, page, num_splits, gen):
 
     calls = []
     order = None if page is None else _page_order(caches[0][0], page, gen)
-    shared_table = None
+    table = None
     for kc, vc in caches:
-        table = None
         if page is not None:
-            kc, vc, table = _paged(kc, vc, page, order)
-            shared_table = table if shared_table is None else shared_table
-            table = shared_table
+            kc, vc, layer_table = _paged(kc, vc, page, order)
+            table = layer_table if table is None else table  # the first layer's serves them all
         calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
             q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=num_splits))
     return calls
