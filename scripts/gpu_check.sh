@@ -32,6 +32,8 @@
 #   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
 #   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
+#   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k decode kernels (flashtile contiguous / paged, SDPA cuDNN)
+#   bench-decode-b32-stages  b = 32 beside cuDNN: the table's stages, FLASHTILE_DECODE_STAGES=2, and 2 with PDL, twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -372,6 +374,29 @@ for step in "${steps[@]}"; do
         python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages --peers \
           --num-splits "$n" --out "$WORK/decode_b1_splits${n}_$SECONDS.json" 2>> "$WORK/bench_b1_splits.log" >> "$summary"
         pack
+      done ;;
+    probe-decode-ncu)
+      # Nsight Compute, one kernel at a time, on the decode cases of scripts/probe_decode_ncu.py (b = 1, 8k
+      # contiguous / 16- / 256-token pages, b = 32, 8k, and SDPA cuDNN at both), clocks not locked
+      inc=()
+      for c in ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k; do inc+=(--nvtx-include "$c/"); done
+      ncu --nvtx "${inc[@]}" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+        python3 scripts/probe_decode_ncu.py > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
+      echo "ncu exit $?" >> "$summary"
+      grep -E '^  [^ ].*\(|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Stall' \
+        "$WORK/ncu_decode.txt" | head -n 200 >> "$summary" ;;
+    bench-decode-b32-stages)
+      # b = 32 beside cuDNN in 8-layer graphs, --rounds 2: the table's 3 stages, 2 stages (two or three CTAs
+      # per SM), and 2 stages with programmatic dependent launch; twice, alternated
+      for run in 1 2; do
+        for st in "" "FLASHTILE_DECODE_STAGES=2" "FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_PDL=1"; do
+          tag=$(echo "${st:-table}" | tr ' =' '_-')
+          env $st python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 \
+            --pages --peers cudnn --rounds 2 --out "$WORK/decode_b32_stages_${tag}_$SECONDS.json" \
+            2>> "$WORK/bench_b32_stages.log" >> "$summary"
+          pack
+        done
       done ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone

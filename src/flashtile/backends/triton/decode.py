@@ -260,8 +260,15 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     Small pages (< 64 tokens) on a grid that fills the GPU unsplit take 64-key tiles: measured
     (tune_decode_b32_h200_2026-11-29.json, b=32, 16-token pages) 1.08x of contiguous at 64 keys
     against 1.20x at 128, while split launches (b <= 8) ran faster with 128.
+    FLASHTILE_DECODE_STAGES=1..4 replaces the table's stages (for A/B runs in ``bench decode``).
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
+    setting = env.get("FLASHTILE_DECODE_STAGES", "")
+    if setting:
+        # an experiment knob (the table's pipeline depth replaced; paged launches still add two)
+        if setting not in ("1", "2", "3", "4"):
+            raise ValueError(f"FLASHTILE_DECODE_STAGES must be 1-4 (unset: the table's), got {setting!r}")
+        num_stages = int(setting)
     if cache_elem_bytes >= 4:
         block_n = max(16, block_n // 2)
     if paged and grid_full and page_size < 64 < block_n:

@@ -1,0 +1,77 @@
+"""Decode calls for Nsight Compute to profile one kernel at a time (gpu_check.sh probe-decode-ncu).
+
+Each case runs twice unprofiled (compile, warm caches) and then ``--calls`` times inside an NVTX
+range named after it, so ``ncu --nvtx --nvtx-include "<case>/"`` profiles just those launches:
+flashtile at b = 1, 8k (contiguous, 16- and 256-token pages in random order: the start-up-bound
+row and the two paged columns of issue 5's table) and b = 32, 8k (contiguous, the cuDNN row), and
+SDPA's cuDNN backend on the head-major copies ``bench decode`` gives it. GQA 32 / 8, d = 128, bf16,
+one new token, as in the table. Run without ncu it only checks that every case runs.
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtile import flash_attn_with_kvcache
+
+H, H_K, D = 32, 8, 128
+
+
+def flashtile_case(b: int, sk: int, page: int | None):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+    if page is None:
+        kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        table = None
+    else:
+        n = sk // page
+        kc = torch.randn(b * n, page, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        table = torch.randperm(b * n, device="cuda", generator=g).view(b, n).to(torch.int32)
+    vc = torch.randn_like(kc)
+    return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
+
+
+def cudnn_case(b: int, sk: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, H_K, sk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn_like(k)
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2, help="profiled calls per case")
+    args = ap.parse_args()
+    cases = {
+        "ft_b1_8k": lambda: flashtile_case(1, 8192, None),
+        "ft_b1_8k_p16": lambda: flashtile_case(1, 8192, 16),
+        "ft_b1_8k_p256": lambda: flashtile_case(1, 8192, 256),
+        "ft_b32_8k": lambda: flashtile_case(32, 8192, None),
+        "cudnn_b1_8k": lambda: cudnn_case(1, 8192),
+        "cudnn_b32_8k": lambda: cudnn_case(32, 8192),
+    }
+    for name, make in cases.items():
+        fn = make()
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        for _ in range(args.calls):
+            torch.cuda.nvtx.range_push(name)
+            fn()
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(f"{name}: ran", flush=True)
+        del fn
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
