@@ -34,6 +34,7 @@
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
 #   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k decode kernels (flashtile contiguous / paged, SDPA cuDNN)
 #   bench-decode-b32-stages  b = 32 beside cuDNN: the table's stages, FLASHTILE_DECODE_STAGES=2, and 2 with PDL, twice
+#   bench-decode-b1-occupancy  b = 1: the table's stages / 16 splits against FLASHTILE_DECODE_STAGES=2 at 16 / 32 / 24 splits
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -395,6 +396,19 @@ for step in "${steps[@]}"; do
           env $st python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 \
             --pages --peers cudnn --rounds 2 --out "$WORK/decode_b32_stages_${tag}_$SECONDS.json" \
             2>> "$WORK/bench_b32_stages.log" >> "$summary"
+          pack
+        done
+      done ;;
+    bench-decode-b1-occupancy)
+      # b = 1 in 8-layer graphs beside cuDNN (contiguous, 16- and 256-token pages): the table's 3 stages and 16
+      # splits (one CTA per SM) against 2 stages (two or more CTAs per SM, as cuDNN's 86 KB kernel) at 16 / 24 /
+      # 32 splits; twice, alternated
+      for run in 1 2; do
+        for cfg in ":0" "2:0" "2:32" "2:24"; do
+          st=${cfg%%:*} n=${cfg##*:}
+          env ${st:+FLASHTILE_DECODE_STAGES=$st} python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 \
+            --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn --num-splits "$n" \
+            --out "$WORK/decode_b1_occ_st${st:-table}_s${n}_$SECONDS.json" 2>> "$WORK/bench_b1_occ.log" >> "$summary"
           pack
         done
       done ;;
