@@ -142,7 +142,8 @@ for step in "${steps[@]}"; do
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
-        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py tests/test_gpu_decode_page_gather.py) ;;
+        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py tests/test_gpu_decode_page_gather.py
+          tests/test_gpu_decode_grid_full_stages.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
       python3 -m pytest -q -m "gpu and not gluon" --maxfail=20 --durations=10 -p no:cacheprovider "${xdist[@]}" \

@@ -81,3 +81,27 @@ def test_long_program_warps(monkeypatch):
         monkeypatch.setenv("FLASHTILE_DECODE_LONG_WARPS", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_LONG_WARPS"):
             decode.long_program_warps(short, False, 4, "sm90")  # checked on short programs too
+
+
+# decode.grid_full_stages: unsplit grid-filling launches on sm_90 contiguous caches take GRID_FULL_STAGES
+# in the measured shape; FLASHTILE_DECODE_STAGES (replacing the table's stages in launch_config) wins.
+def test_grid_full_stages(monkeypatch):
+    two = decode.GRID_FULL_STAGES
+    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
+    assert decode.grid_full_stages(True, 1, False, 3, "sm90", True) == two  # the rule
+    assert decode.grid_full_stages(False, 1, False, 3, "sm90", True) == 3  # a grid that does not fill the GPU
+    assert decode.grid_full_stages(True, 2, False, 3, "sm90", True) == 3  # split (num_splits forced)
+    assert decode.grid_full_stages(True, 1, True, 5, "sm90", True) == 5  # paged: not measured
+    assert decode.grid_full_stages(True, 1, False, 3, "sm90", False) == 3  # a shape not measured
+    assert decode.grid_full_stages(True, 1, False, 3, "default", True) == 3  # not measured off sm_90
+    assert decode.grid_full_stages(True, 1, False, 3) == 3
+    monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "3")
+    assert decode.grid_full_stages(True, 1, False, 3, "sm90", True) == 3
+    assert decode.launch_config("sm90", 128, False, 2)[2] == 3
+    assert decode.launch_config("sm90", 128, True, 2, page_size=256)[2] == 5  # paged still adds two
+    monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "1")
+    assert decode.launch_config("sm90", 128, False, 2)[2] == 1
+    for bad in ("0", "5", "two"):
+        monkeypatch.setenv("FLASHTILE_DECODE_STAGES", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_STAGES"):
+            decode.launch_config("sm90", 128, False, 2)

@@ -154,6 +154,29 @@ def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arc
     return int(setting)
 
 
+# Pipeline depth of grids that fill the GPU unsplit (b * kv heads >= SPLIT_FREE_FILL * SMs, e.g. b = 32
+# with 8 kv heads: 256 programs on 132 SMs). At the table's 3 stages a program holds 139 KB of shared
+# memory, one CTA per SM, so the grid runs in two waves; at 2 stages two or three fit per SM (as
+# cuDNN's 86 KB decode kernel, 256 CTAs at b = 32, Nsight Compute: ncu_decode_h200_2026-11-30_session12.txt).
+# In 8-layer graphs beside cuDNN, two runs alternated (decode_b32_stages_h200_2026-11-30_session12.json):
+# b = 32 at 8k 240.9 / 240.7 -> 238.8 / 238.8 us, 32k 937.6 / 938.4 -> 931.9 / 931.8, 128k (8 warps)
+# 3723.9 / 3726.0 -> 3708.0 / 3708.6; and single-call graphs (tune_decode_occupancy_h200_2026-11-30_
+# session12.json) 252.2 / 252.6 -> 250.6 / 250.7 at 8k. At b = 1 (split launches, one CTA per SM by
+# design) 2 stages lost at every split count (decode_b1_occupancy_h200_2026-11-30_session12.json).
+# So on sm_90, unsplit grid-filling launches on a contiguous cache take GRID_FULL_STAGES, in the
+# measured shape only (d = 128, 128-key tiles, a 2-byte cache that is not fp8); paged launches were
+# not measured with it. FLASHTILE_DECODE_STAGES, when set, wins over this rule.
+GRID_FULL_STAGES = 2
+
+
+def grid_full_stages(grid_full: bool, num_splits: int, paged: bool, num_stages: int, arch: str = "default",
+                     measured: bool = False) -> int:
+    """The pipeline stages of a decode launch whose grid fills the GPU unsplit (see GRID_FULL_STAGES)."""
+    if env.get("FLASHTILE_DECODE_STAGES", "") or not (grid_full and num_splits == 1) or paged:
+        return num_stages
+    return GRID_FULL_STAGES if arch == "sm90" and measured else num_stages
+
+
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -363,6 +386,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
         num_warps = long_program_warps(blocks_per_program, paged, num_warps, _arch(q.device), measured)
+        num_stages = grid_full_stages(grid_full, num_splits, paged, num_stages, _arch(q.device), measured)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
