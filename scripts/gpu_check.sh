@@ -35,7 +35,6 @@
 #   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k decode kernels (flashtile contiguous / paged, SDPA cuDNN)
 #   bench-decode-b32-stages  b = 32 beside cuDNN: the table's stages, FLASHTILE_DECODE_STAGES=2, and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages / 16 splits against FLASHTILE_DECODE_STAGES=2 at 16 / 32 / 24 splits
-#   bench-decode-pdl-early  FLASHTILE_DECODE_PDL_EARLY=0 1 0 1 (b = 1) and 0 1 (b = 8, 8k), after tests-decode-pdl
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -414,14 +413,6 @@ for step in "${steps[@]}"; do
           pack
         done
       done ;;
-    bench-decode-pdl-early)
-      # where the split kernel lets its merge launch: after the key loop (0, the default) or at its top (1),
-      # alternated twice; 8-layer graphs beside cuDNN, b = 1 at 8k-64k and b = 8 at 8k (the PDL rows), all
-      # three layouts; after tests-decode-pdl passed in this call
-      decode_ab decode_pdl decode_layers8_pdl_early FLASHTILE_DECODE_PDL_EARLY "0 1 0 1" \
-        --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn
-      decode_ab decode_pdl decode_layers8_pdl_early_b8_ FLASHTILE_DECODE_PDL_EARLY "0 1" \
-        --cuda-graph --layers 8 --batch 8 --seqlens 8192 --pages 16 256 --peers cudnn ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;

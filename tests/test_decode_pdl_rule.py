@@ -105,16 +105,3 @@ def test_grid_full_stages(monkeypatch):
         monkeypatch.setenv("FLASHTILE_DECODE_STAGES", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_STAGES"):
             decode.launch_config("sm90", 128, False, 2)
-
-
-# FLASHTILE_DECODE_PDL_EARLY (decode.pdl_early): the split kernel lets the merge launch at its top
-def test_pdl_early_setting(monkeypatch):
-    monkeypatch.delenv("FLASHTILE_DECODE_PDL_EARLY", raising=False)
-    assert decode.pdl_early() is False
-    monkeypatch.setenv("FLASHTILE_DECODE_PDL_EARLY", "1")
-    assert decode.pdl_early() is True
-    monkeypatch.setenv("FLASHTILE_DECODE_PDL_EARLY", "0")
-    assert decode.pdl_early() is False
-    monkeypatch.setenv("FLASHTILE_DECODE_PDL_EARLY", "yes")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PDL_EARLY"):
-        decode.pdl_early()

@@ -35,11 +35,9 @@ def _launches(monkeypatch):
 @pytest.mark.parametrize("page", [None, 16])
 @pytest.mark.parametrize("b,num_splits", [(1, 0), (1, 1), (8, 0), (3, 5)])
 @pytest.mark.parametrize("s_new", [0, 1])
-@pytest.mark.parametrize("early", ["0", "1"])  # FLASHTILE_DECODE_PDL_EARLY: where the merge may launch
-def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new, early):
+def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    monkeypatch.setenv("FLASHTILE_DECODE_PDL_EARLY", early)
     calls = _launches(monkeypatch)
     results = []
     for pdl in (False, True):
@@ -54,15 +52,13 @@ def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new, ea
         assert torch.equal(a, c)  # same kernels, same order of work: bit for bit
 
 
-@pytest.mark.parametrize("early", ["0", "1"])
-def test_pdl_in_a_graph_of_layers(monkeypatch, early):
+def test_pdl_in_a_graph_of_layers(monkeypatch):
     """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the
     previous layer's output (so a kernel that read before its wait would see a stale input),
     replayed with new lengths, against the same chain launched ordinarily: outputs and appended
     caches bit for bit."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
-    monkeypatch.setenv("FLASHTILE_DECODE_PDL_EARLY", early)
     layers = [_inputs(1, 1, 1, 32, 8, 128, 8192, torch.bfloat16, page=16, rotary=True, seed=i) for i in range(8)]
     q0 = layers[0][0]
     lens = torch.tensor([5000], device=DEV, dtype=torch.int32)

@@ -124,9 +124,6 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     # append and merge, the paged one neither; the fp8 test below compiles the decode kernel with it too
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_PDL=True), DECODE_INTS, 4,
              5 if paged else 3)
-    if not paged:  # FLASHTILE_DECODE_PDL_EARLY: the merge let launch at the top (one signal, moved)
-        _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, USE_PDL=True, EARLY_LAUNCH=True),
-                 DECODE_INTS, 4, 3)
     cx = dict(HEAD_DIM=d, BLOCK_S=4, BLOCK_D=d)
     _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", cx, {"O_PART": "*fp32", "LSE_PART": "*fp32"},
              4, 1)

@@ -218,19 +218,12 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    EARLY_LAUNCH: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
         # previous kernel in the stream (an append, a previous layer's merge) has finished and
         # flushed its writes
         gdc_wait()
-        if EARLY_LAUNCH:
-            # let the merge be scheduled now, beside this grid (it waits for this grid's end before
-            # reading): its launch latency then hides under the key loop. CUDA launches it only once
-            # every program of this grid has run this line, so it never takes a slot a program of
-            # this grid still needs.
-            gdc_launch_dependents()
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
     pid = tl.program_id(0)
@@ -363,7 +356,7 @@ def _decode_kernel(
             True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
             DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED, False)
 
-    if USE_PDL and not EARLY_LAUNCH:
+    if USE_PDL:
         # the next kernel (the split merge) may start launching; it waits for this grid's end itself
         gdc_launch_dependents()
     empty = l_i == 0.0

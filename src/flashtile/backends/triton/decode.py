@@ -203,19 +203,6 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
     return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
-# Where the split kernel lets its dependent (the merge) launch: after its key loop (the default, measured
-# in session 7), or with FLASHTILE_DECODE_PDL_EARLY=1 right after its wait at the top, so the merge's
-# launch latency hides under the key loop (an experiment until measured; gpu_check.sh tests-decode-pdl
-# bench-decode-pdl-early).
-
-
-def pdl_early() -> bool:
-    setting = env.get("FLASHTILE_DECODE_PDL_EARLY", "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"FLASHTILE_DECODE_PDL_EARLY must be 0 or 1, got {setting!r}")
-    return setting == "1"
-
-
 # Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
 # Grown, never freed: a captured CUDA graph keeps the address it was captured with.
 _COUNTERS: dict = {}
@@ -423,8 +410,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * m_blocks * b * h_k,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    if pdl and pdl_early():
-        pdl["EARLY_LAUNCH"] = True
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d)) if tma
