@@ -33,8 +33,9 @@
 #   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
 #   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k decode kernels (flashtile contiguous / paged, SDPA cuDNN)
-#   bench-decode-b32-stages  b = 32 beside cuDNN: the table's stages, FLASHTILE_DECODE_STAGES=2, and 2 with PDL, twice
-#   bench-decode-b1-occupancy  b = 1: the table's stages / 16 splits against FLASHTILE_DECODE_STAGES=2 at 16 / 32 / 24 splits
+#   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
+#   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
+#                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -385,15 +386,18 @@ for step in "${steps[@]}"; do
       ncu --nvtx "${inc[@]}" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
         python3 scripts/probe_decode_ncu.py > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
-      echo "ncu exit $?" >> "$summary"
-      grep -E '^  [^ ].*\(|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Stall' \
+      rc=$?
+      echo "ncu exit $rc" >> "$summary"
+      [[ $rc -ne 0 ]] && status=$rc
+      grep -E '^  [^ ].*\(|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Warp Cycles Per Issued' \
         "$WORK/ncu_decode.txt" | head -n 200 >> "$summary" ;;
     bench-decode-b32-stages)
-      # b = 32 beside cuDNN in 8-layer graphs, --rounds 2: the table's 3 stages, 2 stages (two or three CTAs
-      # per SM), and 2 stages with programmatic dependent launch; twice, alternated
-      for run in 1 2; do
-        for st in "" "FLASHTILE_DECODE_STAGES=2" "FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_PDL=1"; do
-          tag=$(echo "${st:-table}" | tr ' =' '_-')
+      # b = 32 beside cuDNN in 8-layer graphs, --rounds 2: the table's 3 stages (forced: the default has taken
+      # 2 there since session 12), 2 stages (two or three CTAs per SM), and 2 stages with programmatic
+      # dependent launch; twice, alternated
+      for _ in 1 2; do
+        for st in "FLASHTILE_DECODE_STAGES=3" "FLASHTILE_DECODE_STAGES=2" "FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_PDL=1"; do
+          tag=$(echo "$st" | tr ' =' '_-')
           env $st python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 \
             --pages --peers cudnn --rounds 2 --out "$WORK/decode_b32_stages_${tag}_$SECONDS.json" \
             2>> "$WORK/bench_b32_stages.log" >> "$summary"
@@ -404,7 +408,7 @@ for step in "${steps[@]}"; do
       # b = 1 in 8-layer graphs beside cuDNN (contiguous, 16- and 256-token pages): the table's 3 stages and 16
       # splits (one CTA per SM) against 2 stages (two or more CTAs per SM, as cuDNN's 86 KB kernel) at 16 / 24 /
       # 32 splits; twice, alternated
-      for run in 1 2; do
+      for _ in 1 2; do
         for cfg in ":0" "2:0" "2:32" "2:24"; do
           st=${cfg%%:*} n=${cfg##*:}
           env ${st:+FLASHTILE_DECODE_STAGES=$st} python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 \

@@ -1,6 +1,8 @@
-"""When the decode path launches its kernels as programmatic dependents (backends/triton/decode.py
-use_pdl), on CPU with an sm_90 device standing in: by default only for calls that read at most
-PDL_MAX_KV_BYTES of K and V (where the H200 measured it faster), the switch overriding both ways."""
+"""The decode launcher's measured rules, on CPU with an sm_90 device standing in
+(backends/triton/decode.py): programmatic dependent launch (use_pdl: by default only for calls that read
+at most PDL_MAX_KV_BYTES of K and V, where the H200 measured it faster, the switch overriding both ways),
+8 warps for long programs (long_program_warps) and 2 stages for grids of more than one wave
+(grid_full_stages), each with its environment switch."""
 
 import pytest
 import torch
@@ -83,20 +85,23 @@ def test_long_program_warps(monkeypatch):
             decode.long_program_warps(short, False, 4, "sm90")  # checked on short programs too
 
 
-# decode.grid_full_stages: unsplit grid-filling launches on sm_90 contiguous caches take GRID_FULL_STAGES
-# in the measured shape; FLASHTILE_DECODE_STAGES (replacing the table's stages in launch_config) wins.
+# decode.grid_full_stages: unsplit launches of more programs than SMs on sm_90 contiguous caches take
+# GRID_FULL_STAGES in the measured shape; FLASHTILE_DECODE_STAGES (replacing the table's stages in
+# launch_config) turns the rule off.
 def test_grid_full_stages(monkeypatch):
     two = decode.GRID_FULL_STAGES
     monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
-    assert decode.grid_full_stages(True, 1, False, 3, "sm90", True) == two  # the rule
-    assert decode.grid_full_stages(False, 1, False, 3, "sm90", True) == 3  # a grid that does not fill the GPU
-    assert decode.grid_full_stages(True, 2, False, 3, "sm90", True) == 3  # split (num_splits forced)
-    assert decode.grid_full_stages(True, 1, True, 5, "sm90", True) == 5  # paged: not measured
-    assert decode.grid_full_stages(True, 1, False, 3, "sm90", False) == 3  # a shape not measured
-    assert decode.grid_full_stages(True, 1, False, 3, "default", True) == 3  # not measured off sm_90
-    assert decode.grid_full_stages(True, 1, False, 3) == 3
+    assert decode.grid_full_stages(256, 132, 1, False, 3, "sm90", True) == two  # the rule (b = 32, 8 kv heads)
+    assert decode.grid_full_stages(128, 132, 1, False, 3, "sm90", True) == 3  # one wave: no CTA gained per SM
+    assert decode.grid_full_stages(132, 132, 1, False, 3, "sm90", True) == 3
+    assert decode.grid_full_stages(256, 132, 2, False, 3, "sm90", True) == 3  # split (num_splits forced)
+    assert decode.grid_full_stages(256, 132, 1, True, 5, "sm90", True) == 5  # paged: not measured
+    assert decode.grid_full_stages(256, 132, 1, False, 3, "sm90", False) == 3  # a shape not measured
+    assert decode.grid_full_stages(256, 132, 1, False, 3, "default", True) == 3  # not measured off sm_90
+    assert decode.grid_full_stages(256, 132, 1, False, 3, "interpret", True) == 3
+    assert decode.grid_full_stages(256, 132, 1, False, 3) == 3
     monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "3")
-    assert decode.grid_full_stages(True, 1, False, 3, "sm90", True) == 3
+    assert decode.grid_full_stages(256, 132, 1, False, 3, "sm90", True) == 3
     assert decode.launch_config("sm90", 128, False, 2)[2] == 3
     assert decode.launch_config("sm90", 128, True, 2, page_size=256)[2] == 5  # paged still adds two
     monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "1")
@@ -105,3 +110,36 @@ def test_grid_full_stages(monkeypatch):
         monkeypatch.setenv("FLASHTILE_DECODE_STAGES", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_STAGES"):
             decode.launch_config("sm90", 128, False, 2)
+
+
+def test_decode_attn_passes_the_stage_rule_its_shape(monkeypatch):
+    """decode_attn's wiring of grid_full_stages, on CPU tensors with the launch recorded, not run: a
+    one-token GQA step at b = 32 (256 programs) on sm_90 takes 2 stages; b = 16 (128), an 8-token step
+    (32-row query tiles), a paged cache or fp32 keep the table's 3 (5 paged)."""
+    import torch
+
+    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode, "TMA_OVERRIDE", False)
+    stages = []
+    monkeypatch.setattr(decode, "launch", lambda kernel, grid, *a, **meta: stages.append(meta["num_stages"]))
+
+    def call(b, sq=1, dtype=torch.float16, paged=False):
+        q = torch.zeros(b, sq, 32, 128, dtype=dtype)
+        if paged:
+            kc = torch.zeros(b * 4, 256, 8, 128, dtype=dtype)
+            table = torch.arange(b * 4, dtype=torch.int32).view(b, 4)
+        else:
+            kc, table = torch.zeros(b, 1024, 8, 128, dtype=dtype), None
+        decode.decode_attn(q, kc, kc, s_new=0, cache_seqlens=None, cache_len_const=1000, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=table, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=False, rotary_per_token=False, softmax_scale=0.1, window_left=-1,
+                           window_right=-1, softcap=0.0, alibi_slopes=None, num_splits=0)
+        return stages[-1]
+
+    assert call(32) == decode.GRID_FULL_STAGES
+    assert call(16) == 3
+    assert call(32, sq=8) == 3  # 32 query rows per program
+    assert call(32, paged=True) == 5
+    assert call(32, dtype=torch.float32) == 3

@@ -154,27 +154,31 @@ def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arc
     return int(setting)
 
 
-# Pipeline depth of grids that fill the GPU unsplit (b * kv heads >= SPLIT_FREE_FILL * SMs, e.g. b = 32
-# with 8 kv heads: 256 programs on 132 SMs). At the table's 3 stages a program holds 139 KB of shared
-# memory, one CTA per SM, so the grid runs in two waves; at 2 stages two or three fit per SM (as
-# cuDNN's 86 KB decode kernel, 256 CTAs at b = 32, Nsight Compute: ncu_decode_h200_2026-11-30_session12.txt).
-# In 8-layer graphs beside cuDNN, two runs alternated (decode_b32_stages_h200_2026-11-30_session12.json):
-# b = 32 at 8k 240.9 / 240.7 -> 238.8 / 238.8 us, 32k 937.6 / 938.4 -> 931.9 / 931.8, 128k (8 warps)
-# 3723.9 / 3726.0 -> 3708.0 / 3708.6; and single-call graphs (tune_decode_occupancy_h200_2026-11-30_
-# session12.json) 252.2 / 252.6 -> 250.6 / 250.7 at 8k. At b = 1 (split launches, one CTA per SM by
-# design) 2 stages lost at every split count (decode_b1_occupancy_h200_2026-11-30_session12.json).
-# So on sm_90, unsplit grid-filling launches on a contiguous cache take GRID_FULL_STAGES, in the
-# measured shape only (d = 128, 128-key tiles, a 2-byte cache that is not fp8); paged launches were
-# not measured with it. FLASHTILE_DECODE_STAGES, when set, wins over this rule.
+# Pipeline depth of grids of more than one wave, unsplit (programs = b * kv heads * query-row blocks >
+# SMs, e.g. b = 32 with 8 kv heads: 256 programs on 132 SMs). At the table's 3 stages a program holds
+# 139 KB of shared memory, one CTA per SM, so such a grid runs in two waves; at 2 stages two or three
+# fit per SM (as cuDNN's 86 KB decode kernel, 256 CTAs at b = 32, Nsight Compute:
+# ncu_decode_h200_2026-11-30_session12.txt). In 8-layer graphs beside cuDNN, two runs alternated
+# (decode_b32_stages_h200_2026-11-30_session12.json): b = 32 at 8k 240.9 / 240.7 -> 238.8 / 238.8 us,
+# 32k 937.6 / 938.4 -> 931.9 / 931.8, 128k (8 warps) 3723.9 / 3726.0 -> 3708.0 / 3708.6; single-call
+# graphs (tune_decode_occupancy_h200_2026-11-30_session12.json) 252.2 / 252.6 -> 250.6 / 250.7 at 8k.
+# A grid of one wave or less gains no CTAs per SM from it, only a shallower pipeline: at b = 1 (128
+# programs, split) 2 stages lost at every split count (decode_b1_occupancy_h200_2026-11-30_session12.json).
+# So on sm_90, unsplit launches of more programs than SMs on a contiguous cache take GRID_FULL_STAGES,
+# in the measured shape only (``measured``: d = 128, 128-key tiles, 16-row query tiles, a 2-byte cache
+# that is not fp8); paged launches were not measured with it. FLASHTILE_DECODE_STAGES, when set,
+# replaces the table's stages in launch_config and turns this rule off.
 GRID_FULL_STAGES = 2
 
 
-def grid_full_stages(grid_full: bool, num_splits: int, paged: bool, num_stages: int, arch: str = "default",
-                     measured: bool = False) -> int:
-    """The pipeline stages of a decode launch whose grid fills the GPU unsplit (see GRID_FULL_STAGES)."""
-    if env.get("FLASHTILE_DECODE_STAGES", "") or not (grid_full and num_splits == 1) or paged:
+def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_stages: int,
+                     arch: str = "default", measured: bool = False) -> int:
+    """The pipeline stages of a decode launch of ``programs`` programs per split on ``sms`` SMs (see
+    GRID_FULL_STAGES)."""
+    # the cheap refusals first: split and paged launches (most of a server's) pay no env lookup
+    if paged or num_splits != 1 or programs <= sms or arch != "sm90" or not measured:
         return num_stages
-    return GRID_FULL_STAGES if arch == "sm90" and measured else num_stages
+    return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
 
 
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
@@ -283,12 +287,14 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     Small pages (< 64 tokens) on a grid that fills the GPU unsplit take 64-key tiles: measured
     (tune_decode_b32_h200_2026-11-29.json, b=32, 16-token pages) 1.08x of contiguous at 64 keys
     against 1.20x at 128, while split launches (b <= 8) ran faster with 128.
-    FLASHTILE_DECODE_STAGES=1..4 replaces the table's stages (for A/B runs in ``bench decode``).
+    FLASHTILE_DECODE_STAGES=1..4 replaces the table's stages (for A/B runs in ``bench decode``); set, it
+    also turns grid_full_stages' rule off.
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
     setting = env.get("FLASHTILE_DECODE_STAGES", "")
     if setting:
-        # an experiment knob (the table's pipeline depth replaced; paged launches still add two)
+        # an experiment knob: the table's pipeline depth replaced (paged launches add two to a depth
+        # above 1), and grid_full_stages' rule off
         if setting not in ("1", "2", "3", "4"):
             raise ValueError(f"FLASHTILE_DECODE_STAGES must be 1-4 (unset: the table's), got {setting!r}")
         num_stages = int(setting)
@@ -358,9 +364,10 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     block_d = max(16, next_pow2(d))
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
+    arch = _arch(q.device)
     grid_full = b * h_k * m_blocks >= SPLIT_FREE_FILL * num_sms(q.device)
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
-        _arch(q.device), block_d, paged, k_cache.element_size(), page_size, grid_full)
+        arch, block_d, paged, k_cache.element_size(), page_size, grid_full)
 
     is_fp8 = q.dtype == FP8_DTYPE
     out = torch.empty(q.shape, device=q.device, dtype=torch.bfloat16) if is_fp8 else torch.empty_like(q)
@@ -385,8 +392,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
-        num_warps = long_program_warps(blocks_per_program, paged, num_warps, _arch(q.device), measured)
-        num_stages = grid_full_stages(grid_full, num_splits, paged, num_stages, _arch(q.device), measured)
+        num_warps = long_program_warps(blocks_per_program, paged, num_warps, arch, measured)
+        num_stages = grid_full_stages(b * h_k * m_blocks, num_sms(q.device), num_splits, paged, num_stages, arch,
+                                      measured and block_m == 16)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
