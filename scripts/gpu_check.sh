@@ -36,6 +36,8 @@
 #   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
+#   tests-decode-page-tma  per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA=1, an experiment) on the GPU
+#   bench-decode-page-tma  16-token pages with FLASHTILE_DECODE_PAGE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-page-tma
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -417,6 +419,14 @@ for step in "${steps[@]}"; do
           pack
         done
       done ;;
+    tests-decode-page-tma)
+      # per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA, an experiment) on the GPU, alone
+      timed_tests decode_page_tma tests/test_gpu_decode_page_tma.py ;;
+    bench-decode-page-tma)
+      # 16-token pages with per-page descriptor loads off / on, alternated twice, 8-layer graphs beside cuDNN,
+      # b = 1 at 8k-64k and b = 8 at 8k (contiguous column as each run's reference); after tests-decode-page-tma
+      decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;

@@ -7,9 +7,10 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
 Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> LOADS_AFTER_SHFL <n>
-CP_ASYNC_16 <n> LD_GLOBAL <n>`` (griddepcontrol and TMA bulk-tensor copy instructions in the PTX, global
-loads that come after its first warp shuffle, i.e. after the first reduction began, the PTX's
-16-byte cp.async copies (pipelined tile loads) and its synchronous global loads).
+CP_ASYNC_16 <n> LD_GLOBAL <n> LOOPS <n,n,...>`` (griddepcontrol and TMA bulk-tensor copy instructions in
+the PTX, global loads that come after its first warp shuffle, i.e. after the first reduction began, the
+PTX's 16-byte cp.async copies (pipelined tile loads), its synchronous global loads, and the instruction
+count of each loop body, in PTX order: a loop is a backward branch to a label).
 """
 
 import importlib
@@ -26,6 +27,22 @@ FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
 INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
 TILE_COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10")  # a 16-byte async copy
+LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+BRANCH = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+
+
+def loop_sizes(ptx: str) -> list[int]:
+    """Instructions in each loop body of the PTX (label to the branch back to it; labels, comments and
+    braces not counted)."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := LABEL.match(ln))}
+    sizes = []
+    for i, ln in enumerate(lines):
+        m = BRANCH.search(ln)
+        if m and labels.get(m.group(1), i + 1) < i:
+            body = lines[labels[m.group(1)]:i + 1]
+            sizes.append(sum(1 for x in body if x and not x.startswith(("$", "//", "{", "}"))))
+    return sizes
 
 
 def main(module, kernel, constexprs, types, warps, stages):
@@ -61,7 +78,8 @@ def main(module, kernel, constexprs, types, warps, stages):
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
           "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
-          "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"))
+          "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"),
+          "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-")
 
 
 if __name__ == "__main__":

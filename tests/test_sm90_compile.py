@@ -37,7 +37,7 @@ def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=Non
     assert res.returncode == 0, res.stderr[-3000:]
     fields = res.stdout.split()
     if fields_out is not None:
-        fields_out.update(zip(fields[::2], map(int, fields[1::2])))
+        fields_out.update((k, v if k == "LOOPS" else int(v)) for k, v in zip(fields[::2], fields[1::2]))
     shared = int(fields[fields.index("SHARED") + 1])
     assert shared <= SM90_MAX_SHARED, f"{kernel} {constexprs} needs {shared} bytes of shared memory"
     # no griddepcontrol unless programmatic dependent launch is asked for
@@ -241,6 +241,28 @@ def test_paged_decode_tma_compiles_for_sm90(tmp_path):
     desc = f"tensordesc<bf16[1,{block_n},1,{d}]>"
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, dict(DECODE_INTS, DESC_K=desc, DESC_V=desc),
              warps, stages, bulk=True)
+
+
+def test_small_page_descriptor_loads_compile_for_sm90(tmp_path):
+    # FLASHTILE_DECODE_PAGE_TMA=1 (an experiment): 16-token pages of a 128-key tile, each page's K and V
+    # by its own descriptor load (box [1, 16, 1, d]) at the paged launch's depth, with the fused append
+    # (whose masked tiles keep cp.async copies); the unmasked tiles' pointer copies are gone
+    from flashtile.backends.triton.decode import launch_config
+
+    d = 128
+    block_n, warps, stages = launch_config("sm90", d, True, 2, 16)
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_ALIGNED=False,
+              PAGE_SHIFT=4, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+              ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False,
+              USE_PDL=True, PAGES_PER_TILE=block_n // 16)
+    desc = f"tensordesc<bf16[1,16,1,{d}]>"
+    gather, pages = {}, {}
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, warps, stages, bulk=False,
+             fields_out=gather)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, PAGE_TMA=True),
+             dict(DECODE_INTS, DESC_K=desc, DESC_V=desc), warps, stages, bulk=True, fields_out=pages)
+    assert pages["CP_ASYNC_16"] < gather["CP_ASYNC_16"], (pages, gather)
 
 
 def test_combine_issues_its_loads_before_reducing(tmp_path):

@@ -109,6 +109,37 @@ def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool)
     return block_n // page_size
 
 
+# Per-page descriptor loads for small pages (an experiment, off until measured on the H200;
+# FLASHTILE_DECODE_PAGE_TMA=1 turns it on, tests pin PAGE_TMA_OVERRIDE): where the by-page gather
+# applies (pages_per_tile > 0) with pages of 16 tokens or more, an unmasked tile loads each page's K
+# and V slice by TMA (box [1, page_size, 1, d]) and the online softmax steps once per page
+# (kernels/decode.py _decode_inner_pages), instead of cp.async copies at per-key addresses. Aimed at
+# 16-token pages at b = 1, whose split kernel is issue-bound on the per-key address path (Nsight
+# Compute, ncu_decode_h200_2026-11-30_session12.txt: 17.9 us against 15.6-16.4 for 256-token pages,
+# which take descriptor loads). Masked tiles keep pointer loads. Not with softcap, ALiBi or fp8.
+PAGE_TMA_OVERRIDE: bool | None = None
+PAGE_TMA_MIN_PAGE = 16  # a page is one dot's N (>= 16) and one unrolled step: at most BLOCK_N / 16 per tile
+
+
+def use_page_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, pages_per_tile_: int, page_size: int,
+                 d_fills_block: bool, plain: bool) -> bool:
+    """Per-page descriptor loads for this launch? ``pages_per_tile_``: the launch's PAGES_PER_TILE;
+    ``plain``: no softcap and no ALiBi."""
+    if pages_per_tile_ == 0 or page_size < PAGE_TMA_MIN_PAGE or not plain or not d_fills_block:
+        return False
+    if PAGE_TMA_OVERRIDE is None:
+        setting = env.get("FLASHTILE_DECODE_PAGE_TMA", "")
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"FLASHTILE_DECODE_PAGE_TMA must be 1 (on) or 0 / unset (off), got {setting!r}")
+        if setting != "1" or k_cache.device.type != "cuda" or torch.version.hip is not None:
+            return False
+        if capability(k_cache.device)[0] < 9:
+            return False
+    elif not PAGE_TMA_OVERRIDE:
+        return False
+    return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
+
+
 def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
     """A (batch, capacity, kv heads, d) cache's (or a (pages, page_size, kv heads, d) pool's)
     descriptor with box [1, block_n, 1, block_d].
@@ -420,8 +451,11 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
-    desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d)) if tma
-                      else (k_cache, v_cache))
+    n_pages_tile = pages_per_tile(paged, page_size, block_n, cache_leftpad is not None)
+    page_tma = use_page_tma(k_cache, v_cache, n_pages_tile, page_size, block_d == d, softcap <= 0 and alibi is None)
+    box_n = page_size if page_tma else block_n
+    desc_k, desc_v = ((cache_descriptor(k_cache, box_n, block_d), cache_descriptor(v_cache, box_n, block_d))
+                      if tma or page_tma else (k_cache, v_cache))
     with device_guard(q):
         launch(
             _decode_kernel, grid,
@@ -446,7 +480,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             *(k_new.stride()[:3] if fused else (0, 0, 0)), *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             PAGED=paged, PAGE_ALIGNED=page_aligned,
-            PAGES_PER_TILE=pages_per_tile(paged, page_size, block_n, cache_leftpad is not None),
+            PAGES_PER_TILE=n_pages_tile,
             PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
             HAS_SEQLENS=cache_seqlens is not None,
             HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
@@ -456,6 +490,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
+            **({"PAGE_TMA": True} if page_tma else {}),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))
