@@ -38,6 +38,7 @@
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   tests-decode-page-tma  per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA=1, an experiment) on the GPU
 #   bench-decode-page-tma  16-token pages with FLASHTILE_DECODE_PAGE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-page-tma
+#   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -427,6 +428,17 @@ for step in "${steps[@]}"; do
       # b = 1 at 8k-64k and b = 8 at 8k (contiguous column as each run's reference); after tests-decode-page-tma
       decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" \
         --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
+    bench-decode-p16-stages)
+      # 16-token pages at b = 1 with the by-page gather (the default since session 11) at paged depths 5 (the
+      # table's 3 + 2) and 4 (FLASHTILE_DECODE_STAGES=2), alternated twice: session 6's sweep, which kept 5,
+      # predates the by-page gather, and a shallower pipeline issues fewer tiles' copies before the first MMA.
+      # The knob sets the contiguous column's stages too: compare the p16 column across runs.
+      for st in 3 2 3 2; do
+        FLASHTILE_DECODE_STAGES=$st python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 \
+          --seqlens 8192 16384 --pages 16 --peers --out "$WORK/decode_p16_stages${st}_$SECONDS.json" \
+          2>> "$WORK/bench_p16_stages.log" >> "$summary"
+        pack
+      done ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
