@@ -143,3 +143,28 @@ def test_decode_attn_passes_the_stage_rule_its_shape(monkeypatch):
     assert call(32, sq=8) == 3  # 32 query rows per program
     assert call(32, paged=True) == 5
     assert call(32, dtype=torch.float32) == 3
+
+
+def test_gluon_paged_route_rule(monkeypatch):
+    """backends/triton/gluon_decode.use_gluon_paged: off unless asked; never on CPU tensors; the switch
+    checked."""
+    import torch
+
+    from flashtile.backends.triton import gluon_decode
+
+    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
+    table = torch.zeros(1, 8, dtype=torch.int32)
+    lens = torch.zeros(1, dtype=torch.int32)
+    kw = dict(block_table=table, cache_seqlens=lens, cache_leftpad=None, rotary_cos=None, window_left=-1,
+              softcap=0.0, alibi_slopes=None, descales=(None, None, None))
+    monkeypatch.setattr(gluon_decode, "OVERRIDE", None)
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_PAGED", raising=False)
+    assert not gluon_decode.use_gluon_paged(q, kc, kc, **kw)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PAGED", "1")
+    assert not gluon_decode.use_gluon_paged(q, kc, kc, **kw)  # a CPU tensor
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PAGED", "on")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_PAGED"):
+        gluon_decode.use_gluon_paged(q, kc, kc, **kw)
+    assert gluon_decode._pool_2d_ok(kc)
+    assert not gluon_decode._pool_2d_ok(kc.transpose(1, 2).contiguous().transpose(1, 2))  # pages not packed

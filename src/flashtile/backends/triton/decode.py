@@ -12,6 +12,7 @@ import torch
 
 from flashtile import env
 from flashtile.backends.triton.attn_fwd import _tma_ok
+from flashtile.backends.triton.gluon_decode import gluon_paged_decode, use_gluon_paged
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
@@ -530,6 +531,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
+    if use_gluon_paged(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                       cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, window_left=window_left, softcap=softcap,
+                       alibi_slopes=alibi_slopes, descales=descales):
+        # the Gluon paged kernel (an experiment, FLASHTILE_DECODE_GLUON_PAGED=1) reads only: append first
+        if k is not None:
+            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, block_table, None, None,
+                      rotary_interleaved)
+        return gluon_paged_decode(q, k_cache, v_cache, s_new=s_new, cache_seqlens=cache_seqlens,
+                                  block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits)
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).

@@ -1,0 +1,85 @@
+"""GPU tests of the Gluon paged-decode kernel (FLASHTILE_DECODE_GLUON_PAGED=1, an experiment:
+backends/triton/gluon_decode.py, kernels/gluon_decode_paged.py): against the reference and close to the
+Triton kernel (another order of operations, so not bit for bit) for 16- / 32- / 64-token pages, d = 64 /
+128, bf16 and fp16, split and not, with an append; NaN in every pool slot outside a row's pages with the
+table padded by -1 must not reach the output; a graph-captured step replays with new lengths. Run alone:
+gpu_check.sh tests-decode-gluon-paged."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode as triton_launcher
+from flashtile.backends.triton import gluon_decode as launcher
+from spies import record_launch_meta
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
+
+
+@pytest.fixture(autouse=True)
+def _sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon decode kernel is sm_90 only")
+
+
+@pytest.mark.parametrize("b,cap,page,s_new,d,dtype,num_splits", [
+    (1, 8192, 16, 0, 128, torch.bfloat16, 0), (2, 5000, 16, 1, 128, torch.bfloat16, 0),
+    (3, 3000, 32, 2, 64, torch.float16, 0), (8, 8192, 64, 0, 128, torch.bfloat16, 0),
+    (40, 2048, 16, 1, 128, torch.bfloat16, 0), (2, 1000, 16, 0, 128, torch.bfloat16, 1),
+    (1, 300, 16, 1, 128, torch.bfloat16, 7)])
+def test_gluon_paged_against_reference_and_triton(monkeypatch, b, cap, page, s_new, d, dtype, num_splits):
+    q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, d, cap, dtype, page=page, seed=b + page)
+    monkeypatch.setattr(launcher, "OVERRIDE", True)
+    metas = record_launch_meta(monkeypatch, triton_launcher, triton_launcher._decode_kernel)
+    _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
+    assert not metas, "the call went to the Triton decode kernel"
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(launcher, "OVERRIDE", on)
+        outs.append(flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, num_splits=num_splits,
+                                            return_softmax_lse=True, **kw))
+    (o0, l0), (o1, l1) = outs
+    assert (o0.float() - o1.float()).abs().max().item() <= 2e-2
+    assert (l0 - l1).abs().max().item() <= 1e-3
+
+
+def test_gluon_paged_never_reads_outside_the_rows_pages(monkeypatch):
+    monkeypatch.setattr(launcher, "OVERRIDE", True)
+    q, kc, vc, kw = _inputs(3, 1, 1, 32, 8, 128, 4000, torch.bfloat16, page=16, seed=7)
+    table, lens = kw["block_table"], kw["cache_seqlens"]
+    ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, **kw)
+    keep = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
+    for i in range(3):
+        n = int(lens[i]) + 1
+        pages = table[i, : -(-n // 16)].long()
+        keep[pages] = True
+        keep[pages[-1], (n - 1) % 16 + 1:] = False  # the last page's slots past the new key
+        table[i, -(-n // 16):] = -1
+    kc[~keep] = float("nan")
+    vc[~keep] = float("nan")
+    out = flash_attn_with_kvcache(q, kc, vc, causal=True, **kw)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref.float()).abs().max().item() <= 2e-2
+
+
+def test_gluon_paged_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setattr(launcher, "OVERRIDE", True)
+    q, kc, vc, kw = _inputs(2, 1, 0, 32, 8, 128, 8192, torch.bfloat16, page=16, seed=11)
+    lens = kw.pop("cache_seqlens")
+    static_lens = lens.clone()
+    step = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=static_lens, causal=True, **kw)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for t in (0, 37, -500):
+        static_lens.copy_(lens + t)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens + t, causal=True, **kw)
+        assert torch.equal(out, ref)
