@@ -29,18 +29,34 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 
+@gluon.constexpr_function
+def _pow2_at_least(n):
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
 @gluon.jit
-def _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, table_row, n_table, tile, slot, kv_head,
-               PAGES: gl.constexpr):
-    # one barrier per tensor: a slot's K completes PAGES boxes, its V as many
+def _page_ids(table_row, n_table, first, COUNT: gl.constexpr, id_layout: gl.constexpr):
+    """COUNT table entries from index ``first`` in one load (id_layout gives every thread all of them); an
+    entry past the table row reads as -1, whose box lies above row 0 and which TMA fills with zeros."""
+    idx = first + gl.arange(0, COUNT, id_layout)
+    return gl.load(table_row + idx, mask=idx < n_table, other=-1)
+
+
+@gluon.jit
+def _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ids, base: gl.constexpr, slot, kv_head,
+               PAGES: gl.constexpr, id_layout: gl.constexpr):
+    """Issue the TMA copies of one tile's pages, ``ids[base:base + PAGES]`` (loaded earlier, so that no copy
+    waits for a table read), into ring slot ``slot``; one barrier per tensor, each completing PAGES boxes."""
     PAGE: gl.constexpr = desc_k.block_type.shape[0]
     HEAD_DIM: gl.constexpr = desc_k.block_type.shape[1]
     mbarrier.expect(k_ready.index(slot), PAGES * desc_k.block_type.nbytes)
     mbarrier.expect(v_ready.index(slot), PAGES * desc_v.block_type.nbytes)
+    sel = gl.arange(0, ids.shape[0], id_layout)
     for i in gl.static_range(PAGES):
-        idx = tile * PAGES + i
-        # an entry past the table row reads as -1: its box lies above row 0, and TMA fills it with zeros
-        page = gl.load(table_row + idx, mask=idx < n_table, other=-1)
+        page = gl.sum(gl.where(sel == base + i, ids, 0), axis=0)  # within each thread: it holds every entry
         at = [page * PAGE, kv_head * HEAD_DIM]
         tma.async_copy_global_to_shared(desc_k, at, k_ready.index(slot), k_smem.index(slot).slice(i * PAGE, PAGE))
         tma.async_copy_global_to_shared(desc_v, at, v_ready.index(slot), v_smem.index(slot).slice(i * PAGE, PAGE))
@@ -67,6 +83,9 @@ def _gluon_paged_decode_kernel(
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     ld_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    id_layout: gl.constexpr = gl.BlockedLayout([PAGES], [32], [4], [0])
+    RING_IDS: gl.constexpr = _pow2_at_least(NUM_BUFFERS * PAGES)  # gl.arange wants a power of two
+    ring_id_layout: gl.constexpr = gl.BlockedLayout([RING_IDS], [32], [4], [0])
 
     pid = gl.program_id(0)
     split = pid % NUM_SPLITS
@@ -93,10 +112,12 @@ def _gluon_paged_decode_kernel(
         mbarrier.init(v_ready.index(i), count=1)
     fence_async_shared()
 
+    # the ring's first tiles: one table read for all of them, then the copies
+    ring_ids = _page_ids(table_row, n_table, lo * PAGES, RING_IDS, ring_id_layout)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n:
-            _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, table_row, n_table, lo + i, i, kv_head,
-                       PAGES)
+            _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ring_ids, i * PAGES, i, kv_head, PAGES,
+                       ring_id_layout)
 
     # q rows: the group's query heads of this kv head (rows past the group are zero)
     rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, ld_layout))
@@ -118,6 +139,8 @@ def _gluon_paged_decode_kernel(
         start = (lo + j) * BLOCK_N
         k_tile = k_smem.index(slot)
         v_tile = v_smem.index(slot)
+        # the refill's table entries, read now so their latency passes under this tile's MMAs
+        ids_next = _page_ids(table_row, n_table, (lo + j + NUM_BUFFERS) * PAGES, PAGES, id_layout)
         mbarrier.wait(k_ready.index(slot), phase)
         s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                           use_acc=False)
@@ -142,8 +165,7 @@ def _gluon_paged_decode_kernel(
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
         # the slot is free again (both MMAs reading it have retired): refill it NUM_BUFFERS tiles ahead
         if j + NUM_BUFFERS < n:
-            _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, table_row, n_table, lo + j + NUM_BUFFERS,
-                       slot, kv_head, PAGES)
+            _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ids_next, 0, slot, kv_head, PAGES, id_layout)
 
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(k_ready.index(i))
