@@ -21,6 +21,8 @@ CASES = {
     "causal_3_tokens": dict(s_new=3, sq=3, causal=True),
     "window": dict(s_new=1, window_size=(90, 0)),
     "gqa_8_1": dict(s_new=1, h=8, h_k=1),
+    # a scale of 0 or below: the tile's max must be taken over scaled scores
+    "negative_scale": dict(s_new=1, scale=-0.2),
 }
 
 

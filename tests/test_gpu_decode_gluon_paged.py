@@ -1,9 +1,9 @@
 """GPU tests of the Gluon paged-decode kernel (FLASHTILE_DECODE_GLUON_PAGED=1, an experiment:
 backends/triton/gluon_decode.py, kernels/gluon_decode_paged.py): against the reference and close to the
 Triton kernel (another order of operations, so not bit for bit) for 16- / 32- / 64-token pages, d = 64 /
-128, bf16 and fp16, split and not, with an append; NaN in every pool slot outside a row's pages with the
-table padded by -1 must not reach the output; a graph-captured step replays with new lengths. Run alone:
-gpu_check.sh tests-decode-gluon-paged."""
+128, bf16 and fp16, GQA groups of 1, 4 and 64, split and not, with an append and an empty row. NaN in
+every pool slot outside a row's pages, with the table padded by -1, must not reach the output, and a
+graph-captured step replays with new lengths. Run alone: gpu_check.sh tests-decode-gluon-paged."""
 
 import pytest
 import torch
@@ -23,13 +23,16 @@ def _sm90():
         pytest.skip("the Gluon decode kernel is sm_90 only")
 
 
-@pytest.mark.parametrize("b,cap,page,s_new,d,dtype,num_splits", [
-    (1, 8192, 16, 0, 128, torch.bfloat16, 0), (2, 5000, 16, 1, 128, torch.bfloat16, 0),
-    (3, 3000, 32, 2, 64, torch.float16, 0), (8, 8192, 64, 0, 128, torch.bfloat16, 0),
-    (40, 2048, 16, 1, 128, torch.bfloat16, 0), (2, 1000, 16, 0, 128, torch.bfloat16, 1),
-    (1, 300, 16, 1, 128, torch.bfloat16, 7)])
-def test_gluon_paged_against_reference_and_triton(monkeypatch, b, cap, page, s_new, d, dtype, num_splits):
-    q, kc, vc, kw = _inputs(b, 1, s_new, 32, 8, d, cap, dtype, page=page, seed=b + page)
+@pytest.mark.parametrize("b,cap,page,s_new,d,dtype,num_splits,h,h_k", [
+    (1, 8192, 16, 0, 128, torch.bfloat16, 0, 32, 8), (2, 5000, 16, 1, 128, torch.bfloat16, 0, 32, 8),
+    (3, 3000, 32, 2, 64, torch.float16, 0, 32, 8), (8, 8192, 64, 0, 128, torch.bfloat16, 0, 32, 8),
+    (40, 2048, 16, 1, 128, torch.bfloat16, 0, 32, 8), (2, 1000, 16, 0, 128, torch.bfloat16, 1, 32, 8),
+    (1, 300, 16, 1, 128, torch.bfloat16, 7, 32, 8), (3, 2000, 64, 0, 64, torch.bfloat16, 0, 8, 8),
+    (2, 3000, 16, 1, 128, torch.float16, 0, 64, 1), (4, 4096, 32, 0, 128, torch.float16, 5, 16, 4)])
+def test_gluon_paged_against_reference_and_triton(monkeypatch, b, cap, page, s_new, d, dtype, num_splits, h, h_k):
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, dtype, page=page, seed=b + page)
+    if b > 1 and s_new == 0:
+        kw["cache_seqlens"][1] = 0  # an empty row: out 0, lse +inf (and, split, empty splits)
     monkeypatch.setattr(launcher, "OVERRIDE", True)
     metas = record_launch_meta(monkeypatch, triton_launcher, triton_launcher._decode_kernel)
     _check(q, kc, vc, kw, causal=True, num_splits=num_splits)
@@ -41,7 +44,9 @@ def test_gluon_paged_against_reference_and_triton(monkeypatch, b, cap, page, s_n
                                             return_softmax_lse=True, **kw))
     (o0, l0), (o1, l1) = outs
     assert (o0.float() - o1.float()).abs().max().item() <= 2e-2
-    assert (l0 - l1).abs().max().item() <= 1e-3
+    fin = torch.isfinite(l0)
+    assert torch.equal(fin, torch.isfinite(l1)) and torch.equal(l0[~fin], l1[~fin])  # empty rows: +inf both
+    assert (l0[fin] - l1[fin]).abs().max().item() <= 1e-3
 
 
 def test_gluon_paged_never_reads_outside_the_rows_pages(monkeypatch):
@@ -78,8 +83,9 @@ def test_gluon_paged_in_a_cuda_graph(monkeypatch):
     with torch.cuda.graph(graph):
         out = step()
     for t in (0, 37, -500):
-        static_lens.copy_(lens + t)
+        new_lens = (lens + t).clamp(0, 8192)  # lengths inside the cache, as the contract asks
+        static_lens.copy_(new_lens)
         graph.replay()
         torch.cuda.synchronize()
-        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens + t, causal=True, **kw)
+        ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=new_lens, causal=True, **kw)
         assert torch.equal(out, ref)

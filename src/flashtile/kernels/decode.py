@@ -207,8 +207,9 @@ def _decode_inner_pages(acc, m_i, l_i, q, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
         for i in tl.static_range(PAGES_PER_TILE):
             page = tl.load(row + first + i)
             kt = tl.trans(DESC_K.load([page, 0, kv_head, 0]).reshape(page_size, BLOCK_D))
-            mx = tl.maximum(mx, tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION))
-        m_new = tl.maximum(m_i, tl.max(mx, 1) * qk_scale)
+            # scaled before the max: the max of unscaled scores times a negative scale is not the max
+            mx = tl.maximum(mx, tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(mx, 1))
         alpha = tl.math.exp2(m_i - m_new)
         acc = acc * alpha[:, None]
         psum = tl.zeros([q.shape[0], page_size], tl.float32)

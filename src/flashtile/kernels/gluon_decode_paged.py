@@ -62,7 +62,9 @@ def _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ids, base: gl.c
         tma.async_copy_global_to_shared(desc_v, at, v_ready.index(slot), v_smem.index(slot).slice(i * PAGE, PAGE))
 
 
-@gluon.jit
+# s_new and the table width change between calls: a specialisation on them (Triton makes 1 a constant,
+# multiples of 16 aligned) would compile again, possibly inside a CUDA-graph capture
+@gluon.jit(do_not_specialize=["s_new", "n_table"])
 def _gluon_paged_decode_kernel(
     Q, desc_k, desc_v, O, LSE, O_PART, LSE_PART, SEQLENS, BLOCK_TABLE,
     qk_scale, s_new, num_kv_heads, group, n_table,
@@ -144,9 +146,10 @@ def _gluon_paged_decode_kernel(
         mbarrier.wait(k_ready.index(slot), phase)
         s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                           use_acc=False)
-        s = gl.where(gl.expand_dims(start + key < seqlen, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
+        s = gl.where(gl.expand_dims(start + key < seqlen, 0), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
@@ -155,10 +158,11 @@ def _gluon_paged_decode_kernel(
             # the row's last tile: zero V's rows past its length (they may hold NaN), 16 rows at a time
             # (a whole tile in registers would raise the kernel's register peak)
             for r in gl.static_range(BLOCK_N // 16):
-                chunk = v_tile.slice(r * 16, 16)
-                v = chunk.load(ld_layout)
-                vrow = start + r * 16 + gl.arange(0, 16, gl.SliceLayout(1, ld_layout))
-                chunk.store(gl.where(gl.expand_dims(vrow < seqlen, 1), v, gl.zeros_like(v)))
+                if start + r * 16 + 16 > seqlen:  # chunks wholly inside the row's length stay as they are
+                    chunk = v_tile.slice(r * 16, 16)
+                    v = chunk.load(ld_layout)
+                    vrow = start + r * 16 + gl.arange(0, 16, gl.SliceLayout(1, ld_layout))
+                    chunk.store(gl.where(gl.expand_dims(vrow < seqlen, 1), v, gl.zeros_like(v)))
             fence_async_shared()
         o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         o = warpgroup_mma(gl.convert_layout(p.to(desc_v.dtype), p_layout), v_tile, o)
