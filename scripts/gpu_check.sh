@@ -40,7 +40,7 @@
 #   bench-decode-page-tma  16-token pages with FLASHTILE_DECODE_PAGE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-page-tma
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   tests-decode-gluon-paged  the Gluon paged-decode kernel (FLASHTILE_DECODE_GLUON_PAGED=1, an experiment) on the GPU
-#   bench-decode-gluon-paged  16-token pages, Triton (0) / Gluon (1) kernel alternated twice, PDL off, after its tests
+#   bench-decode-gluon-paged  16-token pages, Triton (0) / Gluon (1) kernel alternated twice, after its tests
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -442,10 +442,9 @@ for step in "${steps[@]}"; do
       timed_tests decode_gluon_paged tests/test_gpu_decode_gluon_paged.py ;;
     bench-decode-gluon-paged)
       # 16-token pages through the Triton kernel (0) and the Gluon one (1), alternated twice, 8-layer graphs
-      # beside cuDNN, b = 1 at 8k-64k and b = 8 at 8k; PDL off in both (the Gluon kernel has none), so the
-      # 0 runs are the Triton kernel without it; after tests-decode-gluon-paged
-      FLASHTILE_DECODE_PDL=0 decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED \
-        "0 1 0 1" --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
+      # beside cuDNN, b = 1 at 8k-64k and b = 8 at 8k (both with the PDL rule); after tests-decode-gluon-paged
+      decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED "0 1 0 1" \
+        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;

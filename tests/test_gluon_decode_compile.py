@@ -29,11 +29,13 @@ def _compile(page: int, d: int, dtype: str, splits: int, out: pathlib.Path) -> d
     types = dict(Q=f"*{dtype}", O=f"*{dtype}", LSE="*fp32", O_PART="*fp32", LSE_PART="*fp32", SEQLENS="*i32",
                  BLOCK_TABLE="*i32", qk_scale="fp32", desc_k=desc, desc_v=desc)
     constexprs = dict(HEAD_DIM=d, BLOCK_M=launcher.BLOCK_M, BLOCK_N=launcher.BLOCK_N, PAGE=page,
-                      NUM_BUFFERS=launcher.NUM_BUFFERS, NUM_SPLITS=splits)
+                      NUM_BUFFERS=launcher.NUM_BUFFERS, NUM_SPLITS=splits, USE_PDL=splits > 1)
     tag = f"p{page}_d{d}_{dtype}_s{splits}"
     row = compile_for_sm90(_gluon_paged_decode_kernel, constexprs, types, 4, out, tag)
     sass = (out / f"{tag}.sass").read_text()
-    return dict(shared=row["shared"], log=row["ptxas_log"], tma=sass.count("UTMALDG"), hgmma=sass.count("HGMMA"))
+    ptx = (out / f"{tag}.ptx").read_text()
+    return dict(shared=row["shared"], log=row["ptxas_log"], tma=sass.count("UTMALDG"), hgmma=sass.count("HGMMA"),
+                gdc=[ptx.count("griddepcontrol.wait"), ptx.count("griddepcontrol.launch_dependents")])
 
 
 @pytest.mark.parametrize("page,d,dtype,splits", [(16, 128, "bf16", 16), (32, 128, "bf16", 1), (64, 64, "fp16", 4)])
@@ -58,6 +60,8 @@ def test_gluon_paged_decode_compiles_for_sm90(tmp_path, page, d, dtype, splits):
     assert row["tma"] == (launcher.NUM_BUFFERS + 1) * pages * 2, row
     # one warp-group MMA per 16 of d for QK^T, per 16 keys for PV
     assert row["hgmma"] == d // 16 + launcher.BLOCK_N // 16, row
+    # programmatic dependent launch (the split launches here): one wait, one signal; none otherwise
+    assert row["gdc"] == ([1, 1] if splits > 1 else [0, 0]), row
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ def test_arguments_land_on_their_parameters(monkeypatch, num_splits):
     for desc in (named["desc_k"], named["desc_v"]):
         assert desc.shape == [80 * page, h_k * d] and desc.block_shape == [page, d]
     assert meta["NUM_SPLITS"] == num_splits and meta["PAGE"] == page and meta["HEAD_DIM"] == d
+    assert "launch_pdl" not in meta and "USE_PDL" not in meta  # CPU tensors: no programmatic dependent launch
     if num_splits == 1:
         assert named["O_PART"] is out and not merges
     else:

@@ -89,3 +89,34 @@ def test_gluon_paged_in_a_cuda_graph(monkeypatch):
         torch.cuda.synchronize()
         ref = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=new_lens, causal=True, **kw)
         assert torch.equal(out, ref)
+
+
+def test_gluon_paged_pdl_chain_in_a_graph(monkeypatch):
+    """Four layers' calls captured in one graph with programmatic dependent launch forced on, each layer's
+    query the previous layer's output (a kernel that read before its wait would see a stale input), against
+    the same chain launched ordinarily: bit for bit."""
+    monkeypatch.setattr(launcher, "OVERRIDE", True)
+    layers = [_inputs(1, 1, 0, 32, 8, 128, 8192, torch.bfloat16, page=16, seed=20 + i) for i in range(4)]
+    q0 = layers[0][0]
+
+    def chain():
+        q = q0
+        for _, kc, vc, kw in layers:
+            q = flash_attn_with_kvcache(q, kc, vc, causal=True, **kw)
+        return q
+
+    monkeypatch.setattr(triton_launcher, "PDL_OVERRIDE", False)
+    ref = chain()
+    monkeypatch.setattr(triton_launcher, "PDL_OVERRIDE", True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

@@ -11,7 +11,8 @@ One program per (batch row, kv head, split), one warpgroup, like the Triton kern
 rows are the ``group`` query heads of its kv head for the one new token (padded to the 64 rows of a
 warp-group MMA), so each K/V byte is read once per kv head. Reads only: the launcher appends new keys
 first (the separate append kernel). The split's share of the row's key blocks, the lse convention and
-the partial outputs are the Triton kernel's, so its merge kernel serves both.
+the partial outputs are the Triton kernel's, so its merge kernel serves both; so is programmatic dependent
+launch (USE_PDL: wait before the first read, let the next kernel launch after the key loop).
 
 Keys past the row's length: their scores are masked to -inf; their V rows in the last tile are
 zeroed in shared memory before the PV MMA (the slots past a row's length may hold NaN, which P's
@@ -27,6 +28,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+
+@gluon.jit
+def _gdc_wait():
+    # programmatic dependent launch (Gluon 3.6 has no wrapper; the PTX is Triton's gdc_wait): wait here,
+    # before the first read, until the previous kernel in the stream has finished and flushed its writes
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    # the next kernel (the split merge, or the next layer's decode) may start launching; it waits itself
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.constexpr_function
@@ -71,12 +86,14 @@ def _gluon_paged_decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
     stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, stride_bt_b,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-    NUM_BUFFERS: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    NUM_BUFFERS: gl.constexpr, NUM_SPLITS: gl.constexpr, USE_PDL: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a (pages, PAGE, h_k, d) pool, whose descriptors see it as (pages * PAGE, h_k * d)
     with box [PAGE, d] (a page's rows of one kv head); program = (b * h_k + kv_head) * NUM_SPLITS + split.
     NUM_SPLITS == 1 writes O (b, 1, h, d) and LSE (b, h, 1); otherwise O_PART (splits, b, 1, h, d) fp32
     and LSE_PART (splits, b, h, 1) with -inf for an empty split."""
+    if USE_PDL:
+        _gdc_wait()
     PAGES: gl.constexpr = BLOCK_N // PAGE
     gl.static_assert(BLOCK_M == 64 and gl.num_warps() == 4, "one warpgroup on 64 query rows")
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -174,6 +191,8 @@ def _gluon_paged_decode_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
+    if USE_PDL:
+        _gdc_launch_dependents()
 
     empty = l_i == 0.0
     inv_l = gl.convert_layout(gl.where(empty, 0.0, 1.0 / gl.where(empty, 1.0, l_i)), gl.SliceLayout(1, o_layout))

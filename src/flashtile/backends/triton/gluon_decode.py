@@ -4,8 +4,9 @@ TMA box per page and one warp-group MMA per 128-key tile, where the Triton kerne
 
 It takes the plain decode step only (one query token, a cache_seqlens tensor, a contiguous bf16 / fp16
 pool, d = 64 / 128, no softcap, ALiBi, left window, left padding, rotary or fp8); anything else stays on
-the Triton kernel. New keys are appended first by the separate append kernel. Nothing reads a tensor's
-values, so a step can be captured in a CUDA graph.
+the Triton kernel. New keys are appended first by the separate append kernel. Programmatic dependent
+launch follows the Triton kernel's rule (use_pdl). Nothing reads a tensor's values, so a step can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _descriptor(pool: torch.Tensor):
 def gluon_paged_decode(q, k_cache, v_cache, *, s_new: int, cache_seqlens, block_table, softmax_scale: float,
                        num_splits: int):
     """Attention of q (b, 1, h, d) over the (already appended) paged cache: out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import MAX_SPLITS, combine, num_sms, num_splits_heuristic
+    from flashtile.backends.triton.decode import MAX_SPLITS, combine, num_sms, num_splits_heuristic, use_pdl
     from flashtile.kernels.gluon_decode_paged import _gluon_paged_decode_kernel
 
     b, _, h, d = q.shape
@@ -95,6 +96,8 @@ def gluon_paged_decode(q, k_cache, v_cache, *, s_new: int, cache_seqlens, block_
         ops, lps = o_part.stride(), lse_part.stride()
     else:
         o_part, lse_part, ops, lps = out, lse, (0,) * 5, (0,) * 4
+    # programmatic dependent launch by the Triton kernel's rule (PDL_MAX_KV_BYTES at the pool's capacity)
+    pdl = use_pdl(q.device, 2 * b * block_table.shape[1] * page * h_k * d * k_cache.element_size())
     with device_guard(q):
         run_kernel(_gluon_paged_decode_kernel, (b * h_k * num_splits,),
                    q, _descriptor(k_cache), _descriptor(v_cache), out, lse, o_part, lse_part, cache_seqlens,
@@ -102,7 +105,7 @@ def gluon_paged_decode(q, k_cache, v_cache, *, s_new: int, cache_seqlens, block_
                    q.stride(0), q.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
                    ops[0], ops[1], ops[3], lps[0], lps[1], lps[2], block_table.stride(0),
                    HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page, NUM_BUFFERS=NUM_BUFFERS,
-                   NUM_SPLITS=num_splits, num_warps=4)
+                   NUM_SPLITS=num_splits, num_warps=4, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}))
     if num_splits > 1:
-        combine(o_part, lse_part, out, lse)
+        combine(o_part, lse_part, out, lse, pdl=pdl)
     return out, lse
