@@ -33,7 +33,8 @@ def test_arguments_land_on_their_parameters(monkeypatch, num_splits):
     assert named["Q"] is q and named["O"] is out and named["LSE"] is lse
     assert named["SEQLENS"] is lens and named["BLOCK_TABLE"] is table
     assert math.isclose(named["qk_scale"], 0.125 * launcher.LOG2E)
-    assert (named["s_new"], named["num_kv_heads"], named["group"], named["n_table"]) == (1, h_k, h // h_k, 40)
+    assert (named["s_new"], named["num_kv_heads"], named["group"], named["n_table"], named["n_pages"]) == (
+        1, h_k, h // h_k, 40, 80)
     assert (named["stride_qb"], named["stride_qh"]) == (q.stride(0), q.stride(2))
     assert (named["stride_ob"], named["stride_oh"]) == (out.stride(0), out.stride(2))
     assert (named["stride_lse_b"], named["stride_lse_h"]) == (lse.stride(0), lse.stride(1))

@@ -16,8 +16,8 @@ launch (USE_PDL: wait before the first read, let the next kernel launch after th
 
 Keys past the row's length: their scores are masked to -inf; their V rows in the last tile are
 zeroed in shared memory before the PV MMA (the slots past a row's length may hold NaN, which P's
-zeros would not cancel). Table entries past the row's pages are never trusted: a page id outside the
-pool (-1, say) makes TMA fill zeros.
+zeros would not cancel). Table entries past the row's pages are never trusted: they are clamped into
+the pool, and whatever page they then name lands only in those masked and zeroed rows.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,11 +53,14 @@ def _pow2_at_least(n):
 
 
 @gluon.jit
-def _page_ids(table_row, n_table, first, COUNT: gl.constexpr, id_layout: gl.constexpr):
-    """COUNT table entries from index ``first`` in one load (id_layout gives every thread all of them); an
-    entry past the table row reads as -1, whose box lies above row 0 and which TMA fills with zeros."""
+def _page_ids(table_row, n_table, n_pages, first, COUNT: gl.constexpr, id_layout: gl.constexpr):
+    """COUNT table entries from index ``first`` in one load (id_layout gives every thread all of them),
+    clamped into the pool: an entry past the row's pages (padding such as -1, or past the table row) then
+    names some page of the pool, whose keys are masked and whose V rows are zeroed like any slot past the
+    row's length, so no copy depends on how TMA treats a box outside the tensor."""
     idx = first + gl.arange(0, COUNT, id_layout)
-    return gl.load(table_row + idx, mask=idx < n_table, other=-1)
+    ids = gl.load(table_row + idx, mask=idx < n_table, other=0)
+    return gl.minimum(gl.maximum(ids, 0), n_pages - 1)
 
 
 @gluon.jit
@@ -79,10 +82,10 @@ def _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ids, base: gl.c
 
 # s_new and the table width change between calls: a specialisation on them (Triton makes 1 a constant,
 # multiples of 16 aligned) would compile again, possibly inside a CUDA-graph capture
-@gluon.jit(do_not_specialize=["s_new", "n_table"])
+@gluon.jit(do_not_specialize=["s_new", "n_table", "n_pages"])
 def _gluon_paged_decode_kernel(
     Q, desc_k, desc_v, O, LSE, O_PART, LSE_PART, SEQLENS, BLOCK_TABLE,
-    qk_scale, s_new, num_kv_heads, group, n_table,
+    qk_scale, s_new, num_kv_heads, group, n_table, n_pages,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
     stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, stride_bt_b,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
@@ -132,7 +135,7 @@ def _gluon_paged_decode_kernel(
     fence_async_shared()
 
     # the ring's first tiles: one table read for all of them, then the copies
-    ring_ids = _page_ids(table_row, n_table, lo * PAGES, RING_IDS, ring_id_layout)
+    ring_ids = _page_ids(table_row, n_table, n_pages, lo * PAGES, RING_IDS, ring_id_layout)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n:
             _load_tile(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, ring_ids, i * PAGES, i, kv_head, PAGES,
@@ -159,7 +162,7 @@ def _gluon_paged_decode_kernel(
         k_tile = k_smem.index(slot)
         v_tile = v_smem.index(slot)
         # the refill's table entries, read now so their latency passes under this tile's MMAs
-        ids_next = _page_ids(table_row, n_table, (lo + j + NUM_BUFFERS) * PAGES, PAGES, id_layout)
+        ids_next = _page_ids(table_row, n_table, n_pages, (lo + j + NUM_BUFFERS) * PAGES, PAGES, id_layout)
         mbarrier.wait(k_ready.index(slot), phase)
         s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
                           use_acc=False)

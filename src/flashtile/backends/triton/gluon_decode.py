@@ -101,7 +101,7 @@ def gluon_paged_decode(q, k_cache, v_cache, *, s_new: int, cache_seqlens, block_
     with device_guard(q):
         run_kernel(_gluon_paged_decode_kernel, (b * h_k * num_splits,),
                    q, _descriptor(k_cache), _descriptor(v_cache), out, lse, o_part, lse_part, cache_seqlens,
-                   block_table, softmax_scale * LOG2E, s_new, h_k, h // h_k, block_table.shape[1],
+                   block_table, softmax_scale * LOG2E, s_new, h_k, h // h_k, block_table.shape[1], k_cache.shape[0],
                    q.stride(0), q.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
                    ops[0], ops[1], ops[3], lps[0], lps[1], lps[2], block_table.stride(0),
                    HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page, NUM_BUFFERS=NUM_BUFFERS,
