@@ -77,6 +77,7 @@
 #                 TUNE_DECODE_ARGS, e.g. "--page-orders random sequential")
 # Env knobs: BENCH_ARGS (extra bench options, e.g. "--d 128 --peers flash cudnn"), BENCH_FWDBWD=0,
 # TUNE_ARGS / TUNE_BWD_ARGS (sweep options), GPU_TEST_WORKERS, GLUON_TIMEOUT (seconds, default 300),
+# TIMED_XDIST=1 (the timed test steps, e.g. tests-decode-*, on GPU_TEST_WORKERS workers, not one process),
 # GLUON_K (a pytest -k filter for tests-gluon, e.g. "not candidate"), GPU_K (the same for the other test steps), BENCH_GLUON_BWD_ARGS (e.g.
 # "--d 128 --dtype fp16"), GLUON_BWD_PROBE=0 (bench-gluon-bwd without the probe), TUNE_GLUON_BWD_ARGS.
 # Everything is written under a work folder and packed into $OUT/gpu_check.tgz (the device tool
@@ -102,7 +103,10 @@ pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" . ; }
 timed_tests() {
   local name=$1 rc
   shift
-  timeout "${GLUON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@" > "$WORK/gpu_tests_$name.log" 2>&1
+  local par=()
+  [[ ${TIMED_XDIST:-0} == 1 ]] && par=("${xdist[@]}")  # compiling is most of their time: spread it over workers
+  timeout "${GLUON_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider "${par[@]}" "$@" \
+    > "$WORK/gpu_tests_$name.log" 2>&1
   rc=$?
   [[ $rc -ne 0 ]] && status=$rc
   echo $rc > "$WORK/${name}_tests.rc"
