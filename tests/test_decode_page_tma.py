@@ -2,7 +2,8 @@
 behind FLASHTILE_DECODE_PAGE_TMA=1; kernels/decode.py _decode_inner_pages), on CPU through the
 interpreter with 64-key tiles of 16-token pages (four pages per tile).
 
-An unmasked tile loads each page's K and V by descriptor and steps the online softmax once per page.
+An unmasked tile loads each page's K and V by descriptor and steps the online softmax once per tile
+(two passes over its pages).
 Results must match the by-page gather (the default path; not bit for bit: the softmax steps in another
 order) and the oracle of test_kvcache.py, also when every pool slot that holds no key of its row is
 NaN and the table is padded with -1 past each row's pages (only pages in use may be read).

@@ -13,7 +13,7 @@ from flashtile.backends.triton import decode as launcher
 from spies import record_launch_meta
 from test_gpu_kvcache import _check, _inputs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]  # an experiment: run alone, not in the gpu suite
 
 
 @pytest.mark.parametrize("b,cap,page,s_new,rotary,d", [(1, 8192, 16, 0, False, 128), (2, 5000, 16, 1, True, 128),

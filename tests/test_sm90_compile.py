@@ -227,10 +227,11 @@ def test_small_page_gather_by_page_compiles_and_pipelines_for_sm90(tmp_path, pag
 
 def _paged_b1_cx(d, block_n, page_shift, **over):
     """Constexprs of a paged b = 1 split launch with the fused append and PDL, as the launcher builds it."""
-    return dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_SHIFT=page_shift,
+    base = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_SHIFT=page_shift,
                 HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=False,
                 HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
-                DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False, USE_PDL=True, **over)
+                DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False, USE_PDL=True)
+    return {**base, **over}
 
 
 def test_paged_decode_tma_compiles_for_sm90(tmp_path):

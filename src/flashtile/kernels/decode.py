@@ -11,7 +11,9 @@ minus ``cache_leftpad``), with ``seqlen_k = cache_seqlens + s_new - leftpad``; m
 use relative positions, aligned bottom-right as in the prefill kernel. Paged caches map absolute
 position p to page ``block_table[b, p // page_size]``, row ``p % page_size``, for any page size:
 when pages are whole multiples of the key tile (and there is no left padding) one table entry
-serves the tile, otherwise each key looks its page up.
+serves the tile; power-of-two pages smaller than a tile read one entry per page of an unmasked tile
+(PAGES_PER_TILE, the by-page gather; PAGE_TMA, an experiment, then loads each page by descriptor);
+otherwise each key looks its page up.
 
 The band of visible key blocks is cut in three (masked left edge, unmasked interior, masked right
 edge, as in ``attn_fwd``) and split ``NUM_SPLITS`` ways, each split taking an equal share of the
@@ -194,7 +196,8 @@ def _decode_inner_pages(acc, m_i, l_i, q, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     """The unmasked key blocks [blk_lo, blk_hi) of a pool of power-of-two pages smaller than a tile
     (PAGE_TMA, an experiment): each page's K and V come by tensor descriptor (box [1, page, 1,
     BLOCK_D], DESC_K / DESC_V over the (pages, page_size, kv heads, d) pool), one table entry per
-    page, and the online softmax steps once per page, so no per-key address is ever computed.
+    page, so no per-key address is ever computed; the online softmax steps once per tile, in two passes
+    over its pages (the max, then the scores again and the accumulation).
     No softcap or ALiBi (the launcher's rule)."""
     page_size: tl.constexpr = BLOCK_N // PAGES_PER_TILE
     row = BLOCK_TABLE + b.to(tl.int64) * stride_bt_b

@@ -113,9 +113,9 @@ def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool)
 # Per-page descriptor loads for small pages (an experiment, off until measured on the H200;
 # FLASHTILE_DECODE_PAGE_TMA=1 turns it on, tests pin PAGE_TMA_OVERRIDE): where the by-page gather
 # applies (pages_per_tile > 0) with pages of 16 tokens or more, an unmasked tile loads each page's K
-# and V slice by TMA (box [1, page_size, 1, d]) and the online softmax steps once per page
-# (kernels/decode.py _decode_inner_pages), instead of cp.async copies at per-key addresses. Aimed at
-# 16-token pages at b = 1, whose split kernel is issue-bound on the per-key address path (Nsight
+# and V slice by TMA (box [1, page_size, 1, d]) and the online softmax steps once per tile in two
+# passes over its pages (kernels/decode.py _decode_inner_pages), instead of cp.async copies at per-key
+# addresses. Aimed at 16-token pages at b = 1, whose split kernel is the slowest paged one (Nsight
 # Compute, ncu_decode_h200_2026-11-30_session12.txt: 17.9 us against 15.6-16.4 for 256-token pages,
 # which take descriptor loads). Masked tiles keep pointer loads. Not with softcap, ALiBi or fp8.
 PAGE_TMA_OVERRIDE: bool | None = None
@@ -198,7 +198,8 @@ def long_program_warps(blocks_per_program: int, paged: bool, num_warps: int, arc
 # programs, split) 2 stages lost at every split count (decode_b1_occupancy_h200_2026-11-30_session12.json).
 # So on sm_90, unsplit launches of more programs than SMs on a contiguous cache take GRID_FULL_STAGES,
 # in the measured shape only (``measured``: d = 128, 128-key tiles, 16-row query tiles, a 2-byte cache
-# that is not fp8); paged launches were not measured with it. FLASHTILE_DECODE_STAGES, when set,
+# that is not fp8); paged launches were not measured with it, and of the grids it takes only 256
+# programs (b = 32, 8 kv heads) were. FLASHTILE_DECODE_STAGES, when set,
 # replaces the table's stages in launch_config and turns this rule off.
 GRID_FULL_STAGES = 2
 
@@ -207,7 +208,7 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
                      arch: str = "default", measured: bool = False) -> int:
     """The pipeline stages of a decode launch of ``programs`` programs per split on ``sms`` SMs (see
     GRID_FULL_STAGES)."""
-    # the cheap refusals first: split and paged launches (most of a server's) pay no env lookup
+    # the cheap refusals first: split and paged launches (most of a server's) pay no second env lookup
     if paged or num_splits != 1 or programs <= sms or arch != "sm90" or not measured:
         return num_stages
     return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
@@ -397,6 +398,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
     arch = _arch(q.device)
+    # (a grid of at least 0.8 x SMs is not split; grid_full_stages asks for more than 1 x SMs)
     grid_full = b * h_k * m_blocks >= SPLIT_FREE_FILL * num_sms(q.device)
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
         arch, block_d, paged, k_cache.element_size(), page_size, grid_full)

@@ -31,13 +31,25 @@ def use_gluon_paged(q, k_cache, v_cache, *, block_table, cache_seqlens, cache_le
                     softcap, alibi_slopes, descales) -> bool:
     """Take the Gluon kernel for this call? Only when asked (``OVERRIDE`` or the environment), on an sm_90
     GPU, for the plain decode step it implements (see the module docstring)."""
+    if block_table is None:  # contiguous caches (most calls) pay no environment lookup
+        return False
     on = OVERRIDE
     if on is None:
         setting = env.get("FLASHTILE_DECODE_GLUON_PAGED", "")
         if setting not in ("", "0", "1"):
             raise ValueError(f"FLASHTILE_DECODE_GLUON_PAGED must be 1 (on) or 0 / unset (off), got {setting!r}")
         on = setting == "1"
-    if not on or block_table is None or not isinstance(cache_seqlens, torch.Tensor):
+    if not on or not plain_step(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+                                rotary_cos=rotary_cos, window_left=window_left, softcap=softcap,
+                                alibi_slopes=alibi_slopes, descales=descales):
+        return False
+    return q.device.type == "cuda" and torch.version.hip is None and capability(q.device)[0] == 9
+
+
+def plain_step(q, k_cache, v_cache, *, cache_seqlens, cache_leftpad, rotary_cos, window_left, softcap,
+               alibi_slopes, descales) -> bool:
+    """Whether the kernel implements this paged call, from shapes, dtypes and arguments only (no device)."""
+    if not isinstance(cache_seqlens, torch.Tensor):
         return False
     b, sq, h, d = q.shape
     page, h_k = k_cache.shape[1], k_cache.shape[2]
@@ -46,8 +58,6 @@ def use_gluon_paged(q, k_cache, v_cache, *, block_table, cache_seqlens, cache_le
     if not plain or sq != 1 or page not in PAGE_SIZES or d not in (64, 128) or h // h_k > BLOCK_M:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        return False
-    if q.device.type != "cuda" or torch.version.hip is not None or capability(q.device)[0] != 9:
         return False
     return all(_pool_2d_ok(x) for x in (k_cache, v_cache)) and q.stride(-1) == 1
 
