@@ -171,7 +171,7 @@ for step in "${steps[@]}"; do
     tests-gluon-bwd)
       # the Gluon backward kernels' GPU tests (marker gluon, so not in full runs); the rc gates the
       # bench steps that force these kernels on
-      timed_tests gluon_bwd "${xdist[@]}" tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py ;;
+      TIMED_XDIST=1 timed_tests gluon_bwd tests/test_gpu_gluon_bwd.py tests/test_gpu_gluon_bwd_dq.py ;;
     bench-gluon-bwd)
       # where the Gluon dK/dV kernel disagrees with Triton, then its speed against the all-Triton backward
       [[ ${GLUON_BWD_PROBE:-1} == 1 ]] && timeout ${GLUON_TIMEOUT:-300} python3 scripts/probe_gluon_bwd.py \
