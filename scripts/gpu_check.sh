@@ -113,6 +113,25 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
+# decode_runs NAME "SETTING|SETTING|..." BENCH_ARGS...: `bench decode BENCH_ARGS` once per setting, in the
+# order given; a setting's words are environment assignments (VAR=value) and extra bench options (the
+# rest), e.g. "FLASHTILE_DECODE_STAGES=2 --num-splits 32"; each run's JSON as NAME_<setting>_<seconds>.json
+# (spaces as "_", "=" as "-", no "--"), its stderr in bench_NAME.log, packed after each run
+decode_runs() {
+  local name=$1 settings=$2 setting word tag
+  shift 2
+  IFS='|' read -ra settings <<< "$settings"
+  for setting in "${settings[@]}"; do
+    local envs=() opts=()
+    for word in $setting; do
+      if [[ $word == [A-Z]*=* ]]; then envs+=("$word"); else opts+=("$word"); fi
+    done
+    tag=$(echo "$setting" | sed 's/--//g' | tr ' =' '_-')
+    env "${envs[@]}" python3 -m flashtile.bench decode "$@" "${opts[@]}" --out "$WORK/${name}_${tag}_$SECONDS.json" \
+      2>> "$WORK/bench_$name.log" >> "$summary"
+    pack
+  done
+}
 # decode_ab TESTS NAME VAR "VALUES" BENCH_ARGS...: if the timed_tests step TESTS passed in this call (TESTS "-": no gate),
 # `bench decode BENCH_ARGS` once per value of the environment variable VAR, in the order given (an A/B
 # alternated inside one call), each run's JSON as NAME<value>_<seconds>.json, packed after each run
@@ -404,28 +423,17 @@ for step in "${steps[@]}"; do
       # b = 32 beside cuDNN in 8-layer graphs, --rounds 2: the table's 3 stages (forced: the default has taken
       # 2 there since session 12), 2 stages (two or three CTAs per SM), and 2 stages with programmatic
       # dependent launch; twice, alternated
-      for _ in 1 2; do
-        for st in "FLASHTILE_DECODE_STAGES=3" "FLASHTILE_DECODE_STAGES=2" "FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_PDL=1"; do
-          tag=$(echo "$st" | tr ' =' '_-')
-          env $st python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 \
-            --pages --peers cudnn --rounds 2 --out "$WORK/decode_b32_stages_${tag}_$SECONDS.json" \
-            2>> "$WORK/bench_b32_stages.log" >> "$summary"
-          pack
-        done
-      done ;;
+      st3=FLASHTILE_DECODE_STAGES=3 st2=FLASHTILE_DECODE_STAGES=2
+      decode_runs decode_b32_stages "$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1|$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1" \
+        --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 --pages --peers cudnn --rounds 2 ;;
     bench-decode-b1-occupancy)
       # b = 1 in 8-layer graphs beside cuDNN (contiguous, 16- and 256-token pages): the table's 3 stages and 16
       # splits (one CTA per SM) against 2 stages (two or more CTAs per SM, as cuDNN's 86 KB kernel) at 16 / 24 /
       # 32 splits; twice, alternated
-      for _ in 1 2; do
-        for cfg in ":0" "2:0" "2:32" "2:24"; do
-          st=${cfg%%:*} n=${cfg##*:}
-          env ${st:+FLASHTILE_DECODE_STAGES=$st} python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch 1 \
-            --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn --num-splits "$n" \
-            --out "$WORK/decode_b1_occ_st${st:-table}_s${n}_$SECONDS.json" 2>> "$WORK/bench_b1_occ.log" >> "$summary"
-          pack
-        done
-      done ;;
+      st3=FLASHTILE_DECODE_STAGES=3 st2=FLASHTILE_DECODE_STAGES=2  # 3: the table's (b = 1 launches are split)
+      runs="$st3 --num-splits 0|$st2 --num-splits 0|$st2 --num-splits 32|$st2 --num-splits 24"
+      decode_runs decode_b1_occ "$runs|$runs" --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 \
+        --pages 16 256 --peers cudnn ;;
     tests-decode-page-tma)
       # per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA, an experiment) on the GPU, alone
       timed_tests decode_page_tma tests/test_gpu_decode_page_tma.py ;;

@@ -54,3 +54,16 @@ def test_arguments_land_on_their_parameters(monkeypatch, num_splits):
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2))
         (m,), = [merges]
         assert m[0] is o_part and m[1] is lse_part and m[2] is out and m[3] is lse
+
+
+def test_descriptor_equals_the_checked_constructors():
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    pool = torch.randn(6, 16, 4, 64, dtype=torch.float16)
+    flat = pool.view(96, 256)
+    checked = TensorDescriptor(flat, [96, 256], [256, 1], [16, 64], launcher._layout(16, 64, torch.float16))
+    fast = launcher._descriptor(pool)
+    for field in ("shape", "strides", "block_shape", "layout", "padding"):
+        assert getattr(fast, field) == getattr(checked, field), field
+    assert fast.base.data_ptr() == checked.base.data_ptr() and fast.base.shape == checked.base.shape

@@ -12,7 +12,7 @@ from flashtile import flash_attn_with_kvcache
 from flashtile.backends.triton import decode as triton_launcher
 from flashtile.backends.triton import gluon_decode as launcher
 from spies import record_launch_meta
-from test_gpu_kvcache import _check, _inputs
+from test_gpu_kvcache import _assert_paths_close, _capture, _check, _check_pages_outside_rows_never_read, _inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 
@@ -42,30 +42,12 @@ def test_gluon_paged_against_reference_and_triton(monkeypatch, b, cap, page, s_n
         monkeypatch.setattr(launcher, "OVERRIDE", on)
         outs.append(flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, num_splits=num_splits,
                                             return_softmax_lse=True, **kw))
-    (o0, l0), (o1, l1) = outs
-    assert (o0.float() - o1.float()).abs().max().item() <= 2e-2
-    fin = torch.isfinite(l0)
-    assert torch.equal(fin, torch.isfinite(l1)) and torch.equal(l0[~fin], l1[~fin])  # empty rows: +inf both
-    assert (l0[fin] - l1[fin]).abs().max().item() <= 1e-3
+    _assert_paths_close(outs)
 
 
 def test_gluon_paged_never_reads_outside_the_rows_pages(monkeypatch):
     monkeypatch.setattr(launcher, "OVERRIDE", True)
-    q, kc, vc, kw = _inputs(3, 1, 1, 32, 8, 128, 4000, torch.bfloat16, page=16, seed=7)
-    table, lens = kw["block_table"], kw["cache_seqlens"]
-    ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, **kw)
-    keep = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
-    for i in range(3):
-        n = int(lens[i]) + 1
-        pages = table[i, : -(-n // 16)].long()
-        keep[pages] = True
-        keep[pages[-1], (n - 1) % 16 + 1:] = False  # the last page's slots past the new key
-        table[i, -(-n // 16):] = -1
-    kc[~keep] = float("nan")
-    vc[~keep] = float("nan")
-    out = flash_attn_with_kvcache(q, kc, vc, causal=True, **kw)
-    assert torch.isfinite(out).all()
-    assert (out.float() - ref.float()).abs().max().item() <= 2e-2
+    _check_pages_outside_rows_never_read()
 
 
 def test_gluon_paged_in_a_cuda_graph(monkeypatch):
@@ -73,15 +55,7 @@ def test_gluon_paged_in_a_cuda_graph(monkeypatch):
     q, kc, vc, kw = _inputs(2, 1, 0, 32, 8, 128, 8192, torch.bfloat16, page=16, seed=11)
     lens = kw.pop("cache_seqlens")
     static_lens = lens.clone()
-    step = lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=static_lens, causal=True, **kw)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _capture(lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=static_lens, causal=True, **kw))
     for t in (0, 37, -500):
         new_lens = (lens + t).clamp(0, 8192)  # lengths inside the cache, as the contract asks
         static_lens.copy_(new_lens)
@@ -108,14 +82,7 @@ def test_gluon_paged_pdl_chain_in_a_graph(monkeypatch):
     monkeypatch.setattr(triton_launcher, "PDL_OVERRIDE", False)
     ref = chain()
     monkeypatch.setattr(triton_launcher, "PDL_OVERRIDE", True)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    graph, out = _capture(chain)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()

@@ -77,11 +77,17 @@ def _layout(page: int, d: int, dtype: torch.dtype):
 
 
 def _descriptor(pool: torch.Tensor):
+    """The pool's (pages * page_size, h_k * d) descriptor with box [page_size, d], built without the
+    constructor's checks (as decode.cache_descriptor does): plain_step has made them (_pool_2d_ok), and an
+    eager decode step should not pay for them twice."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     n, page, h_k, d = pool.shape
     flat = pool.view(n * page, h_k * d)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [page, d], _layout(page, d, pool.dtype))
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides = flat, [n * page, h_k * d], [h_k * d, 1]
+    desc.block_shape, desc.layout, desc.padding = [page, d], _layout(page, d, pool.dtype), "zero"
+    return desc
 
 
 def gluon_paged_decode(q, k_cache, v_cache, *, s_new: int, cache_seqlens, block_table, softmax_scale: float,
