@@ -113,6 +113,8 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
+# the rows of the small-page A/Bs (16-token pages, where issue 5's paged bar is not met): b = 1 at 8k-64k, b = 8 at 8k
+P16_AB=(--cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn)
 # decode_runs NAME "SETTING|SETTING|..." BENCH_ARGS...: `bench decode BENCH_ARGS` once per setting, in the
 # order given; a setting's words are environment assignments (VAR=value) and extra bench options (the
 # rest), e.g. "FLASHTILE_DECODE_STAGES=2 --num-splits 32"; each run's JSON as NAME_<setting>_<seconds>.json
@@ -440,8 +442,7 @@ for step in "${steps[@]}"; do
     bench-decode-page-tma)
       # 16-token pages with per-page descriptor loads off / on, alternated twice, 8-layer graphs beside cuDNN,
       # b = 1 at 8k-64k and b = 8 at 8k (contiguous column as each run's reference); after tests-decode-page-tma
-      decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" \
-        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
+      decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" "${P16_AB[@]}" ;;
     bench-decode-p16-stages)
       # 16-token pages at b = 1 with the by-page gather (the default since session 11) at paged depths 5 (the
       # table's 3 + 2) and 4 (FLASHTILE_DECODE_STAGES=2), alternated twice: session 6's sweep, which kept 5,
@@ -455,8 +456,7 @@ for step in "${steps[@]}"; do
     bench-decode-gluon-paged)
       # 16-token pages through the Triton kernel (0) and the Gluon one (1), alternated twice, 8-layer graphs
       # beside cuDNN, b = 1 at 8k-64k and b = 8 at 8k (both with the PDL rule); after tests-decode-gluon-paged
-      decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED "0 1 0 1" \
-        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
+      decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED "0 1 0 1" "${P16_AB[@]}" ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
