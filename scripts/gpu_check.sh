@@ -113,7 +113,7 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
-# the rows of the small-page A/Bs (16-token pages, where issue 5's paged bar is not met): b = 1 at 8k-64k, b = 8 at 8k
+# the rows of the small-page A/Bs (16-token pages, where issue 5's paged bar is not met): b = 1 and 8 at 8k-64k
 P16_AB=(--cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn)
 # decode_runs NAME "SETTING|SETTING|..." BENCH_ARGS...: `bench decode BENCH_ARGS` once per setting, in the
 # order given; a setting's words are environment assignments (VAR=value) and extra bench options (the
@@ -441,7 +441,7 @@ for step in "${steps[@]}"; do
       timed_tests decode_page_tma tests/test_gpu_decode_page_tma.py ;;
     bench-decode-page-tma)
       # 16-token pages with per-page descriptor loads off / on, alternated twice, 8-layer graphs beside cuDNN,
-      # b = 1 at 8k-64k and b = 8 at 8k (contiguous column as each run's reference); after tests-decode-page-tma
+      # b = 1 and 8 at 8k-64k (contiguous column as each run's reference); after tests-decode-page-tma
       decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" "${P16_AB[@]}" ;;
     bench-decode-p16-stages)
       # 16-token pages at b = 1 with the by-page gather (the default since session 11) at paged depths 5 (the
@@ -455,7 +455,7 @@ for step in "${steps[@]}"; do
       timed_tests decode_gluon_paged tests/test_gpu_decode_gluon_paged.py ;;
     bench-decode-gluon-paged)
       # 16-token pages through the Triton kernel (0) and the Gluon one (1), alternated twice, 8-layer graphs
-      # beside cuDNN, b = 1 at 8k-64k and b = 8 at 8k (both with the PDL rule); after tests-decode-gluon-paged
+      # beside cuDNN, b = 1 and 8 at 8k-64k (both with the PDL rule); after tests-decode-gluon-paged
       decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED "0 1 0 1" "${P16_AB[@]}" ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
