@@ -36,11 +36,8 @@
 #   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
-#   tests-decode-page-tma  per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA=1, an experiment) on the GPU
-#   bench-decode-page-tma  16-token pages with FLASHTILE_DECODE_PAGE_TMA=0 1 0 1 (b = 1 / 8, 8k-64k), after tests-decode-page-tma
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
-#   tests-decode-gluon-paged  the Gluon paged-decode kernel (FLASHTILE_DECODE_GLUON_PAGED=1, an experiment) on the GPU
-#   bench-decode-gluon-paged  16-token pages, Triton (0) / Gluon (1) kernel alternated twice, after its tests
+#   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
@@ -113,8 +110,6 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
-# the rows of the small-page A/Bs (16-token pages, where issue 5's paged bar is not met): b = 1 and 8 at 8k-64k
-P16_AB=(--cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages 16 --peers cudnn)
 # decode_runs NAME "SETTING|SETTING|..." BENCH_ARGS...: `bench decode BENCH_ARGS` once per setting, in the
 # order given; a setting's words are environment assignments (VAR=value) and extra bench options (the
 # rest), e.g. "FLASHTILE_DECODE_STAGES=2 --num-splits 32"; each run's JSON as NAME_<setting>_<seconds>.json
@@ -436,13 +431,6 @@ for step in "${steps[@]}"; do
       runs="$st3 --num-splits 0|$st2 --num-splits 0|$st2 --num-splits 32|$st2 --num-splits 24"
       decode_runs decode_b1_occ "$runs|$runs" --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 \
         --pages 16 256 --peers cudnn ;;
-    tests-decode-page-tma)
-      # per-page descriptor loads for small pages (FLASHTILE_DECODE_PAGE_TMA, an experiment) on the GPU, alone
-      timed_tests decode_page_tma tests/test_gpu_decode_page_tma.py ;;
-    bench-decode-page-tma)
-      # 16-token pages with per-page descriptor loads off / on, alternated twice, 8-layer graphs beside cuDNN,
-      # b = 1 and 8 at 8k-64k (contiguous column as each run's reference); after tests-decode-page-tma
-      decode_ab decode_page_tma decode_layers8_p16_page_tma FLASHTILE_DECODE_PAGE_TMA "0 1 0 1" "${P16_AB[@]}" ;;
     bench-decode-p16-stages)
       # 16-token pages at b = 1 with the by-page gather (the default since session 11) at paged depths 5 (the
       # table's 3 + 2) and 4 (FLASHTILE_DECODE_STAGES=2), alternated twice: session 6's sweep, which kept 5,
@@ -450,13 +438,12 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
-    tests-decode-gluon-paged)
-      # the Gluon paged-decode kernel (FLASHTILE_DECODE_GLUON_PAGED=1, an experiment) on the GPU, alone
-      timed_tests decode_gluon_paged tests/test_gpu_decode_gluon_paged.py ;;
-    bench-decode-gluon-paged)
-      # 16-token pages through the Triton kernel (0) and the Gluon one (1), alternated twice, 8-layer graphs
-      # beside cuDNN, b = 1 and 8 at 8k-64k (both with the PDL rule); after tests-decode-gluon-paged
-      decode_ab decode_gluon_paged decode_layers8_p16_gluon FLASHTILE_DECODE_GLUON_PAGED "0 1 0 1" "${P16_AB[@]}" ;;
+    bench-decode-block-n)
+      # the contiguous cache's split launches (b = 1 and 8) with the table's 128-key tiles against 64
+      # (FLASHTILE_DECODE_BLOCK_N), 8-layer graphs beside cuDNN, alternated twice: session 13's single-call
+      # sweep (tune_decode_b1_p16_h200_2026-11-30_session13.json) found (64, 4, 3) 3% faster at b = 1, 8k / 16k
+      decode_ab - decode_block_n FLASHTILE_DECODE_BLOCK_N "128 64 128 64" \
+        --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages --peers cudnn ;;
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;

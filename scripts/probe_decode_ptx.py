@@ -25,8 +25,6 @@ VARIANTS = {
     "contiguous_pointer": ({}, None, 4, 3),
     "p256_tma": (dict(PAGED=True, PAGE_ALIGNED=True, PAGE_SHIFT=8, USE_TMA=True), 128, 4, 5),
     "p16_gather": (P16, None, 4, 5),
-    "p16_page_tma": (dict(P16, PAGE_TMA=True), 16, 4, 5),
-    "p16_page_tma_3_stages": (dict(P16, PAGE_TMA=True), 16, 4, 3),
 }
 INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32", "O_PART": "*fp32",
         "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32",

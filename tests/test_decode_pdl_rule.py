@@ -145,51 +145,14 @@ def test_decode_attn_passes_the_stage_rule_its_shape(monkeypatch):
     assert call(32, dtype=torch.float32) == 3
 
 
-def test_gluon_paged_route_rule(monkeypatch):
-    """backends/triton/gluon_decode.use_gluon_paged: off unless asked; never on CPU tensors; the switch
-    checked."""
-    import torch
-
-    from flashtile.backends.triton import gluon_decode
-
-    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
-    kc = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
-    table = torch.zeros(1, 8, dtype=torch.int32)
-    lens = torch.zeros(1, dtype=torch.int32)
-    kw = dict(block_table=table, cache_seqlens=lens, cache_leftpad=None, rotary_cos=None, window_left=-1,
-              softcap=0.0, alibi_slopes=None, descales=(None, None, None))
-    monkeypatch.setattr(gluon_decode, "OVERRIDE", None)
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_PAGED", raising=False)
-    assert not gluon_decode.use_gluon_paged(q, kc, kc, **kw)
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PAGED", "1")
-    assert not gluon_decode.use_gluon_paged(q, kc, kc, **kw)  # a CPU tensor
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PAGED", "on")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_PAGED"):
-        gluon_decode.use_gluon_paged(q, kc, kc, **kw)
-    assert gluon_decode._pool_2d_ok(kc)
-    assert not gluon_decode._pool_2d_ok(kc.transpose(1, 2).contiguous().transpose(1, 2))  # pages not packed
-
-
-def test_gluon_paged_plain_step_refusals():
-    """gluon_decode.plain_step: the calls the Gluon kernel implements, each refusal on its own."""
-    import torch
-
-    from flashtile.backends.triton.gluon_decode import plain_step
-
-    q = torch.zeros(1, 1, 32, 128, dtype=torch.bfloat16)
-    kc = torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)
-    base = dict(cache_seqlens=torch.zeros(1, dtype=torch.int32), cache_leftpad=None, rotary_cos=None,
-                window_left=-1, softcap=0.0, alibi_slopes=None, descales=(None, None, None))
-    assert plain_step(q, kc, kc, **base)
-    ones = torch.ones(1, 8)
-    for change in (dict(cache_seqlens=5), dict(cache_leftpad=torch.zeros(1, dtype=torch.int32)),
-                   dict(rotary_cos=ones), dict(window_left=64), dict(softcap=30.0), dict(alibi_slopes=ones),
-                   dict(descales=(ones, None, None))):
-        assert not plain_step(q, kc, kc, **dict(base, **change)), change
-    assert not plain_step(torch.zeros(1, 2, 32, 128, dtype=torch.bfloat16), kc, kc, **base)  # two query tokens
-    assert not plain_step(q, torch.zeros(4, 128, 8, 128, dtype=torch.bfloat16), kc, **base)  # 128-token pages
-    assert not plain_step(q[..., :96], kc[..., :96], kc[..., :96], **base)  # d = 96
-    assert not plain_step(torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16), kc[:, :, :1], kc[:, :, :1], **base)
-    assert not plain_step(q.float(), kc.float(), kc.float(), **base)  # fp32
-    assert not plain_step(q, kc.transpose(1, 2).contiguous().transpose(1, 2), kc, **base)  # pages not packed
-    assert plain_step(q.half(), kc.half(), kc.half(), **base)  # fp16
+def test_block_n_knob(monkeypatch):
+    """FLASHTILE_DECODE_BLOCK_N replaces the table's key tile (an A/B knob); bad values name the variable."""
+    monkeypatch.delenv("FLASHTILE_DECODE_BLOCK_N", raising=False)
+    table = decode.launch_config("sm90", 128, False, 2)
+    monkeypatch.setenv("FLASHTILE_DECODE_BLOCK_N", "64")
+    assert decode.launch_config("sm90", 128, False, 2) == (64, *table[1:])
+    assert decode.launch_config("sm90", 128, False, 4)[0] == 32  # fp32 caches still halve it
+    for bad in ("16", "256", "x"):
+        monkeypatch.setenv("FLASHTILE_DECODE_BLOCK_N", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_BLOCK_N"):
+            decode.launch_config("sm90", 128, False, 2)

@@ -248,24 +248,6 @@ def test_paged_decode_tma_compiles_for_sm90(tmp_path):
              warps, stages, bulk=True)
 
 
-def test_small_page_descriptor_loads_compile_for_sm90(tmp_path):
-    # FLASHTILE_DECODE_PAGE_TMA=1 (an experiment): 16-token pages of a 128-key tile, each page's K and V
-    # by its own descriptor load (box [1, 16, 1, d]) at the paged launch's depth, with the fused append
-    # (whose masked tiles keep cp.async copies); the unmasked tiles' pointer copies are gone
-    from flashtile.backends.triton.decode import launch_config
-
-    d = 128
-    block_n, warps, stages = launch_config("sm90", d, True, 2, 16)
-    cx = _paged_b1_cx(d, block_n, 4, PAGE_ALIGNED=False, PAGES_PER_TILE=block_n // 16)
-    desc = f"tensordesc<bf16[1,16,1,{d}]>"
-    gather, pages = {}, {}
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, warps, stages, bulk=False,
-             fields_out=gather)
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, PAGE_TMA=True),
-             dict(DECODE_INTS, DESC_K=desc, DESC_V=desc), warps, stages, bulk=True, fields_out=pages)
-    assert pages["CP_ASYNC_16"] < gather["CP_ASYNC_16"], (pages, gather)
-
-
 def test_combine_issues_its_loads_before_reducing(tmp_path):
     # the merge sits between a layer's decode and the next: its partial-output loads must not wait for
     # the lse reduction (they do not depend on it), so every global load precedes the first shuffle

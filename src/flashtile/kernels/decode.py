@@ -12,8 +12,7 @@ use relative positions, aligned bottom-right as in the prefill kernel. Paged cac
 position p to page ``block_table[b, p // page_size]``, row ``p % page_size``, for any page size:
 when pages are whole multiples of the key tile (and there is no left padding) one table entry
 serves the tile; power-of-two pages smaller than a tile read one entry per page of an unmasked tile
-(PAGES_PER_TILE, the by-page gather; PAGE_TMA, an experiment, then loads each page by descriptor);
-otherwise each key looks its page up.
+(PAGES_PER_TILE, the by-page gather); otherwise each key looks its page up.
 
 The band of visible key blocks is cut in three (masked left edge, unmasked interior, masked right
 edge, as in ``attn_fwd``) and split ``NUM_SPLITS`` ways, each split taking an equal share of the
@@ -189,47 +188,6 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     return acc, m_i, l_i
 
 
-@triton.jit
-def _decode_inner_pages(acc, m_i, l_i, q, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, blk_lo, blk_hi, qk_scale,
-                        stride_bt_b, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-                        PAGES_PER_TILE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The unmasked key blocks [blk_lo, blk_hi) of a pool of power-of-two pages smaller than a tile
-    (PAGE_TMA, an experiment): each page's K and V come by tensor descriptor (box [1, page, 1,
-    BLOCK_D], DESC_K / DESC_V over the (pages, page_size, kv heads, d) pool), one table entry per
-    page, so no per-key address is ever computed; the online softmax steps once per tile, in two passes
-    over its pages (the max, then the scores again and the accumulation).
-    No softcap or ALiBi (the launcher's rule)."""
-    page_size: tl.constexpr = BLOCK_N // PAGES_PER_TILE
-    row = BLOCK_TABLE + b.to(tl.int64) * stride_bt_b
-    for blk in tl.range(blk_lo, blk_hi):
-        first = (blk * BLOCK_N) >> PAGE_SHIFT
-        # Two passes over the tile's pages, so that the row reductions (across warps: a page is 16
-        # columns) run once per tile, not once per page: the first takes the scores' elementwise max,
-        # the second recomputes the scores (an MMA is cheaper than a reduction here) and accumulates.
-        mx = tl.full([q.shape[0], page_size], float("-inf"), tl.float32)
-        for i in tl.static_range(PAGES_PER_TILE):
-            page = tl.load(row + first + i)
-            kt = tl.trans(DESC_K.load([page, 0, kv_head, 0]).reshape(page_size, BLOCK_D))
-            # scaled before the max: the max of unscaled scores times a negative scale is not the max
-            mx = tl.maximum(mx, tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale)
-        m_new = tl.maximum(m_i, tl.max(mx, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        acc = acc * alpha[:, None]
-        psum = tl.zeros([q.shape[0], page_size], tl.float32)
-        for i in tl.static_range(PAGES_PER_TILE):
-            page = tl.load(row + first + i)
-            at = [page, 0, kv_head, 0]
-            kt = tl.trans(DESC_K.load(at).reshape(page_size, BLOCK_D))
-            s = tl.dot(q, kt.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-            p = tl.math.exp2(s - m_new[:, None])
-            psum += p
-            vt = DESC_V.load(at).reshape(page_size, BLOCK_D)
-            acc = tl.dot(p.to(q.dtype), vt.to(q.dtype), acc, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(psum, 1)
-        m_i = m_new
-    return acc, m_i, l_i
-
-
 # Lengths and window bounds change between calls; specialising on them would only recompile (and
 # would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
@@ -261,7 +219,6 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PAGE_TMA: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -374,22 +331,14 @@ def _decode_kernel(
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
-    if PAGE_TMA:
-        tl.static_assert(PAGED and PAGES_PER_TILE > 0 and not HAS_SOFTCAP and not HAS_ALIBI and not IS_FP8,
-                         "per-page descriptor loads: small power-of-two pages, no softcap / ALiBi / fp8")
-        acc, m_i, l_i = _decode_inner_pages(
-            acc, m_i, l_i, q, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, tl.maximum(full_lo, s_lo),
-            tl.minimum(tl.minimum(full_hi, s_hi), new_blk), qk_scale, stride_bt_b, BLOCK_N, BLOCK_D, PAGE_SHIFT,
-            PAGES_PER_TILE, DOT_PRECISION)
-    else:
-        acc, m_i, l_i = _decode_inner(
-            acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
-            tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
-            leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
-            stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
-            cache_len, COS, SIN, stride_cos, seqlen_ro,
-            False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
+    acc, m_i, l_i = _decode_inner(
+        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
+        tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
+        leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
+        stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
+        cache_len, COS, SIN, stride_cos, seqlen_ro,
+        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,

@@ -12,7 +12,6 @@ import torch
 
 from flashtile import env
 from flashtile.backends.triton.attn_fwd import _tma_ok
-from flashtile.backends.triton.gluon_decode import gluon_paged_decode, use_gluon_paged
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
@@ -108,37 +107,6 @@ def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool)
     if not (on and paged and not has_leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0):
         return 0
     return block_n // page_size
-
-
-# Per-page descriptor loads for small pages (an experiment, off until measured on the H200;
-# FLASHTILE_DECODE_PAGE_TMA=1 turns it on, tests pin PAGE_TMA_OVERRIDE): where the by-page gather
-# applies (pages_per_tile > 0) with pages of 16 tokens or more, an unmasked tile loads each page's K
-# and V slice by TMA (box [1, page_size, 1, d]) and the online softmax steps once per tile in two
-# passes over its pages (kernels/decode.py _decode_inner_pages), instead of cp.async copies at per-key
-# addresses. Aimed at 16-token pages at b = 1, whose split kernel is the slowest paged one (Nsight
-# Compute, ncu_decode_h200_2026-11-30_session12.txt: 17.9 us against 15.6-16.4 for 256-token pages,
-# which take descriptor loads). Masked tiles keep pointer loads. Not with softcap, ALiBi or fp8.
-PAGE_TMA_OVERRIDE: bool | None = None
-PAGE_TMA_MIN_PAGE = 16  # a page is one dot's N (>= 16) and one unrolled step: at most BLOCK_N / 16 per tile
-
-
-def use_page_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, pages_per_tile_: int, page_size: int,
-                 d_fills_block: bool, plain: bool) -> bool:
-    """Per-page descriptor loads for this launch? ``pages_per_tile_``: the launch's PAGES_PER_TILE;
-    ``plain``: no softcap and no ALiBi."""
-    if pages_per_tile_ == 0 or page_size < PAGE_TMA_MIN_PAGE or not plain or not d_fills_block:
-        return False
-    if PAGE_TMA_OVERRIDE is None:
-        setting = env.get("FLASHTILE_DECODE_PAGE_TMA", "")
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"FLASHTILE_DECODE_PAGE_TMA must be 1 (on) or 0 / unset (off), got {setting!r}")
-        if setting != "1" or k_cache.device.type != "cuda" or torch.version.hip is not None:
-            return False
-        if capability(k_cache.device)[0] < 9:
-            return False
-    elif not PAGE_TMA_OVERRIDE:
-        return False
-    return k_cache.dtype != FP8_DTYPE and _tma_ok(k_cache) and _tma_ok(v_cache)
 
 
 def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
@@ -321,9 +289,15 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     (tune_decode_b32_h200_2026-11-29.json, b=32, 16-token pages) 1.08x of contiguous at 64 keys
     against 1.20x at 128, while split launches (b <= 8) ran faster with 128.
     FLASHTILE_DECODE_STAGES=1..4 replaces the table's stages (for A/B runs in ``bench decode``); set, it
-    also turns grid_full_stages' rule off.
+    also turns grid_full_stages' rule off. FLASHTILE_DECODE_BLOCK_N=32 / 64 / 128 replaces the table's
+    key tile (an A/B knob too; the layout adjustments below still apply).
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
+    tile = env.get("FLASHTILE_DECODE_BLOCK_N", "")
+    if tile:
+        if tile not in ("32", "64", "128"):
+            raise ValueError(f"FLASHTILE_DECODE_BLOCK_N must be 32, 64 or 128 (unset: the table's), got {tile!r}")
+        block_n = int(tile)
     setting = env.get("FLASHTILE_DECODE_STAGES", "")
     if setting:
         # an experiment knob: the table's pipeline depth replaced (paged launches add two to a depth
@@ -454,11 +428,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
-    n_pages_tile = pages_per_tile(paged, page_size, block_n, cache_leftpad is not None)
-    page_tma = use_page_tma(k_cache, v_cache, n_pages_tile, page_size, block_d == d, softcap <= 0 and alibi is None)
-    box_n = page_size if page_tma else block_n
-    desc_k, desc_v = ((cache_descriptor(k_cache, box_n, block_d), cache_descriptor(v_cache, box_n, block_d))
-                      if tma or page_tma else (k_cache, v_cache))
+    desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
+                      if tma else (k_cache, v_cache))
     with device_guard(q):
         launch(
             _decode_kernel, grid,
@@ -483,7 +454,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             *(k_new.stride()[:3] if fused else (0, 0, 0)), *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=num_splits,
             PAGED=paged, PAGE_ALIGNED=page_aligned,
-            PAGES_PER_TILE=n_pages_tile,
+            PAGES_PER_TILE=pages_per_tile(paged, page_size, block_n, cache_leftpad is not None),
             PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
             HAS_SEQLENS=cache_seqlens is not None,
             HAS_BATCH_IDX=cache_batch_idx is not None, HAS_LEFTPAD=cache_leftpad is not None,
@@ -493,7 +464,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
-            **({"PAGE_TMA": True} if page_tma else {}),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))
@@ -533,15 +503,6 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
-    if use_gluon_paged(q, k_cache, v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                       cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, window_left=window_left, softcap=softcap,
-                       alibi_slopes=alibi_slopes, descales=descales):
-        # the Gluon paged kernel (an experiment, FLASHTILE_DECODE_GLUON_PAGED=1) reads only: append first
-        if k is not None:
-            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, block_table, None, None,
-                      rotary_interleaved)
-        return gluon_paged_decode(q, k_cache, v_cache, s_new=s_new, cache_seqlens=cache_seqlens,
-                                  block_table=block_table, softmax_scale=softmax_scale, num_splits=num_splits)
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).
