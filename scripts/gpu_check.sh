@@ -37,6 +37,8 @@
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
+#   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
+#   bench-decode-b8-paired  b = 8 at 16k-128k: the default (paired splits) against FLASHTILE_DECODE_STAGES=3 (rule off), twice
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
@@ -406,15 +408,17 @@ for step in "${steps[@]}"; do
     probe-decode-ncu)
       # Nsight Compute, one kernel at a time, on the decode cases of scripts/probe_decode_ncu.py (b = 1, 8k
       # contiguous / 16- / 256-token pages, b = 32, 8k, and SDPA cuDNN at both), clocks not locked
+      # NCU_CASES: a subset of the script's cases (default: all), e.g. "ft_b8_64k cudnn_b8_64k"
+      cases=(${NCU_CASES:-ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k ft_b8_64k cudnn_b8_64k})
       inc=()
-      for c in ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k; do inc+=(--nvtx-include "$c/"); done
+      for c in "${cases[@]}"; do inc+=(--nvtx-include "$c/"); done
       ncu --nvtx "${inc[@]}" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
-        python3 scripts/probe_decode_ncu.py > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
+        python3 scripts/probe_decode_ncu.py --cases "${cases[@]}" > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
       rc=$?
       echo "ncu exit $rc" >> "$summary"
       [[ $rc -ne 0 ]] && status=$rc
-      grep -E '^  [^ ].*\(|Duration|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Warp Cycles Per Issued' \
+      grep -E '^  [^ ].*\(|Duration|Grid Size|Waves Per SM|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Warp Cycles Per Issued' \
         "$WORK/ncu_decode.txt" | head -n 200 >> "$summary" ;;
     bench-decode-b32-stages)
       # b = 32 beside cuDNN in 8-layer graphs, --rounds 2: the table's 3 stages (forced: the default has taken
@@ -438,6 +442,18 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
+    bench-decode-b8-split4)
+      # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
+      # against cuDNN's shape (Nsight Compute, session 13: 4 splits, 256 CTAs of 86 KB, two per SM, 96% of
+      # DRAM peak against our 93.5%): 4 splits at 2 stages, and 4 splits at 3 (two waves); twice
+      st3=FLASHTILE_DECODE_STAGES=3 st2=FLASHTILE_DECODE_STAGES=2
+      decode_runs decode_b8_split4 "$st3|$st2 --num-splits 4|$st3 --num-splits 4|$st3|$st2 --num-splits 4" \
+        --cuda-graph --layers 8 --batch 8 --seqlens 16384 65536 131072 --pages --peers cudnn ;;
+    bench-decode-b8-paired)
+      # b = 8 beside cuDNN in 8-layer graphs: the default (paired_splits: 4 splits at 2 stages) against
+      # FLASHTILE_DECODE_STAGES=3, which turns the rule off (the heuristic's 2 splits at 3 stages); twice
+      decode_runs decode_b8_paired "FLASHTILE_DECODE_STAGES=|FLASHTILE_DECODE_STAGES=3|FLASHTILE_DECODE_STAGES=|FLASHTILE_DECODE_STAGES=3" \
+        --cuda-graph --layers 8 --batch 8 --seqlens 16384 65536 131072 --pages --peers cudnn ;;
     bench-decode-block-n)
       # the contiguous cache's split launches (b = 1 and 8) with the table's 128-key tiles against 64
       # (FLASHTILE_DECODE_BLOCK_N), 8-layer graphs beside cuDNN, alternated twice: session 13's single-call

@@ -3,7 +3,8 @@
 Each case runs twice unprofiled (compile, warm caches) and then ``--calls`` times inside an NVTX
 range named after it, so ``ncu --nvtx --nvtx-include "<case>/"`` profiles just those launches:
 flashtile at b = 1, 8k (contiguous, 16- and 256-token pages in random order: the start-up-bound
-row and the two paged columns of issue 5's table) and b = 32, 8k (contiguous, the cuDNN row), and
+row and the two paged columns of issue 5's table), b = 32, 8k (contiguous, the cuDNN row) and b = 8,
+64k (a split grid of 128 programs on 132 SMs, where cuDNN was 1%-2% ahead in session 13), and
 SDPA's cuDNN backend on the head-major copies ``bench decode`` gives it. GQA 32 / 8, d = 128, bf16,
 one new token, as in the table. Run without ncu it only checks that every case runs.
 """
@@ -49,6 +50,7 @@ def cudnn_case(b: int, sk: int):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2, help="profiled calls per case")
+    ap.add_argument("--cases", nargs="*", help="the cases to run (default: all)")
     args = ap.parse_args()
     cases = {
         "ft_b1_8k": lambda: flashtile_case(1, 8192, None),
@@ -57,8 +59,11 @@ def main():
         "ft_b32_8k": lambda: flashtile_case(32, 8192, None),
         "cudnn_b1_8k": lambda: cudnn_case(1, 8192),
         "cudnn_b32_8k": lambda: cudnn_case(32, 8192),
+        "ft_b8_64k": lambda: flashtile_case(8, 65536, None),
+        "cudnn_b8_64k": lambda: cudnn_case(8, 65536),
     }
-    for name, make in cases.items():
+    for name in args.cases or list(cases):
+        make = cases[name]
         fn = make()
         for _ in range(2):
             fn()

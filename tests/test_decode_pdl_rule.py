@@ -156,3 +156,43 @@ def test_block_n_knob(monkeypatch):
         monkeypatch.setenv("FLASHTILE_DECODE_BLOCK_N", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_BLOCK_N"):
             decode.launch_config("sm90", 128, False, 2)
+
+
+def test_paired_splits(monkeypatch):
+    """decode.paired_splits: heuristic split grids of >= 64 programs per split that fill one wave take twice
+    the splits (then 2 stages) on sm_90 in the measured shape, while the doubled programs read >= 32 blocks."""
+    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
+    assert decode.paired_splits(64, 2, 128, 132, False, "sm90", True) == 4  # b = 8, 16k
+    assert decode.paired_splits(64, 2, 1024, 132, False, "sm90", True) == 4  # b = 8, 128k
+    assert decode.paired_splits(64, 2, 64, 132, False, "sm90", True) == 2  # b = 8, 8k: 16 blocks, not measured
+    assert decode.paired_splits(8, 16, 1024, 132, False, "sm90", True) == 16  # b = 1: 2 stages lost there
+    assert decode.paired_splits(64, 1, 128, 132, False, "sm90", True) == 1  # unsplit
+    assert decode.paired_splits(64, 3, 1024, 132, False, "sm90", True) == 3  # more than one wave
+    assert decode.paired_splits(64, 2, 128, 132, True, "sm90", True) == 2  # paged: not measured
+    assert decode.paired_splits(64, 2, 128, 132, False, "sm90", False) == 2  # shape not measured
+    assert decode.paired_splits(64, 2, 128, 132, False, "default", True) == 2
+    monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "3")
+    assert decode.paired_splits(64, 2, 128, 132, False, "sm90", True) == 2
+
+
+def test_decode_attn_pairs_heuristic_splits_only(monkeypatch):
+    """decode_attn's wiring of paired_splits (CPU tensors, launch recorded, not run): b = 8 at 16k on sm_90
+    launches 4 splits at 2 stages; a caller's num_splits=2 stays 2 splits at the table's 3 stages."""
+    import torch
+
+    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode, "TMA_OVERRIDE", False)
+    seen = []
+    monkeypatch.setattr(decode, "launch",
+                        lambda kernel, grid, *a, **meta: seen.append((meta["NUM_SPLITS"], meta["num_stages"])))
+    monkeypatch.setattr(decode, "combine", lambda *a, **k: None)
+    q = torch.zeros(8, 1, 32, 128, dtype=torch.float16)
+    kc = torch.zeros(8, 16384, 8, 128, dtype=torch.float16)
+    for splits in (0, 2):
+        decode.decode_attn(q, kc, kc, s_new=0, cache_seqlens=None, cache_len_const=16000, cache_batch_idx=None,
+                           cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved=False, rotary_per_token=False, softmax_scale=0.1, window_left=-1,
+                           window_right=-1, softcap=0.0, alibi_slopes=None, num_splits=splits)
+    assert seen == [(4, decode.GRID_FULL_STAGES), (2, 3)]
