@@ -38,7 +38,6 @@
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
-#   bench-decode-b8-paired  b = 8 at 16k-128k: the default (paired splits) against FLASHTILE_DECODE_STAGES=3 (rule off), twice
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
 #   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
@@ -448,11 +447,6 @@ for step in "${steps[@]}"; do
       # DRAM peak against our 93.5%): 4 splits at 2 stages, and 4 splits at 3 (two waves); twice
       st3=FLASHTILE_DECODE_STAGES=3 st2=FLASHTILE_DECODE_STAGES=2
       decode_runs decode_b8_split4 "$st3|$st2 --num-splits 4|$st3 --num-splits 4|$st3|$st2 --num-splits 4" \
-        --cuda-graph --layers 8 --batch 8 --seqlens 16384 65536 131072 --pages --peers cudnn ;;
-    bench-decode-b8-paired)
-      # b = 8 beside cuDNN in 8-layer graphs: the default (paired_splits: 4 splits at 2 stages) against
-      # FLASHTILE_DECODE_STAGES=3, which turns the rule off (the heuristic's 2 splits at 3 stages); twice
-      decode_runs decode_b8_paired "FLASHTILE_DECODE_STAGES=|FLASHTILE_DECODE_STAGES=3|FLASHTILE_DECODE_STAGES=|FLASHTILE_DECODE_STAGES=3" \
         --cuda-graph --layers 8 --batch 8 --seqlens 16384 65536 131072 --pages --peers cudnn ;;
     bench-decode-block-n)
       # the contiguous cache's split launches (b = 1 and 8) with the table's 128-key tiles against 64

@@ -51,25 +51,3 @@ def test_two_stages_bitwise_equal_to_three(monkeypatch, tma, s_new):
     assert [m["num_stages"] for m in metas] == [2 if _sm90() else table, 3]
     (o2, l2), (o3, l3) = outs
     assert torch.equal(o2, o3) and torch.equal(l2, l3)
-
-
-# paired_splits (on by default for sm_90 since session 13): b = 8 with 8 kv heads (64 programs per split)
-# at 16k keys, where the heuristic takes 2 splits, runs 4 at 2 stages (two CTAs per SM)
-@pytest.mark.parametrize("s_new,rotary", [(0, False), (1, True)])
-def test_paired_splits_against_reference_and_forced(monkeypatch, s_new, rotary):
-    """The paired launch matches the reference and equals the same launch forced by hand (num_splits=4,
-    FLASHTILE_DECODE_STAGES=2) bit for bit."""
-    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
-    metas = record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)
-    q, kc, vc, kw = _inputs(8, 1, s_new, 32, 8, 128, 16384, torch.bfloat16, rotary=rotary, seed=5)
-    _check(q, kc, vc, kw, causal=True)
-    default = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, return_softmax_lse=True, **kw)
-    monkeypatch.setenv("FLASHTILE_DECODE_STAGES", "2")
-    forced = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, return_softmax_lse=True, num_splits=4,
-                                     **kw)
-    got = [(m["NUM_SPLITS"], m["num_stages"]) for m in metas]
-    assert got[-1] == (4, 2)
-    if _sm90():
-        assert got[:2] == [(4, launcher.GRID_FULL_STAGES)] * 2
-    if _sm90():
-        assert torch.equal(default[0], forced[0]) and torch.equal(default[1], forced[1])

@@ -182,33 +182,6 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
     return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
 
 
-# Split grids at two CTAs per SM. Where the split heuristic fills one wave of one-CTA-per-SM programs
-# (b = 8 with 8 kv heads: 2 splits, 128 programs of 139 KB on 132 SMs), cuDNN runs twice the splits at
-# two CTAs per SM (Nsight Compute, ncu_decode_b8_h200_2026-11-30_session13.txt: 256 CTAs of 86 KB, 96% of
-# DRAM peak against our 93.5%). Doubling the splits at GRID_FULL_STAGES (two CTAs per SM) measured in
-# 8-layer graphs beside cuDNN, twice (decode_b8_split4_h200_2026-11-30_session13.json): b = 8 at 16k
-# 127.0 / 127.1 -> 126.4 / 126.4 us, 64k 479.7 / 479.6 -> 473.6 / 473.4, 128k (8 warps) 951.0 / 951.8 ->
-# 939.1 / 939.8; the same 4 splits at 3 stages (two waves) were slower at 16k (129.5). At b = 1 (8
-# programs' rows) 2 stages lost at 16-32 splits (decode_b1_occupancy_h200_2026-11-30_session12.json), so
-# the rule takes grids of at least PAIRED_MIN_PROGRAMS programs per split whose doubled programs still
-# read PAIRED_MIN_BLOCKS key blocks (b = 8 at 8k, 16 blocks, was not measured), heuristic splits only
-# (a caller's num_splits is kept), on sm_90 contiguous caches in the measured shape.
-# FLASHTILE_DECODE_STAGES, when set, turns it off.
-PAIRED_MIN_PROGRAMS = 64
-PAIRED_MIN_BLOCKS = 32
-
-
-def paired_splits(programs: int, num_splits: int, key_blocks: int, sms: int, paged: bool, arch: str = "default",
-                  measured: bool = False) -> int:
-    """The split count of a launch whose heuristic chose ``num_splits`` for ``programs`` programs per split:
-    twice that where the doubled grid runs two CTAs per SM at GRID_FULL_STAGES (see PAIRED_MIN_PROGRAMS),
-    else ``num_splits``."""
-    if (paged or arch != "sm90" or not measured or num_splits < 2 or programs < PAIRED_MIN_PROGRAMS
-            or programs * num_splits > sms or cdiv(key_blocks, 2 * num_splits) < PAIRED_MIN_BLOCKS):
-        return num_splits
-    return num_splits if env.get("FLASHTILE_DECODE_STAGES", "") else 2 * num_splits
-
-
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -421,20 +394,15 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     else:
         q_ds = k_ds = v_ds = lse
     key_blocks = cdiv(max(capacity, 1), block_n)
-    programs = b * h_k * m_blocks
-    heuristic = num_splits <= 0
-    if heuristic:
-        num_splits = num_splits_heuristic(programs, key_blocks, num_sms(q.device))
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
+    blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
-        paired = heuristic and paired_splits(programs, num_splits, key_blocks, num_sms(q.device), paged, arch,
-                                             measured and block_m == 16) != num_splits
-        num_splits = 2 * num_splits if paired else num_splits
-        num_warps = long_program_warps(cdiv(key_blocks, num_splits), paged, num_warps, arch, measured)
-        num_stages = GRID_FULL_STAGES if paired else grid_full_stages(
-            programs, num_sms(q.device), num_splits, paged, num_stages, arch, measured and block_m == 16)
-    blocks_per_program = cdiv(key_blocks, num_splits)
+        num_warps = long_program_warps(blocks_per_program, paged, num_warps, arch, measured)
+        num_stages = grid_full_stages(b * h_k * m_blocks, num_sms(q.device), num_splits, paged, num_stages, arch,
+                                      measured and block_m == 16)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, b * h_k * m_blocks)
