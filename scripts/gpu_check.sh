@@ -32,7 +32,7 @@
 #   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
 #   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
-#   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k decode kernels (flashtile contiguous / paged, SDPA cuDNN)
+#   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k and b = 8, 64k decode kernels (flashtile, SDPA cuDNN; NCU_CASES)
 #   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
@@ -131,20 +131,17 @@ decode_runs() {
   done
 }
 # decode_ab TESTS NAME VAR "VALUES" BENCH_ARGS...: if the timed_tests step TESTS passed in this call (TESTS "-": no gate),
-# `bench decode BENCH_ARGS` once per value of the environment variable VAR, in the order given (an A/B
-# alternated inside one call), each run's JSON as NAME<value>_<seconds>.json, packed after each run
+# decode_runs once per value of the environment variable VAR, in the order given (an A/B alternated inside
+# one call): each run's JSON as NAME_VAR-<value>_<seconds>.json
 decode_ab() {
-  local tests=$1 name=$2 var=$3 values=$4 v
+  local tests=$1 name=$2 var=$3 values=$4 v settings=()
   shift 4
   if [[ $tests != - ]] && ! tests_passed "$tests"; then
     echo "skipped: $name (its tests did not pass in this call)" | tee -a "$summary"
     return
   fi
-  for v in $values; do
-    env "$var=$v" python3 -m flashtile.bench decode "$@" --out "$WORK/$name${v}_$SECONDS.json" \
-      2>> "$WORK/bench_$name.log" >> "$summary"
-    pack
-  done
+  for v in $values; do settings+=("$var=$v"); done
+  decode_runs "$name" "$(IFS='|'; echo "${settings[*]}")" "$@"
 }
 steps=()
 for a in "$@"; do  # tune-short: the three open sweeps
@@ -406,7 +403,7 @@ for step in "${steps[@]}"; do
       done ;;
     probe-decode-ncu)
       # Nsight Compute, one kernel at a time, on the decode cases of scripts/probe_decode_ncu.py (b = 1, 8k
-      # contiguous / 16- / 256-token pages, b = 32, 8k, and SDPA cuDNN at both), clocks not locked
+      # contiguous / 16- / 256-token pages, b = 32, 8k, b = 8, 64k, and SDPA cuDNN beside them), clocks not locked
       # NCU_CASES: a subset of the script's cases (default: all), e.g. "ft_b8_64k cudnn_b8_64k"
       cases=(${NCU_CASES:-ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k ft_b8_64k cudnn_b8_64k})
       inc=()
@@ -451,7 +448,7 @@ for step in "${steps[@]}"; do
     bench-decode-block-n)
       # the contiguous cache's split launches (b = 1 and 8) with the table's 128-key tiles against 64
       # (FLASHTILE_DECODE_BLOCK_N), 8-layer graphs beside cuDNN, alternated twice: session 13's single-call
-      # sweep (tune_decode_b1_p16_h200_2026-11-30_session13.json) found (64, 4, 3) 3% faster at b = 1, 8k / 16k
+      # sweep (tune_decode_b1_p16_h200_2026-11-30_session13.json) found (64, 4, 3) 3%-4% faster at b = 1, 8k / 16k
       decode_ab - decode_block_n FLASHTILE_DECODE_BLOCK_N "128 64 128 64" \
         --cuda-graph --layers 8 --batch 1 8 --seqlens 8192 16384 65536 --pages --peers cudnn ;;
     tests-decode-long-warps)

@@ -1,5 +1,5 @@
-"""Merge the runs of an A/B (``gpu_check.sh`` ``decode_ab`` writes NAME<value>_<seconds>.json per run) into
-one results file, and print each run's times per row.
+"""Merge the runs of an A/B (``gpu_check.sh`` ``decode_ab`` / ``decode_runs`` write NAME_VAR-<value>_<seconds>.json
+/ NAME_<setting>_<seconds>.json per run) into one results file, and print each run's times per row.
 
 Usage: python scripts/merge_ab.py OUT.json --prefix NAME --setting VAR --command "..." --note "..." RUN.json ...
 
@@ -50,7 +50,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("runs", nargs="+")
-    ap.add_argument("--prefix", required=True, help="the runs' name before the value (decode_ab's NAME)")
+    ap.add_argument("--prefix", required=True,
+                    help="the run files' name before the value, e.g. decode_block_n_FLASHTILE_DECODE_BLOCK_N-")
     ap.add_argument("--setting", required=True, help="the environment variable the A/B varied")
     ap.add_argument("--command", required=True)
     ap.add_argument("--note", default="")

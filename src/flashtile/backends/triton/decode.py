@@ -279,6 +279,16 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     return next(s for s, c in enumerate(costs, 1) if c <= least * (1 + SPLIT_SLACK))
 
 
+def _table_knob(name: str, allowed: tuple[str, ...], table: int) -> int:
+    """An A/B knob replacing a value of the decode config table: unset, the table's ``table``."""
+    setting = env.get(name, "")
+    if not setting:
+        return table
+    if setting not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)} (unset: the table's), got {setting!r}")
+    return int(setting)
+
+
 def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, page_size: int = 0,
                   grid_full: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a decode launch: the table's row, adjusted for the layout.
@@ -293,18 +303,10 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     key tile (an A/B knob too; the layout adjustments below still apply).
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
-    tile = env.get("FLASHTILE_DECODE_BLOCK_N", "")
-    if tile:
-        if tile not in ("32", "64", "128"):
-            raise ValueError(f"FLASHTILE_DECODE_BLOCK_N must be 32, 64 or 128 (unset: the table's), got {tile!r}")
-        block_n = int(tile)
-    setting = env.get("FLASHTILE_DECODE_STAGES", "")
-    if setting:
-        # an experiment knob: the table's pipeline depth replaced (paged launches add two to a depth
-        # above 1), and grid_full_stages' rule off
-        if setting not in ("1", "2", "3", "4"):
-            raise ValueError(f"FLASHTILE_DECODE_STAGES must be 1-4 (unset: the table's), got {setting!r}")
-        num_stages = int(setting)
+    # experiment knobs: the table's key tile / pipeline depth replaced (paged launches still add two to a
+    # depth above 1, and a set depth turns grid_full_stages' rule off)
+    block_n = _table_knob("FLASHTILE_DECODE_BLOCK_N", ("32", "64", "128"), block_n)
+    num_stages = _table_knob("FLASHTILE_DECODE_STAGES", ("1", "2", "3", "4"), num_stages)
     if cache_elem_bytes >= 4:
         block_n = max(16, block_n // 2)
     if paged and grid_full and page_size < 64 < block_n:
@@ -372,8 +374,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
     arch = _arch(q.device)
+    programs, sms = b * h_k * m_blocks, num_sms(q.device)  # programs per split
     # (a grid of at least 0.8 x SMs is not split; grid_full_stages asks for more than 1 x SMs)
-    grid_full = b * h_k * m_blocks >= SPLIT_FREE_FILL * num_sms(q.device)
+    grid_full = programs >= SPLIT_FREE_FILL * sms
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
         arch, block_d, paged, k_cache.element_size(), page_size, grid_full)
 
@@ -395,17 +398,16 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
         q_ds = k_ds = v_ds = lse
     key_blocks = cdiv(max(capacity, 1), block_n)
     if num_splits <= 0:
-        num_splits = num_splits_heuristic(b * h_k * m_blocks, key_blocks, num_sms(q.device))
+        num_splits = num_splits_heuristic(programs, key_blocks, sms)
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
     blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
         num_warps = long_program_warps(blocks_per_program, paged, num_warps, arch, measured)
-        num_stages = grid_full_stages(b * h_k * m_blocks, num_sms(q.device), num_splits, paged, num_stages, arch,
-                                      measured and block_m == 16)
+        num_stages = grid_full_stages(programs, sms, num_splits, paged, num_stages, arch, measured and block_m == 16)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
-        counters = _merge_counters(q.device, b * h_k * m_blocks)
+        counters = _merge_counters(q.device, programs)
     if num_splits > 1:
         o_part = torch.empty(num_splits, b, sq, h, d, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, b, h, sq, device=q.device, dtype=torch.float32)
@@ -423,7 +425,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # the interior of a tile lies in one page only when pages are whole tiles and nothing shifts them
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
-    grid = (num_splits * m_blocks * b * h_k,)
+    grid = (num_splits * programs,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
