@@ -37,6 +37,9 @@
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
+#   tests-decode-stream-k  the stream-K split (FLASHTILE_DECODE_STREAM_K=G, an experiment) on the GPU, G = 1 and 4
+#   bench-decode-stream-k  b = 1 / 8 at 16k-128k: split (0) against stream-K with G = 4 / 1 / 8 kv heads in lockstep
+#                 (STREAM_K_VALUES, default "0 4 1 8 0 4"; STREAM_K_ROWS), after its tests
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
@@ -438,6 +441,16 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
+    tests-decode-stream-k)
+      # the stream-K split (FLASHTILE_DECODE_STREAM_K=G, an experiment) against the reference, alone
+      timed_tests decode_stream_k tests/test_gpu_decode_stream_k.py ;;
+    bench-decode-stream-k)
+      # the split launch (0) against stream-K with G kv heads in lockstep, 8-layer graphs beside cuDNN: G = 4
+      # (132 programs, 33 streams of 4 heads), G = 1 (session 13's: 132 programs, no lockstep), G = 8 (the
+      # split's own 128 programs through the stream-K path: isolates the path from the lockstep); b = 1 from
+      # 16k (runs of at least 8 blocks) and b = 8; STREAM_K_ROWS replaces the rows, STREAM_K_VALUES the order
+      decode_ab decode_stream_k decode_stream_k FLASHTILE_DECODE_STREAM_K "${STREAM_K_VALUES:-0 4 1 8 0 4}" \
+        --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 1 8 --seqlens 16384 65536 131072} --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
       # against cuDNN's shape (Nsight Compute, session 13: 4 splits, 256 CTAs of 86 KB, two per SM, 96% of
