@@ -47,9 +47,12 @@ def test_plan_off_by_default_and_switch_checked(monkeypatch):
         launcher.stream_k_plan(64, 512, 2, 132, 8)
 
 
-def test_plan_applies_to_one_wave_split_grids_only(monkeypatch):
+def test_plan_applies_to_one_wave_grids_only(monkeypatch):
     monkeypatch.setattr(launcher, "STREAM_K_OVERRIDE", 1)
-    assert launcher.stream_k_plan(64, 512, 1, 132) is None  # unsplit
+    assert launcher.stream_k_plan(64, 512, 1, 132) == (132, 249, 4, 1)  # unsplit grids of one wave too
+    monkeypatch.setattr(launcher, "STREAM_K_OVERRIDE", 8)  # b = 32, 8k at 2 stages: 264 slots, 33 streams
+    assert launcher.stream_k_plan(256, 64, 1, 264, 8) == (264, 63, 3, 8)
+    monkeypatch.setattr(launcher, "STREAM_K_OVERRIDE", 1)
     assert launcher.stream_k_plan(64, 512, 3, 132) is None  # more than one wave
     assert launcher.stream_k_plan(8, 64, 16, 132) is None  # runs of 4 blocks: below STREAM_K_MIN_RUN
     assert launcher.stream_k_plan(64, 128, 2, 132) == (131, 63, 4, 1)  # b = 8, 16k

@@ -182,7 +182,7 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
     return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
 
 
-# Stream-K split (an experiment, off until measured on the H200: FLASHTILE_DECODE_STREAM_K=1 turns it on,
+# Stream-K split (an experiment, off until measured on the H200: FLASHTILE_DECODE_STREAM_K=G turns it on,
 # tests pin STREAM_K_OVERRIDE). A split grid of R rows (batch x kv heads x query-row blocks) x S splits
 # can leave SMs idle: b = 8 with 8 kv heads takes 2 splits, 128 programs on 132 SMs, and Nsight Compute
 # put our DRAM throughput there at 93.5% against cuDNN's 96.0% with every SM busy
@@ -192,8 +192,9 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
 # programs; the row's last program fills the slots no program took with empty partials, so the merge
 # kernel serves it unchanged. A program's part of a row is scaled to the row's actual length on the
 # device, as the splits' equal shares are. The launch keeps the config (tile, warps, stages, descriptor
-# loads) of the split launch it replaces. Heuristic splits only (a caller's num_splits is kept), split
-# grids only, not with the fused merge.
+# loads) of the split launch it replaces. Heuristic splits only (a caller's num_splits is kept), grids of
+# one wave only (an unsplit one too: b = 32's 256 programs on 264 slots at 2 stages), not with the fused
+# merge.
 # STREAM_K_OVERRIDE / FLASHTILE_DECODE_STREAM_K = G (1, 2, 4, 8, ...) turns it on with G kv heads in
 # lockstep: the runs are laid over (batch row, group of G kv heads) rows and each run is taken by G
 # programs, one kv head each, so the G heads' programs read the same keys' adjacent cache bytes together,
@@ -218,11 +219,12 @@ def stream_k_group() -> int:
 
 def stream_k_plan(rows: int, key_blocks: int, num_splits: int, sms: int,
                   kv_heads: int = 1) -> tuple[int, int, int, int] | None:
-    """(programs, run_blocks, slots, G) of a stream-K launch replacing a ``num_splits``-way split of
-    ``rows`` rows (batch x ``kv_heads`` x query-row blocks) of ``key_blocks`` blocks each on ``sms`` SMs,
-    or None where it does not apply (or is off)."""
+    """(programs, run_blocks, slots, G) of a stream-K launch replacing a ``num_splits``-way split (1: an
+    unsplit grid) of ``rows`` rows (batch x ``kv_heads`` x query-row blocks) of ``key_blocks`` blocks each
+    on ``sms`` program slots (SMs x programs an SM holds) in one wave, or None where it does not apply (or
+    is off)."""
     group = stream_k_group()
-    if group <= 0 or kv_heads % group or num_splits < 2 or rows * num_splits > sms:
+    if group <= 0 or kv_heads % group or rows * num_splits > sms:
         return None
     streams, group_rows = sms // group, rows // group
     run = cdiv(group_rows * key_blocks, streams)
@@ -455,12 +457,14 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
     # (the rules below see the split launch; a stream-K launch replacing it keeps its config)
     blocks_per_program = cdiv(key_blocks, num_splits)
-    stream = (stream_k_plan(rows, key_blocks, num_splits, sms, h_k)
-              if heuristic and not FUSED_COMBINE else None)
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
         num_warps = long_program_warps(blocks_per_program, paged, num_warps, arch, measured)
         num_stages = grid_full_stages(rows, sms, num_splits, paged, num_stages, arch, measured and block_m == 16)
+    # (stream-K experiment: a contiguous 128-key program holds 139 KB at 3 stages, one per SM, and about
+    # 70 KB at 2, two per SM)
+    stream = (stream_k_plan(rows, key_blocks, num_splits, sms * (2 if num_stages == 2 and not paged else 1), h_k)
+              if heuristic and not FUSED_COMBINE else None)
     programs = num_splits * rows
     run_blocks = 0
     if stream is not None:
