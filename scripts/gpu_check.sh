@@ -42,6 +42,7 @@
 #                 (STREAM_K_VALUES, default "0 4 1 8 0 4"; STREAM_K_ROWS), after its tests
 #   bench-decode-stream-k-slots  b = 8 / 32 at 16k / 64k: the defaults against stream-K with all 8 kv heads in lockstep
 #                 at 2 stages (two programs an SM: 264 programs), and 2 stages alone, twice
+#   bench-decode-stream-k-maxnreg  as bench-decode-stream-k-slots, stream-K capped at 128 registers (two programs an SM)
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
@@ -459,6 +460,13 @@ for step in "${steps[@]}"; do
       # b = 32 (against the unsplit 256, plus a merge); "2 stages alone" is b = 8's 2 splits at 2 stages
       decode_runs decode_stream_k_slots "FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8|\
 FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8" \
+        --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 8 32 --seqlens 16384 65536} --pages --peers cudnn ;;
+    bench-decode-stream-k-maxnreg)
+      # the stream-K build at 8 warps and 2 stages takes 174 registers, so one program an SM: capped at 128
+      # (ptxas: 72 bytes of spills) two fit, as for the split build
+      decode_runs decode_stream_k_maxnreg "FLASHTILE_DECODE_STREAM_K=0|\
+FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8 FLASHTILE_DECODE_MAXNREG=128|FLASHTILE_DECODE_STREAM_K=0|\
+FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8 FLASHTILE_DECODE_MAXNREG=128" \
         --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 8 32 --seqlens 16384 65536} --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)

@@ -236,6 +236,17 @@ def stream_k_plan(rows: int, key_blocks: int, num_splits: int, sms: int,
     return cdiv(group_rows * key_blocks, run) * group, run, slots, group
 
 
+def stream_k_maxnreg(stream) -> dict:
+    """Stream-K experiment: FLASHTILE_DECODE_MAXNREG=n caps a stream-K launch's registers (its build takes
+    174 at 8 warps and 2 stages where the split build takes 128, so one program an SM instead of two)."""
+    setting = env.get("FLASHTILE_DECODE_MAXNREG", "")
+    if stream is None or setting == "":
+        return {}
+    if not setting.isdigit():
+        raise ValueError(f"FLASHTILE_DECODE_MAXNREG must be a register count, got {setting!r}")
+    return {"maxnreg": int(setting)}
+
+
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -530,7 +541,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
-            **({"STREAM_K": stream[3]} if stream is not None else {}),
+            **({"STREAM_K": stream[3]} if stream is not None else {}), **stream_k_maxnreg(stream),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))
