@@ -37,12 +37,6 @@
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
-#   tests-decode-stream-k  the stream-K split (FLASHTILE_DECODE_STREAM_K=G, an experiment) on the GPU, G = 1 and 4
-#   bench-decode-stream-k  b = 1 / 8 at 16k-128k: split (0) against stream-K with G = 4 / 1 / 8 kv heads in lockstep
-#                 (STREAM_K_VALUES, default "0 4 1 8 0 4"; STREAM_K_ROWS), after its tests
-#   bench-decode-stream-k-slots  b = 8 / 32 at 16k / 64k: the defaults against stream-K with all 8 kv heads in lockstep
-#                 at 2 stages (two programs an SM: 264 programs), and 2 stages alone, twice
-#   bench-decode-stream-k-maxnreg  as bench-decode-stream-k-slots, stream-K capped at 128 registers (two programs an SM)
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
@@ -444,30 +438,6 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
-    tests-decode-stream-k)
-      # the stream-K split (FLASHTILE_DECODE_STREAM_K=G, an experiment) against the reference, alone
-      timed_tests decode_stream_k tests/test_gpu_decode_stream_k.py ;;
-    bench-decode-stream-k)
-      # the split launch (0) against stream-K with G kv heads in lockstep, 8-layer graphs beside cuDNN: G = 4
-      # (132 programs, 33 streams of 4 heads), G = 1 (session 13's: 132 programs, no lockstep), G = 8 (the
-      # split's own 128 programs through the stream-K path: isolates the path from the lockstep); b = 1 from
-      # 16k (runs of at least 8 blocks) and b = 8; STREAM_K_ROWS replaces the rows, STREAM_K_VALUES the order
-      decode_ab decode_stream_k decode_stream_k FLASHTILE_DECODE_STREAM_K "${STREAM_K_VALUES:-0 4 1 8 0 4}" \
-        --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 1 8 --seqlens 16384 65536 131072} --pages --peers cudnn ;;
-    bench-decode-stream-k-slots)
-      # SM coverage with the kv-head lockstep kept: at 2 stages an SM holds two programs, so stream-K with
-      # G = 8 launches 33 streams x 8 heads = 264 programs, every slot, at b = 8 (against 128 at 3 stages) and
-      # b = 32 (against the unsplit 256, plus a merge); "2 stages alone" is b = 8's 2 splits at 2 stages
-      decode_runs decode_stream_k_slots "FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8|\
-FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STREAM_K=0|FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8" \
-        --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 8 32 --seqlens 16384 65536} --pages --peers cudnn ;;
-    bench-decode-stream-k-maxnreg)
-      # the stream-K build at 8 warps and 2 stages takes 174 registers, so one program an SM: capped at 128
-      # (ptxas: 72 bytes of spills) two fit, as for the split build
-      decode_runs decode_stream_k_maxnreg "FLASHTILE_DECODE_STREAM_K=0|\
-FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8 FLASHTILE_DECODE_MAXNREG=128|FLASHTILE_DECODE_STREAM_K=0|\
-FLASHTILE_DECODE_STAGES=2 FLASHTILE_DECODE_STREAM_K=8 FLASHTILE_DECODE_MAXNREG=128" \
-        --cuda-graph --layers 8 ${STREAM_K_ROWS:---batch 8 32 --seqlens 16384 65536} --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
       # against cuDNN's shape (Nsight Compute, session 13: 4 splits, 256 CTAs of 86 KB, two per SM, 96% of

@@ -25,10 +25,6 @@ VARIANTS = {
     "contiguous_pointer": ({}, None, 4, 3),
     "p256_tma": (dict(PAGED=True, PAGE_ALIGNED=True, PAGE_SHIFT=8, USE_TMA=True), 128, 4, 5),
     "p16_gather": (P16, None, 4, 5),
-    # the stream-K launch of b = 8, 64k (FLASHTILE_DECODE_STREAM_K=4): pointer loads (runs of 249 blocks),
-    # 8 warps as the 2-split launch it replaces, 4 slots a row
-    "contiguous_stream_k": (dict(STREAM_K=4, NUM_SPLITS=4), None, 8, 3),
-    "contiguous_split2_8warps": (dict(NUM_SPLITS=2), None, 8, 3),
 }
 INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32", "O_PART": "*fp32",
         "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32",

@@ -207,25 +207,6 @@ def test_decode_long_program_warps_compile_for_sm90(tmp_path):
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 8, stages)
 
 
-def test_decode_stream_k_compiles_for_sm90(tmp_path):
-    # FLASHTILE_DECODE_STREAM_K=4 (an experiment): the b = 8 launch it would replace (2 splits, 8 warps, the
-    # fused append, PDL) and its stream-K form (4 slots a row) must both compile; the stream-K program loops
-    # over its rows around the same key loops, so its shared memory and interior loop body stay the split's
-    d = 128
-    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=128, BLOCK_D=d, NUM_SPLITS=2, PAGED=False, PAGE_ALIGNED=False,
-              PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
-              HAS_RIGHT=False, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
-              ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=True, FUSED_COMBINE=False,
-              USE_PDL=True)
-    split, stream = {}, {}
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 8, 3, fields_out=split)
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, NUM_SPLITS=4, STREAM_K=4),
-             DECODE_INTS, 8, 3, fields_out=stream)
-    assert stream["SHARED"] == split["SHARED"]
-    # in PTX order: the fused append's loop, then the interior key loop
-    assert stream["LOOPS"].split(",")[:2] == split["LOOPS"].split(",")[:2]
-
-
 @pytest.mark.parametrize("page_shift,block_n", [(4, 128), (4, 64), (0, 128)])
 def test_small_page_gather_by_page_compiles_and_pipelines_for_sm90(tmp_path, page_shift, block_n):
     # FLASHTILE_DECODE_PAGE_GATHER=1 (decode.pages_per_tile): an unmasked tile reads one table entry

@@ -188,9 +188,11 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     return acc, m_i, l_i
 
 
-@triton.jit
-def _decode_row(
-    pid_mb, split, seg_lo, seg_hi,
+# Lengths and window bounds change between calls; specialising on them would only recompile (and
+# would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
+@triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
+                              "seqlen_ro", "num_m_blocks", "capacity"])
+def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
     Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
@@ -198,7 +200,6 @@ def _decode_row(
     qk_scale, softcap, window_left, window_right,
     # sizes
     cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks, capacity,
-    run_blocks, num_rows,
     # strides
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -217,10 +218,18 @@ def _decode_row(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr, USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr, STREAM_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
 ):
-    """One (batch row, kv head, query-row block) ``pid_mb``: its split ``split`` of NUM_SPLITS, or with
-    STREAM_K its partial ``split`` covering capacity blocks [seg_lo, seg_hi) of the row."""
+    if USE_PDL:
+        # launched early (programmatic dependent launch): wait here, before the first read, until the
+        # previous kernel in the stream (an append, a previous layer's merge) has finished and
+        # flushed its writes
+        gdc_wait()
+    # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
+    # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    pid_mb = pid // NUM_SPLITS
     pid_m = pid_mb % num_m_blocks
     pid_bk = pid_mb // num_m_blocks
     b = pid_bk // num_kv_heads
@@ -275,17 +284,10 @@ def _decode_row(
     t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
                                                  BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    if STREAM_K:
-        # this segment's part of the band: capacity blocks [seg_lo, seg_hi) of cap_blocks, scaled to the
-        # row's actual blocks (segments that tile the capacity tile the band, whatever the length)
-        cap_blocks = tl.cdiv(capacity, BLOCK_N)
-        s_lo = lo + (seg_lo * (hi - lo)) // cap_blocks
-        s_hi = lo + (seg_hi * (hi - lo)) // cap_blocks
-    else:
-        # this split's equal share of the band
-        per_split = tl.cdiv(hi - lo, NUM_SPLITS)
-        s_lo = lo + split * per_split
-        s_hi = tl.minimum(s_lo + per_split, hi)
+    # this split's equal share of the band
+    per_split = tl.cdiv(hi - lo, NUM_SPLITS)
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, hi)
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
@@ -376,19 +378,6 @@ def _decode_row(
         tl.store(o_ptrs[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok)
         tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head64 * stride_lph
                  + t64, lse, mask=row_ok)
-        if STREAM_K:
-            if seg_hi == tl.cdiv(capacity, BLOCK_N):
-                # the row's last segment: its slots past this one belong to no program; fill them with
-                # empty partials (zeros, lse -inf) so that the merge gives them no weight
-                o_next = o_ptrs
-                l_next = (LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb
-                          + head64 * stride_lph + t64)
-                for _ in range(split + 1, NUM_SPLITS):
-                    o_next += stride_ops
-                    l_next += stride_lps
-                    tl.store(o_next[:, None] + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32),
-                             mask=row_ok[:, None] & d_ok)
-                    tl.store(l_next, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
         if FUSED_COMBINE:
             # The last split of this row block to finish merges all of them (no combine launch). A
             # device-side counter per row block says which one is last; the merger resets it, so
@@ -421,99 +410,6 @@ def _decode_row(
                 tl.store(f_ptrs[:, None] + offs_d[None, :], final.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
                 tl.store(LSE + b.to(tl.int64) * stride_lse_b + head64 * stride_lse_h + t64, final_lse, mask=row_ok)
                 tl.atomic_xchg(COUNTER + pid_mb, 0, sem="relaxed", scope="gpu")
-
-
-# Lengths and window bounds change between calls; specialising on them would only recompile (and
-# would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
-@triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "num_m_blocks", "capacity", "run_blocks", "num_rows"])
-def _decode_kernel(
-    # pointers
-    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
-    # scalars
-    qk_scale, softcap, window_left, window_right,
-    # sizes
-    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks, capacity,
-    run_blocks, num_rows,
-    # strides
-    stride_qb, stride_qm, stride_qh,
-    stride_kb, stride_kn, stride_kh,
-    stride_vb, stride_vn, stride_vh,
-    stride_ob, stride_om, stride_oh,
-    stride_lse_b, stride_lse_h,
-    stride_ops, stride_opb, stride_opm, stride_oph,
-    stride_lps, stride_lpb, stride_lph,
-    stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b,
-    stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
-    # constexprs
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    STREAM_K: tl.constexpr = 0,
-):
-    if USE_PDL:
-        # launched early (programmatic dependent launch): wait here, before the first read, until the
-        # previous kernel in the stream (an append, a previous layer's merge) has finished and
-        # flushed its writes
-        gdc_wait()
-    pid = tl.program_id(0)
-    if STREAM_K:
-        # Stream-K split (an experiment): the rows' capacity key blocks laid end to end, stream s takes
-        # the run [s * run_blocks, (s + 1) * run_blocks), which may end one row and start the next. Its
-        # part of a row is that row's partial number s - (the row's first stream), one of NUM_SPLITS.
-        # STREAM_K = G > 1 keeps G adjacent kv heads in lockstep: a stream's rows are (batch row, group
-        # of G kv heads, query-row block), and its G programs (adjacent program ids, so started
-        # together) take one kv head of the group each, reading the same key positions at once.
-        cap_blocks = tl.cdiv(capacity, BLOCK_N)
-        stream = pid // STREAM_K
-        h_in = pid % STREAM_K
-        g = stream * run_blocks
-        g_end = tl.minimum(g + run_blocks, (num_rows // STREAM_K) * cap_blocks)
-        first_row = g // cap_blocks
-        n_rows = tl.maximum(tl.cdiv(g_end, cap_blocks) - first_row, 0)
-        for i in range(n_rows):
-            group_row = first_row + i
-            row_start = group_row * cap_blocks
-            seg_lo = tl.maximum(g - row_start, 0)
-            seg_hi = tl.minimum(g_end - row_start, cap_blocks)
-            slot = stream - row_start // run_blocks
-            # group_row = (b * (kv heads / G) + head group) * num_m_blocks + pid_m; the row's own index
-            # puts this program's kv head (head group * G + h_in) back in
-            bg = group_row // num_m_blocks
-            pid_mb = ((bg * STREAM_K + h_in) * num_m_blocks) + group_row % num_m_blocks
-            _decode_row(
-                pid_mb, slot, seg_lo, seg_hi, Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD,
-                BLOCK_TABLE, ALIBI, COS, SIN, Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
-                qk_scale, softcap, window_left, window_right, cache_len_const, s_new, seqlen_q, num_kv_heads, group,
-                page_size, seqlen_ro, num_m_blocks, capacity, run_blocks, num_rows, stride_qb, stride_qm, stride_qh,
-                stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-                stride_lse_b, stride_lse_h, stride_ops, stride_opb, stride_opm, stride_oph, stride_lps, stride_lpb,
-                stride_lph, stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b, stride_knb, stride_knt, stride_knh,
-                stride_vnb, stride_vnt, stride_vnh, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS, PAGED,
-                PAGE_ALIGNED, PAGE_SHIFT, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                HAS_ALIBI, ROTARY_DIM, ROTARY_INTERLEAVED, ROTARY_PER_TOKEN, DOT_PRECISION, IS_FP8, FUSED_NEW,
-                FUSED_COMBINE, USE_PDL, USE_TMA, PAGES_PER_TILE, STREAM_K)
-    else:
-        # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
-        # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
-        _decode_row(
-            pid // NUM_SPLITS, pid % NUM_SPLITS, 0, 0, Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD,
-            BLOCK_TABLE, ALIBI, COS, SIN, Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
-            qk_scale, softcap, window_left, window_right, cache_len_const, s_new, seqlen_q, num_kv_heads, group,
-            page_size, seqlen_ro, num_m_blocks, capacity, run_blocks, num_rows, stride_qb, stride_qm, stride_qh,
-            stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_om, stride_oh,
-            stride_lse_b, stride_lse_h, stride_ops, stride_opb, stride_opm, stride_oph, stride_lps, stride_lpb,
-            stride_lph, stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b, stride_knb, stride_knt, stride_knh,
-            stride_vnb, stride_vnt, stride_vnh, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, NUM_SPLITS, PAGED, PAGE_ALIGNED,
-            PAGE_SHIFT, HAS_SEQLENS, HAS_BATCH_IDX, HAS_LEFTPAD, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            ROTARY_DIM, ROTARY_INTERLEAVED, ROTARY_PER_TOKEN, DOT_PRECISION, IS_FP8, FUSED_NEW, FUSED_COMBINE,
-            USE_PDL, USE_TMA, PAGES_PER_TILE, STREAM_K)
 
 
 @triton.jit

@@ -182,71 +182,6 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
     return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
 
 
-# Stream-K split (an experiment, off until measured on the H200: FLASHTILE_DECODE_STREAM_K=G turns it on,
-# tests pin STREAM_K_OVERRIDE). A split grid of R rows (batch x kv heads x query-row blocks) x S splits
-# can leave SMs idle: b = 8 with 8 kv heads takes 2 splits, 128 programs on 132 SMs, and Nsight Compute
-# put our DRAM throughput there at 93.5% against cuDNN's 96.0% with every SM busy
-# (ncu_decode_b8_h200_2026-11-30_session13.txt). Stream-K launches one program per SM instead: the
-# rows' key blocks (at the cache's capacity) laid end to end, each program takes an equal run of them,
-# which may end one row and start the next, and a row's partials come from up to (blocks - 1) // run + 2
-# programs; the row's last program fills the slots no program took with empty partials, so the merge
-# kernel serves it unchanged. A program's part of a row is scaled to the row's actual length on the
-# device, as the splits' equal shares are. The launch keeps the config (tile, warps, stages, descriptor
-# loads) of the split launch it replaces. Heuristic splits only (a caller's num_splits is kept), grids of
-# one wave only (an unsplit one too: b = 32's 256 programs on 264 slots at 2 stages), not with the fused
-# merge.
-# STREAM_K_OVERRIDE / FLASHTILE_DECODE_STREAM_K = G (1, 2, 4, 8, ...) turns it on with G kv heads in
-# lockstep: the runs are laid over (batch row, group of G kv heads) rows and each run is taken by G
-# programs, one kv head each, so the G heads' programs read the same keys' adjacent cache bytes together,
-# as the split launch's 8 kv-head programs of a row do (G = 1 is session 13's stream-K, which lost 4%:
-# its kv heads read different key positions). G must divide the kv heads; 0 / unset is off.
-STREAM_K_OVERRIDE: int | None = None
-STREAM_K_MIN_RUN = 8  # key blocks per program at least: shorter runs are start-up bound
-
-
-def stream_k_group() -> int:
-    """The stream-K setting: 0 (off) or G, the kv heads kept in lockstep."""
-    if STREAM_K_OVERRIDE is not None:
-        return int(STREAM_K_OVERRIDE)
-    setting = env.get("FLASHTILE_DECODE_STREAM_K", "")
-    if setting == "":
-        return 0
-    if not setting.isdigit():
-        raise ValueError(f"FLASHTILE_DECODE_STREAM_K must be 0 / unset (off) or G >= 1 (on, G kv heads in "
-                         f"lockstep), got {setting!r}")
-    return int(setting)
-
-
-def stream_k_plan(rows: int, key_blocks: int, num_splits: int, sms: int,
-                  kv_heads: int = 1) -> tuple[int, int, int, int] | None:
-    """(programs, run_blocks, slots, G) of a stream-K launch replacing a ``num_splits``-way split (1: an
-    unsplit grid) of ``rows`` rows (batch x ``kv_heads`` x query-row blocks) of ``key_blocks`` blocks each
-    on ``sms`` program slots (SMs x programs an SM holds) in one wave, or None where it does not apply (or
-    is off)."""
-    group = stream_k_group()
-    if group <= 0 or kv_heads % group or rows * num_splits > sms:
-        return None
-    streams, group_rows = sms // group, rows // group
-    run = cdiv(group_rows * key_blocks, streams)
-    if run < STREAM_K_MIN_RUN:
-        return None
-    slots = (key_blocks - 1) // run + 2  # the most streams one row's blocks can meet
-    if slots > MAX_SPLITS:
-        return None
-    return cdiv(group_rows * key_blocks, run) * group, run, slots, group
-
-
-def stream_k_maxnreg(stream) -> dict:
-    """Stream-K experiment: FLASHTILE_DECODE_MAXNREG=n caps a stream-K launch's registers (its build takes
-    174 at 8 warps and 2 stages where the split build takes 128, so one program an SM instead of two)."""
-    setting = env.get("FLASHTILE_DECODE_MAXNREG", "")
-    if stream is None or setting == "":
-        return {}
-    if not setting.isdigit():
-        raise ValueError(f"FLASHTILE_DECODE_MAXNREG must be a register count, got {setting!r}")
-    return {"maxnreg": int(setting)}
-
-
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -439,9 +374,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
     arch = _arch(q.device)
-    rows, sms = b * h_k * m_blocks, num_sms(q.device)  # rows = programs per split
+    programs, sms = b * h_k * m_blocks, num_sms(q.device)  # programs per split
     # (a grid of at least 0.8 x SMs is not split; grid_full_stages asks for more than 1 x SMs)
-    grid_full = rows >= SPLIT_FREE_FILL * sms
+    grid_full = programs >= SPLIT_FREE_FILL * sms
     block_n, num_warps, num_stages = CONFIG_OVERRIDE or launch_config(
         arch, block_d, paged, k_cache.element_size(), page_size, grid_full)
 
@@ -462,27 +397,17 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     else:
         q_ds = k_ds = v_ds = lse
     key_blocks = cdiv(max(capacity, 1), block_n)
-    heuristic = num_splits <= 0
-    if heuristic:
-        num_splits = num_splits_heuristic(rows, key_blocks, sms)
+    if num_splits <= 0:
+        num_splits = num_splits_heuristic(programs, key_blocks, sms)
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_blocks))
-    # (the rules below see the split launch; a stream-K launch replacing it keeps its config)
     blocks_per_program = cdiv(key_blocks, num_splits)
     if CONFIG_OVERRIDE is None:
         measured = d == 128 and block_n == 128 and k_cache.element_size() == 2 and not is_fp8
         num_warps = long_program_warps(blocks_per_program, paged, num_warps, arch, measured)
-        num_stages = grid_full_stages(rows, sms, num_splits, paged, num_stages, arch, measured and block_m == 16)
-    # (stream-K experiment: a contiguous 128-key program holds 139 KB at 3 stages, one per SM, and about
-    # 70 KB at 2, two per SM)
-    stream = (stream_k_plan(rows, key_blocks, num_splits, sms * (2 if num_stages == 2 and not paged else 1), h_k)
-              if heuristic and not FUSED_COMBINE else None)
-    programs = num_splits * rows
-    run_blocks = 0
-    if stream is not None:
-        programs, run_blocks, num_splits, _ = stream
+        num_stages = grid_full_stages(programs, sms, num_splits, paged, num_stages, arch, measured and block_m == 16)
     counters = None
     if num_splits > 1 and FUSED_COMBINE:
-        counters = _merge_counters(q.device, rows)
+        counters = _merge_counters(q.device, programs)
     if num_splits > 1:
         o_part = torch.empty(num_splits, b, sq, h, d, device=q.device, dtype=torch.float32)
         lse_part = torch.empty(num_splits, b, h, sq, device=q.device, dtype=torch.float32)
@@ -500,7 +425,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # the interior of a tile lies in one page only when pages are whole tiles and nothing shifts them
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
-    grid = (programs,)
+    grid = (num_splits * programs,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
@@ -521,7 +446,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             counters if counters is not None else dummy, desc_k, desc_v,
             qk_scale, softcap, window_left, window_right,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
-            capacity, run_blocks, rows,
+            capacity,
             # one stride() call per tensor: each stride(i) call costs host time on every decode step
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
             *ops, *lps,
@@ -541,7 +466,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
-            **({"STREAM_K": stream[3]} if stream is not None else {}), **stream_k_maxnreg(stream),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))
