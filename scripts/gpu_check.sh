@@ -37,6 +37,8 @@
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
+#   bench-decode-b32-tiles  b = 32 at 8k / 64k: the table's 128-key tiles at 2 stages against 64-key tiles at 4 / 3 stages
+#                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
@@ -438,6 +440,13 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
+    bench-decode-b32-tiles)
+      # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
+      # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)
+      decode_runs decode_b32_tiles "FLASHTILE_DECODE_BLOCK_N=128|FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=4|\
+FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3|FLASHTILE_DECODE_BLOCK_N=128|\
+FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=4|FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3" \
+        --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
       # against cuDNN's shape (Nsight Compute, session 13: 4 splits, 256 CTAs of 86 KB, two per SM, 96% of
