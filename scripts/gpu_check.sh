@@ -39,6 +39,8 @@
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   bench-decode-b32-tiles  b = 32 at 8k / 64k: the table's 128-key tiles at 2 stages against 64-key tiles at 4 / 3 stages
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
+#   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
+#                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
@@ -447,6 +449,10 @@ for step in "${steps[@]}"; do
 FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3|FLASHTILE_DECODE_BLOCK_N=128|\
 FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=4|FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
+    bench-decode-b32-tma)
+      # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
+      decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
+        --seqlens 16384 65536 --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
       # against cuDNN's shape (Nsight Compute, session 13: 4 splits, 256 CTAs of 86 KB, two per SM, 96% of
