@@ -32,7 +32,8 @@
 #   bench-decode-page-gather  16-token pages with FLASHTILE_DECODE_PAGE_GATHER=0 1 0 1 (b = 1), 0 1 (b = 8 / 32 at 8k)
 #   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
-#   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k and b = 8, 64k decode kernels (flashtile, SDPA cuDNN; NCU_CASES)
+#   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k and b = 8, 64k decode kernels (flashtile, SDPA cuDNN; NCU_CASES,
+#                 NCU_SECTIONS)
 #   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
@@ -409,11 +410,14 @@ for step in "${steps[@]}"; do
       # Nsight Compute, one kernel at a time, on the decode cases of scripts/probe_decode_ncu.py (b = 1, 8k
       # contiguous / 16- / 256-token pages, b = 32, 8k, b = 8, 64k, and SDPA cuDNN beside them), clocks not locked
       # NCU_CASES: a subset of the script's cases (default: all), e.g. "ft_b8_64k cudnn_b8_64k"
+      # NCU_SECTIONS: more sections, e.g. "MemoryWorkloadAnalysis_Tables" (L2 sectors per request, DRAM traffic)
+      extra=()
+      for sec in ${NCU_SECTIONS:-}; do extra+=(--section "$sec"); done
       cases=(${NCU_CASES:-ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k ft_b8_64k cudnn_b8_64k})
       inc=()
       for c in "${cases[@]}"; do inc+=(--nvtx-include "$c/"); done
       ncu --nvtx "${inc[@]}" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy \
+        --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy "${extra[@]}" \
         python3 scripts/probe_decode_ncu.py --cases "${cases[@]}" > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
       rc=$?
       echo "ncu exit $rc" >> "$summary"
