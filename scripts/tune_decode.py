@@ -25,7 +25,7 @@ from flashtile.bench.timing import bench_graph
 host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
 
 # NUM_SPLITS is a constexpr: keep the product small. (128, 4, 2): paged launches at 4 stages fit
-# two CTAs per SM (74 KB of shared memory against 140 KB at 5, compiled for sm_90; docs/inference.md)
+# two CTAs per SM (74 KB of shared memory against 140 KB at 5, compiled for sm_90; docs/decode_tuning_log.md)
 CONFIGS = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3), (128, 4, 2)]
 SPLITS = [0, 32]  # 0 = the heuristic
 
