@@ -449,9 +449,9 @@ for step in "${steps[@]}"; do
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)
-      decode_runs decode_b32_tiles "FLASHTILE_DECODE_BLOCK_N=128|FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=4|\
-FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3|FLASHTILE_DECODE_BLOCK_N=128|\
-FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=4|FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=3" \
+      t128=FLASHTILE_DECODE_BLOCK_N=128 t64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES"
+      runs="$t128|$t64=4|$t64=3"
+      decode_runs decode_b32_tiles "$runs|$runs" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12

@@ -27,7 +27,7 @@ def merge(paths: list[str], prefix: str, setting: str, command: str, note: str) 
     runs = []
     for path in paths:
         value, seconds = parse_name(path, prefix)
-        data = json.load(open(path))
+        data = json.loads(Path(path).read_text())
         runs.append({setting: value, "file_order_s": seconds, "meta": data["meta"], "rows": data["rows"]})
     runs.sort(key=lambda r: r["file_order_s"])
     return {"command": command, "note": note, "runs": runs}
