@@ -33,13 +33,14 @@
 #   tune-decode-occupancy  b = 32 at 8k / 128k: (128, 4|8, 3) against 2-stage configs that fit 2-3 CTAs per SM
 #   bench-decode-b1-splits  b = 1 at 8k / 16k in 8-layer graphs with 0 (heuristic) / 12 / 20 / 24 / 0 splits
 #   probe-decode-ncu  Nsight Compute on b = 1 / 32, 8k and b = 8, 64k decode kernels (flashtile, SDPA cuDNN; NCU_CASES,
-#                 NCU_SECTIONS)
+#                 NCU_SECTIONS; NCU_SOURCE=1 keeps the report and a per-instruction SASS table)
 #   bench-decode-b32-stages  b = 32 beside cuDNN: FLASHTILE_DECODE_STAGES=3 (the table's), =2 (the default there), and 2 with PDL, twice
 #   bench-decode-b1-occupancy  b = 1: the table's stages and split heuristic against FLASHTILE_DECODE_STAGES=2 with the
 #                 heuristic (16 splits at 8k / 16k), 32 and 24 splits
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   bench-decode-b32-tiles  b = 32 at 8k / 64k: the table's 128-key tiles at 2 stages against 64-key tiles at 4 / 3 stages
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
+#   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
@@ -416,10 +417,21 @@ for step in "${steps[@]}"; do
       cases=(${NCU_CASES:-ft_b1_8k ft_b1_8k_p16 ft_b1_8k_p256 ft_b32_8k cudnn_b1_8k cudnn_b32_8k ft_b8_64k cudnn_b8_64k})
       inc=()
       for c in "${cases[@]}"; do inc+=(--nvtx-include "$c/"); done
+      # NCU_SOURCE=1: one profiled call per case, the report kept (ncu_decode.ncu-rep) and its per-instruction
+      # SASS table (executed instructions, stall samples: add SourceCounters to NCU_SECTIONS) as CSV
+      rep=() calls=()
+      [[ ${NCU_SOURCE:-0} == 1 ]] && rep=(-o "$WORK/ncu_decode") calls=(--calls 1)
       ncu --nvtx "${inc[@]}" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section LaunchStats --section Occupancy "${extra[@]}" \
-        python3 scripts/probe_decode_ncu.py --cases "${cases[@]}" > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
+        "${rep[@]}" python3 scripts/probe_decode_ncu.py --cases "${cases[@]}" "${calls[@]}" \
+        > "$WORK/ncu_decode.txt" 2> "$WORK/ncu_decode.log"
       rc=$?
+      if [[ ${NCU_SOURCE:-0} == 1 && -f "$WORK/ncu_decode.ncu-rep" ]]; then
+        ncu -i "$WORK/ncu_decode.ncu-rep" --print-details all > "$WORK/ncu_decode.txt" 2>> "$WORK/ncu_decode.log"
+        ncu -i "$WORK/ncu_decode.ncu-rep" --page source --print-source sass --csv > "$WORK/ncu_decode_sass.csv" \
+          2>> "$WORK/ncu_decode.log" || echo "ncu source page failed" >> "$summary"
+        gzip -f "$WORK/ncu_decode_sass.csv"
+      fi
       echo "ncu exit $rc" >> "$summary"
       [[ $rc -ne 0 ]] && status=$rc
       grep -E '^  [^ ].*\(|Duration|Grid Size|Waves Per SM|DRAM Throughput|Registers Per|Dynamic Shared|Achieved Occupancy|Warp Cycles Per Issued' \
@@ -446,6 +458,16 @@ for step in "${steps[@]}"; do
       # The knob sets the contiguous column's stages too: compare the p16 column across runs.
       decode_ab - decode_p16_stages FLASHTILE_DECODE_STAGES "3 2 3 2" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 --pages 16 --peers ;;
+    bench-decode-b1-depth)
+      # a deeper pipeline for short programs: the contiguous cache at 4 stages (three K/V buffers, 205 KB; the
+      # table's 3 give two) and 16-token pages at a paged depth of 7 (three buffers; the default 5 gives two),
+      # at b = 1 (4-32 key blocks a program) and b = 8, alternated twice
+      base="FLASHTILE_DECODE_STAGES=3 FLASHTILE_DECODE_PAGED_STAGES=5"
+      deep="FLASHTILE_DECODE_STAGES=4 FLASHTILE_DECODE_PAGED_STAGES=7"
+      decode_runs decode_b1_depth "$base|$deep|$base|$deep" \
+        --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 --peers cudnn
+      decode_runs decode_b8_depth "$base|$deep" --cuda-graph --layers 8 --batch 8 --seqlens 8192 65536 --pages 16 \
+        --peers cudnn ;;
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)

@@ -156,3 +156,19 @@ def test_block_n_knob(monkeypatch):
         monkeypatch.setenv("FLASHTILE_DECODE_BLOCK_N", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_BLOCK_N"):
             decode.launch_config("sm90", 128, False, 2)
+
+
+def test_paged_stages_knob(monkeypatch):
+    """FLASHTILE_DECODE_PAGED_STAGES replaces a paged launch's whole depth and leaves contiguous launches alone."""
+    monkeypatch.delenv("FLASHTILE_DECODE_PAGED_STAGES", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
+    contiguous = decode.launch_config("sm90", 128, False, 2)
+    paged = decode.launch_config("sm90", 128, True, 2, 16)
+    assert paged[2] == contiguous[2] + 2
+    monkeypatch.setenv("FLASHTILE_DECODE_PAGED_STAGES", "7")
+    assert decode.launch_config("sm90", 128, True, 2, 16) == (*paged[:2], 7)
+    assert decode.launch_config("sm90", 128, False, 2) == contiguous
+    for bad in ("0", "8", "x"):
+        monkeypatch.setenv("FLASHTILE_DECODE_PAGED_STAGES", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_PAGED_STAGES"):
+            decode.launch_config("sm90", 128, True, 2, 16)

@@ -300,7 +300,8 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
     against 1.20x at 128, while split launches (b <= 8) ran faster with 128.
     FLASHTILE_DECODE_STAGES=1..4 replaces the table's stages (for A/B runs in ``bench decode``); set, it
     also turns grid_full_stages' rule off. FLASHTILE_DECODE_BLOCK_N=32 / 64 / 128 replaces the table's
-    key tile (an A/B knob too; the layout adjustments below still apply).
+    key tile (an A/B knob too; the layout adjustments below still apply). FLASHTILE_DECODE_PAGED_STAGES=1..7
+    replaces a paged launch's final depth (after the two stages added below).
     """
     block_n, num_warps, num_stages = decode_config(arch, block_d)
     # experiment knobs: the table's key tile / pipeline depth replaced (paged launches still add two to a
@@ -316,6 +317,10 @@ def launch_config(arch: str, block_d: int, paged: bool, cache_elem_bytes: int, p
         # depend on it: at the contiguous path's depth the K/V tiles got one smem buffer instead of
         # two (sm_90 TTGIR), so half as many bytes in flight. Two more stages restore two buffers.
         num_stages += 2
+    if paged:
+        # experiment knob: a paged launch's whole depth (sm_90, 128-key bf16 tiles: 5 and 6 give the K/V
+        # tiles two smem buffers, 7 gives three, 206 KB; tests/test_sm90_compile.py)
+        num_stages = _table_knob("FLASHTILE_DECODE_PAGED_STAGES", ("1", "2", "3", "4", "5", "6", "7"), num_stages)
     return block_n, num_warps, num_stages
 
 
