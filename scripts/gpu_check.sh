@@ -40,6 +40,8 @@
 #   bench-decode-p16-stages  b = 1, 16-token pages at paged depths 5 / 4 (FLASHTILE_DECODE_STAGES=3 / 2), twice
 #   bench-decode-b32-tiles  b = 32 at 8k / 64k: the table's 128-key tiles at 2 stages against 64-key tiles at 4 / 3 stages
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
+#   bench-decode-edges  masked edge loops unpipelined (default) against pipelined (FLASHTILE_DECODE_PIPELINE_EDGES=1),
+#                 b = 1 / 8 / 32 with 16- and 256-token pages beside cuDNN, 1 0 1 0 (after tests-kv)
 #   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
@@ -468,6 +470,13 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 --peers cudnn
       decode_runs decode_b8_depth "$base|$deep" --cuda-graph --layers 8 --batch 8 --seqlens 8192 65536 --pages 16 \
         --peers cudnn ;;
+    bench-decode-edges)
+      # the masked edge loops unpipelined (the default since session 15) against pipelined
+      # (FLASHTILE_DECODE_PIPELINE_EDGES=1, the kernel before), 1 0 1 0; run tests-kv (and tests-decode-tma) first
+      decode_ab - decode_edges_b1 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
+        --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn
+      decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
+        --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 65536 --pages 16 256 --peers cudnn ;;
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)

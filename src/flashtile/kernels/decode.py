@@ -97,7 +97,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                   HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
+                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0, PIPELINE_EDGES: tl.constexpr = False):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
 
     USE_TMA (contiguous or page-aligned caches, unmasked blocks only): K and V tiles come by tensor
@@ -112,10 +112,14 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     dtype, exactly what the cache receives), the older ones from the cache.
     """
     d_ok = offs_d < HEAD_DIM
-    # The NEW blocks (one or two per call) are not pipelined: their extra loads (new keys, rotary
-    # tables) would each get a buffer per stage, 2-4x the smem of a cache block (over the sm_90
-    # limit with rotary), for a loop too short to overlap anything.
-    for blk in tl.range(blk_lo, blk_hi, num_stages=1 if NEW else None):
+    # Only the interior loop is pipelined. The masked edges (MASK: at most two blocks a program, as
+    # a program's query rows span at most 64 / group tokens) and the NEW blocks (one or two per
+    # call) are too short to overlap anything, and a pipelined loop's prologue runs even when the
+    # loop is empty: on the H200 (Nsight Compute's stall samples, b = 1, 8k) the edge loops'
+    # prologues were a quarter of the warps' time in a 16-token-page launch, whose edges compute
+    # every key's page. The NEW blocks' extra loads (new keys, rotary tables) would also each get a
+    # buffer per stage, 2-4x the smem of a cache block (over the sm_90 limit with rotary).
+    for blk in tl.range(blk_lo, blk_hi, num_stages=1 if (NEW or (MASK and not PIPELINE_EDGES)) else None):
         start_n = blk * BLOCK_N
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
@@ -219,6 +223,7 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
+    PIPELINE_EDGES: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -330,7 +335,7 @@ def _decode_kernel(
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
         tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
@@ -346,7 +351,7 @@ def _decode_kernel(
         stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA)
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
     if FUSED_NEW:  # the blocks holding new keys, all masked
         acc, m_i, l_i = _decode_inner(
             acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(tl.maximum(lo, s_lo), new_blk),

@@ -437,6 +437,9 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
                          page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
                       if tma else (k_cache, v_cache))
+    # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
+    # kernel's behaviour before session 15; an A/B knob)
+    edges = {"PIPELINE_EDGES": True} if env.get("FLASHTILE_DECODE_PIPELINE_EDGES", "0") not in ("", "0") else {}
     with device_guard(q):
         launch(
             _decode_kernel, grid,
@@ -470,7 +473,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
-            num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}),
+            num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}), **edges,
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=bool(pdl))
