@@ -42,8 +42,6 @@
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
 #   bench-decode-edges  masked edge loops unpipelined (default) against pipelined (FLASHTILE_DECODE_PIPELINE_EDGES=1),
 #                 b = 1 / 8 / 32 with 16- and 256-token pages beside cuDNN, 1 0 1 0 (after tests-kv)
-#   bench-decode-pdl-wait  PDL forced on at b = 8 / 32 (0 1 0 1), and at b = 1 the PDL wait at the kernel's top against
-#                 after its index arithmetic (FLASHTILE_DECODE_PDL_WAIT_TOP=1 0 1 0); beside cuDNN
 #   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
@@ -479,17 +477,6 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn
       decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 65536 --pages 16 256 --peers cudnn ;;
-    bench-decode-pdl-wait)
-      # programmatic dependent launch where the rule leaves it off (b = 32; b = 8 from 16k), now that the
-      # kernel waits after its index arithmetic: FLASHTILE_DECODE_PDL=0 / 1, alternated twice beside cuDNN;
-      # then b = 1 (PDL on by default) with the wait at the kernel's top (FLASHTILE_DECODE_PDL_WAIT_TOP=1,
-      # the kernel before) against after the arithmetic (0, the default), 1 0 1 0
-      decode_ab - decode_pdl_b8_b32 FLASHTILE_DECODE_PDL "0 1 0 1" \
-        --cuda-graph --layers 8 --batch 8 32 --seqlens 16384 65536 --pages --peers cudnn
-      decode_ab - decode_pdl_b32_8k FLASHTILE_DECODE_PDL "0 1 0 1" \
-        --cuda-graph --layers 8 --batch 32 --seqlens 8192 --pages --peers cudnn
-      decode_ab - decode_pdl_wait_b1 FLASHTILE_DECODE_PDL_WAIT_TOP "1 0 1 0" \
-        --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 --peers cudnn ;;
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)

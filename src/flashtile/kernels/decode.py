@@ -223,10 +223,13 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PIPELINE_EDGES: tl.constexpr = False, PDL_WAIT_AT_TOP: tl.constexpr = False,
+    PIPELINE_EDGES: tl.constexpr = False,
 ):
-    if USE_PDL and PDL_WAIT_AT_TOP:
-        gdc_wait()  # the kernel before session 15 waited before its index arithmetic (an A/B knob)
+    if USE_PDL:
+        # launched early (programmatic dependent launch): wait here, before the first read, until the
+        # previous kernel in the stream (an append, a previous layer's merge) has finished and
+        # flushed its writes
+        gdc_wait()
     # one flat grid axis (CUDA allows 2^31 - 1 programs there, 65535 on axes 1 and 2, which batch *
     # kv heads can exceed): program = ((b * num_kv_heads + kv_head) * num_m_blocks + pid_m) * NUM_SPLITS + split
     pid = tl.program_id(0)
@@ -237,21 +240,6 @@ def _decode_kernel(
     b = pid_bk // num_kv_heads
     kv_head = pid_bk % num_kv_heads
 
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    t = rows // group  # query token of each row
-    head = kv_head * group + rows % group  # query head of each row
-    t64 = t.to(tl.int64)  # element offsets in int64: t * stride can pass 2^31 on large outputs
-    head64 = head.to(tl.int64)
-    row_ok = rows < seqlen_q * group
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-
-    if USE_PDL and not PDL_WAIT_AT_TOP:
-        # launched early (programmatic dependent launch): wait here, before the first read of global
-        # memory, until the previous kernel in the stream (an append, a previous layer's merge) has
-        # finished and flushed its writes; the index arithmetic above (and its kernel-argument
-        # reads) overlaps that kernel's tail
-        gdc_wait()
     if HAS_SEQLENS:
         cache_len = tl.load(SEQLENS + b)
     else:
@@ -263,6 +251,15 @@ def _decode_kernel(
     cache_row = b.to(tl.int64)
     if HAS_BATCH_IDX:
         cache_row = tl.load(BATCH_IDX + b).to(tl.int64)
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = rows // group  # query token of each row
+    head = kv_head * group + rows % group  # query head of each row
+    t64 = t.to(tl.int64)  # element offsets in int64: t * stride can pass 2^31 on large outputs
+    head64 = head.to(tl.int64)
+    row_ok = rows < seqlen_q * group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + b.to(tl.int64) * stride_qb + t64 * stride_qm + head64 * stride_qh
     if ROTARY_DIM > 0:
         if ROTARY_PER_TOKEN:

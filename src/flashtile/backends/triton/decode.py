@@ -440,9 +440,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
     # kernel's behaviour before session 15; an A/B knob)
     edges = {"PIPELINE_EDGES": True} if env.get("FLASHTILE_DECODE_PIPELINE_EDGES", "0") not in ("", "0") else {}
-    # FLASHTILE_DECODE_PDL_WAIT_TOP=1: a PDL launch waits before its index arithmetic, as before session 15
-    if pdl and env.get("FLASHTILE_DECODE_PDL_WAIT_TOP", "0") not in ("", "0"):
-        edges["PDL_WAIT_AT_TOP"] = True
     with device_guard(q):
         launch(
             _decode_kernel, grid,
