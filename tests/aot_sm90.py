@@ -7,10 +7,12 @@ Arguments not named get a type from their name: ``desc_*`` tensor descriptors ne
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
 Constexprs with a default (``USE_PDL=False``) take it unless given.
 Prints ``WGMMA <warp-group dots> SHARED <bytes> GDC_WAIT <n> GDC_LAUNCH <n> BULK <n> LOADS_AFTER_SHFL <n>
-CP_ASYNC_16 <n> LD_GLOBAL <n> LOOPS <n,n,...>`` (griddepcontrol and TMA bulk-tensor copy instructions in
-the PTX, global loads that come after its first warp shuffle, i.e. after the first reduction began, the
-PTX's 16-byte cp.async copies (pipelined tile loads), its synchronous global loads, and the instruction
-count of each loop body, in PTX order: a loop is a backward branch to a label).
+CP_ASYNC_16 <n> LD_GLOBAL <n> PIPELINE_BUFFERS <n> LOOPS <n,n,...>`` (griddepcontrol and TMA bulk-tensor
+copy instructions in the PTX, global loads that come after its first warp shuffle, i.e. after the first
+reduction began, the PTX's 16-byte cp.async copies (pipelined tile loads), its synchronous global loads,
+the multi-buffered shared-memory allocations the software pipeliner made in the TTGIR (one per pipelined
+load, and barriers), and the instruction count of each loop body, in PTX order: a loop is a backward
+branch to a label).
 """
 
 import importlib
@@ -27,6 +29,7 @@ FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
 INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
 FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
 TILE_COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10")  # a 16-byte async copy
+PIPELINE_BUFFER = re.compile(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<[^>]*mutable>")  # allocated, not stored
 LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 BRANCH = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
@@ -79,6 +82,7 @@ def main(module, kernel, constexprs, types, warps, stages):
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
           "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
           "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"),
+          "PIPELINE_BUFFERS", len(PIPELINE_BUFFER.findall(compiled.asm["ttgir"])),
           "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-")
 
 

@@ -135,6 +135,24 @@ def test_decode_kernels_compile_for_sm90(tmp_path, paged):
     _compile(tmp_path, "_kv_append_kernel", "flashtile.kernels.kv_append", cx, DECODE_INTS, 4, 1)
 
 
+def test_decode_pipelines_only_the_interior_loop(tmp_path):
+    # b = 1's split launch on 16-token pages (the by-page gather, 5 stages): the pipeliner's buffers are
+    # the interior loop's block-table entries, K and V; the masked edge loops (at most two blocks) and
+    # the new keys' blocks load directly. Pipelined edges (FLASHTILE_DECODE_PIPELINE_EDGES=1) add three
+    # buffers per edge loop, and their prologues ran even when the edge was empty: on the H200 that cost
+    # 3.4 us of b = 1, 8k's 18.7 here (benchmarks/results/decode_edges_b1_ab_h200_2026-11-30_session15.json).
+    d = 128
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=128, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_ALIGNED=False,
+              PAGE_SHIFT=4, PAGES_PER_TILE=8, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False,
+              HAS_LEFT=False, HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0,
+              ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=False, DOT_PRECISION="tf32", IS_FP8=False,
+              FUSED_NEW=False, FUSED_COMBINE=False, USE_PDL=True)
+    fields = {}
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 5, fields_out=fields)
+    assert fields["PIPELINE_BUFFERS"] == 3, fields  # 9 with pipelined edges
+    assert fields["CP_ASYNC_16"] == 3 * 32, fields  # 32 16-byte copies a tile: two in the prologue, one a step
+
+
 def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
     # e4m3 q and caches, bf16 output, descales; the tiles are upcast to fp16 for the dots
     d = 128
