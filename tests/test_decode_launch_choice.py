@@ -59,3 +59,17 @@ def test_split_launches_keep_the_tables_tiles(captured):
 def test_paged_caches_keep_their_tiles(captured):
     _decode(1, 8192, paged=True)
     assert captured[-1][1]["BLOCK_N"] == DECODE_CONFIGS[("sm90", 128)][0]
+
+
+def test_edge_pipelining_is_an_ab_knob(captured, monkeypatch):
+    """The masked edge loops are unpipelined by default (the kernel's PIPELINE_EDGES is left at False);
+    FLASHTILE_DECODE_PIPELINE_EDGES=1 pipelines them again, for A/B runs (decode_tuning_log.md, session 15)."""
+    monkeypatch.delenv("FLASHTILE_DECODE_PIPELINE_EDGES", raising=False)
+    _decode(1, 8192)
+    assert "PIPELINE_EDGES" not in captured[-1][1]
+    monkeypatch.setenv("FLASHTILE_DECODE_PIPELINE_EDGES", "1")
+    _decode(1, 8192, paged=True)
+    assert captured[-1][1]["PIPELINE_EDGES"] is True
+    monkeypatch.setenv("FLASHTILE_DECODE_PIPELINE_EDGES", "0")
+    _decode(1, 8192)
+    assert "PIPELINE_EDGES" not in captured[-1][1]

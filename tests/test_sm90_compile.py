@@ -140,7 +140,7 @@ def test_decode_pipelines_only_the_interior_loop(tmp_path):
     # the interior loop's block-table entries, K and V; the masked edge loops (at most two blocks) and
     # the new keys' blocks load directly. Pipelined edges (FLASHTILE_DECODE_PIPELINE_EDGES=1) add three
     # buffers per edge loop, and their prologues ran even when the edge was empty: on the H200 that cost
-    # 3.4 us of b = 1, 8k's 18.7 here (benchmarks/results/decode_edges_b1_ab_h200_2026-11-30_session15.json).
+    # 3.5 us of b = 1, 8k's 18.7 here (benchmarks/results/decode_edges_b1_ab_h200_2026-11-30_session15.json).
     d = 128
     cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=128, BLOCK_D=d, NUM_SPLITS=16, PAGED=True, PAGE_ALIGNED=False,
               PAGE_SHIFT=4, PAGES_PER_TILE=8, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False,
