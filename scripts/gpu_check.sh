@@ -42,6 +42,8 @@
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
 #   bench-decode-edges  masked edge loops unpipelined (default) against pipelined (FLASHTILE_DECODE_PIPELINE_EDGES=1),
 #                 b = 1 / 8 / 32 with 16- and 256-token pages beside cuDNN, 1 0 1 0 (after tests-kv)
+#   tests-fwd-edges  the forward's GPU tests with FLASHTILE_FWD_PIPELINE_EDGES=0 (masked edge ranges unpipelined)
+#   bench-fwd-edges  the Triton forward at s = 512-4096 with pipelined (1) / unpipelined (0) edge ranges, 1 0 1 0
 #   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
@@ -477,6 +479,23 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn
       decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 65536 --pages 16 256 --peers cudnn ;;
+    tests-fwd-edges)
+      # the forward's GPU tests with its masked edge ranges unpipelined (FLASHTILE_FWD_PIPELINE_EDGES=0, off by default)
+      FLASHTILE_FWD_PIPELINE_EDGES=0 TIMED_XDIST=1 timed_tests fwd_edges tests/test_gpu_fwd.py ;;
+    bench-fwd-edges)
+      # the Triton forward (d = 64 / 256; d = 128 takes the Gluon kernel) at short lengths, where a program's
+      # edge-range prologue weighs most: pipelined edges (1, the default) against unpipelined (0), as CUDA-graph
+      # replays beside cuDNN, 1 0 1 0, after tests-fwd-edges passed in this call
+      if ! tests_passed fwd_edges; then
+        echo "skipped: bench-fwd-edges (tests-fwd-edges did not pass in this call)" | tee -a "$summary"
+      else
+        for v in 1 0 1 0; do
+          FLASHTILE_FWD_PIPELINE_EDGES=$v python3 -m flashtile.bench fwd --cuda-graph --d 64 256 \
+            --seqlens 512 1024 2048 4096 --peers cudnn --out "$WORK/fwd_edges_FLASHTILE_FWD_PIPELINE_EDGES-${v}_$SECONDS.json" \
+            2>> "$WORK/bench_fwd_edges.log" >> "$summary"
+          pack
+        done
+      fi ;;
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)

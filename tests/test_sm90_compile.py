@@ -103,6 +103,18 @@ def test_one_launch_backward_compiles_for_sm90(tmp_path):
     assert _compile(tmp_path, "_attn_bwd_one_launch_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 3) == 21
 
 
+def test_forward_unpipelined_edges_compile_for_sm90(tmp_path):
+    # FLASHTILE_FWD_PIPELINE_EDGES=0 (an experiment): the causal right edge loads its blocks directly, so its
+    # pipelined copies (prologue and loop, 40 of the default build's 64 16-byte copies here) are gone
+    cx = dict(FLAGS, HEAD_DIM=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, RETURN_PROBS=False, USE_TMA=False)
+    default, unpipelined = {}, {}
+    _compile(tmp_path, "_attn_fwd_kernel", "flashtile.kernels.attn_fwd", cx, {}, 4, 3, fields_out=default)
+    _compile(tmp_path, "_attn_fwd_kernel", "flashtile.kernels.attn_fwd", dict(cx, PIPELINE_EDGES=False), {}, 4, 3,
+             fields_out=unpipelined)
+    assert default["CP_ASYNC_16"] == 64 and unpipelined["CP_ASYNC_16"] == 24, (default, unpipelined)
+    assert unpipelined["PIPELINE_BUFFERS"] < default["PIPELINE_BUFFERS"], (default, unpipelined)
+
+
 DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
                "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32",
                "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "COUNTER": "*i32"}

@@ -149,3 +149,20 @@ def test_padded_with_zero_keys(interpreter):
     k = torch.randn(2, 0, 2, 16)
     out, lse, _ = flashtile.flash_attn_func(q, k, k, return_attn_probs=True)
     assert out.shape == q.shape and (out == 0).all() and torch.isinf(lse).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unpipelined_edges_knob(monkeypatch, causal):
+    """FLASHTILE_FWD_PIPELINE_EDGES=0 (an experiment, off by default) runs the masked edge ranges without
+    software pipelining; the interpreter ignores pipelining, so this checks the knob's path and results.
+    Bad values name the variable."""
+    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "0")
+    assert launcher._edge_setting() == {"PIPELINE_EDGES": False}
+    used = _spy_backend(monkeypatch)
+    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=causal, grads=False, window_size=(9, -1))
+    assert ("fwd", "triton") in used
+    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "1")
+    assert launcher._edge_setting() == {}
+    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")
+    with pytest.raises(ValueError, match="FLASHTILE_FWD_PIPELINE_EDGES"):
+        launcher._edge_setting()

@@ -183,9 +183,15 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
                     MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update over key blocks [block_lo, block_hi)."""
-    for blk in range(block_lo, block_hi):
+                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
+    """Online-softmax update over key blocks [block_lo, block_hi).
+
+    PIPELINE_EDGES = False (an experiment, FLASHTILE_FWD_PIPELINE_EDGES=0): a masked range (MASK) loads its
+    few blocks directly instead of through the software pipeline, whose prologue runs even when the
+    range is empty (the decode kernel's edges gained 11%-18% at b = 1 from that, decode_tuning_log.md,
+    session 15).
+    """
+    for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         start_n = blk * BLOCK_N
         kt = _load_k_tile(K, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_kn,
                           HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, MASK)
@@ -229,7 +235,7 @@ def _attn_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAVY_FIRST: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, HEAVY_FIRST: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
@@ -275,7 +281,7 @@ def _attn_fwd_kernel(
         offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
         window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
         True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES)
     # interior of the band: no masking work
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_lo, full_hi,
@@ -289,7 +295,7 @@ def _attn_fwd_kernel(
         offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
         window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
         True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES)
 
     # rows that saw no key: output 0 and lse = +inf (the contract's rule)
     empty = l_i == 0.0

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from flashtile import env
 from flashtile.backends.triton import host
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
@@ -159,9 +160,18 @@ def _attn_fwd(q, k, v, p: AttnParams):
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=host.HEAVY_FIRST,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **_edge_setting(),
     )
     return out, lse, probs
+
+
+def _edge_setting() -> dict:
+    """FLASHTILE_FWD_PIPELINE_EDGES=0: the masked edge ranges load directly, not software-pipelined (an
+    experiment from session 15's decode finding, not yet measured on the forward; unset or 1: pipelined)."""
+    setting = env.get("FLASHTILE_FWD_PIPELINE_EDGES", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"FLASHTILE_FWD_PIPELINE_EDGES must be 0 or 1 (unset: 1), got {setting!r}")
+    return {"PIPELINE_EDGES": False} if setting == "0" else {}
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
