@@ -42,8 +42,8 @@
 #                 (cuDNN's b = 32 program holds 86 KB, ours 74 KB; 64 keys: 104 / 72 KB), twice
 #   bench-decode-edges  masked edge loops unpipelined (default) against pipelined (FLASHTILE_DECODE_PIPELINE_EDGES=1),
 #                 b = 1 / 8 / 32 with 16- and 256-token pages beside cuDNN, 1 0 1 0 (after tests-kv)
-#   tests-fwd-edges  the forward's GPU tests with FLASHTILE_FWD_PIPELINE_EDGES=0 (masked edge ranges unpipelined)
-#   bench-fwd-edges  the Triton forward at s = 512-4096 with pipelined (1) / unpipelined (0) edge ranges, 1 0 1 0
+#   tests-fwd-edges  the forward's GPU tests with FLASHTILE_FWD_PIPELINE_EDGES=0 (every edge range loaded directly)
+#   bench-fwd-edges  the Triton forward at s = 512-4096 with pipelined (1) / direct (0) edge ranges, 1 0 1 0
 #   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
@@ -480,12 +480,14 @@ for step in "${steps[@]}"; do
       decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 65536 --pages 16 256 --peers cudnn ;;
     tests-fwd-edges)
-      # the forward's GPU tests with its masked edge ranges unpipelined (FLASHTILE_FWD_PIPELINE_EDGES=0, off by default)
+      # the forward's GPU tests with every launch's masked edge ranges loaded directly (FLASHTILE_FWD_PIPELINE_EDGES=0;
+      # by default only sm_90 launches at BLOCK_D 64 up to 1024 keys do, since session 15)
       FLASHTILE_FWD_PIPELINE_EDGES=0 TIMED_XDIST=1 timed_tests fwd_edges tests/test_gpu_fwd.py ;;
     bench-fwd-edges)
       # the Triton forward (d = 64 / 256; d = 128 takes the Gluon kernel) at short lengths, where a program's
-      # edge-range prologue weighs most: pipelined edges (1, the default) against unpipelined (0), as CUDA-graph
-      # replays beside cuDNN, 1 0 1 0, after tests-fwd-edges passed in this call
+      # edge-range prologue weighs most: every launch pipelined (1) against every launch direct (0), as CUDA-graph
+      # replays beside cuDNN, 1 0 1 0, after tests-fwd-edges passed in this call (session 15 ran d = 64 / 256 at
+      # 512-2048 on one lease; this is the second lease and the longer rows)
       if ! tests_passed fwd_edges; then
         echo "skipped: bench-fwd-edges (tests-fwd-edges did not pass in this call)" | tee -a "$summary"
       else

@@ -1,5 +1,6 @@
 """Merge the runs of an A/B (``gpu_check.sh`` ``decode_ab`` / ``decode_runs`` write NAME_VAR-<value>_<seconds>.json
-/ NAME_<setting>_<seconds>.json per run) into one results file, and print each run's times per row.
+/ NAME_<setting>_<seconds>.json per run; ``bench fwd`` runs too) into one results file, and print each run's
+times (decode) or TFLOP/s (forward) per row.
 
 Usage: python scripts/merge_ab.py OUT.json --prefix NAME --setting VAR --command "..." --note "..." RUN.json ...
 
@@ -38,9 +39,12 @@ def summary(merged: dict, setting: str) -> str:
     for run in merged["runs"]:
         cells = []
         for row in run["rows"]:
-            us = row["us"]
-            times = " ".join(f"{k}={v:.2f}" for k, v in us.items() if v is not None)
-            cells.append(f"  b={row['b']} s={row['seqlen_k']}: {times}")
+            if "us" in row:  # decode rows: microseconds per implementation
+                times = " ".join(f"{k}={v:.2f}" for k, v in row["us"].items() if v is not None)
+                cells.append(f"  b={row['b']} s={row['seqlen_k']}: {times}")
+            else:  # attention rows (bench fwd / bwd): TFLOP/s per implementation
+                rates = " ".join(f"{k}={v:.1f}" for k, v in row["tflops"].items() if v is not None)
+                cells.append(f"  d={row['d']} s={row['s']} causal={row['causal']}: {rates} TFLOP/s")
         lines.append(f"{setting}={run[setting]} (t={run['file_order_s']} s)")
         lines.extend(cells)
     return "\n".join(lines)

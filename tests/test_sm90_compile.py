@@ -104,8 +104,9 @@ def test_one_launch_backward_compiles_for_sm90(tmp_path):
 
 
 def test_forward_unpipelined_edges_compile_for_sm90(tmp_path):
-    # FLASHTILE_FWD_PIPELINE_EDGES=0 (an experiment): the causal right edge loads its blocks directly, so its
-    # pipelined copies (prologue and loop, 40 of the default build's 64 16-byte copies here) are gone
+    # PIPELINE_EDGES=False (the launcher's choice on sm_90 at BLOCK_D 64 up to 1024 keys, or forced by
+    # FLASHTILE_FWD_PIPELINE_EDGES=0): the causal right edge loads its blocks directly, so its pipelined
+    # copies (prologue and loop, 40 of the pipelined build's 64 16-byte copies here) are gone
     cx = dict(FLAGS, HEAD_DIM=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, RETURN_PROBS=False, USE_TMA=False)
     default, unpipelined = {}, {}
     _compile(tmp_path, "_attn_fwd_kernel", "flashtile.kernels.attn_fwd", cx, {}, 4, 3, fields_out=default)

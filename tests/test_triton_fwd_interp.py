@@ -153,16 +153,21 @@ def test_padded_with_zero_keys(interpreter):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_unpipelined_edges_knob(monkeypatch, causal):
-    """FLASHTILE_FWD_PIPELINE_EDGES=0 (an experiment, off by default) runs the masked edge ranges without
-    software pipelining; the interpreter ignores pipelining, so this checks the knob's path and results.
-    Bad values name the variable."""
+    """FLASHTILE_FWD_PIPELINE_EDGES=0 runs the masked edge ranges without software pipelining everywhere;
+    the interpreter ignores pipelining, so this checks the knob's path and results. Bad values name the
+    variable. Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys (measured)."""
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "0")
     assert launcher._edge_setting() == {"PIPELINE_EDGES": False}
     used = _spy_backend(monkeypatch)
     check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=causal, grads=False, window_size=(9, -1))
     assert ("fwd", "triton") in used
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "1")
-    assert launcher._edge_setting() == {}
+    assert launcher._edge_setting("sm90", 64, 512) == {}
+    monkeypatch.delenv("FLASHTILE_FWD_PIPELINE_EDGES")
+    assert launcher._edge_setting("sm90", 64, 1024) == {"PIPELINE_EDGES": False}
+    for args in (("sm90", 64, 2048), ("sm90", 128, 512), ("sm90", 256, 512), ("default", 64, 512),
+                 ("interpret", 64, 512), ("sm90", 64, 512, 4)):
+        assert launcher._edge_setting(*args) == {}, args
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")
     with pytest.raises(ValueError, match="FLASHTILE_FWD_PIPELINE_EDGES"):
         launcher._edge_setting()

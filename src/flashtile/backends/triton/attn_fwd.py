@@ -160,18 +160,32 @@ def _attn_fwd(q, k, v, p: AttnParams):
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=host.HEAVY_FIRST,
-        num_warps=num_warps, num_stages=num_stages, **_edge_setting(),
+        num_warps=num_warps, num_stages=num_stages, **_edge_setting(arch, block_d, max_k, q.element_size()),
     )
     return out, lse, probs
 
 
-def _edge_setting() -> dict:
-    """FLASHTILE_FWD_PIPELINE_EDGES=0: the masked edge ranges load directly, not software-pipelined (an
-    experiment from session 15's decode finding, not yet measured on the forward; unset or 1: pipelined)."""
+# Masked edge ranges (window start, causal diagonal, ragged key end) loaded directly instead of through
+# the software pipeline, whose prologue runs even when a range is empty. Measured on the H200 (bf16,
+# CUDA-graph replays, pipelined / direct alternated twice; fwd_edges_d64_ab_h200_2026-11-30_session15.json):
+# d = 64 non-causal s = 512 297-307 -> 336-341 TFLOP/s, 1024 351 -> 379-380, 2048 395-399 -> 395-401;
+# causal 512 204 -> 234-236, 1024 276-278 -> 305-306, 2048 334-337 -> 333-334. d = 256 (one run each,
+# fwd_edges_d256_ab_...): s = 512 388 -> 378 non-causal, 275 -> 277 causal; 1024 even. So by default on
+# sm_90 for 2-byte inputs at d = 33-64 (BLOCK_D 64) up to EDGES_MAX_SEQLEN_K keys.
+EDGES_MAX_SEQLEN_K = 1024
+
+
+def _edge_setting(arch: str = "default", block_d: int = 0, max_k: int = 0, elem_bytes: int = 2) -> dict:
+    """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}.
+    FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces direct loads / the pipeline for every launch."""
     setting = env.get("FLASHTILE_FWD_PIPELINE_EDGES", "")
     if setting not in ("", "0", "1"):
-        raise ValueError(f"FLASHTILE_FWD_PIPELINE_EDGES must be 0 or 1 (unset: 1), got {setting!r}")
-    return {"PIPELINE_EDGES": False} if setting == "0" else {}
+        raise ValueError(f"FLASHTILE_FWD_PIPELINE_EDGES must be 0 or 1 (unset: the measured rule), got {setting!r}")
+    if setting == "":
+        direct = arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2
+    else:
+        direct = setting == "0"
+    return {"PIPELINE_EDGES": False} if direct else {}
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
