@@ -44,6 +44,8 @@
 #                 b = 1 / 8 / 32 with 16- and 256-token pages beside cuDNN, 1 0 1 0 (after tests-kv)
 #   tests-fwd-edges  the forward's GPU tests with FLASHTILE_FWD_PIPELINE_EDGES=0 (every edge range loaded directly)
 #   bench-fwd-edges  the Triton forward at s = 512-4096 with pipelined (1) / direct (0) edge ranges, 1 0 1 0
+#   tests-bwd-edges  the Triton backward's GPU tests with FLASHTILE_BWD_PIPELINE_EDGES=0 (masked ranges loaded directly)
+#   bench-bwd-edges  the backward at s = 512-2048, d = 64 / 128, pipelined (1) / direct (0) edge ranges, 1 0 1 0
 #   bench-decode-b1-depth  b = 1 / 8: the table's depth against contiguous 4 stages and paged 7 (three K/V buffers), twice
 #   bench-decode-b32-tma  b = 32 at 16k / 64k (2 stages): pointer loads (the rule past 64 blocks a program) against
 #                 descriptor loads (FLASHTILE_DECODE_TMA=1), twice
@@ -495,6 +497,25 @@ for step in "${steps[@]}"; do
           FLASHTILE_FWD_PIPELINE_EDGES=$v python3 -m flashtile.bench fwd --cuda-graph --d 64 256 \
             --seqlens 512 1024 2048 4096 --peers cudnn --out "$WORK/fwd_edges_FLASHTILE_FWD_PIPELINE_EDGES-${v}_$SECONDS.json" \
             2>> "$WORK/bench_fwd_edges.log" >> "$summary"
+          pack
+        done
+      fi ;;
+    tests-bwd-edges)
+      # the Triton backward's GPU tests with every masked range loaded directly (FLASHTILE_BWD_PIPELINE_EDGES=0,
+      # an experiment, off by default)
+      FLASHTILE_BWD_PIPELINE_EDGES=0 TIMED_XDIST=1 timed_tests bwd_edges tests/test_gpu_bwd.py \
+        tests/test_gpu_bwd_one_launch.py ;;
+    bench-bwd-edges)
+      # the backward at short lengths (d = 64 and d = 128 at 512 take the Triton kernels; the Gluon dK/dV kernel
+      # takes d = 128 from 1024, where only the Triton dQ kernel changes) as CUDA-graph replays beside cuDNN:
+      # pipelined edges (1, the default) against direct (0), 1 0 1 0, after tests-bwd-edges passed in this call
+      if ! tests_passed bwd_edges; then
+        echo "skipped: bench-bwd-edges (tests-bwd-edges did not pass in this call)" | tee -a "$summary"
+      else
+        for v in 1 0 1 0; do
+          FLASHTILE_BWD_PIPELINE_EDGES=$v python3 -m flashtile.bench bwd --cuda-graph --d 64 128 \
+            --seqlens 512 1024 2048 --peers cudnn --out "$WORK/bwd_edges_FLASHTILE_BWD_PIPELINE_EDGES-${v}_$SECONDS.json" \
+            2>> "$WORK/bench_bwd_edges.log" >> "$summary"
           pack
         done
       fi ;;

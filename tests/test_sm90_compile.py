@@ -116,6 +116,22 @@ def test_forward_unpipelined_edges_compile_for_sm90(tmp_path):
     assert unpipelined["PIPELINE_BUFFERS"] < default["PIPELINE_BUFFERS"], (default, unpipelined)
 
 
+def test_backward_unpipelined_edges_compile_for_sm90(tmp_path):
+    # FLASHTILE_BWD_PIPELINE_EDGES=0 (an experiment): the causal edge ranges of the dK/dV and dQ kernels load
+    # directly, so their pipelined copies go (d = 64 at the sm_90 table's tiles)
+    cx = dict(FLAGS, HEAD_DIM=64, BLOCK_D=64, USE_TMA=False)
+    kernels = [("_attn_bwd_dkdv_kernel", dict(BLOCK_M=32, BLOCK_N=128, FUSED_DQ=0), 2, (24, 8)),
+               ("_attn_bwd_dq_kernel", dict(BLOCK_M=128, BLOCK_N=64), 3, (64, 24))]
+    for name, tiles, stages, (pipelined, direct) in kernels:
+        counts = []
+        for extra in ({}, dict(PIPELINE_EDGES=False)):
+            fields = {}
+            _compile(tmp_path, name, "flashtile.kernels.attn_bwd", dict(cx, **tiles, **extra), {}, 4, stages,
+                     fields_out=fields)
+            counts.append(fields["CP_ASYNC_16"])
+        assert counts == [pipelined, direct], (name, counts)
+
+
 DECODE_INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32",
                "LSE_PART": "*fp32", "O_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32",
                "K_DESCALE": "*fp32", "V_DESCALE": "*fp32", "COUNTER": "*i32"}

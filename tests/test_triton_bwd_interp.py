@@ -155,3 +155,20 @@ def test_one_launch_is_one_kernel_and_deterministic(monkeypatch):
         grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
     assert launched == ["_attn_bwd_one_launch_kernel"] * 2
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two-kernels", "one-launch"])
+def test_unpipelined_edges_knob(monkeypatch, one_launch):
+    # FLASHTILE_BWD_PIPELINE_EDGES=0 (an experiment, off by default): the masked ranges of the dK/dV and dQ
+    # programs load directly; the interpreter ignores pipelining, so this checks the knob's path and the
+    # gradients (windowed and causal, so both edges have blocks); bad values name the variable
+    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", one_launch)
+    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "0")
+    assert not bwd_launcher.pipeline_edges()
+    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=True, window_size=(9, -1))
+    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float16, causal=True)
+    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "off")
+    with pytest.raises(ValueError, match="FLASHTILE_BWD_PIPELINE_EDGES"):
+        bwd_launcher.pipeline_edges()
+    monkeypatch.delenv("FLASHTILE_BWD_PIPELINE_EDGES")
+    assert bwd_launcher.pipeline_edges()

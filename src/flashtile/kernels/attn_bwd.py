@@ -142,9 +142,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
                 MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks."""
-    for blk in range(block_lo, block_hi):
+                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                PIPELINE_EDGES: tl.constexpr = True):
+    """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks.
+
+    PIPELINE_EDGES = False (FLASHTILE_BWD_PIPELINE_EDGES=0, an experiment): a masked range loads its few
+    blocks directly, without the software pipeline's prologue, which runs even when the range is empty
+    (the forward's and the decode kernel's edges gained from it in session 15)."""
+    for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q
         q = _load_rows(Q, desc_q, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm,
@@ -200,6 +205,7 @@ def _dkdv_program(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PIPELINE_EDGES: tl.constexpr = True,
 ):
     """dK and dV of key block pid_n of (batch b, kv head kv_head), summed over the group's query heads."""
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -215,7 +221,7 @@ def _dkdv_program(
                     stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
                     stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam,
                     stride_dqah, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
-                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION)
+                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
 
 
 @triton.jit
@@ -230,7 +236,7 @@ def _dkdv_block(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m_base = tl.arange(0, BLOCK_M)
@@ -264,19 +270,19 @@ def _dkdv_block(
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
                              seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
                              IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
                              seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, False, HEAD_DIM, BLOCK_M, BLOCK_D,
                              IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
                              bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
                              stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
                              seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
                              IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
     dk = dk * grad_scale
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -297,7 +303,7 @@ def _attn_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
 ):
     if LAUNCH_DEPENDENTS:
         # programmatic dependent launch (backends/triton/attn_bwd.py use_bwd_pdl): the dQ kernel,
@@ -312,7 +318,7 @@ def _attn_bwd_dkdv_kernel(
                   stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
                   stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT,
-                  HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION)
+                  HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
 
 
 @triton.jit
@@ -322,9 +328,11 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, 
               MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N])."""
-    for blk in range(block_lo, block_hi):
+              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              PIPELINE_EDGES: tl.constexpr = True):
+    """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N]); PIPELINE_EDGES as
+    in _dkdv_inner."""
+    for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         cols = blk * BLOCK_N + offs_n_base
         k = _load_rows(K, desc_k, b, k_row0, kv_head, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn,
                        HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA)
@@ -357,6 +365,7 @@ def _dq_program(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PIPELINE_EDGES: tl.constexpr = True,
 ):
     """dQ of query block pid_m of (batch b, head h)."""
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -371,7 +380,7 @@ def _dq_program(
                   stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                   stride_lse_b, stride_lse_h, stride_alibi_b,
                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                  HAS_DROPOUT, USE_TMA, DOT_PRECISION)
+                  HAS_DROPOUT, USE_TMA, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
 
 
 @triton.jit
@@ -385,6 +394,7 @@ def _dq_block(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PIPELINE_EDGES: tl.constexpr = True,
 ):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n_base = tl.arange(0, BLOCK_N)
@@ -412,17 +422,17 @@ def _dq_block(
                    offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
                    window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
                    BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION)
+                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_lo, full_hi, offs_m,
                    offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
                    window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N,
                    BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION)
+                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_hi, hi, offs_m,
                    offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
                    window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
                    BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION)
+                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
     dq = dq * grad_scale
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=q_mask)
@@ -441,7 +451,7 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False,
+    HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
 ):
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
@@ -452,7 +462,7 @@ def _attn_bwd_dq_kernel(
                 stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                 stride_lse_b, stride_lse_h, stride_alibi_b,
                 HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION)
+                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
     if WAIT_AT_END:
         # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs
         # were all written before that kernel started, so no wait before reading. One program
@@ -477,6 +487,7 @@ def _attn_bwd_one_launch_kernel(
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PIPELINE_EDGES: tl.constexpr = True,
 ):
     """The dK/dV programs (the first n_dkdv_programs ids) and the dQ programs in one grid.
 
@@ -494,7 +505,8 @@ def _attn_bwd_one_launch_kernel(
                       stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
                       stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
                       0, 0, 0, HEAD_DIM, BLOCK_M1, BLOCK_N1, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K,
-                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_DKDV, False, DOT_PRECISION)
+                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_DKDV, False, DOT_PRECISION,
+                      PIPELINE_EDGES=PIPELINE_EDGES)
     else:
         pid_m, b, h, kv_head = _tile_coords_of(pid - n_dkdv_programs, seqlen_q, num_heads, group, BLOCK_M2)
         _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K,
@@ -504,7 +516,7 @@ def _attn_bwd_one_launch_kernel(
                     stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
                     stride_lse_b, stride_lse_h, stride_alibi_b, HEAD_DIM, BLOCK_M2, BLOCK_N2, BLOCK_D, IS_VARLEN,
                     HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                    USE_TMA_DQ, DOT_PRECISION)
+                    USE_TMA_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.

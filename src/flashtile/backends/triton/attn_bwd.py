@@ -75,6 +75,17 @@ def use_tma(*tensors) -> bool:
 ONE_LAUNCH_OVERRIDE: bool | None = None
 
 
+def pipeline_edges() -> bool:
+    """Software-pipeline the Triton backward kernels' masked edge ranges (the default)?
+    FLASHTILE_BWD_PIPELINE_EDGES=0 loads them directly: an experiment from session 15, where that made the
+    forward 8%-15% faster at d = 64 up to 1024 keys and the decode kernel 11%-18% faster at b = 1
+    (docs/forward.md, docs/decode_tuning_log.md); not yet measured on the backward."""
+    setting = env.get("FLASHTILE_BWD_PIPELINE_EDGES", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"FLASHTILE_BWD_PIPELINE_EDGES must be 0 or 1 (unset: 1), got {setting!r}")
+    return setting != "0"
+
+
 def use_one_launch(p: AttnParams) -> bool:
     if ONE_LAUNCH_OVERRIDE is not None:
         return ONE_LAUNCH_OVERRIDE
@@ -220,6 +231,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
     feature_flags["USE_TMA"] = tma
+    if not pipeline_edges():
+        feature_flags["PIPELINE_EDGES"] = False  # the Triton kernels' masked ranges load directly
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton
