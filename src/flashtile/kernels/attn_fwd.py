@@ -186,10 +186,10 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
                     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
     """Online-softmax update over key blocks [block_lo, block_hi).
 
-    PIPELINE_EDGES = False (an experiment, FLASHTILE_FWD_PIPELINE_EDGES=0): a masked range (MASK) loads its
-    few blocks directly instead of through the software pipeline, whose prologue runs even when the
-    range is empty (the decode kernel's edges gained 11%-18% at b = 1 from that, decode_tuning_log.md,
-    session 15).
+    PIPELINE_EDGES = False (the launcher's choice on sm_90 at BLOCK_D 64 up to 1024 keys, since session 15;
+    FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces either): a masked range (MASK) loads its few blocks directly
+    instead of through the software pipeline, whose prologue runs even when the range is empty
+    (docs/forward.md, "Edge ranges load directly at short lengths").
     """
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         start_n = blk * BLOCK_N
