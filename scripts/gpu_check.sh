@@ -155,6 +155,22 @@ decode_ab() {
   for v in $values; do settings+=("$var=$v"); done
   decode_runs "$name" "$(IFS='|'; echo "${settings[*]}")" "$@"
 }
+# attn_ab NAME MODE VAR "VALUES" BENCH_ARGS...: if the timed_tests step NAME passed in this call, `bench MODE
+# BENCH_ARGS` (fwd / bwd) once per value of the environment variable VAR, in the order given; each run's JSON as
+# NAME_VAR-<value>_<seconds>.json (scripts/merge_ab.py reads them)
+attn_ab() {
+  local name=$1 mode=$2 var=$3 values=$4 v
+  shift 4
+  if ! tests_passed "$name"; then
+    echo "skipped: bench $name (its tests did not pass in this call)" | tee -a "$summary"
+    return
+  fi
+  for v in $values; do
+    env "$var=$v" python3 -m flashtile.bench "$mode" "$@" --out "$WORK/${name}_${var}-${v}_$SECONDS.json" \
+      2>> "$WORK/bench_$name.log" >> "$summary"
+    pack
+  done
+}
 steps=()
 for a in "$@"; do  # tune-short: the three open sweeps
   if [[ $a == tune-short ]]; then steps+=(tune-fwd-short tune-fp8 tune-bwd-short); else steps+=("$a"); fi
@@ -490,16 +506,8 @@ for step in "${steps[@]}"; do
       # edge-range prologue weighs most: every launch pipelined (1) against every launch direct (0), as CUDA-graph
       # replays beside cuDNN, 1 0 1 0, after tests-fwd-edges passed in this call (session 15 ran d = 64 / 256 at
       # 512-2048 on one lease; this is the second lease and the longer rows)
-      if ! tests_passed fwd_edges; then
-        echo "skipped: bench-fwd-edges (tests-fwd-edges did not pass in this call)" | tee -a "$summary"
-      else
-        for v in 1 0 1 0; do
-          FLASHTILE_FWD_PIPELINE_EDGES=$v python3 -m flashtile.bench fwd --cuda-graph --d 64 256 \
-            --seqlens 512 1024 2048 4096 --peers cudnn --out "$WORK/fwd_edges_FLASHTILE_FWD_PIPELINE_EDGES-${v}_$SECONDS.json" \
-            2>> "$WORK/bench_fwd_edges.log" >> "$summary"
-          pack
-        done
-      fi ;;
+      attn_ab fwd_edges fwd FLASHTILE_FWD_PIPELINE_EDGES "1 0 1 0" --cuda-graph --d 64 256 --seqlens 512 1024 2048 4096 \
+        --peers cudnn ;;
     tests-bwd-edges)
       # the Triton backward's GPU tests with every masked range loaded directly (FLASHTILE_BWD_PIPELINE_EDGES=0,
       # an experiment, off by default)
@@ -509,16 +517,8 @@ for step in "${steps[@]}"; do
       # the backward at short lengths (d = 64 and d = 128 at 512 take the Triton kernels; the Gluon dK/dV kernel
       # takes d = 128 from 1024, where only the Triton dQ kernel changes) as CUDA-graph replays beside cuDNN:
       # pipelined edges (1, the default) against direct (0), 1 0 1 0, after tests-bwd-edges passed in this call
-      if ! tests_passed bwd_edges; then
-        echo "skipped: bench-bwd-edges (tests-bwd-edges did not pass in this call)" | tee -a "$summary"
-      else
-        for v in 1 0 1 0; do
-          FLASHTILE_BWD_PIPELINE_EDGES=$v python3 -m flashtile.bench bwd --cuda-graph --d 64 128 \
-            --seqlens 512 1024 2048 --peers cudnn --out "$WORK/bwd_edges_FLASHTILE_BWD_PIPELINE_EDGES-${v}_$SECONDS.json" \
-            2>> "$WORK/bench_bwd_edges.log" >> "$summary"
-          pack
-        done
-      fi ;;
+      attn_ab bwd_edges bwd FLASHTILE_BWD_PIPELINE_EDGES "1 0 1 0" --cuda-graph --d 64 128 --seqlens 512 1024 2048 \
+        --peers cudnn ;;
     bench-decode-b32-tiles)
       # smaller tiles, more of them in flight, for the unsplit b = 32 grid (two programs an SM at the
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)
