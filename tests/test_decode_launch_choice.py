@@ -73,3 +73,6 @@ def test_edge_pipelining_is_an_ab_knob(captured, monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_PIPELINE_EDGES", "0")
     _decode(1, 8192)
     assert "PIPELINE_EDGES" not in captured[-1][1]
+    monkeypatch.setenv("FLASHTILE_DECODE_PIPELINE_EDGES", "yes")  # a typo must not silently mean off
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PIPELINE_EDGES"):
+        _decode(1, 8192)

@@ -139,3 +139,20 @@ def test_env_get_follows_os_environ(monkeypatch):
     with mock.patch("os.environ", {"FLASHTILE_TEST_SWITCH": "3"}):  # a replaced mapping
         assert env.get("FLASHTILE_TEST_SWITCH") == "3"
     assert env.get("FLASHTILE_TEST_SWITCH") is None
+
+
+def test_env_switch_is_tri_state_and_names_bad_values(monkeypatch):
+    """env.switch: unset or empty -> None (the caller's rule), "0" / "1" -> False / True, anything else raises."""
+    import pytest
+
+    from flashtile import env
+
+    monkeypatch.delenv("FLASHTILE_TEST_SWITCH", raising=False)
+    assert env.switch("FLASHTILE_TEST_SWITCH") is None
+    for value, want in (("", None), ("0", False), ("1", True)):
+        monkeypatch.setenv("FLASHTILE_TEST_SWITCH", value)
+        assert env.switch("FLASHTILE_TEST_SWITCH") is want
+    for bad in ("2", "on", "true", " 1"):
+        monkeypatch.setenv("FLASHTILE_TEST_SWITCH", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_TEST_SWITCH"):
+            env.switch("FLASHTILE_TEST_SWITCH")

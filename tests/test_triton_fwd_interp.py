@@ -157,7 +157,7 @@ def test_unpipelined_edges_knob(monkeypatch, causal):
     the interpreter ignores pipelining, so this checks the knob's path and results. Bad values name the
     variable. Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys (measured)."""
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "0")
-    assert launcher._edge_setting() == {"PIPELINE_EDGES": False}
+    assert launcher._edge_setting("sm90", 64, 4096) == {"PIPELINE_EDGES": False}
     used = _spy_backend(monkeypatch)
     check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=causal, grads=False, window_size=(9, -1))
     assert ("fwd", "triton") in used
@@ -170,4 +170,4 @@ def test_unpipelined_edges_knob(monkeypatch, causal):
         assert launcher._edge_setting(*args) == {}, args
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")
     with pytest.raises(ValueError, match="FLASHTILE_FWD_PIPELINE_EDGES"):
-        launcher._edge_setting()
+        launcher._edge_setting("sm90", 64, 512)

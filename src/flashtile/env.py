@@ -29,3 +29,14 @@ def get(name: str, default: str | None = None) -> str | None:
     value = _DATA.get(key)
     return default if value is None else os.fsdecode(value)
 
+
+def switch(name: str) -> bool | None:
+    """A 0 / 1 switch: False, True, or None when unset (or set empty: the caller's measured rule).
+    Any other value raises a ValueError naming the variable, so a typo never silently means "off"."""
+    value = get(name, "")
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 (off), 1 (on) or unset (the default rule), got {value!r}")
+    return value == "1"
+

@@ -80,10 +80,7 @@ def pipeline_edges() -> bool:
     FLASHTILE_BWD_PIPELINE_EDGES=0 loads them directly: an experiment from session 15, where that made the
     forward 8%-15% faster at d = 64 up to 1024 keys and the decode kernel 11%-18% faster at b = 1
     (docs/forward.md, docs/decode_tuning_log.md); not yet measured on the backward."""
-    setting = env.get("FLASHTILE_BWD_PIPELINE_EDGES", "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"FLASHTILE_BWD_PIPELINE_EDGES must be 0 or 1 (unset: 1), got {setting!r}")
-    return setting != "0"
+    return env.switch("FLASHTILE_BWD_PIPELINE_EDGES") is not False
 
 
 def use_one_launch(p: AttnParams) -> bool:

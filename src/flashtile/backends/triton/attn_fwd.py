@@ -175,17 +175,13 @@ def _attn_fwd(q, k, v, p: AttnParams):
 EDGES_MAX_SEQLEN_K = 1024
 
 
-def _edge_setting(arch: str = "default", block_d: int = 0, max_k: int = 0, elem_bytes: int = 2) -> dict:
+def _edge_setting(arch: str, block_d: int, max_k: int, elem_bytes: int = 2) -> dict:
     """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}.
     FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces direct loads / the pipeline for every launch."""
-    setting = env.get("FLASHTILE_FWD_PIPELINE_EDGES", "")
-    if setting not in ("", "0", "1"):
-        raise ValueError(f"FLASHTILE_FWD_PIPELINE_EDGES must be 0 or 1 (unset: the measured rule), got {setting!r}")
-    if setting == "":
-        direct = arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2
-    else:
-        direct = setting == "0"
-    return {"PIPELINE_EDGES": False} if direct else {}
+    pipelined = env.switch("FLASHTILE_FWD_PIPELINE_EDGES")
+    if pipelined is None:
+        pipelined = not (arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2)
+    return {} if pipelined else {"PIPELINE_EDGES": False}
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:

@@ -65,19 +65,16 @@ def use_decode_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, paged: bool, *,
     if paged and not page_aligned:
         return False
     if TMA_OVERRIDE is None:
-        setting = env.get("FLASHTILE_DECODE_TMA", "")
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"FLASHTILE_DECODE_TMA must be 1 (on), 0 (off) or unset (the measured rule), "
-                             f"got {setting!r}")
+        forced = env.switch("FLASHTILE_DECODE_TMA")
         most = PAGED_TMA_MAX_BLOCKS_PER_PROGRAM if paged else TMA_MAX_BLOCKS_PER_PROGRAM
         # paged pools: measured with 2-byte caches only, so by default only those
         unmeasured = paged and k_cache.element_size() != 2
-        if setting == "0" or (setting == "" and (blocks_per_program > most or not d_fills_block or unmeasured)):
+        if forced is False or (forced is None and (blocks_per_program > most or not d_fills_block or unmeasured)):
             return False
         if k_cache.device.type != "cuda" or torch.version.hip is not None:
             return False
         major = capability(k_cache.device)[0]
-        if major < 9 or (setting == "" and major != 9):
+        if major < 9 or (forced is None and major != 9):
             return False
     elif not TMA_OVERRIDE:
         return False
@@ -100,10 +97,7 @@ def pages_per_tile(paged: bool, page_size: int, block_n: int, has_leftpad: bool)
     """PAGES_PER_TILE of a launch: block_n // page_size where the by-page gather applies, else 0."""
     on = PAGE_GATHER_OVERRIDE
     if on is None:
-        setting = env.get("FLASHTILE_DECODE_PAGE_GATHER", "")
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"FLASHTILE_DECODE_PAGE_GATHER must be 0 (off) or 1 / unset (on), got {setting!r}")
-        on = setting != "0"
+        on = env.switch("FLASHTILE_DECODE_PAGE_GATHER") is not False
     if not (on and paged and not has_leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0):
         return 0
     return block_n // page_size
@@ -439,7 +433,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
                       if tma else (k_cache, v_cache))
     # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
     # kernel's behaviour before session 15; an A/B knob)
-    edges = {"PIPELINE_EDGES": True} if env.get("FLASHTILE_DECODE_PIPELINE_EDGES", "0") not in ("", "0") else {}
+    edges = {"PIPELINE_EDGES": True} if env.switch("FLASHTILE_DECODE_PIPELINE_EDGES") else {}
     with device_guard(q):
         launch(
             _decode_kernel, grid,
