@@ -23,6 +23,7 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
+#   bench-decode-l2  decode with the L2 prefetch-size hint on its tile copies (0 / 128 / 256 bytes), alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
@@ -526,6 +527,12 @@ for step in "${steps[@]}"; do
       runs="$t128|$t64=4|$t64=3"
       decode_runs decode_b32_tiles "$runs|$runs" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
+    bench-decode-l2)
+      # the decode kernel's tile copies with PTX's L2 prefetch-size hint (FLASHTILE_DECODE_L2_PREFETCH, session 16:
+      # CUTLASS-style kernels such as cuDNN's put .L2::128B on every cp.async; Triton emits none) against none,
+      # 8-layer graphs beside cuDNN, 0 128 256 alternated twice; each hinted setting compiles into its own cache
+      decode_ab - decode_l2 FLASHTILE_DECODE_L2_PREFETCH "0 128 256 0 128 256" --cuda-graph --layers 8 \
+        --batch ${L2_BATCH:-1 8 32} --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
