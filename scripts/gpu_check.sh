@@ -24,6 +24,7 @@
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   bench-decode-l2  decode with the L2 prefetch-size hint on its tile copies (0 / 128 / 256 bytes), alternated twice
+#   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
 #   bench-decode-tma-small  FLASHTILE_DECODE_TMA=0 1 alternated three times on b = 1 / 8 / 32 at 8k-64k, after tests-decode-tma
@@ -533,6 +534,12 @@ for step in "${steps[@]}"; do
       # 8-layer graphs beside cuDNN, 0 128 256 alternated twice; each hinted setting compiles into its own cache
       decode_ab - decode_l2 FLASHTILE_DECODE_L2_PREFETCH "0 128 256 0 128 256" --cuda-graph --layers 8 \
         --batch ${L2_BATCH:-1 8 32} --seqlens 8192 65536 --pages --peers cudnn ;;
+    bench-decode-long-warps)
+      # long programs (>= 256 key blocks) take 8 warps since session 11, measured at 3 stages (one CTA an SM);
+      # b = 32 has run at 2 stages (two CTAs an SM) since session 12: 8 warps against the table's 4 (cuDNN's
+      # shape: 4 warps, two CTAs an SM) there, and at b = 8's split launch, 8 4 8 4
+      decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
+        --batch ${LONG_WARPS_BATCH:-32 8} --seqlens 32768 65536 131072 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
