@@ -23,7 +23,6 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
-#   bench-decode-l2  decode with the L2 prefetch-size hint on its tile copies (0 / 128 / 256 bytes), alternated twice
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -528,12 +527,6 @@ for step in "${steps[@]}"; do
       runs="$t128|$t64=4|$t64=3"
       decode_runs decode_b32_tiles "$runs|$runs" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
-    bench-decode-l2)
-      # the decode kernel's tile copies with PTX's L2 prefetch-size hint (FLASHTILE_DECODE_L2_PREFETCH, session 16:
-      # CUTLASS-style kernels such as cuDNN's put .L2::128B on every cp.async; Triton emits none) against none,
-      # 8-layer graphs beside cuDNN, 0 128 256 alternated twice; each hinted setting compiles into its own cache
-      decode_ab - decode_l2 FLASHTILE_DECODE_L2_PREFETCH "0 128 256 0 128 256" --cuda-graph --layers 8 \
-        --batch ${L2_BATCH:-1 8 32} --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-long-warps)
       # long programs (>= 256 key blocks) take 8 warps since session 11, measured at 3 stages (one CTA an SM);
       # b = 32 has run at 2 stages (two CTAs an SM) since session 12: 8 warps against the table's 4 (cuDNN's

@@ -14,7 +14,6 @@ from flashtile import env
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
-from flashtile.kernels import l2_prefetch
 from flashtile.kernels.decode import MAX_BLOCK_M, _combine_kernel, _decode_kernel, decode_config
 from flashtile.kernels.kv_append import _kv_append_kernel
 
@@ -435,7 +434,6 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
     # kernel's behaviour before session 15; an A/B knob)
     edges = {"PIPELINE_EDGES": True} if env.switch("FLASHTILE_DECODE_PIPELINE_EDGES") else {}
-    l2_prefetch.install()  # FLASHTILE_DECODE_L2_PREFETCH: an A/B knob, off by default
     with device_guard(q):
         launch(
             _decode_kernel, grid,
