@@ -159,16 +159,42 @@ def test_one_launch_is_one_kernel_and_deterministic(monkeypatch):
 
 @pytest.mark.parametrize("one_launch", [False, True], ids=["two-kernels", "one-launch"])
 def test_unpipelined_edges_knob(monkeypatch, one_launch):
-    # FLASHTILE_BWD_PIPELINE_EDGES=0 (an experiment, off by default): the masked ranges of the dK/dV and dQ
-    # programs load directly; the interpreter ignores pipelining, so this checks the knob's path and the
-    # gradients (windowed and causal, so both edges have blocks); bad values name the variable
+    # FLASHTILE_BWD_PIPELINE_EDGES=0: the masked ranges of the dK/dV and dQ programs load directly in every
+    # launch; the interpreter ignores pipelining, so this checks the knob's path and the gradients (windowed
+    # and causal, so both edges have blocks); bad values name the variable
     monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", one_launch)
     monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "0")
-    assert not bwd_launcher.pipeline_edges()
+    assert bwd_launcher.edge_setting("sm90", 64, True, 2) == {"PIPELINE_EDGES": False}
     check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=True, window_size=(9, -1))
     check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float16, causal=True)
+    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=False)
+    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "1")
+    assert bwd_launcher.edge_setting("sm90", 64, False, 2) == {}
     monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "off")
     with pytest.raises(ValueError, match="FLASHTILE_BWD_PIPELINE_EDGES"):
-        bwd_launcher.pipeline_edges()
-    monkeypatch.delenv("FLASHTILE_BWD_PIPELINE_EDGES")
-    assert bwd_launcher.pipeline_edges()
+        bwd_launcher.edge_setting("sm90", 64, False, 2)
+
+
+def test_edge_rule(monkeypatch):
+    """Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 / 128 without a band (measured); causal
+    and windowed launches, other head dims, dtypes and GPUs keep the pipeline."""
+    monkeypatch.delenv("FLASHTILE_BWD_PIPELINE_EDGES", raising=False)
+    for block_d in (64, 128):
+        assert bwd_launcher.edge_setting("sm90", block_d, False, 2) == {"PIPELINE_EDGES": False}
+    for args in (("sm90", 64, True, 2), ("sm90", 128, True, 2), ("sm90", 32, False, 2), ("sm90", 256, False, 2),
+                 ("sm90", 64, False, 4), ("default", 64, False, 2), ("interpret", 64, False, 2)):
+        assert bwd_launcher.edge_setting(*args) == {}, args
+
+
+def test_the_launch_takes_the_rule(monkeypatch):
+    """The launcher hands the kernels what edge_setting says for the call's band (causal or window)."""
+    seen = []
+
+    def rule(arch, block_d, banded, elem_bytes):
+        seen.append(banded)
+        return {}
+
+    monkeypatch.setattr(bwd_launcher, "edge_setting", rule)
+    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, -1))):
+        check_padded(1, 21, 21, 2, 1, 16, torch.float16, causal=causal, window_size=window)
+    assert seen == [False, True, True]

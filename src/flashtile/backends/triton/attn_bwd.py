@@ -75,12 +75,25 @@ def use_tma(*tensors) -> bool:
 ONE_LAUNCH_OVERRIDE: bool | None = None
 
 
-def pipeline_edges() -> bool:
-    """Software-pipeline the Triton backward kernels' masked edge ranges (the default)?
-    FLASHTILE_BWD_PIPELINE_EDGES=0 loads them directly: an experiment from session 15, where that made the
-    forward 8%-15% faster at d = 64 up to 1024 keys and the decode kernel 11%-18% faster at b = 1
-    (docs/forward.md, docs/decode_tuning_log.md); not yet measured on the backward."""
-    return env.switch("FLASHTILE_BWD_PIPELINE_EDGES") is not False
+# Masked ranges loaded directly instead of through the software pipeline, whose prologue runs even when a
+# range is empty (as the forward's, attn_fwd._edge_setting). Measured on the H200 (bf16, CUDA-graph replays,
+# every launch pipelined / direct alternated twice; bwd_edges_ab_h200_2026-11-30_session16.json), TFLOP/s:
+# non-causal, where the only masked range is a ragged key / query end (empty at these lengths), d = 64
+# s = 512 246 / 243 -> 255 / 253, 1024 290 / 293 -> 298 / 300, 2048 315 / 317 -> 327 / 322; d = 128 s = 512
+# 253 / 254 -> 256 / 257 (from 1024 the Gluon dK/dV kernel runs and only dQ changes: even). Causal, whose
+# diagonal range holds several blocks a program, lost 10%-13% at d = 64 (512 157 -> 141, 2048 270 -> 236)
+# and at d = 128 s = 512 (172 -> 153). So by default on sm_90 for 2-byte inputs at BLOCK_D 64 / 128 when
+# no band (causal or local window) masks the scores.
+
+
+def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict:
+    """The Triton backward launches' PIPELINE_EDGES: {} (pipelined, the kernels' default) or
+    {"PIPELINE_EDGES": False} (direct). FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces direct loads / the
+    pipeline for every launch."""
+    pipelined = env.switch("FLASHTILE_BWD_PIPELINE_EDGES")
+    if pipelined is None:
+        pipelined = not (arch == "sm90" and block_d in (64, 128) and not banded and elem_bytes == 2)
+    return {} if pipelined else {"PIPELINE_EDGES": False}
 
 
 def use_one_launch(p: AttnParams) -> bool:
@@ -228,8 +241,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
     feature_flags["USE_TMA"] = tma
-    if not pipeline_edges():
-        feature_flags["PIPELINE_EDGES"] = False  # the Triton kernels' masked ranges load directly
+    feature_flags.update(edge_setting(arch_of(q.device), block_d, p.window_left >= 0 or p.window_right >= 0,
+                                      q.element_size()))
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton

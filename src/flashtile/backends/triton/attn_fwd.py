@@ -170,8 +170,11 @@ def _attn_fwd(q, k, v, p: AttnParams):
 # CUDA-graph replays, pipelined / direct alternated twice; fwd_edges_d64_ab_h200_2026-11-30_session15.json):
 # d = 64 non-causal s = 512 297-307 -> 336-341 TFLOP/s, 1024 351 -> 379-380, 2048 395-399 -> 395-401;
 # causal 512 204 -> 234-236, 1024 276-278 -> 305-306, 2048 334-337 -> 333-334. d = 256 (one run each,
-# fwd_edges_d256_ab_...): s = 512 388 -> 378 non-causal, 275 -> 277 causal; 1024 even. So by default on
-# sm_90 for 2-byte inputs at d = 33-64 (BLOCK_D 64) up to EDGES_MAX_SEQLEN_K keys.
+# fwd_edges_d256_ab_...): s = 512 388 -> 378 non-causal, 275 -> 277 causal; 1024 even. A second lease
+# (fwd_edges_lease2_ab_h200_2026-11-30_session16.json, d = 64 / 256 at 512-4096, twice each) agreed: d = 64
+# s = 512 296-308 -> 325-338 non-causal, 204-205 -> 228-236 causal, 1024 348-350 -> 373-378 / 276-278 ->
+# 304-305, 2048 / 4096 within 1.5% either way; d = 256 -2%..+4%. So by default on sm_90 for 2-byte inputs at
+# d = 33-64 (BLOCK_D 64) up to EDGES_MAX_SEQLEN_K keys.
 EDGES_MAX_SEQLEN_K = 1024
 
 
