@@ -82,8 +82,10 @@ ONE_LAUNCH_OVERRIDE: bool | None = None
 # s = 512 246 / 243 -> 255 / 253, 1024 290 / 293 -> 298 / 300, 2048 315 / 317 -> 327 / 322; d = 128 s = 512
 # 253 / 254 -> 256 / 257 (from 1024 the Gluon dK/dV kernel runs and only dQ changes: even). Causal, whose
 # diagonal range holds several blocks a program, lost 10%-13% at d = 64 (512 157 -> 141, 2048 270 -> 236)
-# and at d = 128 s = 512 (172 -> 153). So by default on sm_90 for 2-byte inputs at BLOCK_D 64 / 128 when
-# no band (causal or local window) masks the scores.
+# and at d = 128 s = 512 (172 -> 153). A second lease, the rule against every launch pipelined
+# (bwd_edges_rule_ab_h200_2026-11-30_session16.json): d = 64 512 251-256 against 245-248, 1024 299-301 against
+# 287-288, 2048 326-329 against 317-319; d = 128 even to +2%. So by default on sm_90 for 2-byte inputs at
+# BLOCK_D 64 / 128 when no band (causal or local window) masks the scores.
 
 
 def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict:
