@@ -5,8 +5,9 @@ range named after it, so ``ncu --nvtx --nvtx-include "<case>/"`` profiles just t
 flashtile at b = 1, 8k (contiguous, 16- and 256-token pages in random order: the start-up-bound
 row and the two paged columns of issue 5's table), b = 32, 8k (contiguous, the cuDNN row) and b = 8,
 64k (a split grid of 128 programs on 132 SMs, where cuDNN was 1%-2% ahead in session 13), and
-SDPA's cuDNN backend on the head-major copies ``bench decode`` gives it. GQA 32 / 8, d = 128, bf16,
-one new token, as in the table. Run without ncu it only checks that every case runs.
+SDPA's cuDNN backend on the head-major copies ``bench decode`` gives it; and, at b = 32, 64k, each kernel on
+the other's layout (``ft_b32_64k_head``, ``cudnn_b32_64k_seq``). GQA 32 / 8, d = 128, bf16, one new token, as
+in the table. Run without ncu it only checks that every case runs.
 """
 
 import argparse
@@ -20,11 +21,16 @@ from flashtile import flash_attn_with_kvcache
 H, H_K, D = 32, 8, 128
 
 
-def flashtile_case(b: int, sk: int, page: int | None):
+def flashtile_case(b: int, sk: int, page: int | None, head_major: bool = False):
+    """flashtile's decode on FlashAttention's (b, s, h_k, d) cache, or (head_major) on a (b, s, h_k, d) view
+    of head-major memory, as SDPA's cache is laid out."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
-    if page is None:
+    if head_major:
+        kc = torch.randn(b, H_K, sk, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        table = None
+    elif page is None:
         kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
         table = None
     else:
@@ -35,10 +41,15 @@ def flashtile_case(b: int, sk: int, page: int | None):
     return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
 
 
-def cudnn_case(b: int, sk: int):
+def cudnn_case(b: int, sk: int, seq_major: bool = False):
+    """SDPA cuDNN on head-major (b, h_k, s, d) tensors, as `bench decode` gives it, or (seq_major) on the
+    transposed view of a FlashAttention-layout cache."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(b, H_K, sk, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if seq_major:
+        k = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+    else:
+        k = torch.randn(b, H_K, sk, D, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn_like(k)
 
     def run():
@@ -61,6 +72,12 @@ def main():
         "cudnn_b32_8k": lambda: cudnn_case(32, 8192),
         "ft_b8_64k": lambda: flashtile_case(8, 65536, None),
         "cudnn_b8_64k": lambda: cudnn_case(8, 65536),
+        # both kernels on both layouts at b = 32, 64k (session 16: on FlashAttention's layout flashtile leads,
+        # on head-major memory cuDNN does; probe_decode_layout_h200_2026-11-30_session16.json)
+        "ft_b32_64k": lambda: flashtile_case(32, 65536, None),
+        "ft_b32_64k_head": lambda: flashtile_case(32, 65536, None, head_major=True),
+        "cudnn_b32_64k": lambda: cudnn_case(32, 65536),
+        "cudnn_b32_64k_seq": lambda: cudnn_case(32, 65536, seq_major=True),
     }
     for name in args.cases or list(cases):
         make = cases[name]
