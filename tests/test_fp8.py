@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import flashtile
+from flashtile import flash_attn_interface
 from flashtile.backends.reference import attention_ref
 from flashtile.backends.reference_fp8 import attention_ref_fp8
 from flashtile.fp8 import FP8_DTYPE, dequantize, quantize_qkv, random_rotation
@@ -157,6 +158,16 @@ def test_fake_impl_promises_bf16():
                                                              v_descale=a[5]), fullgraph=True, backend="eager")(
         q8, k8, v8, qd, kd, vd)
     assert out.dtype == torch.bfloat16
+    # the packed form through the op (packing 1: qkv): its fake unpacks, then promises bf16 too
+    q8, k8, v8, qd, kd, vd = quantize_qkv(*_qkv(sq=9, sk=9, h=2, h_k=2))
+    qkv = torch.stack([q8, k8, v8], 2)
+    compiled = torch.compile(lambda x, a, b, c: flashtile.flash_attn_qkvpacked_func(x, causal=True, q_descale=a,
+                                                                                     k_descale=b, v_descale=c),
+                             fullgraph=True, backend="eager")
+    out = compiled(qkv, qd, kd, vd)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, flashtile.flash_attn_qkvpacked_func(qkv, causal=True, q_descale=qd, k_descale=kd,
+                                                                v_descale=vd))
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -206,12 +217,51 @@ def test_error_backward_is_refused_at_the_forward():
 def test_error_fp8_in_functions_without_fp8():
     q8, k8, v8 = (x.to(F8) for x in _qkv(sq=40))
     with pytest.raises(TypeError, match="fp8 inputs are supported by flash_attn_func, flash_attn_varlen_func"):
-        flashtile.flash_attn_qkvpacked_func(torch.stack([q8.float(), q8.float(), q8.float()], 2).to(F8))
+        flash_attn_interface.FlashAttnQKVPackedFunc.apply(torch.stack([q8.float()] * 3, 2).to(F8), 0.0, None, False,
+                                                          (-1, -1), 0.0, None, False, False)
     with pytest.raises(TypeError, match="fp8 inputs are supported by"):
-        flashtile.flash_attn_kvpacked_func(q8, torch.stack([k8.float(), v8.float()], 2).to(F8))
+        flash_attn_interface.FlashAttnFunc.apply(q8, k8, v8, 0.0, None, False, (-1, -1), 0.0, None, False, False)
     # flash_attn_with_kvcache takes fp8 (tests/test_kvcache_fp8.py), but not mixed with bf16 caches
     with pytest.raises(TypeError, match="k_cache must have q's dtype"):
         flashtile.flash_attn_with_kvcache(q8, k8.to(torch.bfloat16), v8.to(torch.bfloat16))
+
+
+def _packed_fp8_calls(q8, k8, v8, qd, kd, vd, **kw):
+    """(unpacked, qkvpacked, kvpacked) padded and varlen outputs of the same fp8 inputs (q8 has k8's heads
+    for the qkv-packed form); each a (out, lse) pair."""
+    ds = dict(q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True, **kw)
+    qkv, kv = torch.stack([q8, k8, v8], 2), torch.stack([k8, v8], 2)  # (b, s, 3 | 2, h, d), fp8 copies
+    b, s = q8.shape[:2]
+    cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32)
+    flat = [x.reshape(b * s, *x.shape[2:]) for x in (q8, k8, v8, qkv, kv)]
+    calls = [flashtile.flash_attn_func(q8, k8, v8, **ds)[:2], flashtile.flash_attn_qkvpacked_func(qkv, **ds)[:2],
+             flashtile.flash_attn_kvpacked_func(q8, kv, **ds)[:2],
+             flashtile.flash_attn_varlen_func(*flat[:3], cu, cu, s, s, **ds)[:2],
+             flashtile.flash_attn_varlen_qkvpacked_func(flat[3], cu, s, **ds)[:2],
+             flashtile.flash_attn_varlen_kvpacked_func(flat[0], flat[4], cu, cu, s, s, **ds)[:2]]
+    return calls
+
+
+def _assert_packed_equal(calls):
+    for i, (out, lse) in enumerate(calls[1:3], 1):
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, calls[0][0]) and torch.equal(lse, calls[0][1]), f"padded form {i}"
+    for i, (out, lse) in enumerate(calls[4:], 4):
+        assert torch.equal(out, calls[3][0]) and torch.equal(lse, calls[3][1]), f"varlen form {i}"
+    # the varlen call is the padded one laid flat (up to the kernel's or reference's row order)
+    assert torch.allclose(calls[3][0].float().reshape(calls[0][0].shape), calls[0][0].float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(5, 2), softcap=3.0)])
+def test_packed_functions_take_fp8_cpu_path(kw):
+    """The packed forms give exactly the unpacked call's output and lse for the same fp8 values and descales."""
+    q8, k8, v8, qd, kd, vd = quantize_qkv(*_qkv(sq=40, sk=40, h=2, h_k=2))
+    _assert_packed_equal(_packed_fp8_calls(q8, k8, v8, qd, kd, vd, **kw))
+    # without descales (1.0) too, and the packed forms still refuse gradients at the forward
+    _assert_packed_equal(_packed_fp8_calls(q8, k8, v8, None, None, None))
+    qkv = torch.stack([q8, k8, v8], 2).requires_grad_()
+    with pytest.raises(RuntimeError, match="fp8 attention is forward only"):
+        flashtile.flash_attn_qkvpacked_func(qkv)
 
 
 # ------------------------------------------------------------------------------------ accuracy
@@ -332,6 +382,16 @@ def test_kernel_interpreter_varlen(fp8_kernel):
     q, k, v = torch.randn(58, 4, 32), torch.randn(58, 2, 32), torch.randn(58, 2, 32)
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     _check_kernel(fp8_kernel, q8, k8, v8, qd, kd, vd, varlen=(cu_q, cu_k, max(lens_q), max(lens_k)), causal=True)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("fp8_kernel", [False, True], ids=["ptr", "tma"], indirect=True)
+def test_kernel_interpreter_packed_forms(fp8_kernel):
+    """The packed forms' strided q / k / v views through the fp8 kernel: the same output as unpacked inputs."""
+    q8, k8, v8, qd, kd, vd = quantize_qkv(*_qkv(b=2, sq=24, sk=24, h=2, h_k=2, d=32))
+    calls = _packed_fp8_calls(q8, k8, v8, qd, kd, vd, causal=True)
+    assert fp8_kernel and set(fp8_kernel) == {"triton"}, "the fp8 kernel did not run every call"
+    _assert_packed_equal(calls)
 
 
 @triton.jit

@@ -229,3 +229,24 @@ def test_fp8_kv_cache_decode(page, num_splits):
     assert (lse - ref_lse).abs().max().item() < 2e-3
     assert torch.equal(kc8.view(torch.uint8), rk.view(torch.uint8))
     assert torch.equal(vc8.view(torch.uint8), rv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_packed_forms_equal_unpacked(d):
+    """qkv- / kv-packed fp8 (strided q, k, v views; d = 128 / 256 may take the Gluon kernel) give the unpacked
+    call's output and lse bit for bit, padded and varlen."""
+    b, s, h = 2, 777, 4
+    q8, k8, v8, qd, kd, vd = quantize_qkv(*_inputs(b, s, s, h, h, d))
+    ds = dict(causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
+    qkv, kv = torch.stack([q8, k8, v8], 2), torch.stack([k8, v8], 2)
+    cu = torch.arange(0, (b + 1) * s, s, device=DEV, dtype=torch.int32)
+    want = flashtile.flash_attn_func(q8, k8, v8, **ds)[:2]
+    _check(*want, q8, k8, v8, qd, kd, vd, causal=True)
+    for got in (flashtile.flash_attn_qkvpacked_func(qkv, **ds)[:2],
+                flashtile.flash_attn_kvpacked_func(q8, kv, **ds)[:2]):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    flat = lambda x: x.reshape(b * s, *x.shape[2:])  # noqa: E731
+    want = flashtile.flash_attn_varlen_func(flat(q8), flat(k8), flat(v8), cu, cu, s, s, **ds)[:2]
+    for got in (flashtile.flash_attn_varlen_qkvpacked_func(flat(qkv), cu, s, **ds)[:2],
+                flashtile.flash_attn_varlen_kvpacked_func(flat(q8), flat(kv), cu, cu, s, s, **ds)[:2]):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -155,18 +155,18 @@ def flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 
 def flash_attn_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         deterministic, return_probs):
+                         deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None):
     qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=False)
     _, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs)
+                               deterministic, return_probs, (q_descale, k_descale, v_descale))
     return attention(qkv, None, None, p, PACK_QKV)
 
 
 def flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                        deterministic, return_probs):
+                        deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None):
     _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=False)
     q, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs)
+                               deterministic, return_probs, (q_descale, k_descale, v_descale))
     return attention(q, kv, None, p, PACK_KV)
 
 
@@ -181,20 +181,22 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def flash_attn_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
-                                softcap, alibi_slopes, deterministic, return_probs):
+                                softcap, alibi_slopes, deterministic, return_probs, q_descale=None, k_descale=None,
+                                v_descale=None):
     qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=True)
     _, _, _, p = varlen_params(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                               causal, window_size, softcap, alibi_slopes, deterministic, return_probs)
+                               causal, window_size, softcap, alibi_slopes, deterministic, return_probs,
+                               descales=(q_descale, k_descale, v_descale))
     return attention(qkv, None, None, p, PACK_QKV)
 
 
 def flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                               return_probs):
+                               return_probs, q_descale=None, k_descale=None, v_descale=None):
     _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=True)
     q, _, _, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                               return_probs)
+                               return_probs, descales=(q_descale, k_descale, v_descale))
     return attention(q, kv, None, p, PACK_KV)
 
 

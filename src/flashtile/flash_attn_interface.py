@@ -78,21 +78,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                              deterministic=False, return_attn_probs=False):
+                              deterministic=False, return_attn_probs=False, *, q_descale=None, k_descale=None,
+                              v_descale=None):
     """Self-attention with q, k, v packed: qkv (b, s, 3, h, d). Returns out (b, s, h, d).
 
     The gradient is written straight into a (b, s, 3, h, d) buffer (no concatenation).
     """
     return _ag.flash_attn_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    deterministic, return_attn_probs)
+                                    deterministic, return_attn_probs, q_descale, k_descale, v_descale)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                             return_attn_probs=False):
+                             return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None):
     """Attention with k, v packed: q (b, sq, h, d), kv (b, sk, 2, h_k, d). Returns out (b, sq, h, d)."""
     return _ag.flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   deterministic, return_attn_probs)
+                                   deterministic, return_attn_probs, q_descale, k_descale, v_descale)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -117,26 +118,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
-                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                     q_descale=None, k_descale=None, v_descale=None):
     """Varlen self-attention, qkv (total, 3, h, d). Returns out (total, h, d)."""
     return _ag.flash_attn_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
-                                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                           window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                           q_descale, k_descale, v_descale)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                    deterministic=False, return_attn_probs=False):
+                                    deterministic=False, return_attn_probs=False, *, q_descale=None,
+                                    k_descale=None, v_descale=None):
     """Varlen attention with kv packed: q (total_q, h, d), kv (total_k, 2, h_k, d)."""
     return _ag.flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                          deterministic, return_attn_probs)
+                                          deterministic, return_attn_probs, q_descale, k_descale, v_descale)
 
 
 for _fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
             flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):
     _fn.__doc__ = (_fn.__doc__ or "") + "\n    Keywords:" + _COMMON_DOC
-for _fn in (flash_attn_func, flash_attn_varlen_func):
+for _fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,
+            flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func):
     _fn.__doc__ += _FP8_DOC
 
 

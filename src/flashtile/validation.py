@@ -49,8 +49,9 @@ def check_tensor(name: str, x, rank: int, layout: str, allow_fp8: bool = False):
     if x.dim() != rank:
         _fail(f"{name} must have {rank} dims {layout}, got shape {tuple(x.shape)}")
     if x.dtype == FP8_DTYPE and not allow_fp8:
-        _fail(f"{name} is {x.dtype}: fp8 inputs are supported by flash_attn_func, flash_attn_varlen_func "
-              f"and flash_attn_with_kvcache (forward only), not by this function", TypeError)
+        _fail(f"{name} is {x.dtype}: fp8 inputs are supported by flash_attn_func, flash_attn_varlen_func, their "
+              f"kvpacked / qkvpacked forms and flash_attn_with_kvcache (forward only), not by this function",
+              TypeError)
     if x.dtype not in SUPPORTED_DTYPES and not (allow_fp8 and x.dtype == FP8_DTYPE):
         names = ", ".join(str(t).replace("torch.", "") for t in SUPPORTED_DTYPES)
         _fail(f"{name} has unsupported dtype {x.dtype}; supported: {names}", TypeError)
