@@ -26,64 +26,12 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
+from flashtile.kernels.decode_keys import _key_offsets
+from flashtile.kernels.decode_warp_split import _decode_interior_warp_split
 from flashtile.kernels.kv_append import _rotary_rows
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-@triton.jit
-def _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
-                 stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                 PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, CHECK_N: tl.constexpr,
-                 PAGES_PER_TILE: tl.constexpr = 0):
-    """Element offsets (int64, [BLOCK_N]) of keys ``cols`` in the K and V caches.
-
-    Page arithmetic stays in int32 and never divides a vector by the runtime page size: a 64-bit
-    division per key costs about as much issue time as the tile's loads in this memory-bound loop.
-    Power-of-two pages (PAGE_SHIFT >= 0) use shifts; a tile inside one page needs one scalar divide.
-    PAGES_PER_TILE > 0 (power-of-two pages smaller than the tile, no left padding; the launcher's
-    rule): an unmasked tile is that many whole pages, so it reads that many table entries, not one
-    per key, and spreads them to its keys in registers (tl.gather; a reshape of per-page offsets
-    there compiled to unpipelined loads).
-    """
-    if PAGED and PAGES_PER_TILE > 0 and not CHECK_N:
-        # every key of an unmasked tile is below seqlen_k <= capacity: all its pages are in use (and
-        # the launcher never sets PAGES_PER_TILE with left padding, which would shift tiles off pages)
-        tl.static_assert(PAGE_SHIFT >= 0, "the by-page gather needs power-of-two pages")
-        ids = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + (start_n >> PAGE_SHIFT)
-                      + tl.arange(0, PAGES_PER_TILE)).to(tl.int64)
-        rel = cols - start_n
-        page = tl.gather(ids, rel >> PAGE_SHIFT, 0)
-        in_page = (rel & ((1 << PAGE_SHIFT) - 1)).to(tl.int64)
-        k_off = page * stride_kb + in_page * stride_kn
-        v_off = page * stride_vb + in_page * stride_vn
-    elif PAGED:
-        pos = cols + leftpad  # int32: cache positions are < 2^31
-        if PAGE_ALIGNED:
-            # the whole tile lies in one page: one table read, offsets inside the page by subtraction
-            page_idx = start_n // page_size
-            page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx).to(tl.int64)
-            in_page = pos - page_idx * page_size
-        else:
-            if PAGE_SHIFT >= 0:
-                page_idx = pos >> PAGE_SHIFT
-            else:
-                page_idx = pos // page_size
-            in_page = pos - page_idx * page_size
-            if CHECK_N:
-                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx,
-                               mask=cols < seqlen_k, other=0).to(tl.int64)
-            else:
-                page = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt_b + page_idx).to(tl.int64)
-        # the multiplies in int64: a page-major cache view can have a row stride near 2^31 / page_size
-        k_off = page * stride_kb + in_page.to(tl.int64) * stride_kn
-        v_off = page * stride_vb + in_page.to(tl.int64) * stride_vn
-    else:
-        pos = (cols + leftpad).to(tl.int64)
-        k_off = cache_row * stride_kb + pos * stride_kn
-        v_off = cache_row * stride_vb + pos * stride_vn
-    return k_off, v_off
 
 
 @triton.jit
@@ -223,7 +171,7 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PIPELINE_EDGES: tl.constexpr = False,
+    PIPELINE_EDGES: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 1,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -336,14 +284,24 @@ def _decode_kernel(
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
-    acc, m_i, l_i = _decode_inner(
-        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
-        tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
-        leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
-        stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
-        cache_len, COS, SIN, stride_cos, seqlen_ro,
-        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
+    if WARP_SPLIT > 1:
+        # FLASHTILE_DECODE_WARP_SPLIT (an experiment): the interior's tiles in WARP_SPLIT sub-tiles, one a warp
+        tl.static_assert(not USE_TMA, "the warp-split interior takes pointer loads")
+        acc, m_i, l_i = _decode_interior_warp_split(
+            acc, m_i, l_i, q, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
+            tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_d, leftpad, seqlen_q, seqlen_k,
+            page_size, qk_scale, softcap, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
+            HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+            PAGES_PER_TILE, WARP_SPLIT)
+    else:
+        acc, m_i, l_i = _decode_inner(
+            acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
+            tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
+            leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
+            stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
+            cache_len, COS, SIN, stride_cos, seqlen_ro,
+            False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+            DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
