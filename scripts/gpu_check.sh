@@ -539,10 +539,17 @@ for step in "${steps[@]}"; do
       # unmasked interior in 4 sub-tiles with their own online softmax, one a warp; session 16, CPU-tested only)
       FLASHTILE_DECODE_WARP_SPLIT=4 TIMED_XDIST=1 timed_tests decode_warp_split tests/test_gpu_kvcache.py ;;
     bench-decode-warp-split)
-      # b = 32 (and b = 1 / 8) beside cuDNN in 8-layer graphs: the default interior (0) against the warp-split
-      # one (4; 2 sub-tiles is the other shape worth a look), 0 4 0 4, after tests-decode-warp-split passed
-      decode_ab decode_warp_split decode_warp_split FLASHTILE_DECODE_WARP_SPLIT "0 4 0 4" --cuda-graph --layers 8 \
-        --batch ${WARP_SPLIT_BATCH:-32 8 1} --seqlens 8192 65536 --pages --peers cudnn ;;
+      # b = 32 (and b = 8 / 1) beside cuDNN in 8-layer graphs, after tests-decode-warp-split passed: the default
+      # interior, 4 sub-tiles of the 128-key tile (255 registers, 32 bytes of spills on sm_90), and 4 sub-tiles of
+      # 64-key tiles (177 registers, no spills; FLASHTILE_DECODE_BLOCK_N=64), each twice, alternated
+      if tests_passed decode_warp_split; then
+        ws=FLASHTILE_DECODE_WARP_SPLIT
+        runs="$ws=0|$ws=4|$ws=4 FLASHTILE_DECODE_BLOCK_N=64"
+        decode_runs decode_warp_split "$runs|$runs" --cuda-graph --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8 1} \
+          --seqlens 8192 65536 --pages --peers cudnn
+      else
+        echo "skipped: bench-decode-warp-split (its tests did not pass in this call)" | tee -a "$summary"
+      fi ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

@@ -54,6 +54,16 @@ def test_warp_split_matches_oracle_and_default(warp_split_interp, monkeypatch, n
         assert (got[1][fin] - ref[1][fin]).abs().max().item() <= 1e-5 if fin.any() else True
 
 
+@pytest.mark.parametrize("name", ["wide_window_append", "paged_16", "alibi_h", "gqa_8_to_1"])
+def test_four_sub_tiles_of_64_keys(decode_interp, monkeypatch, name):
+    # the other shape the GPU A/B runs: 64-key tiles in 4 sub-tiles of 16 keys
+    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (64, 4, 1))
+    monkeypatch.setenv("FLASHTILE_DECODE_WARP_SPLIT", "4")
+    q, kc, vc, args = make_case(dtype=torch.float32, cap=300, **CASES[name])
+    _run_and_check(q, kc, vc, args, num_splits=2)
+    assert decode_interp[-1]["WARP_SPLIT"] == 4
+
+
 def test_warp_split_fp16(warp_split_interp, monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_WARP_SPLIT", "2")
     q, kc, vc, args = make_case(dtype=torch.float16, cap=150, **CASES["paged_16"])
