@@ -539,13 +539,14 @@ for step in "${steps[@]}"; do
       # unmasked interior in 4 sub-tiles with their own online softmax, one a warp; session 16, CPU-tested only)
       FLASHTILE_DECODE_WARP_SPLIT=4 TIMED_XDIST=1 timed_tests decode_warp_split tests/test_gpu_kvcache.py ;;
     bench-decode-warp-split)
-      # b = 32 (and b = 8 / 1) beside cuDNN in 8-layer graphs, after tests-decode-warp-split passed: the default
-      # interior, 4 sub-tiles of the 128-key tile (255 registers, 32 bytes of spills on sm_90), and 4 sub-tiles of
-      # 64-key tiles (177 registers, no spills; FLASHTILE_DECODE_BLOCK_N=64), each twice, alternated
+      # b = 32 and 8 beside cuDNN in 8-layer graphs, after tests-decode-warp-split passed: the default interior,
+      # 4 sub-tiles of the 128-key tile (255 registers, 32 bytes of spills on sm_90), 4 sub-tiles of 64-key tiles
+      # (177 registers, no spills), and, for scale, 64-key tiles at 2 stages without the split (half the bytes
+      # in flight a program: deeper rings lost at b = 32 in sessions 14 and 16); each twice, alternated
       if tests_passed decode_warp_split; then
-        ws=FLASHTILE_DECODE_WARP_SPLIT
-        runs="$ws=0|$ws=4|$ws=4 FLASHTILE_DECODE_BLOCK_N=64"
-        decode_runs decode_warp_split "$runs|$runs" --cuda-graph --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8 1} \
+        ws=FLASHTILE_DECODE_WARP_SPLIT n64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=2"
+        runs="$ws=0|$ws=4|$ws=4 $n64|$ws=0 $n64"
+        decode_runs decode_warp_split "$runs|$runs" --cuda-graph --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8} \
           --seqlens 8192 65536 --pages --peers cudnn
       else
         echo "skipped: bench-decode-warp-split (its tests did not pass in this call)" | tee -a "$summary"
