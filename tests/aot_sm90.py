@@ -34,18 +34,23 @@ LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 BRANCH = re.compile(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 
 
-def loop_sizes(ptx: str) -> list[int]:
-    """Instructions in each loop body of the PTX (label to the branch back to it; labels, comments and
-    braces not counted)."""
+def loop_bodies(ptx: str) -> list[list[str]]:
+    """The instructions of each loop body of the PTX (label to the branch back to it; labels, comments
+    and braces left out)."""
     lines = [ln.strip() for ln in ptx.splitlines()]
     labels = {m.group(1): i for i, ln in enumerate(lines) if (m := LABEL.match(ln))}
-    sizes = []
+    bodies = []
     for i, ln in enumerate(lines):
         m = BRANCH.search(ln)
         if m and labels.get(m.group(1), i + 1) < i:
             body = lines[labels[m.group(1)]:i + 1]
-            sizes.append(sum(1 for x in body if x and not x.startswith(("$", "//", "{", "}"))))
-    return sizes
+            bodies.append([x for x in body if x and not x.startswith(("$", "//", "{", "}"))])
+    return bodies
+
+
+def loop_sizes(ptx: str) -> list[int]:
+    """Instructions in each loop body of the PTX."""
+    return [len(body) for body in loop_bodies(ptx)]
 
 
 def main(module, kernel, constexprs, types, warps, stages):
@@ -83,7 +88,10 @@ def main(module, kernel, constexprs, types, warps, stages):
           "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
           "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"),
           "PIPELINE_BUFFERS", len(PIPELINE_BUFFER.findall(compiled.asm["ttgir"])),
-          "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-")
+          "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-",
+          # CTA barriers a trip of each loop (cross-warp reductions, shared-memory hand-offs)
+          "LOOP_BARRIERS", ",".join(str(sum(x.startswith(("bar.sync", "barrier.sync")) for x in body))
+                                    for body in loop_bodies(ptx)) or "-")
 
 
 if __name__ == "__main__":

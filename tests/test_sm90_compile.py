@@ -37,7 +37,7 @@ def _compile(tmp_path, kernel, module, constexprs, types, warps, stages, gdc=Non
     assert res.returncode == 0, res.stderr[-3000:]
     fields = res.stdout.split()
     if fields_out is not None:
-        fields_out.update((k, v if k == "LOOPS" else int(v)) for k, v in zip(fields[::2], fields[1::2]))
+        fields_out.update((k, v if k.startswith("LOOP") else int(v)) for k, v in zip(fields[::2], fields[1::2]))
     shared = int(fields[fields.index("SHARED") + 1])
     assert shared <= SM90_MAX_SHARED, f"{kernel} {constexprs} needs {shared} bytes of shared memory"
     # no griddepcontrol unless programmatic dependent launch is asked for
@@ -192,9 +192,14 @@ def test_decode_warp_split_compiles_for_sm90(tmp_path):
               HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
               ROTARY_PER_TOKEN=False, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=False, FUSED_COMBINE=False,
               WARP_SPLIT=4)
-    fields = {}
+    fields, default = {}, {}
     _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 2, fields_out=fields)
     assert fields["CP_ASYNC_16"] == 32, fields
+    # the point of it: the interior loop (the first) has fewer CTA barriers a tile than the default's (2 against 9)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, WARP_SPLIT=1), DECODE_INTS, 4, 2,
+             fields_out=default)
+    split_bars, default_bars = (int(f["LOOP_BARRIERS"].split(",")[0]) for f in (fields, default))
+    assert split_bars < default_bars, (fields, default)
 
 
 def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
