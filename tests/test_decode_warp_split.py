@@ -83,3 +83,17 @@ def test_knob_values(monkeypatch, value, tiles, split):
         monkeypatch.setenv("FLASHTILE_DECODE_WARP_SPLIT", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_WARP_SPLIT"):
             launcher.decode_warp_split(tiles)
+
+
+@pytest.mark.parametrize("page", [None, 8], ids=["contiguous", "paged"])
+def test_fp8_cache(warp_split_interp, monkeypatch, page):
+    # e4m3 caches: the sub-tiles upcast their K / V tiles to fp16 as the default interior does
+    from test_kvcache_fp8 import _case, _oracle
+
+    monkeypatch.setenv("FLASHTILE_DECODE_WARP_SPLIT", "2")
+    q8, kc8, vc8, args = _case(cap=160, page=page)
+    ref_out, ref_lse, *_ = _oracle(q8, kc8, vc8, args, causal=True)
+    out, lse = flash_attn_with_kvcache(q8, kc8, vc8, **args, causal=True, return_softmax_lse=True)
+    assert warp_split_interp[-1]["WARP_SPLIT"] == 2 and warp_split_interp[-1]["IS_FP8"] is True
+    assert (out.double() - ref_out).abs().max().item() < 2e-2
+    assert (lse.double() - ref_lse).abs().max().item() < 2e-3
