@@ -125,6 +125,14 @@ timed_tests() {
   tail -n 25 "$WORK/gpu_tests_$name.log" >> "$summary"
 }
 tests_passed() { [[ $(cat "$WORK/$1_tests.rc" 2>/dev/null) == 0 ]]; }
+# gate TESTS NAME: true if the timed_tests step TESTS passed in this call (TESTS "-": no gate); otherwise say
+# that the benchmark NAME is skipped, and false
+gate() {
+  [[ $1 == - ]] && return 0
+  tests_passed "$1" && return 0
+  echo "skipped: $2 (its tests did not pass in this call)" | tee -a "$summary"
+  return 1
+}
 # decode_runs NAME "SETTING|SETTING|..." BENCH_ARGS...: `bench decode BENCH_ARGS` once per setting, in the
 # order given; a setting's words are environment assignments (VAR=value) and extra bench options (the
 # rest), e.g. "FLASHTILE_DECODE_STAGES=2 --num-splits 32"; each run's JSON as NAME_<setting>_<seconds>.json
@@ -150,10 +158,7 @@ decode_runs() {
 decode_ab() {
   local tests=$1 name=$2 var=$3 values=$4 v settings=()
   shift 4
-  if [[ $tests != - ]] && ! tests_passed "$tests"; then
-    echo "skipped: $name (its tests did not pass in this call)" | tee -a "$summary"
-    return
-  fi
+  gate "$tests" "$name" || return
   for v in $values; do settings+=("$var=$v"); done
   decode_runs "$name" "$(IFS='|'; echo "${settings[*]}")" "$@"
 }
@@ -163,10 +168,7 @@ decode_ab() {
 attn_ab() {
   local name=$1 mode=$2 var=$3 values=$4 v
   shift 4
-  if ! tests_passed "$name"; then
-    echo "skipped: bench $name (its tests did not pass in this call)" | tee -a "$summary"
-    return
-  fi
+  gate "$name" "bench $name" || return
   for v in $values; do
     env "$var=$v" python3 -m flashtile.bench "$mode" "$@" --out "$WORK/${name}_${var}-${v}_$SECONDS.json" \
       2>> "$WORK/bench_$name.log" >> "$summary"
@@ -511,14 +513,15 @@ for step in "${steps[@]}"; do
       attn_ab fwd_edges fwd FLASHTILE_FWD_PIPELINE_EDGES "1 0 1 0" --cuda-graph --d 64 256 --seqlens 512 1024 2048 4096 \
         --peers cudnn ;;
     tests-bwd-edges)
-      # the Triton backward's GPU tests with every masked range loaded directly (FLASHTILE_BWD_PIPELINE_EDGES=0,
-      # an experiment, off by default)
+      # the Triton backward's GPU tests with every masked range loaded directly (FLASHTILE_BWD_PIPELINE_EDGES=0;
+      # by default only sm_90 launches without a band do, since session 16)
       FLASHTILE_BWD_PIPELINE_EDGES=0 TIMED_XDIST=1 timed_tests bwd_edges tests/test_gpu_bwd.py \
         tests/test_gpu_bwd_one_launch.py ;;
     bench-bwd-edges)
       # the backward at short lengths (d = 64 and d = 128 at 512 take the Triton kernels; the Gluon dK/dV kernel
       # takes d = 128 from 1024, where only the Triton dQ kernel changes) as CUDA-graph replays beside cuDNN:
-      # pipelined edges (1, the default) against direct (0), 1 0 1 0, after tests-bwd-edges passed in this call
+      # every launch pipelined (1, the default before session 16) against direct (0), 1 0 1 0, after
+      # tests-bwd-edges passed in this call
       attn_ab bwd_edges bwd FLASHTILE_BWD_PIPELINE_EDGES "1 0 1 0" --cuda-graph --d 64 128 --seqlens 512 1024 2048 \
         --peers cudnn ;;
     bench-decode-b32-tiles)
@@ -543,14 +546,10 @@ for step in "${steps[@]}"; do
       # 4 sub-tiles of the 128-key tile (255 registers, 32 bytes of spills on sm_90), 4 sub-tiles of 64-key tiles
       # (177 registers, no spills), and, for scale, 64-key tiles at 2 stages without the split (half the bytes
       # in flight a program: deeper rings lost at b = 32 in sessions 14 and 16); each twice, alternated
-      if tests_passed decode_warp_split; then
-        ws=FLASHTILE_DECODE_WARP_SPLIT n64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=2"
-        runs="$ws=0|$ws=4|$ws=4 $n64|$ws=0 $n64"
-        decode_runs decode_warp_split "$runs|$runs" --cuda-graph --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8} \
-          --seqlens 8192 65536 --pages --peers cudnn
-      else
-        echo "skipped: bench-decode-warp-split (its tests did not pass in this call)" | tee -a "$summary"
-      fi ;;
+      ws=FLASHTILE_DECODE_WARP_SPLIT n64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=2"
+      runs="$ws=0|$ws=4|$ws=4 $n64|$ws=0 $n64"
+      gate decode_warp_split bench-decode-warp-split && decode_runs decode_warp_split "$runs|$runs" --cuda-graph \
+        --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8} --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

@@ -10,6 +10,7 @@ import torch
 
 from flashtile.backends.triton import decode as launcher
 from flashtile.kvcache import flash_attn_with_kvcache
+from test_decode_tma import _call  # (out, lse, k cache, v cache) on copies of the caches
 from test_kvcache import CASES, _run_and_check, make_case
 
 # windows wide enough that a left edge block (masked, merged before the interior's sub-tiles) and interior
@@ -27,14 +28,6 @@ def warp_split_interp(decode_interp, monkeypatch):
     # 32-key tiles: two 16-key sub-tiles, the smallest a dot takes
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (32, 4, 1))
     return decode_interp
-
-
-def _call(q, kc, vc, args, num_splits):
-    args = dict(args)
-    if "scale" in args:
-        args["softmax_scale"] = args.pop("scale")
-    return flash_attn_with_kvcache(q, kc.clone(), vc.clone(), num_splits=num_splits, return_softmax_lse=True,
-                                   **args)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -146,9 +146,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
                 PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks.
 
-    PIPELINE_EDGES = False (FLASHTILE_BWD_PIPELINE_EDGES=0, an experiment): a masked range loads its few
-    blocks directly, without the software pipeline's prologue, which runs even when the range is empty
-    (the forward's and the decode kernel's edges gained from it in session 15)."""
+    PIPELINE_EDGES = False (the launcher's choice on sm_90 without a band, since session 16; backends/triton/
+    attn_bwd.py edge_setting, FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces either): a masked range loads its few
+    blocks directly, without the software pipeline's prologue, which runs even when the range is empty."""
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q

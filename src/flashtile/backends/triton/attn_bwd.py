@@ -92,10 +92,8 @@ def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict
     """The Triton backward launches' PIPELINE_EDGES: {} (pipelined, the kernels' default) or
     {"PIPELINE_EDGES": False} (direct). FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces direct loads / the
     pipeline for every launch."""
-    pipelined = env.switch("FLASHTILE_BWD_PIPELINE_EDGES")
-    if pipelined is None:
-        pipelined = not (arch == "sm90" and block_d in (64, 128) and not banded and elem_bytes == 2)
-    return {} if pipelined else {"PIPELINE_EDGES": False}
+    return host.edge_flags("FLASHTILE_BWD_PIPELINE_EDGES",
+                           arch == "sm90" and block_d in (64, 128) and not banded and elem_bytes == 2)
 
 
 def use_one_launch(p: AttnParams) -> bool:
@@ -197,8 +195,9 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
     max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if varlen else max(q.shape[1], k.shape[1])
+    arch = arch_of(q.device)
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = CONFIG_OVERRIDE or bwd_configs(
-        arch_of(q.device), block_d, config_overrides(), p.causal, max_seqlen)
+        arch, block_d, config_overrides(), p.causal, max_seqlen)
     if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
@@ -243,8 +242,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
     feature_flags["USE_TMA"] = tma
-    feature_flags.update(edge_setting(arch_of(q.device), block_d, p.window_left >= 0 or p.window_right >= 0,
-                                      q.element_size()))
+    feature_flags.update(edge_setting(arch, block_d, p.window_left >= 0 or p.window_right >= 0, q.element_size()))
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton

@@ -7,7 +7,6 @@ import os
 
 import torch
 
-from flashtile import env
 from flashtile.backends.triton import host
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
@@ -181,10 +180,8 @@ EDGES_MAX_SEQLEN_K = 1024
 def _edge_setting(arch: str, block_d: int, max_k: int, elem_bytes: int = 2) -> dict:
     """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}.
     FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces direct loads / the pipeline for every launch."""
-    pipelined = env.switch("FLASHTILE_FWD_PIPELINE_EDGES")
-    if pipelined is None:
-        pipelined = not (arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2)
-    return {} if pipelined else {"PIPELINE_EDGES": False}
+    return host.edge_flags("FLASHTILE_FWD_PIPELINE_EDGES",
+                           arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2)
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:

@@ -19,6 +19,8 @@ from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend
 from triton.runtime.errors import OutOfResources
 
+from flashtile import env
+
 # Causal forward and dQ programs start with their longest row blocks (kernels/attn_fwd.py
 # _heavy_rows_first; results are bitwise the same either way, tests/test_gpu_heavy_first.py). On by
 # default: the H200 A/B (gpu_check.sh bench-heavy-first, alternated 0 1 0 1 in one call;
@@ -308,3 +310,13 @@ def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
         if fast_key is not None and stages == key_stages:
             _remember(fast_key, kernel, result, len(args), meta)
         return result
+
+
+def edge_flags(var: str, direct_by_default: bool) -> dict:
+    """The PIPELINE_EDGES launch keyword of the forward and backward Triton kernels (whose default is
+    pipelined masked ranges): {} or {"PIPELINE_EDGES": False}. The 0 / 1 switch ``var`` forces direct
+    loads / the pipeline in every launch; unset, the caller's measured rule (``direct_by_default``) decides."""
+    pipelined = env.switch(var)
+    if pipelined is None:
+        pipelined = not direct_by_default
+    return {} if pipelined else {"PIPELINE_EDGES": False}
