@@ -1,8 +1,9 @@
-"""The decode kernel's sm_90 build per variant, on a machine without a GPU: shared memory, TMA bulk
-copies, 16-byte cp.async copies and the instruction count of each loop body in the PTX (through
-tests/aot_sm90.py and ptxas). The split kernel of a b = 1 step (d = 128, bf16, 16 splits, 128-key tiles,
-16-row query tiles, PDL), as the H200 runs it, and b = 32's unsplit 2-stage launch with and without the
-warp-split interior; a loop's count is per 128-key tile, with its CTA barriers (bar.sync) in brackets.
+"""The decode kernel's sm_90 build per variant, on a machine without a GPU: shared memory, registers and
+spill stores (ptxas -v), TMA bulk copies, 16-byte cp.async copies and the instruction count of each loop
+body in the PTX (through tests/aot_sm90.py and ptxas). The split kernel of a b = 1 step (d = 128, bf16,
+16 splits, 128-key tiles, 16-row query tiles, PDL), as the H200 runs it, and b = 32's unsplit 2-stage
+launch with and without the warp-split interior (128- and 64-key tiles); a loop's count is per tile, with
+its CTA barriers (bar.sync) in brackets.
 
 Usage: python scripts/probe_decode_ptx.py [VARIANT ...]      (TRITON_INTERPRET unset; default: all)
 """
@@ -29,6 +30,8 @@ VARIANTS = {
     # b = 32's unsplit 2-stage launch, and the same with the warp-split interior (FLASHTILE_DECODE_WARP_SPLIT=4)
     "b32_pointer": (dict(NUM_SPLITS=1, USE_PDL=False), None, 4, 2),
     "b32_warp_split": (dict(NUM_SPLITS=1, USE_PDL=False, WARP_SPLIT=4), None, 4, 2),
+    "b32_n64_pointer": (dict(NUM_SPLITS=1, USE_PDL=False, BLOCK_N=64), None, 4, 2),
+    "b32_n64_warp_split": (dict(NUM_SPLITS=1, USE_PDL=False, BLOCK_N=64, WARP_SPLIT=4), None, 4, 2),
 }
 INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32", "O_PART": "*fp32",
         "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32",
@@ -53,13 +56,14 @@ def probe(name: str) -> dict:
 
 def main():
     names = sys.argv[1:] or list(VARIANTS)
-    head = f"{'variant':24} {'warps':>5} {'stages':>6} {'smem B':>7} {'bulk':>5} {'cp16':>5}"
+    head = f"{'variant':24} {'warps':>5} {'stages':>6} {'smem B':>7} {'regs':>5} {'spill':>5} {'bulk':>5} {'cp16':>5}"
     print(head + "  loop bodies (PTX instructions; bar.sync a trip)")
     for name in names:
         r = probe(name)
         _, _, warps, stages = VARIANTS[name]
         loops = f"{r['LOOPS']} ({r['LOOP_BARRIERS']})"
-        print(f"{name:24} {warps:>5} {stages:>6} {r['SHARED']:>7} {r['BULK']:>5} {r['CP_ASYNC_16']:>5}  {loops}",
+        print(f"{name:24} {warps:>5} {stages:>6} {r['SHARED']:>7} {r['REGISTERS']:>5} {r['SPILL_STORES']:>5} "
+              f"{r['BULK']:>5} {r['CP_ASYNC_16']:>5}  {loops}",
               flush=True)
 
 

@@ -18,12 +18,16 @@ branch to a label).
 import importlib
 import inspect
 import json
+import pathlib
 import re
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from gluon_aot import ptxas_log  # this script runs from tests/ (its folder is on sys.path)
 
 FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
 INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
@@ -83,11 +87,15 @@ def main(module, kernel, constexprs, types, warps, stages):
                               options=dict(num_warps=warps, num_stages=stages))
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
     ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
+    with tempfile.TemporaryDirectory() as tmp:
+        log = ptxas_log(ptx, pathlib.Path(tmp), "kernel")
+    regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
           "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
           "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"),
           "PIPELINE_BUFFERS", len(PIPELINE_BUFFER.findall(compiled.asm["ttgir"])),
+          "REGISTERS", regs.group(1) if regs else -1, "SPILL_STORES", spill.group(1) if spill else -1,
           "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-",
           # CTA barriers a trip of each loop (cross-warp reductions, shared-memory hand-offs)
           "LOOP_BARRIERS", ",".join(str(sum(x.startswith(("bar.sync", "barrier.sync")) for x in body))

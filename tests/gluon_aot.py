@@ -15,7 +15,6 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
     import inspect
 
     import triton
-    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -35,11 +34,19 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
                               options=dict(num_warps=num_warps, **options))
     (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
     (out / f"{tag}.sass").write_text(compiled.asm["sass"])
-    # Triton drops ptxas's log on success: run ptxas again on the same PTX for it
+    log = ptxas_log(compiled.asm["ptx"], out, tag)
+    return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log)
+
+
+def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str) -> str:
+    """ptxas -v's log (registers, spills) of a PTX text for sm_90a: Triton drops it on success, so run ptxas
+    again on the same PTX. Writes <tag>.ptx / .cubin / .ptxas.log under out."""
+    from triton import knobs
+
     ptx = out / f"{tag}.ptx"
-    ptx.write_text(compiled.asm["ptx"])
+    ptx.write_text(ptx_text)
     cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     log = res.stdout + res.stderr
     (out / f"{tag}.ptxas.log").write_text(log)
-    return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log)
+    return log
