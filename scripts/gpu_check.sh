@@ -23,7 +23,6 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
-#   tests-decode-warp-split / bench-decode-warp-split  the decode interior in per-warp sub-tiles (FLASHTILE_DECODE_WARP_SPLIT)
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -537,19 +536,6 @@ for step in "${steps[@]}"; do
       # shape: 4 warps, two CTAs an SM) there, and at b = 8's split launch, 8 4 8 4
       decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
         --batch ${LONG_WARPS_BATCH:-32 8} --seqlens 32768 65536 131072 --pages --peers cudnn ;;
-    tests-decode-warp-split)
-      # the KV-cache tests with the warp-split interior (FLASHTILE_DECODE_WARP_SPLIT=4: each 128-key tile of the
-      # unmasked interior in 4 sub-tiles with their own online softmax, one a warp; session 16, CPU-tested only)
-      FLASHTILE_DECODE_WARP_SPLIT=4 TIMED_XDIST=1 timed_tests decode_warp_split tests/test_gpu_kvcache.py ;;
-    bench-decode-warp-split)
-      # b = 32 and 8 beside cuDNN in 8-layer graphs, after tests-decode-warp-split passed: the default interior,
-      # 4 sub-tiles of the 128-key tile (255 registers, 32 bytes of spills on sm_90), 4 sub-tiles of 64-key tiles
-      # (177 registers, no spills), and, for scale, 64-key tiles at 2 stages without the split (half the bytes
-      # in flight a program: deeper rings lost at b = 32 in sessions 14 and 16); each twice, alternated
-      ws=FLASHTILE_DECODE_WARP_SPLIT n64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES=2"
-      runs="$ws=0|$ws=4|$ws=4 $n64|$ws=0 $n64"
-      gate decode_warp_split bench-decode-warp-split && decode_runs decode_warp_split "$runs|$runs" --cuda-graph \
-        --layers 8 --batch ${WARP_SPLIT_BATCH:-32 8} --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

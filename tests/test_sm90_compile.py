@@ -182,26 +182,6 @@ def test_decode_pipelines_only_the_interior_loop(tmp_path):
     assert fields["CP_ASYNC_16"] == 3 * 32, fields  # 32 16-byte copies a tile: two in the prologue, one a step
 
 
-def test_decode_warp_split_compiles_for_sm90(tmp_path):
-    # FLASHTILE_DECODE_WARP_SPLIT=4 on b = 32's unsplit 2-stage launch: the interior's 3-D dots build and
-    # pass ptxas, and its K tiles still come by asynchronous copies (32 16-byte copies a tile; V is
-    # prefetched into registers a tile ahead; 3-D tile loads were left synchronous by the pipeliner)
-    d = 128
-    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=128, BLOCK_D=d, NUM_SPLITS=1, PAGED=False, PAGE_ALIGNED=False,
-              PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
-              HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
-              ROTARY_PER_TOKEN=False, DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=False, FUSED_COMBINE=False,
-              WARP_SPLIT=4)
-    fields, default = {}, {}
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 2, fields_out=fields)
-    assert fields["CP_ASYNC_16"] == 32, fields
-    # the point of it: the interior loop (the first) has fewer CTA barriers a tile than the default's (2 against 9)
-    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, WARP_SPLIT=1), DECODE_INTS, 4, 2,
-             fields_out=default)
-    split_bars, default_bars = (int(f["LOOP_BARRIERS"].split(",")[0]) for f in (fields, default))
-    assert split_bars < default_bars, (fields, default)
-
-
 def test_fp8_cache_decode_compiles_for_sm90(tmp_path):
     # e4m3 q and caches, bf16 output, descales; the tiles are upcast to fp16 for the dots
     d = 128

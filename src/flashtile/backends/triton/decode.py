@@ -176,22 +176,6 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
     return num_stages if env.get("FLASHTILE_DECODE_STAGES", "") else GRID_FULL_STAGES
 
 
-# The interior's tiles cut into sub-tiles, one a warp, each with its own online softmax, merged after the
-# loop (kernels/decode_warp_split.py): an experiment, off by default and not yet measured on the GPU.
-# FLASHTILE_DECODE_WARP_SPLIT=2 / 4 / 8 asks for that many sub-tiles per tile; a launch takes as many as
-# leave each at least 16 keys (a dot's smallest side), none when that is fewer than 2.
-def decode_warp_split(block_n: int) -> int:
-    """The launch's WARP_SPLIT (1: off) from FLASHTILE_DECODE_WARP_SPLIT; pointer loads only (the launcher
-    turns descriptor loads off with it)."""
-    value = env.get("FLASHTILE_DECODE_WARP_SPLIT", "")
-    if value in ("", "0", "1"):
-        return 1
-    if value not in ("2", "4", "8"):
-        raise ValueError(f"FLASHTILE_DECODE_WARP_SPLIT must be 2, 4 or 8 sub-tiles (0 / unset: off), got {value!r}")
-    split = min(int(value), block_n // 16)
-    return split if split >= 2 else 1
-
-
 # Programmatic dependent launch (sm_90+): the decode and merge kernels are launched with CUDA's
 # programmatic-stream-serialisation attribute and wait (griddepcontrol.wait) before their first
 # read, so each can be scheduled while the kernel before it drains; within a CUDA graph of decode
@@ -443,16 +427,13 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * programs,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    warp_split = decode_warp_split(block_n)
-    tma = warp_split == 1 and use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program,
-                                             d_fills_block=block_d == d, page_aligned=page_aligned)
+    tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
+                         page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
                       if tma else (k_cache, v_cache))
     # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
     # kernel's behaviour before session 15; an A/B knob)
     edges = {"PIPELINE_EDGES": True} if env.switch("FLASHTILE_DECODE_PIPELINE_EDGES") else {}
-    if warp_split > 1:
-        edges["WARP_SPLIT"] = warp_split
     with device_guard(q):
         launch(
             _decode_kernel, grid,
