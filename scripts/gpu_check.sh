@@ -23,7 +23,6 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
-#   tests-decode-k-prefetch / bench-decode-k-prefetch  the decode interior reading K a block ahead into registers (FLASHTILE_DECODE_K_PREFETCH)
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -537,18 +536,6 @@ for step in "${steps[@]}"; do
       # shape: 4 warps, two CTAs an SM) there, and at b = 8's split launch, 8 4 8 4
       decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
         --batch ${LONG_WARPS_BATCH:-32 8} --seqlens 32768 65536 131072 --pages --peers cudnn ;;
-    tests-decode-k-prefetch)
-      # the KV-cache tests with K read a block ahead into registers in the interior (FLASHTILE_DECODE_K_PREFETCH=1,
-      # contiguous caches; session 17: at 2 stages the pipeliner issues a block's K and V copies at the end of
-      # the previous block, so a program has nothing in flight while it computes)
-      FLASHTILE_DECODE_K_PREFETCH=1 TIMED_XDIST=1 timed_tests decode_k_prefetch tests/test_gpu_kvcache.py ;;
-    bench-decode-k-prefetch)
-      # b = 32 beside cuDNN in 8-layer graphs, after tests-decode-k-prefetch passed: the default interior, K
-      # prefetch at the rule's warps (8 from 32k keys a program: 128 registers, 16 bytes of spills on sm_90), and
-      # K prefetch at 4 warps (163 registers); each twice, alternated
-      kp=FLASHTILE_DECODE_K_PREFETCH runs="$kp=0|$kp=1|$kp=1 FLASHTILE_DECODE_LONG_WARPS=4"
-      gate decode_k_prefetch bench-decode-k-prefetch && decode_runs decode_k_prefetch "$runs|$runs" --cuda-graph \
-        --layers 8 --batch ${K_PREFETCH_BATCH:-32} --seqlens 8192 65536 --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

@@ -31,10 +31,6 @@ VARIANTS = {
     # b = 32's unsplit 2-stage launch at 128- and 64-key tiles
     "b32_pointer": (dict(NUM_SPLITS=1, USE_PDL=False), None, 4, 2),
     "b32_n64_pointer": (dict(NUM_SPLITS=1, USE_PDL=False, BLOCK_N=64), None, 4, 2),
-    # the same with K read a block ahead into registers (FLASHTILE_DECODE_K_PREFETCH=1), at 4 and 8 warps
-    "b32_k_prefetch": (dict(NUM_SPLITS=1, USE_PDL=False, K_PREFETCH=True), None, 4, 2),
-    "b32_8w_pointer": (dict(NUM_SPLITS=1, USE_PDL=False), None, 8, 2),
-    "b32_8w_k_prefetch": (dict(NUM_SPLITS=1, USE_PDL=False, K_PREFETCH=True), None, 8, 2),
 }
 INTS = {"SEQLENS": "*i32", "BATCH_IDX": "*i32", "LEFTPAD": "*i32", "BLOCK_TABLE": "*i32", "O_PART": "*fp32",
         "LSE_PART": "*fp32", "COS": "*fp32", "SIN": "*fp32", "Q_DESCALE": "*fp32", "K_DESCALE": "*fp32",

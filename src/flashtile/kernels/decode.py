@@ -26,7 +26,6 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
-from flashtile.kernels.decode_k_prefetch import _decode_interior_k_prefetch
 from flashtile.kernels.decode_keys import _key_offsets
 from flashtile.kernels.kv_append import _rotary_rows
 
@@ -171,7 +170,7 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PIPELINE_EDGES: tl.constexpr = False, K_PREFETCH: tl.constexpr = False,
+    PIPELINE_EDGES: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -284,23 +283,14 @@ def _decode_kernel(
         seqlen_ro,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
         DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
-    if K_PREFETCH:
-        # FLASHTILE_DECODE_K_PREFETCH (an experiment): K read a block ahead into registers
-        tl.static_assert(not PAGED and not USE_TMA, "the K-prefetch interior takes a contiguous cache, pointer loads")
-        acc, m_i, l_i = _decode_interior_k_prefetch(
-            acc, m_i, l_i, q, k_base, v_base, cache_row, tl.maximum(full_lo, s_lo),
-            tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
-            qk_scale, softcap, stride_kb, stride_kn, stride_vb, stride_vn, HEAD_DIM, BLOCK_N, HAS_SOFTCAP,
-            HAS_ALIBI, DOT_PRECISION)
-    else:
-        acc, m_i, l_i = _decode_inner(
-            acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
-            tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
-            leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
-            stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
-            cache_len, COS, SIN, stride_cos, seqlen_ro,
-            False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
+    acc, m_i, l_i = _decode_inner(
+        acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
+        tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
+        leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
+        stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
+        cache_len, COS, SIN, stride_cos, seqlen_ro,
+        False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,

@@ -427,18 +427,13 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     grid = (num_splits * programs,)
     kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
     pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
-    # FLASHTILE_DECODE_K_PREFETCH=1 (an experiment, contiguous caches): the interior reads K a block ahead into
-    # registers (kernels/decode_k_prefetch.py), pointer loads only
-    k_prefetch = not paged and bool(env.switch("FLASHTILE_DECODE_K_PREFETCH"))
-    tma = not k_prefetch and use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program,
-                                            d_fills_block=block_d == d, page_aligned=page_aligned)
+    tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
+                         page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
                       if tma else (k_cache, v_cache))
     # FLASHTILE_DECODE_PIPELINE_EDGES=1: the masked edge loops software-pipelined as the interior is (the
     # kernel's behaviour before session 15; an A/B knob)
     edges = {"PIPELINE_EDGES": True} if env.switch("FLASHTILE_DECODE_PIPELINE_EDGES") else {}
-    if k_prefetch:
-        edges["K_PREFETCH"] = True
     with device_guard(q):
         launch(
             _decode_kernel, grid,
