@@ -176,12 +176,12 @@ def test_unpipelined_edges_knob(monkeypatch, one_launch):
 
 
 def test_edge_rule(monkeypatch):
-    """Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 / 128 without a band (measured); causal
+    """Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 32 / 64 / 128 without a band (measured); causal
     and windowed launches, other head dims, dtypes and GPUs keep the pipeline."""
     monkeypatch.delenv("FLASHTILE_BWD_PIPELINE_EDGES", raising=False)
-    for block_d in (64, 128):
+    for block_d in (32, 64, 128):
         assert bwd_launcher.edge_setting("sm90", block_d, False, 2) == {"PIPELINE_EDGES": False}
-    for args in (("sm90", 64, True, 2), ("sm90", 128, True, 2), ("sm90", 32, False, 2), ("sm90", 256, False, 2),
+    for args in (("sm90", 64, True, 2), ("sm90", 128, True, 2), ("sm90", 32, True, 2), ("sm90", 256, False, 2),
                  ("sm90", 64, False, 4), ("default", 64, False, 2), ("interpret", 64, False, 2)):
         assert bwd_launcher.edge_setting(*args) == {}, args
 

@@ -155,7 +155,8 @@ def test_padded_with_zero_keys(interpreter):
 def test_unpipelined_edges_knob(monkeypatch, causal):
     """FLASHTILE_FWD_PIPELINE_EDGES=0 runs the masked edge ranges without software pipelining everywhere;
     the interpreter ignores pipelining, so this checks the knob's path and results. Bad values name the
-    variable. Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys (measured)."""
+    variable. Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys and BLOCK_D 32 up to
+    2048 (measured)."""
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "0")
     assert launcher._edge_setting("sm90", 64, 4096) == {"PIPELINE_EDGES": False}
     used = _spy_backend(monkeypatch)
@@ -165,7 +166,8 @@ def test_unpipelined_edges_knob(monkeypatch, causal):
     assert launcher._edge_setting("sm90", 64, 512) == {}
     monkeypatch.delenv("FLASHTILE_FWD_PIPELINE_EDGES")
     assert launcher._edge_setting("sm90", 64, 1024) == {"PIPELINE_EDGES": False}
-    for args in (("sm90", 64, 2048), ("sm90", 128, 512), ("sm90", 256, 512), ("default", 64, 512),
+    assert launcher._edge_setting("sm90", 32, 2048) == {"PIPELINE_EDGES": False}
+    for args in (("sm90", 64, 2048), ("sm90", 32, 4096), ("sm90", 16, 512), ("sm90", 128, 512), ("sm90", 256, 512), ("default", 64, 512),
                  ("interpret", 64, 512), ("sm90", 64, 512, 4)):
         assert launcher._edge_setting(*args) == {}, args
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")

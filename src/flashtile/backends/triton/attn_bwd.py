@@ -84,8 +84,10 @@ ONE_LAUNCH_OVERRIDE: bool | None = None
 # diagonal range holds several blocks a program, lost 10%-13% at d = 64 (512 157 -> 141, 2048 270 -> 236)
 # and at d = 128 s = 512 (172 -> 153). A second lease, the rule against every launch pipelined
 # (bwd_edges_rule_ab_h200_2026-11-30_session16.json): d = 64 512 251-256 against 245-248, 1024 299-301 against
-# 287-288, 2048 326-329 against 317-319; d = 128 even to +2%. So by default on sm_90 for 2-byte inputs at
-# BLOCK_D 64 / 128 when no band (causal or local window) masks the scores.
+# 287-288, 2048 326-329 against 317-319; d = 128 even to +2%. d = 32 (session 17, one lease,
+# bwd_edges_d32_ab_h200_2026-11-30_session17.json, twice each): non-causal s = 512 176-177 -> 181, 1024 205 ->
+# 207, 2048 223-224 -> 225; causal lost 11%-16% (2048 197 -> 166). So by default on sm_90 for 2-byte inputs
+# at BLOCK_D 32 / 64 / 128 when no band (causal or local window) masks the scores.
 
 
 def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict:
@@ -93,7 +95,7 @@ def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict
     {"PIPELINE_EDGES": False} (direct). FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces direct loads / the
     pipeline for every launch."""
     return host.edge_flags("FLASHTILE_BWD_PIPELINE_EDGES",
-                           arch == "sm90" and block_d in (64, 128) and not banded and elem_bytes == 2)
+                           arch == "sm90" and block_d in (32, 64, 128) and not banded and elem_bytes == 2)
 
 
 def use_one_launch(p: AttnParams) -> bool:

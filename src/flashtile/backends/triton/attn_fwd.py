@@ -172,16 +172,18 @@ def _attn_fwd(q, k, v, p: AttnParams):
 # fwd_edges_d256_ab_...): s = 512 388 -> 378 non-causal, 275 -> 277 causal; 1024 even. A second lease
 # (fwd_edges_lease2_ab_h200_2026-11-30_session16.json, d = 64 / 256 at 512-4096, twice each) agreed: d = 64
 # s = 512 296-308 -> 325-338 non-causal, 204-205 -> 228-236 causal, 1024 348-350 -> 373-378 / 276-278 ->
-# 304-305, 2048 / 4096 within 1.5% either way; d = 256 -2%..+4%. So by default on sm_90 for 2-byte inputs at
-# d = 33-64 (BLOCK_D 64) up to EDGES_MAX_SEQLEN_K keys.
-EDGES_MAX_SEQLEN_K = 1024
+# 304-305, 2048 / 4096 within 1.5% either way; d = 256 -2%..+4%. d = 32 (BLOCK_D 32; session 17, one lease,
+# fwd_edges_d32_ab_h200_2026-11-30_session17.json, twice each): non-causal s = 512 194-195 -> 205, 1024 228 ->
+# 235, 2048 246 -> 250-251; causal 142 -> 151-152, 193-194 -> 201-202, 229 -> 236-237. So by default on sm_90
+# for 2-byte inputs at BLOCK_D 32 / 64 up to EDGES_MAX_SEQLEN_K[BLOCK_D] keys (longer rows unmeasured at d = 32).
+EDGES_MAX_SEQLEN_K = {32: 2048, 64: 1024}
 
 
 def _edge_setting(arch: str, block_d: int, max_k: int, elem_bytes: int = 2) -> dict:
     """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}.
     FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces direct loads / the pipeline for every launch."""
     return host.edge_flags("FLASHTILE_FWD_PIPELINE_EDGES",
-                           arch == "sm90" and block_d == 64 and max_k <= EDGES_MAX_SEQLEN_K and elem_bytes == 2)
+                           arch == "sm90" and max_k <= EDGES_MAX_SEQLEN_K.get(block_d, 0) and elem_bytes == 2)
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:
