@@ -167,8 +167,8 @@ def test_unpipelined_edges_knob(monkeypatch, causal):
     monkeypatch.delenv("FLASHTILE_FWD_PIPELINE_EDGES")
     assert launcher._edge_setting("sm90", 64, 1024) == {"PIPELINE_EDGES": False}
     assert launcher._edge_setting("sm90", 32, 2048) == {"PIPELINE_EDGES": False}
-    for args in (("sm90", 64, 2048), ("sm90", 32, 4096), ("sm90", 16, 512), ("sm90", 128, 512), ("sm90", 256, 512), ("default", 64, 512),
-                 ("interpret", 64, 512), ("sm90", 64, 512, 4)):
+    for args in (("sm90", 64, 2048), ("sm90", 32, 4096), ("sm90", 16, 512), ("sm90", 128, 512), ("sm90", 256, 512),
+                 ("default", 64, 512), ("interpret", 64, 512), ("sm90", 64, 512, 4)):
         assert launcher._edge_setting(*args) == {}, args
     monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")
     with pytest.raises(ValueError, match="FLASHTILE_FWD_PIPELINE_EDGES"):

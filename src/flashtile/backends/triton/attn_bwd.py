@@ -86,7 +86,9 @@ ONE_LAUNCH_OVERRIDE: bool | None = None
 # (bwd_edges_rule_ab_h200_2026-11-30_session16.json): d = 64 512 251-256 against 245-248, 1024 299-301 against
 # 287-288, 2048 326-329 against 317-319; d = 128 even to +2%. d = 32 (session 17, one lease,
 # bwd_edges_d32_ab_h200_2026-11-30_session17.json, twice each): non-causal s = 512 176-177 -> 181, 1024 205 ->
-# 207, 2048 223-224 -> 225; causal lost 11%-16% (2048 197 -> 166). So by default on sm_90 for 2-byte inputs
+# 207, 2048 223-224 -> 225; causal lost 11%-16% (2048 197 -> 166); a second lease, the rule against every
+# launch pipelined (bwd_edges_d32_rule_ab_...): 512 176-177 -> 180-181, 1024 205 -> 208, 2048 224 -> 226,
+# causal unchanged. So by default on sm_90 for 2-byte inputs
 # at BLOCK_D 32 / 64 / 128 when no band (causal or local window) masks the scores.
 
 

@@ -174,7 +174,9 @@ def _attn_fwd(q, k, v, p: AttnParams):
 # s = 512 296-308 -> 325-338 non-causal, 204-205 -> 228-236 causal, 1024 348-350 -> 373-378 / 276-278 ->
 # 304-305, 2048 / 4096 within 1.5% either way; d = 256 -2%..+4%. d = 32 (BLOCK_D 32; session 17, one lease,
 # fwd_edges_d32_ab_h200_2026-11-30_session17.json, twice each): non-causal s = 512 194-195 -> 205, 1024 228 ->
-# 235, 2048 246 -> 250-251; causal 142 -> 151-152, 193-194 -> 201-202, 229 -> 236-237. So by default on sm_90
+# 235, 2048 246 -> 250-251; causal 142 -> 151-152, 193-194 -> 201-202, 229 -> 236-237; a second lease, the rule
+# against every launch pipelined (fwd_edges_d32_rule_ab_...): 512 194-195 -> 206, 1024 228 -> 234-235, 2048 246
+# -> 249, causal 142-143 -> 151-152, 193 -> 200-201, 228-229 -> 235, 4096 unchanged (pipelined). So by default on sm_90
 # for 2-byte inputs at BLOCK_D 32 / 64 up to EDGES_MAX_SEQLEN_K[BLOCK_D] keys (longer rows unmeasured at d = 32).
 EDGES_MAX_SEQLEN_K = {32: 2048, 64: 1024}
 
