@@ -1,0 +1,130 @@
+"""Unsplit decode over a contiguous cache in Gluon with cuDNN's warp shape: 4 warps along the keys, each with
+its own online softmax over its quarter of every tile, merged once after the loop (an experiment for b = 32,
+run by scripts/probe_decode_gluon_warp_keys.py; not wired into the launcher).
+
+cuDNN's b = 32 decode kernel (``..._16x128x128_1x4x1``) computes 16 query rows against 128-key tiles with its
+4 warps side by side along the keys, by ``mma.sync``. Nsight Compute (session 17) has it moving the same bytes
+as ours at 1% higher DRAM throughput. The Triton build spreads the keys over the warps too, but reduces every
+tile's row max and sum across them and passes P through shared memory: 9 CTA barriers a tile. Triton's own
+warp split (session 16) needed 255 registers. Here the layouts are explicit: scores, P and the output
+accumulator are rank-3 tensors [warp, 16 rows, ...] whose first dimension is the warp (``warps_per_cta =
+[4, 1, 1]``), so each warp's dots, softmax and state stay inside it. Each warp also copies its own keys of a
+tile (16-byte ``cp.async`` into a ring of NUM_BUFFERS K / V slots). One CTA barrier a tile remains: the wait
+for a tile's copies, which also frees the slot read a tile earlier for its refill.
+
+Keys past the row's length are zero-filled by the copies' masks (so V holds no NaN there) and masked to -inf;
+a warp that has seen no key keeps m = -inf and weight 0 in the merge. Writes O only (b, 1, h, d): a probe.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+WARPS = 4
+
+
+@gluon.jit
+def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok):
+    """Copy rows [row0, row0 + BLOCK_N) of one kv head, as [warp, keys a warp, d], into ``smem``; rows at or past
+    ``seqlen`` (all of them when ``ok`` is false) are zero-filled; the caller commits the group."""
+    pos = row0 + rows
+    ptrs = base + gl.expand_dims(pos.to(gl.int64) * stride_n, 2) + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    async_copy.async_copy_global_to_shared(smem, ptrs, mask=gl.expand_dims((pos < seqlen) & ok, 2))
+
+
+@gluon.jit
+def _gluon_decode_warp_keys_kernel(
+    Q, K, V, O, SEQLENS, qk_scale, num_kv_heads, group,
+    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+):
+    """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache; one program per (batch row, kv head)."""
+    BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
+    KW: gl.constexpr = BLOCK_N // 4  # keys a warp
+    gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
+    gl.static_assert(NUM_BUFFERS >= 2, "a ring of at least two slots")
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # copies: 16 bytes a thread along d, each warp its own KW keys
+    cp_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1, 1],
+                                               [2, 1, 0])
+    smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
+
+    pid = gl.program_id(0)
+    b = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    seqlen = gl.load(SEQLENS + b)
+    n = gl.cdiv(seqlen, BLOCK_N)
+    k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
+    v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
+
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
+
+    # key position in a tile of copy row (warp w, row r): w * KW + r
+    w_ids = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, cp_layout)))
+    r_ids = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(2, cp_layout)))
+    rows = gl.expand_dims(w_ids, 1) * KW + gl.expand_dims(r_ids, 0)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
+    # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _issue_tile(k_smem.index(i), k_base, i * BLOCK_N, seqlen, stride_kn, rows, cols, i < n)
+        async_copy.commit_group()
+        _issue_tile(v_smem.index(i), v_base, i * BLOCK_N, seqlen, stride_vn, rows, cols, i < n)
+        async_copy.commit_group()
+
+    # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
+    q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))
+    q_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(0, a_layout)))
+    q_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, a_layout)))
+    head = (kv_head * group + q_rows).to(gl.int64)
+    q_ptrs = (Q + b.to(gl.int64) * stride_qb + gl.expand_dims(gl.expand_dims(head * stride_qh, 1), 0)
+              + gl.expand_dims(gl.expand_dims(q_cols, 0), 0) + gl.expand_dims(gl.expand_dims(q_w * 0, 1), 2))
+    q_ok = gl.expand_dims(gl.expand_dims(q_rows < group, 1), 0) & gl.expand_dims(gl.expand_dims(q_w >= 0, 1), 2)
+    q = gl.load(q_ptrs, mask=q_ok, other=0.0)
+
+    state: gl.constexpr = gl.SliceLayout(2, mma)  # [warp, row]
+    m_i = gl.full([4, BLOCK_M], float("-inf"), gl.float32, state)
+    l_i = gl.zeros([4, BLOCK_M], gl.float32, state)
+    o = gl.zeros([4, BLOCK_M, HEAD_DIM], gl.float32, mma)
+    s_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(1, mma)))
+    s_k = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
+    for j in range(0, n):
+        slot = j % NUM_BUFFERS
+        # tile j's K and V landed for every thread; every warp is done with tile j - 1, whose slot is refilled
+        async_copy.wait_group(2 * NUM_BUFFERS - 4)
+        gl.thread_barrier()
+        nxt = j + NUM_BUFFERS - 1
+        _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols, nxt < n)
+        async_copy.commit_group()
+        _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols, nxt < n)
+        async_copy.commit_group()
+        kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
+        s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
+        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
+        s = gl.where(j * BLOCK_N + key_in_tile < seqlen, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp that has seen no key yet
+        p = gl.exp2(s - gl.expand_dims(m_use, 2))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
+        o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
+    async_copy.wait_group(0)
+
+    # merge the 4 warps' states (once, across warps)
+    m = gl.max(m_i, 0)
+    wgt = gl.exp2(m_i - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0))
+    l_sum = gl.sum(l_i * wgt, 0)
+    acc = gl.sum(o * gl.expand_dims(wgt, 2), 0)  # [16, d]
+    out_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    inv_l = gl.convert_layout(1.0 / gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, out_layout))
+    out = acc * gl.expand_dims(inv_l, 1)
+    orow = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
+    ocol = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, out_layout))
+    ohead = (kv_head * group + orow).to(gl.int64)
+    o_ptrs = O + b.to(gl.int64) * stride_ob + gl.expand_dims(ohead * stride_oh, 1) + gl.expand_dims(ocol, 0)
+    gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(orow < group, 1))
