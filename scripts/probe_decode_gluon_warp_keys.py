@@ -67,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="32,8192;32,65536")
+    ap.add_argument("--rounds", type=int, default=1, help="timing rounds after the checks, implementations alternated")
     args = ap.parse_args()
     rows = []
     for item in args.rows.split(";"):
@@ -104,6 +105,14 @@ def main():
                 print(name, "ragged", row[name + "_ragged_max_diff"], flush=True)
         row["cudnn"] = timed(cudnn)
         row["flashtile_again"] = timed(ft)
+        # more rounds, every implementation once a round in the same order (lists of us)
+        impls = {"flashtile": ft, "cudnn": cudnn}
+        impls.update({f"gluon_n{bn}_x{nb}": gluon_call(q, k, v, lens, bn, nb) for bn, nb in RINGS
+                      if isinstance(row[f"gluon_n{bn}_x{nb}"], float)})
+        row["rounds"] = {name: [] for name in impls}
+        for _ in range(args.rounds - 1):
+            for name, fn in impls.items():
+                row["rounds"][name].append(timed(fn))
         print(row, flush=True)
         rows.append(row)
         del ft, cudnn, k, v, k_head, v_head
