@@ -23,6 +23,8 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
+#   tests-decode-gluon-warp-keys / bench-decode-gluon-warp-keys  the Gluon decode kernel with cuDNN's warp shape
+#                 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1) against the reference, then beside the Triton kernel and cuDNN
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -536,6 +538,14 @@ for step in "${steps[@]}"; do
       # shape: 4 warps, two CTAs an SM) there, and at b = 8's split launch, 8 4 8 4
       decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
         --batch ${LONG_WARPS_BATCH:-32 8} --seqlens 32768 65536 131072 --pages --peers cudnn ;;
+    tests-decode-gluon-warp-keys)
+      # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
+      TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
+    bench-decode-gluon-warp-keys)
+      # b = 32 beside cuDNN in 8-layer graphs (the table's setting), the Triton kernel (0) against the Gluon one
+      # (1), 0 1 0 1, after tests-decode-gluon-warp-keys passed in this call
+      decode_ab decode_gluon_warp_keys decode_gluon_wk FLASHTILE_DECODE_GLUON_WARP_KEYS "0 1 0 1" --cuda-graph \
+        --layers 8 --batch ${GLUON_WK_BATCH:-32} --seqlens ${GLUON_WK_SEQLENS:-8192 16384 65536} --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

@@ -1,6 +1,7 @@
 """Unsplit decode over a contiguous cache in Gluon with cuDNN's warp shape: 4 warps along the keys, each with
-its own online softmax over its quarter of every tile, merged once after the loop (an experiment for b = 32,
-run by scripts/probe_decode_gluon_warp_keys.py; not wired into the launcher).
+its own online softmax over its quarter of every tile, merged once after the loop (an experiment for b = 32:
+``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` routes the calls it supports here, backends/triton/decode_gluon.py;
+scripts/probe_decode_gluon_warp_keys.py times it alone).
 
 cuDNN's b = 32 decode kernel (``..._16x128x128_1x4x1``) computes 16 query rows against 128-key tiles with its
 4 warps side by side along the keys, by ``mma.sync``. Nsight Compute (session 17) has it moving the same bytes
@@ -13,7 +14,9 @@ tile (16-byte ``cp.async`` into a ring of NUM_BUFFERS K / V slots). One CTA barr
 for a tile's copies, which also frees the slot read a tile earlier for its refill.
 
 Keys past the row's length are zero-filled by the copies' masks (so V holds no NaN there) and masked to -inf;
-a warp that has seen no key keeps m = -inf and weight 0 in the merge. Writes O only (b, 1, h, d): a probe.
+a warp that has seen no key keeps m = -inf and weight 0 in the merge. One query token (the group's query heads
+are the 16 rows); no window, softcap, ALiBi, rotary, pages, batch index or left padding (the launcher's rule):
+new keys are appended to the cache before this kernel runs.
 """
 
 from triton.experimental import gluon
@@ -34,11 +37,14 @@ def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok):
 
 @gluon.jit
 def _gluon_decode_warp_keys_kernel(
-    Q, K, V, O, SEQLENS, qk_scale, num_kv_heads, group,
+    Q, K, V, O, LSE, SEQLENS, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+    stride_lse_b, stride_lse_h,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
 ):
-    """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache; one program per (batch row, kv head)."""
+    """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
+    cache_len_const) + s_new keys a row; one program per (batch row, kv head). Writes O (b, 1, h, d) and LSE
+    (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is softmax_scale * log2(e)."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -54,7 +60,12 @@ def _gluon_decode_warp_keys_kernel(
     pid = gl.program_id(0)
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    seqlen = gl.load(SEQLENS + b)
+    if HAS_SEQLENS:
+        seqlen = gl.load(SEQLENS + b) + s_new
+    else:
+        seqlen = cache_len_const + s_new
+    # an unchecked length past the cache's end reads no further than its last slot
+    seqlen = gl.minimum(seqlen, capacity)
     n = gl.cdiv(seqlen, BLOCK_N)
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
@@ -123,6 +134,11 @@ def _gluon_decode_warp_keys_kernel(
     out_layout: gl.constexpr = gl.SliceLayout(0, mma)
     inv_l = gl.convert_layout(1.0 / gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, out_layout))
     out = acc * gl.expand_dims(inv_l, 1)
+    # the rows' lse (natural log): +inf for a row without keys (the contract's rule; its O is 0)
+    lrow = gl.arange(0, BLOCK_M, gl.SliceLayout(0, state))
+    lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
+    lhead = (kv_head * group + lrow).to(gl.int64)
+    gl.store(LSE + b.to(gl.int64) * stride_lse_b + lhead * stride_lse_h, lse, mask=lrow < group)
     orow = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
     ocol = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, out_layout))
     ohead = (kv_head * group + orow).to(gl.int64)

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from flashtile import env
+from flashtile.backends.triton import decode_gluon
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
@@ -502,11 +503,38 @@ def _aliases_cache(new: tuple, caches: tuple) -> bool:
     return any(x.untyped_storage().data_ptr() in cache_ptrs for x in new)
 
 
+def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const, cache_batch_idx,
+                        cache_leftpad, block_table, softmax_scale, window_left, softcap, alibi_slopes, num_splits,
+                        s_new):
+    """The call on the Gluon warps-along-keys kernel when it covers it (backends/triton/decode_gluon.py): the
+    separate append first, then attention; None when it does not."""
+    b, sq, h, d = q.shape
+    h_k = k_cache.shape[2]
+    why = decode_gluon.refusal(
+        arch=_arch(q.device), dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
+        paged=block_table is not None, batch_idx=cache_batch_idx is not None, leftpad=cache_leftpad is not None,
+        window_left=window_left, softcap=softcap, alibi=alibi_slopes is not None, rotary=rotary_cos is not None,
+        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * num_sms(q.device),
+        aligned=decode_gluon.aligned(k_cache, v_cache))
+    if why is not None:
+        return None
+    if k is not None and s_new > 0:
+        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+    return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                     cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale)
+
+
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
+    if decode_gluon.requested():  # FLASHTILE_DECODE_GLUON_WARP_KEYS=1, an experiment (off by default)
+        done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
+                                   alibi_slopes, num_splits, s_new)
+        if done is not None:
+            return done
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).

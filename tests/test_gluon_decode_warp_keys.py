@@ -1,0 +1,89 @@
+"""The Gluon warps-along-keys decode kernel (kernels/gluon_decode_warp_keys.py, FLASHTILE_DECODE_GLUON_WARP_KEYS; an
+experiment, off by default) without a GPU: its sm_90 build (shared memory for two programs an SM, no spills, two
+CTA barriers in the key loop), the rule of which calls it takes, and that asking for it on a machine where it
+cannot run leaves every call to the Triton kernel with the same results. GPU results:
+tests/test_gpu_decode_gluon_warp_keys.py."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode_gluon
+from test_kvcache import CASES, _run_and_check, make_case
+
+TESTS = pathlib.Path(__file__).resolve().parent
+SM90_SMEM_PER_SM = 233472  # 228 KiB: two programs an SM need at most half of it each (less 1 KiB reserved)
+
+
+def _compile(*args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
+    env["PYTHONPATH"] = str(TESTS.parent / "src")
+    res = subprocess.run([sys.executable, str(TESTS / "aot_gluon_decode.py"), *map(str, args)], capture_output=True,
+                         text=True, env=env, cwd=TESTS, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    f = res.stdout.split()
+    return {key: int(val) for key, val in zip(f[::2], f[1::2])}
+
+
+@pytest.mark.parametrize("d, has_seqlens", [(128, True), (64, False)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens):
+    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens))
+    assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
+    assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
+    assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
+    assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got  # 16-byte cp.async copies, mma.sync
+    assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
+
+
+GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,
+            batch_idx=False, leftpad=False, window_left=-1, softcap=0.0, alibi=False, rotary=False, num_splits=0,
+            grid_full=True, aligned=True)
+
+
+def test_rule_takes_the_measured_shape():
+    assert decode_gluon.refusal(**GOOD) is None
+    assert decode_gluon.refusal(**dict(GOOD, dtype=torch.float16, cache_dtype=torch.float16, d=64, group=16,
+                                       num_splits=1)) is None
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(arch="default"), "sm_90"), (dict(arch="interpret"), "sm_90"),
+    (dict(dtype=torch.float32, cache_dtype=torch.float32), "dtype"), (dict(cache_dtype=torch.float16), "dtype"),
+    (dict(dtype=torch.float8_e4m3fn, cache_dtype=torch.float8_e4m3fn), "dtype"),
+    (dict(d=256), "head_dim"), (dict(d=96), "head_dim"), (dict(sq=2), "query tokens"), (dict(group=17), "query tokens"),
+    (dict(paged=True), "paged"), (dict(batch_idx=True), "batch_idx"), (dict(leftpad=True), "leftpad"),
+    (dict(window_left=8), "window"), (dict(softcap=2.0), "softcap"), (dict(alibi=True), "ALiBi"),
+    (dict(rotary=True), "rotary"), (dict(num_splits=2), "split"), (dict(num_splits=0, grid_full=False), "split"),
+    (dict(aligned=False), "aligned"),
+])
+def test_rule_refuses_what_the_kernel_does_not_compute(change, match):
+    why = decode_gluon.refusal(**dict(GOOD, **change))
+    assert why is not None and match in why, why
+
+
+def test_alignment_check():
+    x = torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)
+    assert decode_gluon.aligned(x)
+    assert not decode_gluon.aligned(x[:, :, :, 1:])  # inner stride 1 but rows off 16 bytes
+    assert not decode_gluon.aligned(torch.zeros(2, 16, 2, 68, dtype=torch.bfloat16)[..., :64])  # 68-element rows
+
+
+@pytest.mark.parametrize("name", ["append_rows", "read_only_int_len", "gqa_8_to_1"])
+def test_asked_for_on_cpu_the_triton_kernel_answers(decode_interp, monkeypatch, name):
+    # not an sm_90 GPU: the rule refuses, the call runs the Triton kernel (through the interpreter) unchanged
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    q, kc, vc, args = make_case(dtype=torch.float32, cap=40, **CASES[name])
+    _run_and_check(q, kc, vc, args, num_splits=1)
+    assert decode_interp, "the Triton decode kernel did not run"
+
+
+def test_knob_value_checked(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "on")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WARP_KEYS"):
+        decode_gluon.requested()
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
+    assert not decode_gluon.requested()

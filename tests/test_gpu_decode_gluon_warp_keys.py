@@ -1,0 +1,83 @@
+"""The Gluon warps-along-keys decode kernel (FLASHTILE_DECODE_GLUON_WARP_KEYS=1, an experiment) on the H200:
+every call the rule routes there must match the PyTorch reference as the Triton kernel does (FlashAttention's
+tolerance rule), append its new keys exactly, and stay capturable in a CUDA graph; calls outside its coverage
+keep the Triton kernel."""
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import decode_gluon
+from test_gpu_kvcache import _capture, _check, _inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """The knob on, and a list that records every launch of the Gluon kernel."""
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    calls = []
+    real = decode_gluon.gluon_decode
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_gluon, "gluon_decode", spy)
+    return calls
+
+
+# (b, h, h_k, d, cap, s_new): grids that fill the H200's 132 SMs (b * h_k >= 0.8 x SMs, unsplit by the
+# heuristic), GQA 4:1 / 8:1 / 16:1 and MHA, ragged lengths (one row full, others random), with and without
+# appended keys, caches off the 64-key tile grid
+SHAPES = [(32, 32, 8, 128, 8192, 0), (32, 32, 8, 128, 4133, 1), (16, 64, 8, 128, 3000, 3), (128, 8, 1, 128, 700, 1),
+          (8, 32, 16, 64, 2049, 1), (112, 16, 1, 64, 555, 0), (32, 16, 16, 128, 1024, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES])
+def test_matches_reference(gluon_calls, dtype, shape):
+    b, h, h_k, d, cap, s_new = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, dtype, seed=cap)
+    _check(q, kc, vc, kw, causal=True)
+    assert gluon_calls, "the Gluon kernel did not run"
+
+
+def test_int_length_and_empty_rows(gluon_calls):
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 300, torch.bfloat16)
+    kw["cache_seqlens"] = 77  # one length for every row
+    _check(q, kc, vc, kw)
+    q, kc, vc, kw = _inputs(32, 1, 0, 32, 8, 128, 300, torch.bfloat16, seed=1)
+    kw["cache_seqlens"][1::2] = 0  # rows without keys: out 0, lse +inf
+    _check(q, kc, vc, kw)
+    assert len(gluon_calls) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(num_splits=4)])
+def test_outside_coverage_keeps_the_triton_kernel(gluon_calls, kw):
+    q, kc, vc, inputs = _inputs(32, 1, 1, 32, 8, 128, 2000, torch.bfloat16)
+    _check(q, kc, vc, inputs, **kw)
+    assert not gluon_calls
+
+
+def test_cuda_graph_step(gluon_calls, monkeypatch):
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 1000, torch.bfloat16)
+    lens = kw.pop("cache_seqlens")
+    lens.clamp_(max=900)
+    k_new, v_new = kw.pop("k"), kw.pop("v")
+
+    def step():
+        return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lens, causal=True)
+
+    graph, out = _capture(step)
+    for _ in range(3):
+        lens += 1
+        graph.replay()
+        # the Triton kernel on the appended cache (a replay does not read the variable)
+        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
+        ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=lens + 1, causal=True)
+        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+        torch.cuda.synchronize()
+        assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert gluon_calls
