@@ -543,9 +543,10 @@ for step in "${steps[@]}"; do
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
     bench-decode-gluon-warp-keys)
       # b = 32 beside cuDNN in 8-layer graphs (the table's setting), the Triton kernel (0) against the Gluon one
-      # (1), 0 1 0 1, after tests-decode-gluon-warp-keys passed in this call
+      # (1), 0 1 0 1, after tests-decode-gluon-warp-keys passed in this call (session 17 ran 8k, 16k and 64k:
+      # GLUON_WK_SEQLENS="8192 16384 65536")
       decode_ab decode_gluon_warp_keys decode_gluon_wk FLASHTILE_DECODE_GLUON_WARP_KEYS "0 1 0 1" --cuda-graph \
-        --layers 8 --batch ${GLUON_WK_BATCH:-32} --seqlens ${GLUON_WK_SEQLENS:-8192 16384 65536} --peers cudnn ;;
+        --layers 8 --batch ${GLUON_WK_BATCH:-32} --seqlens ${GLUON_WK_SEQLENS:-8192 16384 32768 65536 131072} --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
