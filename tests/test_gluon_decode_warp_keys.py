@@ -70,6 +70,9 @@ def test_alignment_check():
     assert decode_gluon.aligned(x)
     assert not decode_gluon.aligned(x[:, :, :, 1:])  # inner stride 1 but rows off 16 bytes
     assert not decode_gluon.aligned(torch.zeros(2, 16, 2, 68, dtype=torch.bfloat16)[..., :64])  # 68-element rows
+    # 72-element heads: 16-byte rows, but a stride the JIT does not mark aligned (not a multiple of 16)
+    assert not decode_gluon.aligned(torch.zeros(2, 16, 2, 72, dtype=torch.bfloat16)[..., :64])
+    assert decode_gluon.aligned(torch.zeros(2, 16, 2, 80, dtype=torch.bfloat16)[..., :64])
 
 
 @pytest.mark.parametrize("name", ["append_rows", "read_only_int_len", "gqa_8_to_1"])

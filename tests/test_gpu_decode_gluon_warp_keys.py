@@ -81,3 +81,56 @@ def test_cuda_graph_step(gluon_calls, monkeypatch):
         torch.cuda.synchronize()
         assert (out.float() - ref.float()).abs().max().item() < 2e-2
     assert gluon_calls
+
+
+# Added after session 17's GPU run (a review's list of what the rule admits that no test ran); not yet run on a GPU.
+@pytest.mark.parametrize("h, h_k", [(24, 8), (48, 4), (96, 8)])  # groups of 3, 12 and 12: not powers of two
+def test_groups_that_are_not_powers_of_two(gluon_calls, h, h_k):
+    q, kc, vc, kw = _inputs(256 // h_k, 1, 1, h, h_k, 128, 1500, torch.bfloat16)
+    _check(q, kc, vc, kw, causal=True)
+    assert gluon_calls
+
+
+@pytest.mark.parametrize("call", [dict(softmax_scale=0.05), dict(softmax_scale=-0.1), dict(window_size=(-1, 7)),
+                                  dict(num_splits=1)])
+def test_scale_right_window_and_explicit_single_split(gluon_calls, call):
+    b = 8 if "num_splits" in call else 32  # 64 programs: a grid the heuristic would split, asked unsplit
+    q, kc, vc, kw = _inputs(b, 1, 1, 32, 8, 128, 2100, torch.bfloat16)
+    _check(q, kc, vc, kw, **call)
+    assert gluon_calls
+
+
+def test_full_cache_without_lengths_and_noncontiguous_q(gluon_calls):
+    q, kc, vc, kw = _inputs(32, 1, 0, 32, 8, 128, 640, torch.bfloat16)
+    del kw["cache_seqlens"]  # every row holds the whole cache
+    packed = torch.randn(32, 1, 3, 32, 128, device=q.device, dtype=q.dtype)
+    packed[:, :, 0] = q
+    _check(packed[:, :, 0], kc, vc, kw, causal=True)  # q a strided slice of a packed qkv buffer
+    assert gluon_calls
+
+
+def test_nan_past_the_lengths_is_never_read(gluon_calls):
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 1000, torch.bfloat16)
+    lens = kw["cache_seqlens"]
+    past = torch.arange(kc.shape[1], device=kc.device)[None, :] >= (lens + 1)[:, None].long()  # after the append
+    kn, vn = kc.clone(), vc.clone()
+    kn[past], vn[past] = float("nan"), float("nan")
+    out, lse = flash_attn_with_kvcache(q, kn, vn, return_softmax_lse=True, causal=True, **kw)
+    ref, ref_lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), return_softmax_lse=True, causal=True, **kw)
+    assert torch.isfinite(out).all() and torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    assert len(gluon_calls) == 2
+
+
+def test_new_keys_that_alias_the_cache(gluon_calls):
+    # k / v views into the caches' own storage: the separate append kernel reads and writes each slot once
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 700, torch.bfloat16)
+    kw["cache_seqlens"].clamp_(max=600)
+    kw["k"], kw["v"] = kc[:, 650:651].clone(), vc[:, 650:651].clone()
+    _check(q, kc, vc, kw, causal=True)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc2, vc2, kc2[:, 650:651], vc2[:, 650:651], cache_seqlens=kw["cache_seqlens"],
+                                  causal=True)
+    ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kw["k"], kw["v"], cache_seqlens=kw["cache_seqlens"],
+                                  causal=True)
+    assert torch.equal(out, ref)
+    assert gluon_calls

@@ -10,8 +10,9 @@ tile's row max and sum across them and passes P through shared memory: 9 CTA bar
 warp split (session 16) needed 255 registers. Here the layouts are explicit: scores, P and the output
 accumulator are rank-3 tensors [warp, 16 rows, ...] whose first dimension is the warp (``warps_per_cta =
 [4, 1, 1]``), so each warp's dots, softmax and state stay inside it. Each warp also copies its own keys of a
-tile (16-byte ``cp.async`` into a ring of NUM_BUFFERS K / V slots). One CTA barrier a tile remains: the wait
-for a tile's copies, which also frees the slot read a tile earlier for its refill.
+tile (16-byte ``cp.async`` into a ring of NUM_BUFFERS K / V slots). Two CTA barriers a tile remain: the one
+after the wait for a tile's copies, which also frees the slot read a tile earlier for its refill, and one the
+compiler's barrier pass puts between the refill's copies and the reads of the ring.
 
 Keys past the row's length are zero-filled by the copies' masks (so V holds no NaN there) and masked to -inf;
 a warp that has seen no key keeps m = -inf and weight 0 in the merge. One query token (the group's query heads

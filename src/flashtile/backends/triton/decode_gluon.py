@@ -57,8 +57,10 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
 
 
 def aligned(*tensors: torch.Tensor) -> bool:
-    """16-byte copies need 16-byte aligned bases and strides (in elements: multiples of 8 for 2-byte data)."""
-    return all(x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:-1]) and x.stride(-1) == 1
+    """16-byte copies need 16-byte aligned bases and rows. The JIT marks an integer argument aligned only when
+    it is a multiple of 16, so every outer stride must be one (in elements): 8 would be 16 bytes of 2-byte data,
+    but the compiler would not know it and could not build 16-byte copies."""
+    return all(x.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in x.stride()[:-1]) and x.stride(-1) == 1
                for x in tensors)
 
 
