@@ -8,10 +8,10 @@ flashtile and cuDNN at 16k and 64k keys a row (477.6-478.8 against 479.1-483.8 a
 1882.8-1883.7 against 1907.7-1916.8 and 1887.9-1910.6 at 64k) but trailed at 8k (244.1-244.9 against
 241.9-242.3 and 241.9-244.5; probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json).
 
-Covered: one query token, 16 or fewer query heads a kv head, a contiguous bf16 / fp16 cache with 16-byte
-aligned rows, d = 64 or 128, no left window edge, softcap, ALiBi, rotary, batch index or left padding, and calls that
-are not split (an explicit num_splits of 1, or the heuristic's on a grid that fills the GPU). New keys are
-appended by the separate append kernel first.
+Covered: one query token, 16 or fewer query heads a kv head, a contiguous bf16 / fp16 cache (16-byte
+aligned, outer strides multiples of 16 elements), d = 64 or 128, no left window edge, softcap, ALiBi, rotary,
+batch index or left padding, and calls that are not split (an explicit num_splits of 1, or the heuristic's on
+a grid that fills the GPU). New keys are appended by the separate append kernel first.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
     if num_splits > 1 or (num_splits <= 0 and not grid_full):
         return "a split launch"
     if not aligned:
-        return "cache rows not 16-byte aligned"
+        return "cache not 16-byte aligned, or an outer stride not a multiple of 16 elements"
     return None
 
 
