@@ -1,5 +1,5 @@
 """Compile the Gluon warps-along-keys decode kernel for sm_90 without a GPU (run as a script in a subprocess,
-TRITON_INTERPRET unset): python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS
+TRITON_INTERPRET unset): python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [EARLY_REFILL]
 Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> LDGSTS <n> HMMA <n> LOOP_BARRIERS <n>: CTA barriers in
 the SASS between the key loop's first copy wait (DEPBAR) and its back edge."""
 
@@ -17,10 +17,11 @@ from gluon_aot import ptxas_log  # this script runs from tests/ (its folder is o
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "SEQLENS": "*i32", "qk_scale": "fp32"}
 
 
-def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool):
+def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, early_refill: bool = False):
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel as kernel
 
-    cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens)
+    cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens,
+              EARLY_REFILL=early_refill)
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in cx:
@@ -45,4 +46,4 @@ def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool):
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1")
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"])

@@ -29,9 +29,9 @@ def _compile(*args) -> dict:
     return {key: int(val) for key, val in zip(f[::2], f[1::2])}
 
 
-@pytest.mark.parametrize("d, has_seqlens", [(128, True), (64, False)])
-def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens):
-    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens))
+@pytest.mark.parametrize("d, has_seqlens, early", [(128, True, False), (64, False, False), (128, True, True)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, early):
+    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(early))
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
@@ -85,6 +85,9 @@ def test_asked_for_on_cpu_the_triton_kernel_answers(decode_interp, monkeypatch, 
 
 
 def test_knob_value_checked(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_EARLY", "2")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WK_EARLY"):
+        decode_gluon.early_refill()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "on")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WARP_KEYS"):
         decode_gluon.requested()

@@ -134,3 +134,13 @@ def test_new_keys_that_alias_the_cache(gluon_calls):
                                   causal=True)
     assert torch.equal(out, ref)
     assert gluon_calls
+
+
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES[:3]])
+def test_early_refill_matches_reference(gluon_calls, monkeypatch, shape):
+    # FLASHTILE_DECODE_GLUON_WK_EARLY=1: each slot refilled before the wait for the next tile (not yet run)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_EARLY", "1")
+    b, h, h_k, d, cap, s_new = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + 1)
+    _check(q, kc, vc, kw, causal=True)
+    assert gluon_calls

@@ -42,6 +42,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
+    EARLY_REFILL: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). Writes O (b, 1, h, d) and LSE
@@ -105,14 +106,29 @@ def _gluon_decode_warp_keys_kernel(
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
     for j in range(0, n):
         slot = j % NUM_BUFFERS
-        # tile j's K and V landed for every thread; every warp is done with tile j - 1, whose slot is refilled
-        async_copy.wait_group(2 * NUM_BUFFERS - 4)
-        gl.thread_barrier()
         nxt = j + NUM_BUFFERS - 1
-        _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols, nxt < n)
-        async_copy.commit_group()
-        _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols, nxt < n)
-        async_copy.commit_group()
+        if EARLY_REFILL:
+            # every warp is done with tile j - 1: refill its slot before waiting for tile j, so that the wait
+            # has NUM_BUFFERS tiles in flight, not NUM_BUFFERS - 1 (an experiment; one more CTA barrier a tile)
+            gl.thread_barrier()
+            _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols,
+                        nxt < n)
+            async_copy.commit_group()
+            _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols,
+                        nxt < n)
+            async_copy.commit_group()
+            async_copy.wait_group(2 * NUM_BUFFERS - 2)  # all but tile j + NUM_BUFFERS - 1's two groups
+            gl.thread_barrier()
+        else:
+            # tile j's K and V landed for every thread; every warp is done with tile j - 1, whose slot is refilled
+            async_copy.wait_group(2 * NUM_BUFFERS - 4)
+            gl.thread_barrier()
+            _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols,
+                        nxt < n)
+            async_copy.commit_group()
+            _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols,
+                        nxt < n)
+            async_copy.commit_group()
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN

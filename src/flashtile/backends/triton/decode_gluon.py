@@ -27,6 +27,12 @@ MAX_GROUP = 16  # the kernel's 16 query rows
 BLOCK_N, NUM_BUFFERS = 64, 2  # the probe's faster ring (64 KB of shared memory, two programs an SM)
 
 
+def early_refill() -> bool:
+    """FLASHTILE_DECODE_GLUON_WK_EARLY=1: refill a ring slot before waiting for the next tile (an A/B knob, not yet
+    measured: the wait then has two tiles in flight, not one)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_WK_EARLY"))
+
+
 def requested() -> bool:
     """FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 routes covered calls to the kernel; 0 or unset: off."""
     return bool(env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS"))
@@ -82,5 +88,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1],
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, num_warps=4)
+            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens,
+            EARLY_REFILL=early_refill(), num_warps=4)
     return out, lse
