@@ -7,11 +7,11 @@ import subprocess
 
 
 def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out: pathlib.Path, tag: str,
-                     **options) -> dict:
+                     aligned_ints: tuple[str, ...] = (), **options) -> dict:
     """Constexprs not given take their defaults; other arguments not in constexprs take their type
-    from types, else i32; pointers are marked
-    16-byte divisible, as the JIT specialises aligned tensors. Writes <tag>.ttgir / .sass / .ptx /
-    .ptxas.log under out; returns dict(tag, shared, ptxas_log)."""
+    from types, else i32; pointers, and integers whose names start with one of ``aligned_ints``, are marked
+    16-divisible, as the JIT specialises aligned tensors and strides. Writes <tag>.ttgir / .sass / .ptx /
+    .ptxas.log under out; returns dict(tag, shared, ptxas_log, sass)."""
     import inspect
 
     import triton
@@ -28,14 +28,14 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
             consts[(i,)] = constexprs[name]
         else:
             sig[name] = types.get(name, "i32")
-        if sig[name].startswith("*"):
+        if sig[name].startswith("*") or (sig[name] != "constexpr" and name.startswith(aligned_ints)):
             attrs[(i,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, **options))
     (out / f"{tag}.ttgir").write_text(compiled.asm["ttgir"])
     (out / f"{tag}.sass").write_text(compiled.asm["sass"])
     log = ptxas_log(compiled.asm["ptx"], out, tag)
-    return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log)
+    return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log, sass=compiled.asm["sass"])
 
 
 def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str) -> str:

@@ -37,6 +37,15 @@ def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok):
 
 
 @gluon.jit
+def _issue_kv(k_slot, v_slot, k_base, v_base, row0, seqlen, stride_kn, stride_vn, rows, cols, ok):
+    """One tile's K and V copies, two commit groups (K, then V): the order every wait count assumes."""
+    _issue_tile(k_slot, k_base, row0, seqlen, stride_kn, rows, cols, ok)
+    async_copy.commit_group()
+    _issue_tile(v_slot, v_base, row0, seqlen, stride_vn, rows, cols, ok)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
@@ -82,10 +91,8 @@ def _gluon_decode_warp_keys_kernel(
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
     # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top)
     for i in gl.static_range(NUM_BUFFERS - 1):
-        _issue_tile(k_smem.index(i), k_base, i * BLOCK_N, seqlen, stride_kn, rows, cols, i < n)
-        async_copy.commit_group()
-        _issue_tile(v_smem.index(i), v_base, i * BLOCK_N, seqlen, stride_vn, rows, cols, i < n)
-        async_copy.commit_group()
+        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn, rows,
+                  cols, i < n)
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
     q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))
@@ -106,29 +113,23 @@ def _gluon_decode_warp_keys_kernel(
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
     for j in range(0, n):
         slot = j % NUM_BUFFERS
+        # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
         nxt = j + NUM_BUFFERS - 1
+        k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
         if EARLY_REFILL:
-            # every warp is done with tile j - 1: refill its slot before waiting for tile j, so that the wait
-            # has NUM_BUFFERS tiles in flight, not NUM_BUFFERS - 1 (an experiment; one more CTA barrier a tile)
+            # every warp is done with tile j - 1: refill before waiting for tile j, so that the wait has
+            # NUM_BUFFERS tiles in flight, not NUM_BUFFERS - 1 (an experiment; one more CTA barrier a tile)
             gl.thread_barrier()
-            _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols,
-                        nxt < n)
-            async_copy.commit_group()
-            _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols,
-                        nxt < n)
-            async_copy.commit_group()
-            async_copy.wait_group(2 * NUM_BUFFERS - 2)  # all but tile j + NUM_BUFFERS - 1's two groups
+            _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols,
+                      nxt < n)
+            async_copy.wait_group(2 * NUM_BUFFERS - 2)  # all but the refill's two groups
             gl.thread_barrier()
         else:
-            # tile j's K and V landed for every thread; every warp is done with tile j - 1, whose slot is refilled
+            # tile j's K and V landed for every thread; every warp is done with tile j - 1
             async_copy.wait_group(2 * NUM_BUFFERS - 4)
             gl.thread_barrier()
-            _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols,
-                        nxt < n)
-            async_copy.commit_group()
-            _issue_tile(v_smem.index(nxt % NUM_BUFFERS), v_base, nxt * BLOCK_N, seqlen, stride_vn, rows, cols,
-                        nxt < n)
-            async_copy.commit_group()
+            _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols,
+                      nxt < n)
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
