@@ -24,8 +24,9 @@
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-gluon-warp-keys / bench-decode-gluon-warp-keys  the Gluon decode kernel with cuDNN's warp shape
-#                 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1; FLASHTILE_DECODE_GLUON_WK_EARLY=1 its early refill) against the
-#                 reference, then beside the Triton kernel and cuDNN
+#                 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1; unset: the rule) against the reference, then beside the Triton
+#                 kernel and cuDNN at b = 32
+#   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -543,14 +544,21 @@ for step in "${steps[@]}"; do
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
     bench-decode-gluon-warp-keys)
-      # b = 32 beside cuDNN in 8-layer graphs (the table's setting), contiguous caches only: the Triton kernel,
-      # the Gluon one, and the Gluon one refilling a slot before it waits (FLASHTILE_DECODE_GLUON_WK_EARLY=1),
-      # each twice, alternated, after tests-decode-gluon-warp-keys passed in this call (session 17 ran the first
-      # two at 8k, 16k and 64k: GLUON_WK_SEQLENS="8192 16384 65536")
-      wk=FLASHTILE_DECODE_GLUON_WARP_KEYS runs="$wk=0|$wk=1|$wk=1 FLASHTILE_DECODE_GLUON_WK_EARLY=1"
+      # b = 32 beside cuDNN in 8-layer graphs (the table's setting), contiguous caches only: the Triton kernel
+      # and the Gluon one, each twice, alternated, after tests-decode-gluon-warp-keys passed in this call (session 17
+      # ran them at 8k, 16k and 64k, session 18 at 16k, 64k and 128k with the early refill, since removed)
+      wk=FLASHTILE_DECODE_GLUON_WARP_KEYS runs="$wk=0|$wk=1"
       gate decode_gluon_warp_keys bench-decode-gluon-warp-keys && decode_runs decode_gluon_wk "$runs|$runs" \
         --cuda-graph --layers 8 --batch ${GLUON_WK_BATCH:-32} \
         --seqlens ${GLUON_WK_SEQLENS:-8192 16384 32768 65536 131072} --pages --peers cudnn ;;
+    bench-decode-gluon-rule)
+      # the grids the default rule gives the Gluon kernel beyond b = 32's: one program an SM (b = 16) and more
+      # than two (b = 64), and b = 32 at 32k; Triton (0) against Gluon (1), alternated twice, after
+      # tests-decode-gluon-warp-keys passed in this call
+      wk=FLASHTILE_DECODE_GLUON_WARP_KEYS one="--batch 16 --seqlens 16384 65536" two="--batch 32 64 --seqlens 32768"
+      gate decode_gluon_warp_keys bench-decode-gluon-rule && decode_runs decode_gluon_rule \
+        "$wk=0 $one|$wk=1 $one|$wk=0 $two|$wk=1 $two|$wk=0 $one|$wk=1 $one|$wk=0 $two|$wk=1 $two" \
+        --cuda-graph --layers 8 --pages --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

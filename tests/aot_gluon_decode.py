@@ -1,5 +1,5 @@
 """Compile the Gluon warps-along-keys decode kernel for sm_90 without a GPU (run as a script in a subprocess,
-TRITON_INTERPRET unset): python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [EARLY_REFILL]
+TRITON_INTERPRET unset): python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [FUSED_NEW]
 Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> LDGSTS <n> HMMA <n> LOOP_BARRIERS <n>: CTA barriers in
 the SASS between the key loop's first copy wait (DEPBAR) and its back edge."""
 
@@ -10,14 +10,15 @@ import tempfile
 
 from gluon_aot import compile_for_sm90  # this script runs from tests/ (its folder is on sys.path)
 
-TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "SEQLENS": "*i32", "qk_scale": "fp32"}
+TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "SEQLENS": "*i32", "K_NEW": "*bf16",
+         "V_NEW": "*bf16", "qk_scale": "fp32"}
 
 
-def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, early_refill: bool = False):
+def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False):
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel as kernel
 
     cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens,
-              EARLY_REFILL=early_refill)
+              FUSED_NEW=fused_new)
     with tempfile.TemporaryDirectory() as tmp:
         # strides marked aligned as the JIT does for multiples of 16 (16-byte copies need it)
         got = compile_for_sm90(kernel, cx, TYPES, 4, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))

@@ -1,7 +1,8 @@
-"""The Gluon warps-along-keys decode kernel (kernels/gluon_decode_warp_keys.py, FLASHTILE_DECODE_GLUON_WARP_KEYS; an
-experiment, off by default) without a GPU: its sm_90 build (shared memory for two programs an SM, no spills, two
-CTA barriers in the key loop), the rule of which calls it takes, and that asking for it on a machine where it
-cannot run leaves every call to the Triton kernel with the same results. GPU results:
+"""The Gluon warps-along-keys decode kernel (kernels/gluon_decode_warp_keys.py; the rule for long unsplit programs on
+Hopper, FLASHTILE_DECODE_GLUON_WARP_KEYS forces it on or off) without a GPU: its sm_90 build (shared memory for two
+programs an SM, no spills, two CTA barriers in the key loop), which calls it covers and which of those the rule
+gives it, and that asking for it on a machine where it cannot run leaves every call to the Triton kernel with
+the same results. GPU results:
 tests/test_gpu_decode_gluon_warp_keys.py."""
 
 import os
@@ -29,9 +30,9 @@ def _compile(*args) -> dict:
     return {key: int(val) for key, val in zip(f[::2], f[1::2])}
 
 
-@pytest.mark.parametrize("d, has_seqlens, early", [(128, True, False), (64, False, False), (128, True, True)])
-def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, early):
-    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(early))
+@pytest.mark.parametrize("d, has_seqlens, fused_new", [(128, True, False), (64, False, False), (128, True, True)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
+    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new))
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
@@ -84,12 +85,22 @@ def test_asked_for_on_cpu_the_triton_kernel_answers(decode_interp, monkeypatch, 
     assert decode_interp, "the Triton decode kernel did not run"
 
 
+def test_rule_takes_long_caches_with_two_programs_an_sm():
+    cap = decode_gluon.MIN_CAPACITY
+    assert decode_gluon.by_rule(capacity=cap, programs=256, sms=132)  # b = 32, 8 kv heads on an H200
+    assert decode_gluon.by_rule(capacity=8 * cap, programs=512, sms=132)
+    assert not decode_gluon.by_rule(capacity=cap - 1, programs=256, sms=132)  # 8k: the Triton kernel was faster
+    assert not decode_gluon.by_rule(capacity=cap, programs=128, sms=132)  # one program an SM: 17% slower
+    assert not decode_gluon.by_rule(capacity=cap, programs=64, sms=132)  # num_splits=1 on a small grid
+
+
 def test_knob_value_checked(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_EARLY", "2")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WK_EARLY"):
-        decode_gluon.early_refill()
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", raising=False)
+    assert decode_gluon.requested() is None  # unset: the rule
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    assert decode_gluon.requested() is True
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "on")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WARP_KEYS"):
         decode_gluon.requested()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
-    assert not decode_gluon.requested()
+    assert decode_gluon.requested() is False

@@ -1,13 +1,14 @@
-"""The Gluon warps-along-keys decode kernel (FLASHTILE_DECODE_GLUON_WARP_KEYS=1, an experiment) on the H200:
-every call the rule routes there must match the PyTorch reference as the Triton kernel does (FlashAttention's
-tolerance rule), append its new keys exactly, and stay capturable in a CUDA graph; calls outside its coverage
-keep the Triton kernel."""
+"""The Gluon warps-along-keys decode kernel on the H200 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1 sends it every call it
+covers; unset, the rule picks long caches on full grids): every call routed there must match the PyTorch
+reference as the Triton kernel does (FlashAttention's tolerance rule), append its new keys exactly (in the
+kernel itself unless they alias the cache), and stay capturable in a CUDA graph; calls outside its coverage keep
+the Triton kernel."""
 
 import pytest
 import torch
 
 from flashtile import flash_attn_with_kvcache
-from flashtile.backends.triton import decode_gluon
+from flashtile.backends.triton import decode, decode_gluon
 from test_gpu_kvcache import _capture, _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +26,20 @@ def gluon_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(decode_gluon, "gluon_decode", spy)
+    return calls
+
+
+@pytest.fixture
+def appends(monkeypatch):
+    """A list that records every launch of the separate append kernel."""
+    calls = []
+    real = decode.kv_append
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "kv_append", spy)
     return calls
 
 
@@ -83,7 +98,7 @@ def test_cuda_graph_step(gluon_calls, monkeypatch):
     assert gluon_calls
 
 
-# Added after session 17's GPU run (a review's list of what the rule admits that no test ran); not yet run on a GPU.
+# Added after session 17's GPU run (a review's list of what the rule admits that no test ran); passed in session 18.
 @pytest.mark.parametrize("h, h_k", [(24, 8), (48, 4), (96, 8)])  # groups of 3, 12 and 12: not powers of two
 def test_groups_that_are_not_powers_of_two(gluon_calls, h, h_k):
     q, kc, vc, kw = _inputs(256 // h_k, 1, 1, h, h_k, 128, 1500, torch.bfloat16)
@@ -136,11 +151,34 @@ def test_new_keys_that_alias_the_cache(gluon_calls):
     assert gluon_calls
 
 
-@pytest.mark.parametrize("shape", SHAPES[:3], ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES[:3]])
-def test_early_refill_matches_reference(gluon_calls, monkeypatch, shape):
-    # FLASHTILE_DECODE_GLUON_WK_EARLY=1: each slot refilled before the wait for the next tile (not yet run)
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_EARLY", "1")
-    b, h, h_k, d, cap, s_new = shape
-    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + 1)
+# Added in session 18: the append inside the kernel, and the default rule.
+@pytest.mark.parametrize("d, s_new", [(128, 1), (128, 9), (64, 20)])  # 8 / 16 rows a pass: one, two passes
+def test_new_keys_are_appended_by_the_kernel(gluon_calls, appends, d, s_new):
+    q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, d, 777, torch.bfloat16, seed=s_new)
+    _check(q, kc, vc, kw, causal=True)  # the updated cache equals the reference's (k close, v exact)
+    assert gluon_calls and not appends
+
+
+def test_aliased_new_keys_take_the_separate_append(gluon_calls, appends):
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 700, torch.bfloat16)
+    kw["cache_seqlens"].clamp_(max=600)
+    flash_attn_with_kvcache(q, kc, vc, kc[:, 650:651], vc[:, 650:651], cache_seqlens=kw["cache_seqlens"])
+    assert gluon_calls and appends
+
+
+@pytest.mark.parametrize("cap, taken", [(decode_gluon.MIN_CAPACITY, True), (decode_gluon.MIN_CAPACITY - 64, False)])
+def test_default_rule_takes_long_caches(gluon_calls, monkeypatch, cap, taken):
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WARP_KEYS")  # the rule
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, cap, torch.bfloat16, seed=cap)
     _check(q, kc, vc, kw, causal=True)
-    assert gluon_calls
+    assert bool(gluon_calls) == taken
+    gluon_calls.clear()
+    _check(q, kc, vc, kw, causal=True, num_splits=3)  # a split launch keeps the Triton kernel
+    assert not gluon_calls
+
+
+def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
+    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
+    _check(q, kc, vc, kw, causal=True)
+    assert not gluon_calls

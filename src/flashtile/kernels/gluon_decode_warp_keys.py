@@ -1,7 +1,6 @@
 """Unsplit decode over a contiguous cache in Gluon with cuDNN's warp shape: 4 warps along the keys, each with
-its own online softmax over its quarter of every tile, merged once after the loop (an experiment for b = 32:
-``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` routes the calls it supports here, backends/triton/decode_gluon.py;
-scripts/probe_decode_gluon_warp_keys.py times it alone).
+its own online softmax over its quarter of every tile, merged once after the loop (the rule for long unsplit
+programs on Hopper since session 18; which calls: backends/triton/decode_gluon.py).
 
 cuDNN's b = 32 decode kernel (``..._16x128x128_1x4x1``) computes 16 query rows against 128-key tiles with its
 4 warps side by side along the keys, by ``mma.sync``. Nsight Compute (session 17) has it moving the same bytes
@@ -16,8 +15,9 @@ compiler's barrier pass puts between the refill's copies and the reads of the ri
 
 Keys past the row's length are zero-filled by the copies' masks (so V holds no NaN there) and masked to -inf;
 a warp that has seen no key keeps m = -inf and weight 0 in the merge. One query token (the group's query heads
-are the 16 rows); no window, softcap, ALiBi, rotary, pages, batch index or left padding (the launcher's rule):
-new keys are appended to the cache before this kernel runs.
+are the 16 rows); no window, softcap, ALiBi, rotary, pages, batch index or left padding (the launcher's rule).
+The program writes the call's new keys into its own cache slots first (FUSED_NEW), then reads them back with
+the rest, so decoding with an append is one launch.
 """
 
 from triton.experimental import gluon
@@ -46,16 +46,41 @@ def _issue_kv(k_slot, v_slot, k_base, v_base, row0, seqlen, stride_kn, stride_vn
 
 
 @gluon.jit
+def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, stride_knt, stride_vnt, stride_kn,
+                stride_vn, HEAD_DIM: gl.constexpr):
+    """One (batch row, kv head)'s new keys and values into its cache slots cache_len + t (t < s_new, slots past
+    the capacity skipped), 16 bytes a thread along d. Only this program reads those slots, so the append needs
+    no other launch (the separate append kernel's extra launch is a few microseconds a layer)."""
+    TPR: gl.constexpr = 32 * 8 // HEAD_DIM  # rows a warp per pass
+    ROWS: gl.constexpr = 4 * TPR
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [TPR, HEAD_DIM // 8], [4, 1], [1, 0])
+    t = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    c = gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout)), 0)
+    for t0 in range(0, s_new, ROWS):
+        tn = t0 + t
+        ok = gl.expand_dims((tn < s_new) & (cache_len + tn < capacity), 1)
+        tn = tn.to(gl.int64)
+        slot = (cache_len + tn).to(gl.int64)
+        kw = gl.load(kn_base + gl.expand_dims(tn * stride_knt, 1) + c, mask=ok, other=0.0)
+        gl.store(k_base + gl.expand_dims(slot * stride_kn, 1) + c, kw.to(k_base.dtype.element_ty), mask=ok)
+        vw = gl.load(vn_base + gl.expand_dims(tn * stride_vnt, 1) + c, mask=ok, other=0.0)
+        gl.store(v_base + gl.expand_dims(slot * stride_vn, 1) + c, vw.to(v_base.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
 def _gluon_decode_warp_keys_kernel(
-    Q, K, V, O, LSE, SEQLENS, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
+    Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
-    stride_lse_b, stride_lse_h,
+    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    EARLY_REFILL: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
-    cache_len_const) + s_new keys a row; one program per (batch row, kv head). Writes O (b, 1, h, d) and LSE
-    (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is softmax_scale * log2(e)."""
+    cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
+    writes this call's s_new new keys and values (K_NEW / V_NEW, (b, s_new, h_k, d)) into the cache at
+    [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
+    and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
+    softmax_scale * log2(e)."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -72,14 +97,21 @@ def _gluon_decode_warp_keys_kernel(
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
     if HAS_SEQLENS:
-        seqlen = gl.load(SEQLENS + b) + s_new
+        cache_len = gl.load(SEQLENS + b)
     else:
-        seqlen = cache_len_const + s_new
+        cache_len = cache_len_const
     # an unchecked length past the cache's end reads no further than its last slot
-    seqlen = gl.minimum(seqlen, capacity)
+    seqlen = gl.minimum(cache_len + s_new, capacity)
     n = gl.cdiv(seqlen, BLOCK_N)
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
+    if FUSED_NEW:
+        _append_new(K_NEW + b.to(gl.int64) * stride_knb + kv_head * stride_knh,
+                    V_NEW + b.to(gl.int64) * stride_vnb + kv_head * stride_vnh, k_base, v_base, cache_len, s_new,
+                    capacity, stride_knt, stride_vnt, stride_kn, stride_vn, HEAD_DIM)
+        # every thread's writes land before any copy below reads the cache (a CTA barrier orders global memory
+        # for the CTA's threads, and 16-byte cp.async reads it through the generic proxy, as loads do)
+        gl.thread_barrier()
 
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
@@ -116,20 +148,11 @@ def _gluon_decode_warp_keys_kernel(
         # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
         nxt = j + NUM_BUFFERS - 1
         k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
-        if EARLY_REFILL:
-            # every warp is done with tile j - 1: refill before waiting for tile j, so that the wait has
-            # NUM_BUFFERS tiles in flight, not NUM_BUFFERS - 1 (an experiment; one more CTA barrier a tile)
-            gl.thread_barrier()
-            _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols,
-                      nxt < n)
-            async_copy.wait_group(2 * NUM_BUFFERS - 2)  # all but the refill's two groups
-            gl.thread_barrier()
-        else:
-            # tile j's K and V landed for every thread; every warp is done with tile j - 1
-            async_copy.wait_group(2 * NUM_BUFFERS - 4)
-            gl.thread_barrier()
-            _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols,
-                      nxt < n)
+        # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot before
+        # this wait, so that it has two tiles in flight, was 1.3%-1.9% slower at b = 32: session 18)
+        async_copy.wait_group(2 * NUM_BUFFERS - 4)
+        gl.thread_barrier()
+        _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN

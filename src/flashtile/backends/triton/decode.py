@@ -505,23 +505,28 @@ def _aliases_cache(new: tuple, caches: tuple) -> bool:
 
 def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const, cache_batch_idx,
                         cache_leftpad, block_table, softmax_scale, window_left, softcap, alibi_slopes, num_splits,
-                        s_new):
-    """The call on the Gluon warps-along-keys kernel when it covers it (backends/triton/decode_gluon.py): the
-    separate append first, then attention; None when it does not."""
+                        s_new, forced):
+    """The call on the Gluon warps-along-keys kernel when it covers it and the rule (or ``forced``, the knob set
+    to 1) picks it (backends/triton/decode_gluon.py); None otherwise."""
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
+    grid_full = b * h_k >= SPLIT_FREE_FILL * num_sms(q.device)
     why = decode_gluon.refusal(
         arch=_arch(q.device), dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
         paged=block_table is not None, batch_idx=cache_batch_idx is not None, leftpad=cache_leftpad is not None,
         window_left=window_left, softcap=softcap, alibi=alibi_slopes is not None, rotary=rotary_cos is not None,
-        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * num_sms(q.device),
-        aligned=decode_gluon.aligned(k_cache, v_cache))
-    if why is not None:
+        num_splits=num_splits, grid_full=grid_full, aligned=decode_gluon.aligned(k_cache, v_cache))
+    if why is not None or not (forced or decode_gluon.by_rule(capacity=k_cache.shape[1], programs=b * h_k,
+                                                                  sms=num_sms(q.device))):
         return None
-    if k is not None and s_new > 0:
+    # the kernel appends the new keys itself, unless they share the caches' storage (then one program's
+    # writes could land in slots another reads as new keys: the separate kernel reads and writes each slot once)
+    fused = k is not None and s_new > 0 and not _aliases_cache((k, v), (k_cache, v_cache))
+    if k is not None and s_new > 0 and not fused:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
     return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                     cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale)
+                                     cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
+                                     k_new=k if fused else None, v_new=v if fused else None)
 
 
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
@@ -529,10 +534,11 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
-    if decode_gluon.requested():  # FLASHTILE_DECODE_GLUON_WARP_KEYS=1, an experiment (off by default)
+    gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
+    if gluon is not False:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
-                                   alibi_slopes, num_splits, s_new)
+                                   alibi_slopes, num_splits, s_new, forced=bool(gluon))
         if done is not None:
             return done
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the

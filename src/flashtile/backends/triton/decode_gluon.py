@@ -1,17 +1,19 @@
 """Which KV-cache decode calls take the Gluon warps-along-keys kernel (kernels/gluon_decode_warp_keys.py), and
-its launch. An experiment, off by default: ``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` routes every call it covers
-there, on Hopper.
+its launch. The rule (``use``): on Hopper, calls it covers whose grid fills the GPU unsplit and whose cache holds
+at least ``MIN_CAPACITY`` keys a row. ``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` sends every covered call there, ``0``
+none.
 
-Why: at b = 32 cuDNN's decode is 0.5%-1.3% ahead of the Triton kernel with the same traffic (session 17,
-docs/decode_tuning_log.md). The Gluon kernel has cuDNN's warp shape, and in single-call graphs it led both
-flashtile and cuDNN at 16k and 64k keys a row (477.6-478.8 against 479.1-483.8 and 480.1-485.4 us at 16k,
-1882.8-1883.7 against 1907.7-1916.8 and 1887.9-1910.6 at 64k) but trailed at 8k (244.1-244.9 against
-241.9-242.3 and 241.9-244.5; probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json).
+Why: at b = 32 cuDNN's decode led the Triton kernel by 0.5%-1.3% with the same traffic (session 17,
+docs/decode_tuning_log.md). This kernel has cuDNN's warp shape. In 8-layer graphs at b = 32 it was faster than
+the Triton kernel from 16k keys on two leases (64k: 1842.3-1843.3 against 1858.4 us in session 17, 1843.9-1844.2
+against 1856.7-1857.5 in session 18) and slower at 8k (239.5 against 237.3); results in
+benchmarks/results/decode_gluon_warp_keys_ab_*.
 
 Covered: one query token, 16 or fewer query heads a kv head, a contiguous bf16 / fp16 cache (16-byte
 aligned, outer strides multiples of 16 elements), d = 64 or 128, no left window edge, softcap, ALiBi, rotary,
 batch index or left padding, and calls that are not split (an explicit num_splits of 1, or the heuristic's on
-a grid that fills the GPU). New keys are appended by the separate append kernel first.
+a grid that fills the GPU). The kernel appends new keys itself, unless they share storage with the cache (then
+the separate append kernel runs first).
 """
 
 from __future__ import annotations
@@ -25,17 +27,25 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # the kernel's 16 query rows
 BLOCK_N, NUM_BUFFERS = 64, 2  # the probe's faster ring (64 KB of shared memory, two programs an SM)
+# The rule's shortest cache: the lengths live on the GPU (reading them would sync), so the rule goes by the
+# capacity, the most a program can read. Measured at b = 32: 0.1% faster at 16k, 0.5%-0.85% from 64k, 0.9%
+# slower at 8k.
+MIN_CAPACITY = 16384
+# Programs (batch rows x kv heads) an SM the rule needs: measured faster at 1.94 (b = 32 with 8 kv heads on 132
+# SMs) and 3.88 (b = 64), 17% slower at 0.97 (b = 16); between 1 and 1.9 unmeasured, so the Triton kernel's.
+MIN_PROGRAMS_PER_SM = 1.9
 
 
-def early_refill() -> bool:
-    """FLASHTILE_DECODE_GLUON_WK_EARLY=1: refill a ring slot before waiting for the next tile (an A/B knob, not yet
-    measured: the wait then has two tiles in flight, not one)."""
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_WK_EARLY"))
+def requested() -> bool | None:
+    """FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 routes every covered call to the kernel, 0 none, unset: the rule."""
+    return env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS")
 
 
-def requested() -> bool:
-    """FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 routes covered calls to the kernel; 0 or unset: off."""
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS"))
+def by_rule(*, capacity: int, programs: int, sms: int) -> bool:
+    """The default for a covered call: about two programs on every SM (one has a single 64-key tile in flight,
+    too few bytes to keep HBM busy: at b = 16, one program an SM, it was 17% slower than the Triton kernel) and a
+    cache of at least MIN_CAPACITY keys a row."""
+    return programs >= MIN_PROGRAMS_PER_SM * sms and capacity >= MIN_CAPACITY
 
 
 def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, sq: int, group: int, paged: bool,
@@ -70,24 +80,29 @@ def aligned(*tensors: torch.Tensor) -> bool:
                for x in tensors)
 
 
-def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale):
-    """Attention of q (b, 1, h, d) over the contiguous (b, capacity, h_k, d) cache, which already holds this
-    call's new keys: out (b, 1, h, d), lse (b, h, 1)."""
+def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, k_new=None,
+                 v_new=None):
+    """Attention of q (b, 1, h, d) over the contiguous (b, capacity, h_k, d) cache holding cache_seqlens + s_new
+    keys a row: out (b, 1, h, d), lse (b, h, 1). With k_new / v_new ((b, s_new, h_k, d)) the kernel first appends
+    them at cache_seqlens; without, the cache already holds them."""
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
     out = torch.empty_like(q)
     lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
+    fused = k_new is not None and s_new > 0
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
     with device_guard(q):
         run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
-            q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, softmax_scale * LOG2E, h_k,
-            h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1],
+            q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
+            v_new if fused else q, softmax_scale * LOG2E, h_k, h // h_k, cache_len_const if not has_seqlens else 0,
+            s_new, k_cache.shape[1],
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens,
-            EARLY_REFILL=early_refill(), num_warps=4)
+            lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
+            *(v_new.stride()[:3] if fused else (0, 0, 0)),
+            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
+            num_warps=4)
     return out, lse
