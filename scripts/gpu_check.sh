@@ -27,6 +27,8 @@
 #                 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1; unset: the rule) against the reference, then beside the Triton
 #                 kernel and cuDNN at b = 32
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
+#   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
+#   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
 #   bench-decode-tma  the 8-layer decode table (contiguous, beside cuDNN) with FLASHTILE_DECODE_TMA=0 1 0 1, after tests-decode-tma
@@ -57,7 +59,8 @@
 #   bench-decode-b8-split4  b = 8 at 16k-128k: the heuristic's 2 splits against 4 splits at 2 / 3 stages (cuDNN's grid)
 #   bench-decode-block-n  split contiguous launches (b = 1 / 8, 8k-64k) at 128- / 64-key tiles, alternated twice
 #   tests-decode-long-warps  8-warp decode launches for long programs (the default on sm_90) against the reference
-#   bench-decode-long-warps  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0 then 8
+#   bench-decode-long-warps-rounds  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0
+#                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
@@ -470,7 +473,7 @@ for step in "${steps[@]}"; do
       # 2 there since session 12), 2 stages (two or three CTAs per SM), and 2 stages with programmatic
       # dependent launch; twice, alternated
       st3=FLASHTILE_DECODE_STAGES=3 st2=FLASHTILE_DECODE_STAGES=2
-      decode_runs decode_b32_stages "$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1|$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1" \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_runs decode_b32_stages "$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1|$st3|$st2|$st2 FLASHTILE_DECODE_PDL=1" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 32768 131072 --pages --peers cudnn --rounds 2 ;;
     bench-decode-b1-occupancy)
       # b = 1 in 8-layer graphs beside cuDNN (contiguous, 16- and 256-token pages): the table's 3 stages and 16
@@ -502,7 +505,7 @@ for step in "${steps[@]}"; do
       # (FLASHTILE_DECODE_PIPELINE_EDGES=1, the kernel before), 1 0 1 0; run tests-kv (and tests-decode-tma) first
       decode_ab - decode_edges_b1 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
         --cuda-graph --layers 8 --batch 1 --seqlens 8192 16384 65536 --pages 16 256 --peers cudnn
-      decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab - decode_edges_b8_b32 FLASHTILE_DECODE_PIPELINE_EDGES "1 0 1 0" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 8192 65536 --pages 16 256 --peers cudnn ;;
     tests-fwd-edges)
       # the forward's GPU tests with every launch's masked edge ranges loaded directly (FLASHTILE_FWD_PIPELINE_EDGES=0;
@@ -532,13 +535,13 @@ for step in "${steps[@]}"; do
       # table's 74 KB; 64-key tiles: 104 KB at 4 stages, two an SM, 72 KB at 3, up to three)
       t128=FLASHTILE_DECODE_BLOCK_N=128 t64="FLASHTILE_DECODE_BLOCK_N=64 FLASHTILE_DECODE_STAGES"
       runs="$t128|$t64=4|$t64=3"
-      decode_runs decode_b32_tiles "$runs|$runs" \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_runs decode_b32_tiles "$runs|$runs" \
         --cuda-graph --layers 8 --batch 32 --seqlens 8192 65536 --pages --peers cudnn ;;
     bench-decode-long-warps)
       # long programs (>= 256 key blocks) take 8 warps since session 11, measured at 3 stages (one CTA an SM);
       # b = 32 has run at 2 stages (two CTAs an SM) since session 12: 8 warps against the table's 4 (cuDNN's
       # shape: 4 warps, two CTAs an SM) there, and at b = 8's split launch, 8 4 8 4
-      decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab - decode_long_warps FLASHTILE_DECODE_LONG_WARPS "8 0 8 0" --cuda-graph --layers 8 \
         --batch ${LONG_WARPS_BATCH:-32 8} --seqlens 32768 65536 131072 --pages --peers cudnn ;;
     tests-decode-gluon-warp-keys)
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
@@ -559,9 +562,17 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-rule && decode_runs decode_gluon_rule \
         "$wk=0 $one|$wk=1 $one|$wk=0 $two|$wk=1 $two|$wk=0 $one|$wk=1 $one|$wk=0 $two|$wk=1 $two" \
         --cuda-graph --layers 8 --pages --peers cudnn ;;
+    bench-decode-gluon-append)
+      # a serving step's append (--new-tokens 1) on the rule's shortest caches, where the Gluon kernel's gain was
+      # smallest (0.1% at b = 32, 16k): its in-kernel append against the Triton kernel's, alternated twice, after
+      # tests-decode-gluon-warp-keys passed in this call (GLUON_APPEND_SEQLENS overrides the lengths)
+      wk=FLASHTILE_DECODE_GLUON_WARP_KEYS
+      gate decode_gluon_warp_keys bench-decode-gluon-append && decode_runs decode_gluon_append "$wk=0|$wk=1|$wk=0|$wk=1" \
+        --cuda-graph --layers 8 --batch 32 --seqlens ${GLUON_APPEND_SEQLENS:-16384} --new-tokens 1 --pages \
+        --peers cudnn ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
-      decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \
         --seqlens 16384 65536 --pages --peers cudnn ;;
     bench-decode-b8-split4)
       # b = 8 beside cuDNN in 8-layer graphs: the heuristic's 2 splits (128 programs, one 139 KB CTA per SM)
@@ -579,11 +590,11 @@ for step in "${steps[@]}"; do
     tests-decode-long-warps)
       # 8-warp decode launches for long programs (FLASHTILE_DECODE_LONG_WARPS) against the reference, alone
       timed_tests decode_long_warps tests/test_gpu_decode_long_warps.py ;;
-    bench-decode-long-warps)
+    bench-decode-long-warps-rounds)
       # the long rows beside cuDNN with --rounds 4 (the order of measurement rotating, each first in two
       # rounds; medians), the table's 4 warps then 8 for programs of >= 256 key blocks; after
       # tests-decode-long-warps (one pair per call: the 128k rows take minutes)
-      decode_ab decode_long_warps decode_layers8_long_warps FLASHTILE_DECODE_LONG_WARPS "0 8" \
+      FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab decode_long_warps decode_layers8_long_warps FLASHTILE_DECODE_LONG_WARPS "0 8" \
         --cuda-graph --layers 8 --batch 8 32 --seqlens 32768 131072 --pages --peers cudnn --rounds 4 ;;
     tests-decode-pdl)
       # programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL), alone and timed out

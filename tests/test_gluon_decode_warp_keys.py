@@ -87,11 +87,64 @@ def test_asked_for_on_cpu_the_triton_kernel_answers(decode_interp, monkeypatch, 
 
 def test_rule_takes_long_caches_with_two_programs_an_sm():
     cap = decode_gluon.MIN_CAPACITY
-    assert decode_gluon.by_rule(capacity=cap, programs=256, sms=132)  # b = 32, 8 kv heads on an H200
-    assert decode_gluon.by_rule(capacity=8 * cap, programs=512, sms=132)
-    assert not decode_gluon.by_rule(capacity=cap - 1, programs=256, sms=132)  # 8k: the Triton kernel was faster
-    assert not decode_gluon.by_rule(capacity=cap, programs=128, sms=132)  # one program an SM: 17% slower
-    assert not decode_gluon.by_rule(capacity=cap, programs=64, sms=132)  # num_splits=1 on a small grid
+    rule = dict(capacity=cap, programs=256, sms=132, d=128)  # b = 32, 8 kv heads on an H200
+    assert decode_gluon.by_rule(**rule)
+    assert decode_gluon.by_rule(**dict(rule, capacity=8 * cap, programs=512))
+    assert not decode_gluon.by_rule(**dict(rule, capacity=cap - 1))  # 8k: the Triton kernel was faster
+    assert not decode_gluon.by_rule(**dict(rule, programs=128))  # one program an SM: 17% slower
+    assert not decode_gluon.by_rule(**dict(rule, programs=64))  # num_splits=1 on a small grid
+    assert not decode_gluon.by_rule(**dict(rule, d=64))  # covered, but unmeasured: half the bytes in flight
+    # appending in the kernel it was faster from 8k
+    short = decode_gluon.MIN_CAPACITY_APPENDING
+    assert short < cap
+    assert decode_gluon.by_rule(**dict(rule, capacity=short), appends=True)
+    assert not decode_gluon.by_rule(**dict(rule, capacity=short - 1), appends=True)
+    assert not decode_gluon.by_rule(**dict(rule, capacity=short))
+
+
+@pytest.fixture
+def fake_sm90_route(monkeypatch):
+    """The route as on an H200 (arch faked, the kernel and the separate append stubbed, the rule's capacities
+    scaled down to CPU-sized caches): returns (route(cap, new=None|"own"|"alias", d=128, b=32), launches, appends)."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", raising=False)
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode_gluon, "MIN_CAPACITY", 64)
+    monkeypatch.setattr(decode_gluon, "MIN_CAPACITY_APPENDING", 32)
+    launches, appends = [], []
+
+    def kernel(q, kc, vc, **kw):
+        launches.append(kw)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], 1)
+
+    monkeypatch.setattr(decode_gluon, "gluon_decode", kernel)
+    monkeypatch.setattr(decode, "kv_append", lambda *args: appends.append(args[2].shape))
+
+    def route(cap, new=None, d=128, b=32):
+        q = torch.zeros(b, 1, 32, d, dtype=torch.bfloat16)
+        kc, vc = torch.zeros(b, cap, 8, d, dtype=torch.bfloat16), torch.zeros(b, cap, 8, d, dtype=torch.bfloat16)
+        k = v = None
+        if new == "own":
+            k, v = torch.zeros(b, 1, 8, d, dtype=torch.bfloat16), torch.zeros(b, 1, 8, d, dtype=torch.bfloat16)
+        elif new == "alias":
+            k, v = kc[:, -1:], vc[:, -1:]
+        lens = torch.full((b,), cap // 2, dtype=torch.int32)
+        return decode._gluon_decode_route(q, kc, vc, k, v, None, lens, 0, None, None, None, 0.1, -1, 0.0, None, 0,
+                                          0 if k is None else 1, forced=False)
+
+    return route, launches, appends
+
+
+def test_route_follows_the_rule(fake_sm90_route):
+    route, launches, appends = fake_sm90_route
+    assert route(64) is not None and launches[-1]["k_new"] is None  # long enough without new keys
+    assert route(48) is None  # short without new keys
+    assert route(48, "own") is not None and launches[-1]["k_new"] is not None and not appends  # appended inside
+    assert route(48, "alias") is None  # aliased keys are appended apart: the bound without appends holds
+    assert route(64, "alias") is not None and launches[-1]["k_new"] is None and len(appends) == 1
+    assert route(64, d=64) is None and route(64, b=16) is None  # unmeasured d; one program an SM
+    assert len(launches) == 3
 
 
 def test_knob_value_checked(monkeypatch):

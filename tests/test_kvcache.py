@@ -527,6 +527,34 @@ def test_bench_decode_cpu_smoke(tmp_path):
         assert not r["mismatch"]
 
 
+def test_bench_decode_new_tokens_append_and_match_the_peers(tmp_path, monkeypatch):
+    # --new-tokens N: every flashtile call appends N keys (the cache's own last N, written back in place), so it
+    # still attends over the peers' keys: the outputs must match SDPA's, paged too; N past a row is refused
+    import json
+
+    from flashtile.bench import decode as bench_decode
+    from flashtile.bench import main
+
+    seen = []
+    real = bench_decode._flashtile_calls
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(bench_decode, "_flashtile_calls", spy)
+    out = tmp_path / "decode.json"
+    rc = main(["decode", "--device", "cpu", "--quick", "--new-tokens", "3", "--warmup", "1", "--rep", "3",
+               "--out", str(out)])
+    assert rc == 0 and seen and set(seen) == {3}
+    data = json.loads(out.read_text())
+    assert data["meta"]["new_tokens"] == 3
+    for r in data["rows"]:
+        assert r["us"]["flashtile"] is not None and r["us"]["flashtile-p16"] is not None, r["errors"]
+        assert r["max_rel_err"] is not None and not r["mismatch"]
+    assert main(["decode", "--device", "cpu", "--quick", "--new-tokens", "65", "--out", str(out)]) == 2
+
+
 def test_bench_decode_layers_per_call(tmp_path, monkeypatch):
     # --layers N: N calls on N distinct caches per measurement, time reported per call; a row whose
     # N caches would pass the byte budget gets fewer layers

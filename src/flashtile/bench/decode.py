@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--peers", nargs="*", choices=tuple(PEER_BACKENDS), default=list(PEER_BACKENDS),
                    metavar="PEER", help="SDPA backends beside flashtile: flash cudnn (default both)")
     r.add_argument("--num-splits", type=int, default=0, help="flashtile's num_splits (0 = heuristic)")
+    r.add_argument("--new-tokens", type=int, default=0, metavar="N",
+                   help="flashtile's calls also append N keys a row, as a serving step does (the cache's last N, "
+                        "written back in place, so the keys attended equal the peers'; default 0)")
     r.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                    help="time the peers and flashtile (contiguous) R times each, alternating which goes first, "
                         "and report each one's median (default 1: peers first, then flashtile, once)")
@@ -113,21 +116,27 @@ def _describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
 
 
-def _flashtile_calls(q, caches, lens, page, num_splits, gen):
+def _flashtile_calls(q, caches, lens, page, num_splits, gen, new_tokens=0):
     """One ``flash_attn_with_kvcache`` call per layer's cache: contiguous (``page`` None) or paged,
     every layer's pool laid out in one page order (so the layers share one block table, as a model's
-    do; its values are equal, and the first layer's tensor serves them all)."""
+    do; its values are equal, and the first layer's tensor serves them all). With ``new_tokens`` N each
+    call appends N keys, as a serving step does: the cache's own last N keys and values, written back
+    into their slots (cache_seqlens = lens - N), so every call attends over the same keys as the peers."""
     from flashtile import flash_attn_with_kvcache
 
     calls = []
     order = None if page is None else _page_order(caches[0][0], page, gen)
     table = None
+    sk = caches[0][0].shape[1]
+    ft_lens = lens - new_tokens if new_tokens else lens  # once here: inside a call it would be one more launch
     for kc, vc in caches:
+        k_new = kc[:, sk - new_tokens:].clone() if new_tokens else None
+        v_new = vc[:, sk - new_tokens:].clone() if new_tokens else None
         if page is not None:
             kc, vc, layer_table = _paged(kc, vc, page, order)
             table = layer_table if table is None else table  # the first layer's serves them all
-        calls.append(lambda kc=kc, vc=vc, table=table: flash_attn_with_kvcache(
-            q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=num_splits))
+        calls.append(lambda kc=kc, vc=vc, table=table, k_new=k_new, v_new=v_new: flash_attn_with_kvcache(
+            q, kc, vc, k=k_new, v=v_new, cache_seqlens=ft_lens, block_table=table, num_splits=num_splits))
     return calls
 
 
@@ -229,7 +238,7 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
-    contiguous = _flashtile_calls(q, caches, lens, None, args.num_splits, gen)
+    contiguous = _flashtile_calls(q, caches, lens, None, args.num_splits, gen, args.new_tokens)
     try:
         check("flashtile", contiguous[0]())
         timers.append(("flashtile", lambda: per_call_us(contiguous)))
@@ -243,7 +252,7 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
     for page in args.pages or ():
         name = f"flashtile-p{page}"
         try:
-            calls = _flashtile_calls(q, caches, lens, page, args.num_splits, gen)
+            calls = _flashtile_calls(q, caches, lens, page, args.num_splits, gen, args.new_tokens)
             check(name, calls[0]())
             row["us"][name] = per_call_us(calls)
         except Exception as e:
@@ -302,10 +311,14 @@ def run(args) -> int:
     d = args.d or q.get("d", 128)
     if args.pages is None:
         args.pages = list(q.get("pages", DEFAULT_PAGES))
+    if not 0 <= args.new_tokens <= min(seqlens):
+        report.eprint(f"error: --new-tokens must be between 0 and the shortest --seqlens ({min(seqlens)}), "
+                      f"got {args.new_tokens}")
+        return 2
     meta = report.collect_meta(args.argv if hasattr(args, "argv") else [], device)
     meta.update(mode="decode", dtype=args.dtype, heads=h, kv_heads=h_k, d=d, pages=list(args.pages),
                 num_splits=args.num_splits, cuda_graph=bool(args.cuda_graph and device == "cuda"),
-                layers=args.layers)
+                layers=args.layers, new_tokens=args.new_tokens)
     meta["timing"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "stat": "median", "unit": "us"}
     from flashtile.bench.ceilings import copy_tb_s
 

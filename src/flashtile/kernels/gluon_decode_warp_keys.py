@@ -149,7 +149,7 @@ def _gluon_decode_warp_keys_kernel(
         nxt = j + NUM_BUFFERS - 1
         k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
         # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot before
-        # this wait, so that it has two tiles in flight, was 1.3%-1.9% slower at b = 32: session 18)
+        # this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
         gl.thread_barrier()
         _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)

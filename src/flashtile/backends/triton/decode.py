@@ -510,18 +510,26 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     to 1) picks it (backends/triton/decode_gluon.py); None otherwise."""
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
-    grid_full = b * h_k >= SPLIT_FREE_FILL * num_sms(q.device)
+    arch = _arch(q.device)
+    rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=num_sms(q.device), d=d)
+    appending = FUSED_APPEND and k is not None and s_new > 0
+    # the rule first: a few integer compares, where most calls (CPU, small grids, short caches) stop
+    if not forced and not (arch == "sm90" and decode_gluon.by_rule(**rule, appends=appending)):
+        return None
+    # the kernel appends the new keys itself (FUSED_APPEND, as the Triton kernel does), unless they share the
+    # caches' storage (then one program's writes could land in slots another reads as new keys: the separate
+    # kernel reads and writes each slot once, one launch more, and the rule's bound is the one without appends)
+    fused = appending and not _aliases_cache((k, v), (k_cache, v_cache))
+    if not forced and appending and not fused and not decode_gluon.by_rule(**rule):
+        return None
     why = decode_gluon.refusal(
-        arch=_arch(q.device), dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
+        arch=arch, dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
         paged=block_table is not None, batch_idx=cache_batch_idx is not None, leftpad=cache_leftpad is not None,
         window_left=window_left, softcap=softcap, alibi=alibi_slopes is not None, rotary=rotary_cos is not None,
-        num_splits=num_splits, grid_full=grid_full, aligned=decode_gluon.aligned(k_cache, v_cache))
-    if why is not None or not (forced or decode_gluon.by_rule(capacity=k_cache.shape[1], programs=b * h_k,
-                                                                  sms=num_sms(q.device))):
+        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * num_sms(q.device),
+        aligned=decode_gluon.aligned(k_cache, v_cache))
+    if why is not None:
         return None
-    # the kernel appends the new keys itself, unless they share the caches' storage (then one program's
-    # writes could land in slots another reads as new keys: the separate kernel reads and writes each slot once)
-    fused = k is not None and s_new > 0 and not _aliases_cache((k, v), (k_cache, v_cache))
     if k is not None and s_new > 0 and not fused:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
     return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,

@@ -1,7 +1,8 @@
 """Which KV-cache decode calls take the Gluon warps-along-keys kernel (kernels/gluon_decode_warp_keys.py), and
-its launch. The rule (``use``): on Hopper, calls it covers whose grid fills the GPU unsplit and whose cache holds
-at least ``MIN_CAPACITY`` keys a row. ``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` sends every covered call there, ``0``
-none.
+its launch. The rule (``by_rule``): on Hopper, calls it covers (``refusal``) at d = 128 with about two programs on
+every SM (b x kv heads >= ``MIN_PROGRAMS_PER_SM`` x SMs) and a cache of at least ``MIN_CAPACITY`` keys a row
+(``MIN_CAPACITY_APPENDING`` when the call appends new keys, which this kernel does more cheaply).
+``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` sends every covered call there, ``0`` none.
 
 Why: at b = 32 cuDNN's decode led the Triton kernel by 0.5%-1.3% with the same traffic (session 17,
 docs/decode_tuning_log.md). This kernel has cuDNN's warp shape. In 8-layer graphs at b = 32 it was faster than
@@ -26,14 +27,21 @@ from flashtile.backends.triton.host import device_guard, run_kernel
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # the kernel's 16 query rows
-BLOCK_N, NUM_BUFFERS = 64, 2  # the probe's faster ring (64 KB of shared memory, two programs an SM)
+# 64 KB of shared memory, two programs an SM: a ring of three 64-key slots was 2%-4% slower in session 17's probe
+# (probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json)
+BLOCK_N, NUM_BUFFERS = 64, 2
 # The rule's shortest cache: the lengths live on the GPU (reading them would sync), so the rule goes by the
 # capacity, the most a program can read. Measured at b = 32: 0.1% faster at 16k, 0.5%-0.85% from 64k, 0.9%
 # slower at 8k.
 MIN_CAPACITY = 16384
+# With a serving step's append (one new token, in the kernel) the Gluon kernel was 3.3% faster than the Triton
+# kernel's in-kernel append at b = 32, 8k (245.1 against 253.4-253.6 us) and 2.4% at 16k
+# (decode_gluon_append_{8k,16k}_ab_h200_2026-11-30_session18.json); below 8k is unmeasured.
+MIN_CAPACITY_APPENDING = 8192
 # Programs (batch rows x kv heads) an SM the rule needs: measured faster at 1.94 (b = 32 with 8 kv heads on 132
 # SMs) and 3.88 (b = 64), 17% slower at 0.97 (b = 16); between 1 and 1.9 unmeasured, so the Triton kernel's.
 MIN_PROGRAMS_PER_SM = 1.9
+RULE_HEAD_DIM = 128
 
 
 def requested() -> bool | None:
@@ -41,11 +49,14 @@ def requested() -> bool | None:
     return env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS")
 
 
-def by_rule(*, capacity: int, programs: int, sms: int) -> bool:
-    """The default for a covered call: about two programs on every SM (one has a single 64-key tile in flight,
-    too few bytes to keep HBM busy: at b = 16, one program an SM, it was 17% slower than the Triton kernel) and a
-    cache of at least MIN_CAPACITY keys a row."""
-    return programs >= MIN_PROGRAMS_PER_SM * sms and capacity >= MIN_CAPACITY
+def by_rule(*, capacity: int, programs: int, sms: int, d: int, appends: bool = False) -> bool:
+    """The default for a covered call: d = 128 (the only head dim measured: at d = 64 a tile is half the bytes,
+    so two programs an SM would have no more in flight than the lone program that lost), about two programs on
+    every SM (one has a single 64-key tile in flight, too few bytes to keep HBM busy: at b = 16, one program an
+    SM, it was 17% slower than the Triton kernel) and a cache of at least MIN_CAPACITY keys a row, or of
+    MIN_CAPACITY_APPENDING when the kernel appends the call's new keys (``appends``)."""
+    shortest = MIN_CAPACITY_APPENDING if appends else MIN_CAPACITY
+    return d == RULE_HEAD_DIM and programs >= MIN_PROGRAMS_PER_SM * sms and capacity >= shortest
 
 
 def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, sq: int, group: int, paged: bool,
