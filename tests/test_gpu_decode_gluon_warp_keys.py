@@ -14,33 +14,31 @@ from test_gpu_kvcache import _capture, _check, _inputs
 pytestmark = pytest.mark.gpu
 
 
+def _record_launches(monkeypatch, module, name: str, arg: int) -> list:
+    """Wrap module.name so that every call appends the shape of its positional argument ``arg`` to the list
+    returned (and still runs)."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args[arg].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.fixture
 def gluon_calls(monkeypatch):
     """The knob on, and a list that records every launch of the Gluon kernel."""
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
-    calls = []
-    real = decode_gluon.gluon_decode
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_gluon, "gluon_decode", spy)
-    return calls
+    return _record_launches(monkeypatch, decode_gluon, "gluon_decode", 0)
 
 
 @pytest.fixture
 def appends(monkeypatch):
     """A list that records every launch of the separate append kernel."""
-    calls = []
-    real = decode.kv_append
-
-    def spy(*args, **kwargs):
-        calls.append(args[2].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode, "kv_append", spy)
-    return calls
+    return _record_launches(monkeypatch, decode, "kv_append", 2)
 
 
 # (b, h, h_k, d, cap, s_new): grids that fill the H200's 132 SMs (b * h_k >= 0.8 x SMs, unsplit by the
