@@ -28,6 +28,8 @@
 #                 kernel and cuDNN at b = 32
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
+#   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
+#                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
 #   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
 #   tests-decode-tma  the decode kernel's descriptor loads (FLASHTILE_DECODE_TMA) against the reference and pointer loads
@@ -570,6 +572,11 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-append && decode_runs decode_gluon_append "$wk=0|$wk=1|$wk=0|$wk=1" \
         --cuda-graph --layers 8 --batch 32 --seqlens ${GLUON_APPEND_SEQLENS:-16384} --new-tokens 1 --pages \
         --peers cudnn ;;
+    bench-decode-layers-append)
+      # the 8-layer table with every flashtile call appending one key, as a serving step does (--new-tokens 1; the
+      # peers append nothing), contiguous and paged, beside cuDNN
+      python3 -m flashtile.bench decode --cuda-graph --layers 8 --new-tokens 1 --peers cudnn ${LAYERS_BENCH_ARGS:-} \
+        --out "$WORK/decode_graph_layers8_append.json" 2> "$WORK/bench_decode_layers_append.log" >> "$summary" ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

@@ -6,11 +6,14 @@ flashtile at b = 1, 8k (contiguous, 16- and 256-token pages in random order: the
 row and the two paged columns of issue 5's table), b = 32, 8k (contiguous, the cuDNN row) and b = 8,
 64k (a split grid of 128 programs on 132 SMs, where cuDNN was 1%-2% ahead in session 13), and
 SDPA's cuDNN backend on the head-major copies ``bench decode`` gives it; and, at b = 32, 64k, each kernel on
-the other's layout (``ft_b32_64k_head``, ``cudnn_b32_64k_seq``). GQA 32 / 8, d = 128, bf16, one new token, as
-in the table. Run without ncu it only checks that every case runs.
+the other's layout (``ft_b32_64k_head``, ``cudnn_b32_64k_seq``); and b = 32, 8k with one new key appended by each
+decode kernel (``ft_b32_8k_append_triton`` / ``_gluon``: the Triton kernel's append cost it 5% there in session 18,
+the Gluon kernel's little). GQA 32 / 8, d = 128, bf16, one query token, as in the table. Run without ncu it only
+checks that every case runs.
 """
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +24,11 @@ from flashtile import flash_attn_with_kvcache
 H, H_K, D = 32, 8, 128
 
 
-def flashtile_case(b: int, sk: int, page: int | None, head_major: bool = False):
+def flashtile_case(b: int, sk: int, page: int | None, head_major: bool = False, append_on: str | None = None):
     """flashtile's decode on FlashAttention's (b, s, h_k, d) cache, or (head_major) on a (b, s, h_k, d) view
-    of head-major memory, as SDPA's cache is laid out."""
+    of head-major memory, as SDPA's cache is laid out. ``append_on`` "0" / "1": each call also appends one key
+    (the cache's last, written back in place) on the Triton / Gluon decode kernel
+    (FLASHTILE_DECODE_GLUON_WARP_KEYS, read by every call)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
     lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
@@ -38,7 +43,21 @@ def flashtile_case(b: int, sk: int, page: int | None, head_major: bool = False):
         kc = torch.randn(b * n, page, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
         table = torch.randperm(b * n, device="cuda", generator=g).view(b, n).to(torch.int32)
     vc = torch.randn_like(kc)
-    return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
+    if append_on is None:
+        return lambda: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True)
+    k_new, v_new, shorter = kc[:, -1:].clone(), vc[:, -1:].clone(), lens - 1
+
+    def run():
+        before = os.environ.get("FLASHTILE_DECODE_GLUON_WARP_KEYS")
+        os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"] = append_on
+        try:
+            return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=shorter, causal=True)
+        finally:  # the other cases keep the rule
+            if before is None:
+                del os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"]
+            else:
+                os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"] = before
+    return run
 
 
 def cudnn_case(b: int, sk: int, seq_major: bool = False):
@@ -78,6 +97,8 @@ def main():
         "ft_b32_64k_head": lambda: flashtile_case(32, 65536, None, head_major=True),
         "cudnn_b32_64k": lambda: cudnn_case(32, 65536),
         "cudnn_b32_64k_seq": lambda: cudnn_case(32, 65536, seq_major=True),
+        "ft_b32_8k_append_triton": lambda: flashtile_case(32, 8192, None, append_on="0"),
+        "ft_b32_8k_append_gluon": lambda: flashtile_case(32, 8192, None, append_on="1"),
     }
     for name in args.cases or list(cases):
         make = cases[name]
