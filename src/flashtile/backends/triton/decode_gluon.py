@@ -27,9 +27,6 @@ from flashtile.backends.triton.host import device_guard, run_kernel
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # the kernel's 16 query rows
-# 64 KB of shared memory, two programs an SM: a ring of three 64-key slots was 2%-4% slower in session 17's probe
-# (probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json)
-BLOCK_N, NUM_BUFFERS = 64, 2
 # The rule's shortest cache: the lengths live on the GPU (reading them would sync), so the rule goes by the
 # capacity, the most a program can read. Measured at b = 32: 0.1% faster at 16k, 0.5%-0.85% from 64k, 0.9%
 # slower at 8k.
@@ -42,6 +39,22 @@ MIN_CAPACITY_APPENDING = 8192
 # SMs) and 3.88 (b = 64), 17% slower at 0.97 (b = 16); between 1 and 1.9 unmeasured, so the Triton kernel's.
 MIN_PROGRAMS_PER_SM = 1.9
 RULE_HEAD_DIM = 128
+
+
+# FLASHTILE_DECODE_GLUON_WK_TILE=128: cuDNN's 128-key tiles as two 128-key K slots and one V slot (96 KB, two
+# programs an SM; V copied after the tile before read it, waited for after QK^T), computed in 64-key halves. An
+# A/B variant (session 18), built for sm_90 on the CPU (255 registers, 8 bytes of spill stores), not yet GPU-run.
+# The default, 64: two 64-key K / V slots, 64 KB, two programs an SM (a ring of three slots was 2%-4% slower in
+# session 17's probe, probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json).
+RINGS = {64: (64, 2, False), 128: (128, 2, True)}  # tile: (BLOCK_N, NUM_BUFFERS, SPLIT_V)
+
+
+def ring() -> tuple[int, int, bool]:
+    """(BLOCK_N, NUM_BUFFERS, SPLIT_V) of FLASHTILE_DECODE_GLUON_WK_TILE (64, the default, or 128)."""
+    tile = env.get("FLASHTILE_DECODE_GLUON_WK_TILE", "") or "64"
+    if tile not in ("64", "128"):
+        raise ValueError(f"FLASHTILE_DECODE_GLUON_WK_TILE must be 64 or 128 (or unset: 64), got {tile!r}")
+    return RINGS[int(tile)]
 
 
 def requested() -> bool | None:
@@ -106,6 +119,9 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
+    block_n, buffers, split_v = ring()
+    if split_v and block_n * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31:
+        block_n, buffers, split_v = RINGS[64]  # the split ring's in-tile offsets are 32-bit
     with device_guard(q):
         run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
             q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
@@ -114,6 +130,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)),
-            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            num_warps=4)
+            HEAD_DIM=d, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
+            SPLIT_V=split_v, num_warps=4)
     return out, lse
