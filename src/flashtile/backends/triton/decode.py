@@ -508,13 +508,16 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
                         s_new, forced):
     """The call on the Gluon warps-along-keys kernel when it covers it and the rule (or ``forced``, the knob set
     to 1) picks it (backends/triton/decode_gluon.py); None otherwise."""
+    arch = _arch(q.device)
+    if arch != "sm90" and not forced:  # most calls off Hopper stop here, before any other host work
+        return None
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
-    arch = _arch(q.device)
-    rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=num_sms(q.device), d=d)
+    sms = num_sms(q.device)
+    rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=sms, d=d)
     appending = FUSED_APPEND and k is not None and s_new > 0
-    # the rule first: a few integer compares, where most calls (CPU, small grids, short caches) stop
-    if not forced and not (arch == "sm90" and decode_gluon.by_rule(**rule, appends=appending)):
+    # the rule next: a few integer compares, where small grids and short caches stop
+    if not forced and not decode_gluon.by_rule(**rule, appends=appending):
         return None
     # the kernel appends the new keys itself (FUSED_APPEND, as the Triton kernel does), unless they share the
     # caches' storage (then one program's writes could land in slots another reads as new keys: the separate
@@ -526,7 +529,7 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
         arch=arch, dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
         paged=block_table is not None, batch_idx=cache_batch_idx is not None, leftpad=cache_leftpad is not None,
         window_left=window_left, softcap=softcap, alibi=alibi_slopes is not None, rotary=rotary_cos is not None,
-        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * num_sms(q.device),
+        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * sms,
         aligned=decode_gluon.aligned(k_cache, v_cache))
     if why is not None:
         return None
