@@ -30,6 +30,7 @@
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
 #   bench-decode-gluon-tile128  the Gluon kernel's 128-key split ring (FLASHTILE_DECODE_GLUON_WK_TILE=128) against
 #                 its 64-key ring, b = 32 at 8k / 16k / 64k beside cuDNN
+#   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
 #   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
@@ -582,6 +583,13 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-tile128 && decode_runs decode_gluon_tile128 \
         "$wk $t=64|$wk $t=128|$wk $t=64|$wk $t=128" --cuda-graph --layers 8 --batch 32 \
         --seqlens ${TILE128_SEQLENS:-8192 16384 65536} --pages --peers cudnn ;;
+    bench-decode-head-major)
+      # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
+      # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,
+      # in two rounds (HM_BATCH / HM_SEQLENS override the grid)
+      python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch ${HM_BATCH:-32} --head-major --rounds 2 \
+        --seqlens ${HM_SEQLENS:-16384 65536 131072} --pages --peers cudnn --out "$WORK/decode_head_major.json" \
+        2> "$WORK/bench_decode_head_major.log" >> "$summary" ;;
     bench-decode-layers-append)
       # the 8-layer table with every flashtile call appending one key, as a serving step does (--new-tokens 1; the
       # peers append nothing), contiguous and paged, beside cuDNN

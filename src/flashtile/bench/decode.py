@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--new-tokens", type=int, default=0, metavar="N",
                    help="flashtile's calls also append N keys a row, as a serving step does (the cache's last N, "
                         "written back in place, so the keys attended equal the peers'; default 0)")
+    r.add_argument("--head-major", action="store_true",
+                   help="also time flashtile (as flashtile-hm, in the rounds) on the peers' head-major caches: "
+                        "(b, h_k, s, d) storage passed as its (b, s, h_k, d) view, so each kv head's keys are "
+                        "one contiguous stream as the peers read them")
     r.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                    help="time the peers and flashtile (contiguous) R times each, alternating which goes first, "
                         "and report each one's median (default 1: peers first, then flashtile, once)")
@@ -179,11 +183,13 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
     row = {"mode": "decode", "b": b, "seqlen_k": sk, "h": h, "h_k": h_k, "d": d, "dtype": args.dtype,
            "kv_bytes": kv_bytes, "us": {}, "ratios": {}, "errors": {}, "max_rel_err": None, "mismatch": False,
            "floor_us": kv_bytes / (copy_tb_s * 1e12) * 1e6 if copy_tb_s else None}
-    gen = torch.Generator(device="cpu").manual_seed(args.seed + b * 1000003 + sk)
+    seed = args.seed + b * 1000003 + sk
+    gen = torch.Generator(device="cpu").manual_seed(seed)  # page orders
+    # the data is drawn where it lives: CPU draws cost ~3.5 s a GB, most of a long GPU run's time
+    data_gen = torch.Generator(device=device).manual_seed(seed)
     try:
-        q = torch.randn(b, 1, h, d, generator=gen).to(device, dtype)
-        k_cache = torch.randn(b, sk, h_k, d, generator=gen).to(device, dtype)
-        v_cache = torch.randn(b, sk, h_k, d, generator=gen).to(device, dtype)
+        q, k_cache, v_cache = (torch.randn(*shape, generator=data_gen, device=device, dtype=dtype)
+                               for shape in ((b, 1, h, d), (b, sk, h_k, d), (b, sk, h_k, d)))
     except torch.cuda.OutOfMemoryError as e:
         row["errors"]["all"] = _describe(e)
         return row
@@ -238,16 +244,20 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
-    contiguous = _flashtile_calls(q, caches, lens, None, args.num_splits, gen, args.new_tokens)
-    try:
-        check("flashtile", contiguous[0]())
-        timers.append(("flashtile", lambda: per_call_us(contiguous)))
-    except Exception as e:
-        row["us"]["flashtile"] = None
-        row["errors"]["flashtile"] = _describe(e)
+    variants = [("flashtile", caches)]
+    if args.head_major:
+        variants.append(("flashtile-hm", [(kt.transpose(1, 2), vt.transpose(1, 2)) for kt, vt in peer_caches]))
+    for name, layer_caches in variants:
+        try:
+            calls = _flashtile_calls(q, layer_caches, lens, None, args.num_splits, gen, args.new_tokens)
+            check(name, calls[0]())
+            timers.append((name, lambda calls=calls: per_call_us(calls)))
+        except Exception as e:
+            row["us"][name] = None
+            row["errors"][name] = _describe(e)
     _time_in_rounds(timers, args.rounds, row)
     # free the peers' copies before the paged caches are built (the closures hold them too)
-    timers = timer = peer_calls = peer_caches = contiguous = None
+    timers = timer = peer_calls = peer_caches = calls = variants = layer_caches = None
 
     for page in args.pages or ():
         name = f"flashtile-p{page}"
@@ -318,7 +328,7 @@ def run(args) -> int:
     meta = report.collect_meta(args.argv if hasattr(args, "argv") else [], device)
     meta.update(mode="decode", dtype=args.dtype, heads=h, kv_heads=h_k, d=d, pages=list(args.pages),
                 num_splits=args.num_splits, cuda_graph=bool(args.cuda_graph and device == "cuda"),
-                layers=args.layers, new_tokens=args.new_tokens)
+                layers=args.layers, new_tokens=args.new_tokens, head_major=bool(args.head_major))
     meta["timing"] = {"warmup_ms": args.warmup, "rep_ms": args.rep, "stat": "median", "unit": "us"}
     from flashtile.bench.ceilings import copy_tb_s
 
@@ -328,7 +338,8 @@ def run(args) -> int:
     except Exception as e:
         meta["copy_tb_s"] = None
         report.eprint(f"note: copy bandwidth not measured ({_describe(e)}); no floor column")
-    names = ["flashtile"] + [f"flashtile-p{p}" for p in args.pages] + list(dict.fromkeys(args.peers))
+    names = (["flashtile"] + ["flashtile-hm"] * bool(args.head_major) + [f"flashtile-p{p}" for p in args.pages]
+             + list(dict.fromkeys(args.peers)))
     out_path = args.out or report.default_out_path("decode", meta)
     rows = []
     shapes = [(b, s) for b in batches for s in seqlens]
