@@ -31,6 +31,7 @@
 #   bench-decode-gluon-tile128  the Gluon kernel's 128-key split ring (FLASHTILE_DECODE_GLUON_WK_TILE=128) against
 #                 its 64-key ring, b = 32 at 8k / 16k / 64k beside cuDNN
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
+#   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
 #   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
@@ -590,6 +591,17 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch ${HM_BATCH:-32} --head-major --rounds 2 \
         --seqlens ${HM_SEQLENS:-16384 65536 131072} --pages --peers cudnn --out "$WORK/decode_head_major.json" \
         2> "$WORK/bench_decode_head_major.log" >> "$summary" ;;
+    tests-decode-rows)
+      # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference
+      TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py ;;
+    bench-decode-rows)
+      # the row-stream decode experiment at b = 32 beside the default (Gluon) and cuDNN, after tests-decode-rows
+      # passed in this call: one kv head a program on both layouts (the kernel's own layout cost), then 2, 4
+      # and 8 adjacent heads a program (contiguous 512 B, 1 KB, 2 KB of each key row), and 4 at a deeper ring
+      r=FLASHTILE_DECODE_ROWS
+      gate decode_rows bench-decode-rows && decode_runs decode_rows \
+        "${ROWS_SETTINGS:-$r=0 --head-major|$r=1 --head-major|$r=2|$r=4|$r=8|$r=4 ${r}_CFG=16,4,4}" --cuda-graph \
+        --layers 8 --batch 32 --seqlens ${ROWS_SEQLENS:-16384 65536 131072} --pages --peers cudnn ;;
     bench-decode-layers-append)
       # the 8-layer table with every flashtile call appending one key, as a serving step does (--new-tokens 1; the
       # peers append nothing), contiguous and paged, beside cuDNN

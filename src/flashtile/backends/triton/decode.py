@@ -11,7 +11,7 @@ import functools
 import torch
 
 from flashtile import env
-from flashtile.backends.triton import decode_gluon
+from flashtile.backends.triton import decode_gluon, decode_rows
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
@@ -540,6 +540,12 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
                                      k_new=k if fused else None, v_new=v if fused else None)
 
 
+def _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos) -> bool:
+    """No batch index, left padding, paging, left window edge, softcap, ALiBi or rotary."""
+    return (cache_batch_idx is None and cache_leftpad is None and block_table is None and window_left < 0
+            and softcap <= 0 and alibi_slopes is None and rotary_cos is None)
+
+
 def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
                 cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap,
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
@@ -552,6 +558,14 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                                    alibi_slopes, num_splits, s_new, forced=bool(gluon))
         if done is not None:
             return done
+    rows = decode_rows.requested()  # FLASHTILE_DECODE_ROWS: the row-stream experiment, off by default
+    if rows and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes,
+                            rotary_cos) and decode_rows.covers(q, k_cache, v_cache, rows):
+        if k is not None and s_new > 0:
+            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+        return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                       cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
+                                       heads=rows, sms=num_sms(q.device))
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).

@@ -1,0 +1,88 @@
+"""Host side of the row-stream decode experiment (kernels/decode_rows.py), off unless asked for.
+
+``FLASHTILE_DECODE_ROWS=H`` sends plain decode calls (those the Gluon kernel covers: one query token, a
+contiguous 16-byte aligned bf16 / fp16 cache, no window edge, softcap, ALiBi, rotary, batch index, left padding
+or paging) to programs of H adjacent kv heads (H divides h_k); ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages``
+and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch. New keys are appended by the separate append kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile import env
+from flashtile.backends.triton.host import device_guard, launch
+from flashtile.kernels.decode_rows import _decode_rows_kernel
+
+LOG2E = 1.4426950408889634
+# (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
+# (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
+CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
+SMEM_PER_SM = 227 * 1024
+
+
+def requested() -> int:
+    """Heads a program from FLASHTILE_DECODE_ROWS (0: off)."""
+    text = env.get("FLASHTILE_DECODE_ROWS", "") or "0"
+    if text not in ("0", *map(str, CONFIGS)):
+        raise ValueError(f"FLASHTILE_DECODE_ROWS must be one of 0 {' '.join(map(str, CONFIGS))}, got {text!r}")
+    return int(text)
+
+
+def config(heads: int) -> tuple[int, int, int]:
+    text = env.get("FLASHTILE_DECODE_ROWS_CFG", "")
+    if not text:
+        return CONFIGS[heads]
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 3:
+        raise ValueError(f"FLASHTILE_DECODE_ROWS_CFG must be BLOCK_N,warps,stages, got {text!r}")
+    return parts
+
+
+def num_splits(programs: int, stage_bytes: int, stages: int, sms: int) -> int:
+    """Splits that fill every SM's program slots once (slots from the shared memory the stages take)."""
+    forced = env.get("FLASHTILE_DECODE_ROWS_SPLITS", "")
+    if forced:
+        return max(1, int(forced))
+    per_sm = max(1, SMEM_PER_SM // max(1, stage_bytes * stages))
+    return max(1, round(per_sm * sms / max(1, programs)))
+
+
+def covers(q, k_cache, v_cache, heads: int) -> bool:
+    """Whether the kernel computes this call (the caller has checked the plain-call conditions)."""
+    h, d = q.shape[2], q.shape[3]
+    h_k = k_cache.shape[2]
+    return (q.shape[1] == 1 and h_k % heads == 0 and h // h_k <= 16 and d in (64, 128)
+            and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype == v_cache.dtype
+            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
+
+
+def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
+    """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
+    cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
+    from flashtile.backends.triton.decode import combine
+
+    b, _, h, d = q.shape
+    h_k = k_cache.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
+    if b == 0:
+        return out, lse
+    block_n, warps, stages = config(heads)
+    groups = h_k // heads
+    splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms)
+    o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
+    with device_guard(q):
+        launch(
+            _decode_rows_kernel, (b * groups * splits,),
+            q, k_cache, v_cache, o_part, lse_part, cache_seqlens if cache_seqlens is not None else lse,
+            softmax_scale * LOG2E, cache_len_const, s_new, k_cache.shape[1], h // h_k,
+            q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
+            lse_part.stride(2),
+            HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
+            HAS_SEQLENS=cache_seqlens is not None, num_warps=warps, num_stages=stages,
+        )
+    return combine(o_part, lse_part, out, lse)

@@ -1,0 +1,93 @@
+"""Row-stream decode: one program per (batch row, group of kv heads, key split), an experiment.
+
+In the (b, capacity, h_k, d) cache that flash_attn_with_kvcache takes, one key's kv heads lie side by side:
+a program per (row, kv head) reads d * 2 bytes (256 B at d = 128) of every h_k * d * 2-byte key row, and the
+row's other heads come from other programs at other times. On the same kernel a head-major cache (each kv
+head one contiguous stream, the layout cuDNN reads) was 0.8% faster at b = 32, 128k (session 19). A program
+here reads HEADS adjacent kv heads of each key, HEADS * d * 2 contiguous bytes (all h_k heads: whole rows),
+and splits the keys instead, so that the grid stays as large. Batched (3D) dots: one head's query group a
+batch entry, padded to BLOCK_M rows. The splits are merged by the split-KV combine kernel.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED: tl.constexpr):
+    """One tile of BLOCK_N keys from ``start``: the online-softmax step for every head of the program."""
+    if MASKED:
+        ok = (start + offs_n) < hi  # [1, BLOCK_N, 1]
+        k = tl.load(k_ptrs, mask=ok, other=0.0)
+        v = tl.load(v_ptrs, mask=ok, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, tl.permute(k, (0, 2, 1))) * qk_scale  # [HEADS, BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        s = tl.where(tl.permute(ok, (0, 2, 1)), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 2))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, :, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 2)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_rows_kernel(
+    Q, K, V, O_PART, LSE_PART, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group,
+    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
+    HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+):
+    """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
+    row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
+    O_PART[split, b, 0, head] (normalized, fp32) and LSE_PART[split, b, head, 0] (natural log, -inf for a
+    split without keys). ``qk_scale`` is softmax_scale * log2(e)."""
+    pid = tl.program_id(0)
+    split = pid % NUM_SPLITS
+    bg = pid // NUM_SPLITS
+    kv0 = (bg % GROUPS) * HEADS
+    b = (bg // GROUPS).to(tl.int64)
+    if HAS_SEQLENS:
+        seqlen = tl.load(SEQLENS + b)
+    else:
+        seqlen = cache_len_const
+    seqlen = tl.minimum(seqlen + s_new, capacity)
+    per = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, seqlen)
+
+    offs_h = tl.arange(0, HEADS)[:, None, None]
+    offs_m = tl.arange(0, BLOCK_M)[None, :, None]
+    offs_n = tl.arange(0, BLOCK_N)[None, :, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
+    q_head = (kv0 + offs_h) * group + offs_m  # [HEADS, BLOCK_M, 1]
+    q = tl.load(Q + b * stride_qb + q_head * stride_qh + offs_d, mask=offs_m < group, other=0.0)
+    k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
+    v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
+
+    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
+    full = tl.maximum(hi - lo, 0) // BLOCK_N
+    for i in range(0, full):
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + i * BLOCK_N, hi, qk_scale, offs_n,
+                                   MASKED=False)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    if lo + full * BLOCK_N < hi:
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale, offs_n,
+                                   MASKED=True)
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, :, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    row_ok = offs_m < group
+    tl.store(O_PART + split * stride_ops + b * stride_opb + q_head * stride_oph + offs_d, out, mask=row_ok)
+    lse_head = (kv0 + tl.arange(0, HEADS)[:, None]) * group + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(LSE_PART + split * stride_lps + b * stride_lpb + lse_head * stride_lph, lse,
+             mask=tl.arange(0, BLOCK_M)[None, :] < group)
