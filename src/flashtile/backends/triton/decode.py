@@ -551,13 +551,6 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
-    gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
-    if gluon is not False:
-        done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
-                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
-                                   alibi_slopes, num_splits, s_new, forced=bool(gluon))
-        if done is not None:
-            return done
     rows = decode_rows.requested()  # FLASHTILE_DECODE_ROWS: the row-stream experiment, off by default
     if rows and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes,
                             rotary_cos) and decode_rows.covers(q, k_cache, v_cache, rows):
@@ -566,6 +559,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=num_sms(q.device))
+    gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
+    if gluon is not False:
+        done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
+                                   alibi_slopes, num_splits, s_new, forced=bool(gluon))
+        if done is not None:
+            return done
     # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
     # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
     # programs still read as new keys (the separate kernel reads and writes each slot in one program).
