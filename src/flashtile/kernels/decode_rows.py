@@ -37,16 +37,19 @@ def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MA
 
 @triton.jit
 def _decode_rows_kernel(
-    Q, K, V, O_PART, LSE_PART, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group,
+    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
+    stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
+    stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
     O_PART[split, b, 0, head] (normalized, fp32) and LSE_PART[split, b, head, 0] (natural log, -inf for a
-    split without keys). ``qk_scale`` is softmax_scale * log2(e)."""
+    split without keys). ``qk_scale`` is softmax_scale * log2(e). With FUSED_COMBINE the last split of a
+    (row, head group) to finish merges them into O (b, 1, h, d) and LSE (b, h, 1) (+inf for a row without keys):
+    a counter a (row, head group), which the merger resets, says which split is last."""
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     bg = pid // NUM_SPLITS
@@ -91,3 +94,29 @@ def _decode_rows_kernel(
     lse_head = (kv0 + tl.arange(0, HEADS)[:, None]) * group + tl.arange(0, BLOCK_M)[None, :]
     tl.store(LSE_PART + split * stride_lps + b * stride_lpb + lse_head * stride_lph, lse,
              mask=tl.arange(0, BLOCK_M)[None, :] < group)
+    if FUSED_COMBINE:
+        # every thread's partial stores, then the count (acquire-release); the merger reads past L1 (.cg)
+        tl.debug_barrier()
+        done = tl.atomic_add(COUNTER + bg, 1, sem="acq_rel", scope="gpu")
+        if done == NUM_SPLITS - 1:
+            lse_ptrs = LSE_PART + b * stride_lpb + lse_head * stride_lph
+            lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
+            m_all = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
+            for sp in range(NUM_SPLITS):
+                m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * stride_lps, mask=lse_ok, other=float("-inf"),
+                                                  cache_modifier=".cg"))
+            none = m_all == float("-inf")
+            m_safe = tl.where(none, 0.0, m_all)
+            w_sum = tl.zeros([HEADS, BLOCK_M], tl.float32)
+            merged = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
+            o_ptrs = O_PART + b * stride_opb + q_head * stride_oph + offs_d
+            for sp in range(NUM_SPLITS):
+                w = tl.exp(tl.load(lse_ptrs + sp * stride_lps, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
+                           - m_safe)
+                merged += tl.load(o_ptrs + sp * stride_ops, mask=row_ok, other=0.0, cache_modifier=".cg") * w[:, :, None]
+                w_sum += w
+            final = merged / tl.where(none, 1.0, w_sum)[:, :, None]
+            tl.store(O + b * stride_ob + q_head * stride_oh + offs_d, final.to(O.dtype.element_ty), mask=row_ok)
+            tl.store(LSE + b * stride_lse_b + lse_head * stride_lse_h,
+                     tl.where(none, float("inf"), m_all + tl.log(tl.where(none, 1.0, w_sum))), mask=lse_ok)
+            tl.atomic_xchg(COUNTER + bg, 0, sem="relaxed", scope="gpu")

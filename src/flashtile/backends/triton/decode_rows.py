@@ -3,7 +3,8 @@
 ``FLASHTILE_DECODE_ROWS=H`` sends plain decode calls (those the Gluon kernel covers: one query token, a
 contiguous 16-byte aligned bf16 / fp16 cache, no window edge, softcap, ALiBi, rotary, batch index, left padding
 or paging) to programs of H adjacent kv heads (H divides h_k); ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages``
-and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch. New keys are appended by the separate append kernel.
+and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch; ``FLASHTILE_DECODE_ROWS_FUSED=0`` merges the splits
+in the combine kernel instead of the kernel's last split. New keys are appended by the separate append kernel.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def covers(q, k_cache, v_cache, heads: int) -> bool:
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import combine
+    from flashtile.backends.triton.decode import _merge_counters, combine
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
@@ -73,16 +74,21 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms)
     o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
+    counters = None
+    if env.get("FLASHTILE_DECODE_ROWS_FUSED", "1") != "0" and splits > 1:
+        counters = _merge_counters(q.device, b * groups)
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
-            q, k_cache, v_cache, o_part, lse_part, cache_seqlens if cache_seqlens is not None else lse,
+            q, k_cache, v_cache, o_part, lse_part, out, lse, counters if counters is not None else lse,
+            cache_seqlens if cache_seqlens is not None else lse,
             softmax_scale * LOG2E, cache_len_const, s_new, k_cache.shape[1], h // h_k,
             q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
-            lse_part.stride(2),
+            lse_part.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
-            HAS_SEQLENS=cache_seqlens is not None, num_warps=warps, num_stages=stages,
+            HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None, num_warps=warps,
+            num_stages=stages,
         )
-    return combine(o_part, lse_part, out, lse)
+    return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse)
