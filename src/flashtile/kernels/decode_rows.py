@@ -11,6 +11,7 @@ batch entry, padded to BLOCK_M rows. The splits are merged by the split-KV combi
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -43,13 +44,17 @@ def _decode_rows_kernel(
     stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
     O_PART[split, b, 0, head] (normalized, fp32) and LSE_PART[split, b, head, 0] (natural log, -inf for a
     split without keys). ``qk_scale`` is softmax_scale * log2(e). With FUSED_COMBINE the last split of a
     (row, head group) to finish merges them into O (b, 1, h, d) and LSE (b, h, 1) (+inf for a row without keys):
-    a counter a (row, head group), which the merger resets, says which split is last."""
+    a counter a (row, head group), which the merger resets, says which split is last. USE_PDL: launched as a
+    programmatic dependent, it waits for the kernel before it ahead of its first read."""
+    if USE_PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     bg = pid // NUM_SPLITS
@@ -86,6 +91,8 @@ def _decode_rows_kernel(
         m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale, offs_n,
                                    MASKED=True)
 
+    if USE_PDL:
+        gdc_launch_dependents()  # the merge kernel may start launching (it waits for this grid's end)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, :, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)

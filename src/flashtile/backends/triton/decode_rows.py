@@ -2,9 +2,11 @@
 
 ``FLASHTILE_DECODE_ROWS=H`` sends plain decode calls (those the Gluon kernel covers: one query token, a
 contiguous 16-byte aligned bf16 / fp16 cache, no window edge, softcap, ALiBi, rotary, batch index, left padding
-or paging) to programs of H adjacent kv heads (H divides h_k); ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages``
-and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch; ``FLASHTILE_DECODE_ROWS_FUSED=0`` merges the splits
-in the combine kernel instead of the kernel's last split. New keys are appended by the separate append kernel.
+or paging) to programs of H adjacent kv heads (H divides h_k). Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,
+stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the
+splits in the kernel's last split instead of the combine kernel (slower at b = 32, session 19);
+``FLASHTILE_DECODE_ROWS_PDL=1`` launches both kernels as programmatic dependents. New keys are appended by the
+separate append kernel.
 """
 
 from __future__ import annotations
@@ -75,8 +77,9 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
     counters = None
-    if env.get("FLASHTILE_DECODE_ROWS_FUSED", "1") != "0" and splits > 1:
+    if env.get("FLASHTILE_DECODE_ROWS_FUSED", "0") not in ("", "0") and splits > 1:
         counters = _merge_counters(q.device, b * groups)
+    pdl = env.get("FLASHTILE_DECODE_ROWS_PDL", "0") not in ("", "0") and q.device.type == "cuda"
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
@@ -89,6 +92,6 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
             lse_part.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None, num_warps=warps,
-            num_stages=stages,
+            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}),
         )
-    return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse)
+    return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
