@@ -11,8 +11,8 @@ from test_gpu_kvcache import _check, _inputs
 pytestmark = pytest.mark.gpu
 
 # (b, h, h_k, d, cap, s_new): GQA 4:1 and 8:1, ragged lengths, appended keys, caches off the tile grid, and one
-# the Gluon rule would take (b = 32, 16k): the experiment comes first
-SHAPES = [(32, 32, 8, 128, 16384, 0), (32, 32, 8, 128, 4133, 1), (4, 64, 8, 128, 3000, 3), (8, 32, 8, 64, 2049, 1)]
+# the Gluon rule would take (b = 32, 16k; MHA keeps the reference small): the experiment comes first
+SHAPES = [(32, 8, 8, 128, 16384, 0), (32, 32, 8, 128, 4133, 1), (4, 64, 8, 128, 3000, 3), (8, 32, 8, 64, 2049, 1)]
 
 
 @pytest.mark.parametrize("heads,pdl,fused", [(1, 0, 0), (2, 0, 0), (4, 0, 0), (8, 0, 0), (8, 1, 0), (8, 0, 1)])
