@@ -28,8 +28,6 @@
 #                 kernel and cuDNN at b = 32
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
-#   bench-decode-gluon-tile128  the Gluon kernel's 128-key split ring (FLASHTILE_DECODE_GLUON_WK_TILE=128) against
-#                 its 64-key ring, b = 32 at 8k / 16k / 64k beside cuDNN
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
@@ -576,14 +574,6 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-append && decode_runs decode_gluon_append "$wk=0|$wk=1|$wk=0|$wk=1" \
         --cuda-graph --layers 8 --batch 32 --seqlens ${GLUON_APPEND_SEQLENS:-16384} --new-tokens 1 --pages \
         --peers cudnn ;;
-    bench-decode-gluon-tile128)
-      # the Gluon kernel's split ring of 128-key tiles (FLASHTILE_DECODE_GLUON_WK_TILE=128: two K slots, one V
-      # slot, 96 KB) against its 64-key ring, b = 32 beside cuDNN, alternated twice, after
-      # tests-decode-gluon-warp-keys passed in this call (TILE128_SEQLENS overrides the lengths)
-      t=FLASHTILE_DECODE_GLUON_WK_TILE wk=FLASHTILE_DECODE_GLUON_WARP_KEYS=1
-      gate decode_gluon_warp_keys bench-decode-gluon-tile128 && decode_runs decode_gluon_tile128 \
-        "$wk $t=64|$wk $t=128|$wk $t=64|$wk $t=128" --cuda-graph --layers 8 --batch 32 \
-        --seqlens ${TILE128_SEQLENS:-8192 16384 65536} --pages --peers cudnn ;;
     bench-decode-head-major)
       # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
       # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,

@@ -32,35 +32,12 @@ def _compile(*args) -> dict:
 
 @pytest.mark.parametrize("d, has_seqlens, fused_new", [(128, True, False), (64, False, False), (128, True, True)])
 def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
-    block_n, buffers, split_v = decode_gluon.RINGS[64]
-    got = _compile(d, block_n, buffers, int(has_seqlens), int(fused_new), int(split_v))
+    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new))
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
     assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got  # 16-byte cp.async copies, mma.sync
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
-
-
-@pytest.mark.parametrize("d", [128, 64])
-def test_split_ring_of_128_key_tiles_builds_for_sm90(d):
-    # FLASHTILE_DECODE_GLUON_WK_TILE=128 (an A/B variant): 96 KB at d = 128 still fits two programs an SM; its
-    # registers are at the limit (8 bytes of spill stores at d = 128 in session 18, recorded, not asserted zero)
-    block_n, buffers, split_v = decode_gluon.RINGS[128]
-    got = _compile(d, block_n, buffers, 1, 1, int(split_v))
-    assert got["SHARED"] == 2 * block_n * d * 2 + block_n * d * 2, got  # two K slots, one V slot
-    assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
-    assert got["REGISTERS"] <= 255 and got["SPILL_STORES"] <= 64, got
-    assert got["LDGSTS"] > 0 and got["HMMA"] > 0 and got["LOOP_BARRIERS"] <= 4, got
-
-
-def test_ring_knob(monkeypatch):
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WK_TILE", raising=False)
-    assert decode_gluon.ring() == decode_gluon.RINGS[64]
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_TILE", "128")
-    assert decode_gluon.ring() == (128, 2, True)
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WK_TILE", "96")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_WK_TILE"):
-        decode_gluon.ring()
 
 
 GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,

@@ -28,17 +28,11 @@ WARPS = 4
 
 
 @gluon.jit
-def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok, TILE_BASE: gl.constexpr = False):
+def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok):
     """Copy rows [row0, row0 + BLOCK_N) of one kv head, as [warp, keys a warp, d], into ``smem``; rows at or past
-    ``seqlen`` (all of them when ``ok`` is false) are zero-filled; the caller commits the group. TILE_BASE: the
-    tile's first row goes into the (64-bit) base and the rows' offsets stay 32-bit (the launcher checks that
-    BLOCK_N rows of stride_n fit), so that the loop-invariant offsets the compiler hoists take half the registers."""
+    ``seqlen`` (all of them when ``ok`` is false) are zero-filled; the caller commits the group."""
     pos = row0 + rows
-    if TILE_BASE:
-        ptrs = (base + row0.to(gl.int64) * stride_n + gl.expand_dims(rows * stride_n, 2)
-                + gl.expand_dims(gl.expand_dims(cols, 0), 1))
-    else:
-        ptrs = base + gl.expand_dims(pos.to(gl.int64) * stride_n, 2) + gl.expand_dims(gl.expand_dims(cols, 0), 1)
+    ptrs = base + gl.expand_dims(pos.to(gl.int64) * stride_n, 2) + gl.expand_dims(gl.expand_dims(cols, 0), 1)
     async_copy.async_copy_global_to_shared(smem, ptrs, mask=gl.expand_dims((pos < seqlen) & ok, 2))
 
 
@@ -79,7 +73,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, SPLIT_V: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -120,13 +114,7 @@ def _gluon_decode_warp_keys_kernel(
         gl.thread_barrier()
 
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
-    if SPLIT_V:
-        # cuDNN's 128-key tiles in two programs an SM: two K slots and one V slot (96 KB); V's copy is issued
-        # when the tile before has read it and waited for after this tile's QK^T (an A/B variant, off by default)
-        gl.static_assert(NUM_BUFFERS == 2, "the split ring has two K slots")
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [1, 4, KW, HEAD_DIM], smem_layout)
-    else:
-        v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
 
     # key position in a tile of copy row (warp w, row r): w * KW + r
     w_ids = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, cp_layout)))
@@ -134,12 +122,9 @@ def _gluon_decode_warp_keys_kernel(
     rows = gl.expand_dims(w_ids, 1) * KW + gl.expand_dims(r_ids, 0)
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
     # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top)
-    if SPLIT_V:
-        _issue_kv(k_smem.index(0), v_smem.index(0), k_base, v_base, 0, seqlen, stride_kn, stride_vn, rows, cols, n > 0)
-    else:
-        for i in gl.static_range(NUM_BUFFERS - 1):
-            _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
-                      rows, cols, i < n)
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
+                  rows, cols, i < n)
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
     q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))
@@ -158,70 +143,28 @@ def _gluon_decode_warp_keys_kernel(
     s_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(1, mma)))
     s_k = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
-    s_kh = gl.arange(0, KW // 2, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-    key_lo = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_kh, 0), 1)  # [4, 1, KW / 2]: SPLIT_V
     for j in range(0, n):
         slot = j % NUM_BUFFERS
         # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
         nxt = j + NUM_BUFFERS - 1
-        if SPLIT_V:
-            # commit groups in flight here: K_j, V_j (issued in that order); K_j landed for every thread, and every
-            # warp is done with tile j - 1's K slot
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            _issue_tile(k_smem.index(nxt % NUM_BUFFERS), k_base, nxt * BLOCK_N, seqlen, stride_kn, rows, cols, nxt < n,
-                        TILE_BASE=True)
-            async_copy.commit_group()
-        else:
-            k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
-            # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot
-            # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
-            async_copy.wait_group(2 * NUM_BUFFERS - 4)
-            gl.thread_barrier()
-            _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols,
-                      nxt < n)
-        if SPLIT_V:
-            # the tile in two halves of KW / 2 keys a warp, so that no more K or V is in registers at once than
-            # with 64-key tiles; one online-softmax step for the whole tile
-            KH: gl.constexpr = KW // 2
-            k_tile = k_smem.index(slot)
-            s0 = mma_v2(q, k_tile.slice(0, KH, 1).permute((0, 2, 1)).load(b_layout),
-                        gl.zeros([4, BLOCK_M, KH], gl.float32, mma))
-            s1 = mma_v2(q, k_tile.slice(KH, KH, 1).permute((0, 2, 1)).load(b_layout),
-                        gl.zeros([4, BLOCK_M, KH], gl.float32, mma))
-            s0 = gl.where(j * BLOCK_N + key_lo < seqlen, s0 * qk_scale, float("-inf"))
-            s1 = gl.where(j * BLOCK_N + key_lo + KH < seqlen, s1 * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 2), gl.max(s1, 2)))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p0 = gl.exp2(s0 - gl.expand_dims(m_use, 2))
-            p1 = gl.exp2(s1 - gl.expand_dims(m_use, 2))
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p0, 2) + gl.sum(p1, 2)
-            m_i = m_new
-            # in flight: V_j, K_{j + 1}; V_j landed for every thread
-            async_copy.wait_group(1)
-            gl.thread_barrier()
-            v_tile = v_smem.index(0)
-            o = mma_v2(gl.convert_layout(p0.to(V.dtype.element_ty), a_layout), v_tile.slice(0, KH, 1).load(b_layout),
-                       o * gl.expand_dims(alpha, 2))
-            o = mma_v2(gl.convert_layout(p1.to(V.dtype.element_ty), a_layout), v_tile.slice(KH, KH, 1).load(b_layout),
-                       o)
-            gl.thread_barrier()  # every warp has read V_j: its slot takes V_{j + 1}
-            _issue_tile(v_tile, v_base, (j + 1) * BLOCK_N, seqlen, stride_vn, rows, cols, j + 1 < n, TILE_BASE=True)
-            async_copy.commit_group()
-        else:
-            kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
-            s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
-            # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
-            s = gl.where(j * BLOCK_N + key_in_tile < seqlen, s * qk_scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, 2))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp that has seen no key yet
-            p = gl.exp2(s - gl.expand_dims(m_use, 2))
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p, 2)
-            m_i = m_new
-            vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
-            o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
+        k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
+        # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot
+        # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
+        async_copy.wait_group(2 * NUM_BUFFERS - 4)
+        gl.thread_barrier()
+        _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
+        kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
+        s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
+        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
+        s = gl.where(j * BLOCK_N + key_in_tile < seqlen, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp that has seen no key yet
+        p = gl.exp2(s - gl.expand_dims(m_use, 2))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
+        o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
 
     # merge the 4 warps' states (once, across warps)

@@ -41,20 +41,12 @@ MIN_PROGRAMS_PER_SM = 1.9
 RULE_HEAD_DIM = 128
 
 
-# FLASHTILE_DECODE_GLUON_WK_TILE=128: cuDNN's 128-key tiles as two 128-key K slots and one V slot (96 KB, two
-# programs an SM; V copied after the tile before read it, waited for after QK^T), computed in 64-key halves. An
-# A/B variant (session 18), built for sm_90 on the CPU (255 registers, 8 bytes of spill stores), not yet GPU-run.
-# The default, 64: two 64-key K / V slots, 64 KB, two programs an SM (a ring of three slots was 2%-4% slower in
-# session 17's probe, probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json).
-RINGS = {64: (64, 2, False), 128: (128, 2, True)}  # tile: (BLOCK_N, NUM_BUFFERS, SPLIT_V)
-
-
-def ring() -> tuple[int, int, bool]:
-    """(BLOCK_N, NUM_BUFFERS, SPLIT_V) of FLASHTILE_DECODE_GLUON_WK_TILE (64, the default, or 128)."""
-    tile = env.get("FLASHTILE_DECODE_GLUON_WK_TILE", "") or "64"
-    if tile not in ("64", "128"):
-        raise ValueError(f"FLASHTILE_DECODE_GLUON_WK_TILE must be 64 or 128 (or unset: 64), got {tile!r}")
-    return RINGS[int(tile)]
+# The ring: two 64-key K / V slots, 64 KB, two programs an SM. A ring of three slots was 2%-4% slower in session
+# 17's probe (probe_decode_gluon_warp_keys_h200_2026-11-30_session17.json); cuDNN's 128-key tiles as two K slots
+# and one V slot (96 KB, session 18) were 1.6%-1.8% slower at b = 32 in session 19
+# (decode_gluon_tile128_ab_h200_2026-12-01_session19.json) and were removed.
+BLOCK_N = 64
+NUM_BUFFERS = 2
 
 
 def requested() -> bool | None:
@@ -119,9 +111,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
-    block_n, buffers, split_v = ring()
-    if split_v and block_n * max(k_cache.stride(1), v_cache.stride(1)) >= 2**31:
-        block_n, buffers, split_v = RINGS[64]  # the split ring's in-tile offsets are 32-bit
     with device_guard(q):
         run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
             q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
@@ -130,6 +119,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)),
-            HEAD_DIM=d, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            SPLIT_V=split_v, num_warps=4)
+            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
+            num_warps=4)
     return out, lse
