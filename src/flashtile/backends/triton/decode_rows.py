@@ -55,7 +55,7 @@ def covers(q, k_cache, v_cache, heads: int) -> bool:
     """Whether the kernel computes this call (the caller has checked the plain-call conditions)."""
     h, d = q.shape[2], q.shape[3]
     h_k = k_cache.shape[2]
-    return (q.shape[1] == 1 and h_k % heads == 0 and h // h_k <= 16 and d in (64, 128)
+    return (q.shape[1] == 1 and h_k % heads == 0 and h // h_k <= 16 and d in (16, 32, 64, 128)
             and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype == v_cache.dtype
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 

@@ -1,0 +1,67 @@
+"""The row-stream decode experiment (FLASHTILE_DECODE_ROWS=H, off by default) through Triton's interpreter: the
+calls it takes match the dense oracle (ragged and empty rows, splits without keys, appended keys, an int length,
+the whole cache), with the combine kernel or the in-kernel merge; calls it does not cover keep the default
+kernels; bad knob values are refused by name. GPU results: tests/test_gpu_decode_rows.py."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode_rows
+from test_kvcache import _run_and_check, make_case
+
+CASES = {
+    "ragged_append": dict(s_new=2),
+    "read_only_int_len": dict(s_new=0, seqlens=20),
+    "full_cache": dict(s_new=0, seqlens=None),
+    "empty_rows": dict(s_new=0, seqlens=0),
+}
+
+
+@pytest.fixture
+def rows_calls(monkeypatch):
+    """The interpreter on 16-key tiles, 3 splits; a list that records the heads of every row-stream launch."""
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "16,4,2")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_SPLITS", "3")
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("heads, fused", [(1, "0"), (2, "1"), (4, "0")])
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_oracle(rows_calls, monkeypatch, heads, fused, name):
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", str(heads))
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_FUSED", fused)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, **CASES[name])
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [heads]
+
+
+def test_uncovered_calls_keep_the_default_kernels(rows_calls, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
+    q, kc, vc, args = make_case(dtype=torch.float16, h=6, h_k=2, d=16, cap=40, s_new=1)  # 4 does not divide 2
+    _run_and_check(q, kc, vc, args)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, page=16, s_new=1)  # paged
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == []
+
+
+def test_knobs_are_checked(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "3")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS"):
+        decode_rows.requested()
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "16,4")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_CFG"):
+        decode_rows.config(8)
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    assert decode_rows.requested() == 0
+
+
+def test_splits_fill_the_program_slots(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS_SPLITS", raising=False)
+    # 8 heads, 16-key tiles at d = 128: 64 KB a stage, three stages, one program an SM; b = 32 on 132 SMs
+    assert decode_rows.num_splits(32, 64 * 1024, 3, 132) == 4
+    # 4 heads: 32 KB a stage, two programs an SM; b = 32 with two head groups
+    assert decode_rows.num_splits(64, 32 * 1024, 3, 132) == 4
