@@ -46,6 +46,9 @@ def collect_meta(argv: list[str], device: str) -> dict:
         meta["gpu"] = props.name
         meta["capability"] = f"{props.major}.{props.minor}"
         meta["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        # which GPU: leases differ by up to a few percent, and a kernel's standing against a peer can flip
+        # between two H200s (docs/decode_tuning_log.md, session 19)
+        meta["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
     else:
         meta["gpu"] = None
         meta["cpu"] = platform.processor() or platform.machine()
