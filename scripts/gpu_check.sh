@@ -30,6 +30,7 @@
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
+#   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
 #   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
 #   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
@@ -592,6 +593,12 @@ for step in "${steps[@]}"; do
       gate decode_rows bench-decode-rows && decode_runs decode_rows \
         "${ROWS_SETTINGS:-$r=0 --head-major|$r=1 --head-major|$r=2|$r=4|$r=8|$r=4 ${r}_CFG=16,4,4}" --cuda-graph \
         --layers 8 --batch 32 --seqlens ${ROWS_SEQLENS:-16384 65536 131072} --pages --peers cudnn ;;
+    bench-decode-fused-append)
+      # the Triton kernel's in-kernel append against the separate append kernel (FLASHTILE_DECODE_FUSED_APPEND=1 / 0,
+      # alternated twice) at b = 1 / 8, where an append cost the decode kernel 5-8 us in session 19
+      # (probe_decode_append_h200_2026-12-01_session19.json)
+      decode_ab - decode_fused_append FLASHTILE_DECODE_FUSED_APPEND "1 0 1 0" --cuda-graph --layers 8 --new-tokens 1 \
+        --batch ${FUSED_APPEND_BATCH:-1 8} --seqlens ${FUSED_APPEND_SEQLENS:-8192 32768 131072} --pages 16 --peers cudnn ;;
     bench-decode-layers-append)
       # the 8-layer table with every flashtile call appending one key, as a serving step does (--new-tokens 1; the
       # peers append nothing), contiguous and paged, beside cuDNN

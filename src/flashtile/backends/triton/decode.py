@@ -24,8 +24,9 @@ H200_SMS = 132  # the split heuristic's target when no CUDA device is there to a
 # Tests pin a tiny config here: (BLOCK_N, num_warps, num_stages).
 CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 # The append runs inside the decode kernel (one launch fewer per step); False = the separate
-# append kernel first (kept for comparison; tests run both).
-FUSED_APPEND = True
+# append kernel first (kept for comparison; tests run both). FLASHTILE_DECODE_FUSED_APPEND=0 (read at import)
+# turns it off, for A/Bs.
+FUSED_APPEND = env.get("FLASHTILE_DECODE_FUSED_APPEND", "1") != "0"
 # The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
