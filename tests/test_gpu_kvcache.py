@@ -154,7 +154,7 @@ def test_cuda_graph_decode_step(page):
 @pytest.mark.parametrize("page", [None, 16, 256])
 @pytest.mark.parametrize("s_new", [1, 5, 130])
 def test_fused_append_matches_separate_append_kernel(monkeypatch, page, s_new):
-    """The decode kernel's own append (default) against the separate append kernel: same caches
+    """The decode kernel's own append (FUSED_APPEND) against the separate append kernel (default): same caches
     bit for bit and outputs equal up to split-order rounding, with rotary, GQA and splits."""
     from flashtile.backends.triton import decode as launcher
 

@@ -213,13 +213,12 @@ def _run_and_check(q, k_cache, v_cache, args, num_splits=0, atol=None):
     return out, lse, kc
 
 
-@pytest.fixture(params=["cpu", "interp", "interp_append_kernel"])
+@pytest.fixture(params=["cpu", "interp", "interp_fused_append"])
 def path(request, monkeypatch):
     """Run through the PyTorch path or through the Triton kernels in the interpreter (spied), with the
-    append fused into the decode kernel (the default) or as its own kernel first."""
+    append as its own kernel first (the default) or inside the decode kernel (FUSED_APPEND)."""
     used = []
-    if request.param == "interp_append_kernel":
-        monkeypatch.setattr(launcher, "FUSED_APPEND", False)
+    monkeypatch.setattr(launcher, "FUSED_APPEND", request.param == "interp_fused_append")
     if request.param != "cpu":
         monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
         monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))

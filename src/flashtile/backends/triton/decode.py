@@ -23,10 +23,12 @@ H200_SMS = 132  # the split heuristic's target when no CUDA device is there to a
 
 # Tests pin a tiny config here: (BLOCK_N, num_warps, num_stages).
 CONFIG_OVERRIDE: tuple[int, int, int] | None = None
-# The append runs inside the decode kernel (one launch fewer per step); False = the separate
-# append kernel first (kept for comparison; tests run both). FLASHTILE_DECODE_FUSED_APPEND=0 (read at import)
-# turns it off, for A/Bs.
-FUSED_APPEND = env.get("FLASHTILE_DECODE_FUSED_APPEND", "1") != "0"
+# The Triton decode kernel's own append (one launch fewer per step) instead of the separate append kernel
+# first. Off: it made the decode kernel 5-8 us longer at b = 1 / 8 (probe_decode_append_h200_2026-12-01_session19
+# .json), where the separate kernel costs less in an 8-layer graph (b = 1, 8k: 17.3-17.4 against 22.1 us a call;
+# decode_fused_append_ab_h200_2026-12-01_session19.json). FLASHTILE_DECODE_FUSED_APPEND=1 (read at import) turns
+# it on; tests run both. The Gluon kernel's own append is separate (decode_gluon.FUSED_APPEND).
+FUSED_APPEND = env.get("FLASHTILE_DECODE_FUSED_APPEND", "0") not in ("", "0")
 # The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
@@ -516,11 +518,11 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
     rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=sms, d=d)
-    appending = FUSED_APPEND and k is not None and s_new > 0
+    appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0
     # the rule next: a few integer compares, where small grids and short caches stop
     if not forced and not decode_gluon.by_rule(**rule, appends=appending):
         return None
-    # the kernel appends the new keys itself (FUSED_APPEND, as the Triton kernel does), unless they share the
+    # the kernel appends the new keys itself (decode_gluon.FUSED_APPEND), unless they share the
     # caches' storage (then one program's writes could land in slots another reads as new keys: the separate
     # kernel reads and writes each slot once, one launch more, and the rule's bound is the one without appends)
     fused = appending and not _aliases_cache((k, v), (k_cache, v_cache))

@@ -47,6 +47,10 @@ RULE_HEAD_DIM = 128
 # (decode_gluon_tile128_ab_h200_2026-12-01_session19.json) and were removed.
 BLOCK_N = 64
 NUM_BUFFERS = 2
+# The kernel appends a call's new keys itself (FUSED_NEW): 3.3% faster than the Triton kernel's own append at
+# b = 32, 8k in session 18 (decode_gluon_append_8k_ab_h200_2026-11-30_session18.json). False: the separate
+# append kernel first, and the rule's bound without appends.
+FUSED_APPEND = True
 
 
 def requested() -> bool | None:
