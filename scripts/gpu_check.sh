@@ -596,7 +596,7 @@ for step in "${steps[@]}"; do
     bench-decode-fused-append)
       # the Triton kernel's in-kernel append against the separate append kernel (FLASHTILE_DECODE_FUSED_APPEND=1 / 0,
       # alternated twice) at b = 1 / 8, where an append cost the decode kernel 5-8 us in session 19
-      # (probe_decode_append_h200_2026-12-01_session19.json)
+      # (probe_decode_append_leaseC_h200_2026-12-01_session19.json)
       decode_ab - decode_fused_append FLASHTILE_DECODE_FUSED_APPEND "1 0 1 0" --cuda-graph --layers 8 --new-tokens 1 \
         --batch ${FUSED_APPEND_BATCH:-1 8} --seqlens ${FUSED_APPEND_SEQLENS:-8192 32768 131072} --pages 16 --peers cudnn ;;
     bench-decode-layers-append)

@@ -1,7 +1,8 @@
 """Where a serving step's append costs time in flashtile's decode: the CUDA kernels one call launches and their
 durations (torch.profiler), with and without one appended key, at b = 1 / 8 / 32 and 8k keys (GQA 32 / 8, d =
-128, bf16). In session 19's 8-layer table (decode_graph_layers8_append_h200_2026-12-01_session19.json) an append
-added a constant ~8 us a call at b = 1 and b = 8 up to 32k, on the Triton kernel's in-kernel append.
+128, bf16). In session 19's 8-layer table (decode_graph_layers8_append_leaseB_fused_h200_2026-12-01_session19
+.json) an append added a constant ~8 us a call at b = 1 and b = 8 up to 32k, on the Triton kernel's in-kernel
+append (since then off by default: FLASHTILE_DECODE_FUSED_APPEND).
 
 Usage (GPU): python scripts/probe_decode_append.py [--out PATH.json]
 """

@@ -24,10 +24,11 @@ H200_SMS = 132  # the split heuristic's target when no CUDA device is there to a
 # Tests pin a tiny config here: (BLOCK_N, num_warps, num_stages).
 CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 # The Triton decode kernel's own append (one launch fewer per step) instead of the separate append kernel
-# first. Off: it made the decode kernel 5-8 us longer at b = 1 / 8 (probe_decode_append_h200_2026-12-01_session19
-# .json), where the separate kernel costs less in an 8-layer graph (b = 1, 8k: 17.3-17.4 against 22.1 us a call;
-# decode_fused_append_ab_h200_2026-12-01_session19.json). FLASHTILE_DECODE_FUSED_APPEND=1 (read at import) turns
-# it on; tests run both. The Gluon kernel's own append is separate (decode_gluon.FUSED_APPEND).
+# first. Off: it made the decode kernel 5-8 us longer at b = 1 / 8
+# (probe_decode_append_leaseC_h200_2026-12-01_session19.json), where the separate kernel costs less in an 8-layer
+# graph (b = 1, 8k: 17.3-17.4 against 22.1 us a call; decode_fused_append_ab_leaseC_h200_2026-12-01_session19.json).
+# FLASHTILE_DECODE_FUSED_APPEND=1 (read at import) turns it on; tests run both. The Gluon kernel's own append is
+# separate (decode_gluon.FUSED_APPEND).
 FUSED_APPEND = env.get("FLASHTILE_DECODE_FUSED_APPEND", "0") not in ("", "0")
 # The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
