@@ -28,7 +28,6 @@
 #                 kernel and cuDNN at b = 32
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
-#   bench-decode-gluon-row-prefetch  the Gluon kernel with its row prefetch (FLASHTILE_DECODE_GLUON_ROW_PREFETCH) at b = 32
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
@@ -576,13 +575,6 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-append && decode_runs decode_gluon_append "$wk=0|$wk=1|$wk=0|$wk=1" \
         --cuda-graph --layers 8 --batch 32 --seqlens ${GLUON_APPEND_SEQLENS:-16384} --new-tokens 1 --pages \
         --peers cudnn ;;
-    bench-decode-gluon-row-prefetch)
-      # the Gluon kernel's cooperative row prefetch (FLASHTILE_DECODE_GLUON_ROW_PREFETCH=D: the row's programs pull
-      # tile j + D's whole key rows into L2) at b = 32 beside cuDNN, after tests-decode-gluon-warp-keys passed
-      pf=FLASHTILE_DECODE_GLUON_ROW_PREFETCH wk=FLASHTILE_DECODE_GLUON_WARP_KEYS=1
-      gate decode_gluon_warp_keys bench-decode-gluon-row-prefetch && decode_runs decode_gluon_row_prefetch \
-        "${ROW_PREFETCH_SETTINGS:-$wk $pf=0|$wk $pf=2|$wk $pf=4|$wk $pf=0|$wk $pf=2|$wk $pf=4}" --cuda-graph --layers 8 \
-        --batch 32 --seqlens ${ROW_PREFETCH_SEQLENS:-16384 65536 131072} --pages --peers cudnn ;;
     bench-decode-head-major)
       # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
       # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,

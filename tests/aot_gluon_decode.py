@@ -1,8 +1,7 @@
 """Compile the Gluon warps-along-keys decode kernel for sm_90 without a GPU (run as a script in a subprocess,
-TRITON_INTERPRET unset):
-    python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [FUSED_NEW [ROW_PREFETCH]]
-Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> LDGSTS <n> HMMA <n> LOOP_BARRIERS <n> L2_PREFETCH <n>: CTA
-barriers in the SASS between the key loop's first copy wait (DEPBAR) and its back edge, and L2 prefetches."""
+TRITON_INTERPRET unset): python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [FUSED_NEW]
+Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> LDGSTS <n> HMMA <n> LOOP_BARRIERS <n>: CTA barriers in
+the SASS between the key loop's first copy wait (DEPBAR) and its back edge."""
 
 import pathlib
 import re
@@ -15,11 +14,11 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
          "V_NEW": "*bf16", "qk_scale": "fp32"}
 
 
-def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False, row_prefetch: int = 0):
+def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False):
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel as kernel
 
     cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens,
-              FUSED_NEW=fused_new, ROW_PREFETCH=row_prefetch)
+              FUSED_NEW=fused_new)
     with tempfile.TemporaryDirectory() as tmp:
         # strides marked aligned as the JIT does for multiples of 16 (16-byte copies need it)
         got = compile_for_sm90(kernel, cx, TYPES, 4, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))
@@ -29,9 +28,8 @@ def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new
     loop = loop[:loop.find("BRA", loop.find("HMMA"))] if "HMMA" in loop else loop
     print("SHARED", got["shared"], "REGISTERS", regs.group(1) if regs else -1,
           "SPILL_STORES", spill.group(1) if spill else 0, "LDGSTS", sass.count("LDGSTS"), "HMMA", sass.count("HMMA"),
-          "LOOP_BARRIERS", loop.count("BAR.SYNC"), "L2_PREFETCH", sass.count("CCTL.E.PF2") + sass.count("CCTL.PF2"))
+          "LOOP_BARRIERS", loop.count("BAR.SYNC"))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"],
-         int(sys.argv[6]) if len(sys.argv) > 6 else 0)
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"])

@@ -40,29 +40,6 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
 
 
-def test_row_prefetch_builds_for_sm90():
-    # FLASHTILE_DECODE_GLUON_ROW_PREFETCH=3 (an experiment): still two programs an SM, no spills, one L2 prefetch
-    # of K and one of V a tile in the loop plus the tiles before the loop's first (1 and 2)
-    got = _compile(128, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, 1, 0, 3)
-    assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
-    assert got["SPILL_STORES"] == 0 and 2 * 128 * got["REGISTERS"] <= 65536, got
-    assert got["L2_PREFETCH"] == 6 and got["LOOP_BARRIERS"] <= 2, got
-
-
-def test_row_prefetch_knob(monkeypatch):
-    rows = torch.empty(2, 256, 8, 128, dtype=torch.bfloat16)
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROW_PREFETCH", raising=False)
-    assert decode_gluon.row_prefetch(rows, rows) == 0
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROW_PREFETCH", "3")
-    assert decode_gluon.row_prefetch(rows, rows) == 3
-    head_major = torch.empty(2, 8, 256, 128, dtype=torch.bfloat16).transpose(1, 2)  # rows with gaps: off
-    assert decode_gluon.row_prefetch(head_major, head_major) == 0
-    assert decode_gluon.row_prefetch(rows.float(), rows.float()) == 0  # 4-byte elements: off
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROW_PREFETCH", "x")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_ROW_PREFETCH"):
-        decode_gluon.row_prefetch(rows, rows)
-
-
 GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,
             batch_idx=False, leftpad=False, window_left=-1, softcap=0.0, alibi=False, rotary=False, num_splits=0,
             grid_full=True, aligned=True)

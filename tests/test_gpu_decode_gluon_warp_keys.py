@@ -188,17 +188,3 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
     q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
     _check(q, kc, vc, kw, causal=True)
     assert not gluon_calls
-
-
-# The row prefetch (FLASHTILE_DECODE_GLUON_ROW_PREFETCH, an experiment) only adds L2 prefetches: every call it
-# covers must match the reference as without it, appends and ragged rows included.
-@pytest.mark.parametrize("ahead", [2, 4])
-@pytest.mark.parametrize("shape", SHAPES[:5], ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES[:5]])
-def test_row_prefetch_matches_reference(gluon_calls, monkeypatch, ahead, shape):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROW_PREFETCH", str(ahead))
-    b, h, h_k, d, cap, s_new = shape
-    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + ahead)
-    kw["cache_seqlens"][1::3] = 0  # some rows without cache keys
-    assert decode_gluon.row_prefetch(kc, vc) == ahead
-    _check(q, kc, vc, kw, causal=True)
-    assert gluon_calls

@@ -18,14 +18,6 @@ a warp that has seen no key keeps m = -inf and weight 0 in the merge. One query 
 are the 16 rows); no window, softcap, ALiBi, rotary, pages, batch index or left padding (the launcher's rule).
 The program writes the call's new keys into its own cache slots first (FUSED_NEW), then reads them back with
 the rest, so decoding with an append is one launch.
-
-ROW_PREFETCH = D > 0 (an experiment, off by default): in FlashAttention's (b, s, h_k, d) layout a program's keys
-are d-wide pieces of h_k * d rows, the rest of each row read by the row's other programs at other moments; on
-head-major memory, where each program reads one contiguous stream, the same kernel matched cuDNN at b = 32,
-128k (session 19). With D > 0 the row's programs also pull tile j + D's whole rows into L2 while on tile j, each
-a contiguous 1 / h_k of them (``prefetch.global.L2``, one 128-byte line a thread), so DRAM sees contiguous
-streams and a program's own copies later hit L2. It needs rows without gaps (stride_kh == d, stride_kn ==
-h_k * d), which the launcher checks.
 """
 
 from triton.experimental import gluon
@@ -51,27 +43,6 @@ def _issue_kv(k_slot, v_slot, k_base, v_base, row0, seqlen, stride_kn, stride_vn
     async_copy.commit_group()
     _issue_tile(v_slot, v_base, row0, seqlen, stride_vn, rows, cols, ok)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2 on every address of ``ptrs``: the lines come into L2, nothing waits for them."""
-    gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_rows(k_row0, v_row0, tile, seqlen, kv_head, row_elems, lines, HEAD_DIM: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-    """This program's 1 / h_k of tile ``tile``'s whole K and V rows into L2: BLOCK_N * HEAD_DIM contiguous elements
-    (as many as its own piece of the tile) from the tile's first row, at slice ``kv_head``. Lines past the row's
-    length (and so past the cache's end) are redirected to the row's first line."""
-    LINE: gl.constexpr = 128 // 2  # elements of a 128-byte line at 2 bytes an element
-    off = row_elems.to(gl.int64) * (tile * BLOCK_N) + kv_head * (BLOCK_N * HEAD_DIM) + lines * LINE
-    ok = off < seqlen.to(gl.int64) * row_elems
-    off = gl.where(ok, off, 0)
-    _prefetch_l2(k_row0 + off)
-    _prefetch_l2(v_row0 + off)
 
 
 @gluon.jit
@@ -102,7 +73,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, ROW_PREFETCH: gl.constexpr = 0,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -172,16 +143,6 @@ def _gluon_decode_warp_keys_kernel(
     s_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(1, mma)))
     s_k = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
-    if ROW_PREFETCH > 0:
-        # one 128-byte line a thread: BLOCK_N * HEAD_DIM * 2 / 128 lines (128 at 64 keys, d = 128; the launcher
-        # checks they are at most the CTA's threads)
-        LINES: gl.constexpr = BLOCK_N * HEAD_DIM * 2 // 128
-        pf_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        lines = gl.arange(0, 128, pf_layout) % LINES
-        k_row0 = K + b.to(gl.int64) * stride_kb
-        v_row0 = V + b.to(gl.int64) * stride_vb
-        for i in gl.static_range(NUM_BUFFERS - 1, ROW_PREFETCH):
-            _prefetch_rows(k_row0, v_row0, i, seqlen, kv_head, stride_kn, lines, HEAD_DIM, BLOCK_N)
     for j in range(0, n):
         slot = j % NUM_BUFFERS
         # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
@@ -192,8 +153,6 @@ def _gluon_decode_warp_keys_kernel(
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
         gl.thread_barrier()
         _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
-        if ROW_PREFETCH > 0:
-            _prefetch_rows(k_row0, v_row0, j + ROW_PREFETCH, seqlen, kv_head, stride_kn, lines, HEAD_DIM, BLOCK_N)
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN

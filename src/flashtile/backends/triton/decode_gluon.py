@@ -53,23 +53,6 @@ NUM_BUFFERS = 2
 FUSED_APPEND = True
 
 
-def row_prefetch(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """Tiles ahead that the row's programs pull whole key rows into L2 (FLASHTILE_DECODE_GLUON_ROW_PREFETCH, an
-    experiment: 0, the default, is off). Only for caches whose rows have no gaps (kv heads side by side, keys
-    back to back, K and V alike) and 2-byte elements, where a program's share of a tile's rows is at most one
-    128-byte line a thread."""
-    text = env.get("FLASHTILE_DECODE_GLUON_ROW_PREFETCH", "") or "0"
-    if not text.isdigit():
-        raise ValueError(f"FLASHTILE_DECODE_GLUON_ROW_PREFETCH must be a count of tiles (0: off), got {text!r}")
-    ahead = int(text)
-    if ahead <= 0:
-        return 0
-    d = k_cache.shape[3]
-    rows_whole = all(x.stride(2) == d and x.stride(1) == x.shape[2] * d and x.element_size() == 2
-                     for x in (k_cache, v_cache)) and k_cache.stride() == v_cache.stride()
-    return ahead if rows_whole and BLOCK_N * d * 2 // 128 <= 128 else 0
-
-
 def requested() -> bool | None:
     """FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 routes every covered call to the kernel, 0 none, unset: the rule."""
     return env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS")
@@ -141,5 +124,5 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            **({"ROW_PREFETCH": ahead} if (ahead := row_prefetch(k_cache, v_cache)) else {}), num_warps=4)
+            num_warps=4)
     return out, lse
