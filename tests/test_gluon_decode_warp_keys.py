@@ -40,6 +40,20 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
 
 
+def test_pdl_builds_for_sm90():
+    # FLASHTILE_DECODE_GLUON_PDL=1 (an experiment): the wait and the early launch of dependents, nothing else
+    got = _compile(128, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, 1, 1, 1)
+    assert got["GDC"] == 2 and got["SPILL_STORES"] == 0, got
+    assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM and 2 * 128 * got["REGISTERS"] <= 65536, got
+
+
+def test_pdl_knob(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_PDL", raising=False)
+    assert not decode_gluon.pdl(torch.device("cuda"))
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PDL", "1")
+    assert decode_gluon.pdl(torch.device("cuda")) and not decode_gluon.pdl(torch.device("cpu"))
+
+
 GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,
             batch_idx=False, leftpad=False, window_left=-1, softcap=0.0, alibi=False, rotary=False, num_splits=0,
             grid_full=True, aligned=True)

@@ -188,3 +188,40 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
     q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
     _check(q, kc, vc, kw, causal=True)
     assert not gluon_calls
+
+
+# FLASHTILE_DECODE_GLUON_PDL=1 (an experiment): a graph of layers whose Gluon kernels are programmatic dependents
+# of each other, each layer taking the output of the layer before as its query (so a wait that let a kernel read
+# too early would show), against the same chain run eagerly without PDL. Added in session 19, not yet GPU-run.
+@pytest.mark.parametrize("s_new", [0, 1])
+def test_pdl_chain_of_layers_in_a_graph(gluon_calls, monkeypatch, s_new):
+    layers = 4
+    q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, 128, 1000, torch.bfloat16, seed=7 + s_new)
+    lens = kw.pop("cache_seqlens").clamp_(max=900)
+    new = (kw.pop("k"), kw.pop("v")) if s_new else (None, None)
+    fresh = [(kc.clone(), vc.clone()) for _ in range(layers)]
+    caches = [(k.clone(), v.clone()) for k, v in fresh]
+    ref_caches = [(k.clone(), v.clone()) for k, v in fresh]
+
+    def chain(cs):
+        x = q
+        for k_cache, v_cache in cs:
+            x = flash_attn_with_kvcache(x, k_cache, v_cache, *new, cache_seqlens=lens, causal=True)
+        return x
+
+    ref = chain(ref_caches)  # PDL off (the fixture forces the Gluon kernel)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PDL", "1")
+    assert decode_gluon.pdl(q.device)
+
+    def restore():
+        for (k, v), (fk, fv) in zip(caches, fresh):
+            k.copy_(fk)
+            v.copy_(fv)
+
+    graph, out = _capture(lambda: chain(caches), before_capture=restore)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - ref.float()).abs().max().item() < 1e-2
+    for (k, v), (rk, rv) in zip(caches, ref_caches):  # one append each, as the eager chain made
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    assert gluon_calls
