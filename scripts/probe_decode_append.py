@@ -2,7 +2,8 @@
 durations (torch.profiler), with and without one appended key, at b = 1 / 8 / 32 and 8k keys (GQA 32 / 8, d =
 128, bf16). In session 19's 8-layer table (decode_graph_layers8_append_leaseB_fused_h200_2026-12-01_session19
 .json) an append added a constant ~8 us a call at b = 1 and b = 8 up to 32k, on the Triton kernel's in-kernel
-append (since then off by default: FLASHTILE_DECODE_FUSED_APPEND).
+append (since then off by default: FLASHTILE_DECODE_FUSED_APPEND). At b = 32, 8k the two calls run different kernels
+(the Gluon rule takes appending calls from 8k, reading ones from 16k), so that row is not an append's cost.
 
 Usage (GPU): python scripts/probe_decode_append.py [--out PATH.json]
 """

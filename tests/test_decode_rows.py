@@ -29,14 +29,43 @@ def rows_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def combines(monkeypatch):
+    """A list that records every launch of the combine kernel (the split merge when not fused)."""
+    from flashtile.backends.triton import decode
+
+    calls = []
+    real = decode.combine
+    monkeypatch.setattr(decode, "combine", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
 @pytest.mark.parametrize("heads, fused", [(1, "0"), (2, "1"), (4, "0")])
 @pytest.mark.parametrize("name", list(CASES))
-def test_matches_oracle(rows_calls, monkeypatch, heads, fused, name):
+def test_matches_oracle(rows_calls, combines, monkeypatch, heads, fused, name):
+    from flashtile.backends.triton import decode
+
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", str(heads))
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_FUSED", fused)
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, **CASES[name])
     _run_and_check(q, kc, vc, args)
     assert rows_calls == [heads]
+    # the merge ran where asked: in the kernel (its counters back at zero for the next call) or the combine kernel
+    assert combines == ([] if fused == "1" else [1])
+    if fused == "1":
+        assert all(int(c.abs().sum()) == 0 for c in decode._COUNTERS.values())
+
+
+@pytest.mark.parametrize("splits, fused", [("1", "0"), ("2", "0"), ("2", "1")])
+def test_splits_of_several_tiles(rows_calls, monkeypatch, splits, fused):
+    # 16-key tiles, rows of up to 110 keys in one or two splits: full tiles (the unmasked loop and its pointer
+    # steps) then a partial one
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "2")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_SPLITS", splits)
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_FUSED", fused)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=110, s_new=1)
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [2]
 
 
 def test_uncovered_calls_keep_the_default_kernels(rows_calls, monkeypatch):
@@ -52,16 +81,25 @@ def test_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "3")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS"):
         decode_rows.requested()
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "16,4")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_CFG"):
-        decode_rows.config(8)
+    for bad in ("16,4", "24,4,3", "16,x,3"):
+        monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_CFG"):
+            decode_rows.config(8)
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
     assert decode_rows.requested() == 0
 
 
 def test_splits_fill_the_program_slots(monkeypatch):
+    from flashtile.backends.triton.decode import MAX_SPLITS
+
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS_SPLITS", raising=False)
     # 8 heads, 16-key tiles at d = 128: 64 KB a stage, three stages, one program an SM; b = 32 on 132 SMs
-    assert decode_rows.num_splits(32, 64 * 1024, 3, 132) == 4
+    assert decode_rows.num_splits(32, 64 * 1024, 3, 132, key_blocks=8192) == 4
     # 4 heads: 32 KB a stage, two programs an SM; b = 32 with two head groups
-    assert decode_rows.num_splits(64, 32 * 1024, 3, 132) == 4
+    assert decode_rows.num_splits(64, 32 * 1024, 3, 132, key_blocks=8192) == 4
+    # one program: at most one split a key block, and never more than MAX_SPLITS
+    assert decode_rows.num_splits(1, 8 * 1024, 3, 132, key_blocks=5) == 5
+    assert decode_rows.num_splits(1, 8 * 1024, 3, 132, key_blocks=10**6) == MAX_SPLITS
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_SPLITS", "0")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_SPLITS"):
+        decode_rows.num_splits(1, 8 * 1024, 3, 132, key_blocks=5)

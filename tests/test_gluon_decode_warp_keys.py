@@ -38,6 +38,7 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
     assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got  # 16-byte cp.async copies, mma.sync
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
+    assert got["GDC"] == 0, got  # no griddepcontrol unless USE_PDL
 
 
 def test_pdl_builds_for_sm90():

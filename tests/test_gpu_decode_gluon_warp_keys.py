@@ -192,36 +192,51 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
 
 # FLASHTILE_DECODE_GLUON_PDL=1 (an experiment): a graph of layers whose Gluon kernels are programmatic dependents
 # of each other, each layer taking the output of the layer before as its query (so a wait that let a kernel read
-# too early would show), against the same chain run eagerly without PDL. Added in session 19, not yet GPU-run.
+# too early would show), replayed twice with new lengths, against the same chain run eagerly without PDL: outputs
+# and caches bit for bit (the same kernel code; only the launch differs). Added in session 19, not yet GPU-run.
 @pytest.mark.parametrize("s_new", [0, 1])
-def test_pdl_chain_of_layers_in_a_graph(gluon_calls, monkeypatch, s_new):
+def test_pdl_chain_of_layers_in_a_graph(monkeypatch, s_new):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    launches = []
+    real = decode_gluon.run_kernel
+
+    def spy(kernel, grid, *args, **meta):
+        launches.append(bool(meta.get("launch_pdl")) and bool(meta.get("USE_PDL")))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(decode_gluon, "run_kernel", spy)
     layers = 4
     q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, 128, 1000, torch.bfloat16, seed=7 + s_new)
-    lens = kw.pop("cache_seqlens").clamp_(max=900)
+    lens = kw.pop("cache_seqlens").clamp_(max=800)
     new = (kw.pop("k"), kw.pop("v")) if s_new else (None, None)
     fresh = [(kc.clone(), vc.clone()) for _ in range(layers)]
     caches = [(k.clone(), v.clone()) for k, v in fresh]
-    ref_caches = [(k.clone(), v.clone()) for k, v in fresh]
 
-    def chain(cs):
+    def chain(cs, seqlens):
         x = q
         for k_cache, v_cache in cs:
-            x = flash_attn_with_kvcache(x, k_cache, v_cache, *new, cache_seqlens=lens, causal=True)
+            x = flash_attn_with_kvcache(x, k_cache, v_cache, *new, cache_seqlens=seqlens, causal=True)
         return x
-
-    ref = chain(ref_caches)  # PDL off (the fixture forces the Gluon kernel)
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PDL", "1")
-    assert decode_gluon.pdl(q.device)
 
     def restore():
         for (k, v), (fk, fv) in zip(caches, fresh):
             k.copy_(fk)
             v.copy_(fv)
 
-    graph, out = _capture(lambda: chain(caches), before_capture=restore)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert (out.float() - ref.float()).abs().max().item() < 1e-2
-    for (k, v), (rk, rv) in zip(caches, ref_caches):  # one append each, as the eager chain made
-        assert torch.equal(k, rk) and torch.equal(v, rv)
-    assert gluon_calls
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PDL", "1")
+    launches.clear()
+    graph, out = _capture(lambda: chain(caches, lens), before_capture=restore)
+    assert launches and all(launches), "the captured calls must be PDL launches of the Gluon kernel"
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_PDL", "0")
+    for step in range(2):
+        lens += 5 * step
+        restore()
+        graph.replay()
+        ref_caches = [(k.clone(), v.clone()) for k, v in fresh]
+        launches.clear()
+        ref = chain(ref_caches, lens)  # eager, ordinary launches of the same kernel
+        assert launches and not any(launches)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
+        for (k, v), (rk, rv) in zip(caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv)

@@ -1,7 +1,8 @@
 """GPU tests of the pipeline depth of grids of more than one wave (backends/triton/decode.py
 grid_full_stages; on by default for sm_90 since session 12): unsplit launches of more programs (b * kv
 heads * query-row blocks) than SMs take 2 stages on a contiguous cache in the measured shape. They must
-match the reference with descriptor and pointer loads, with and without a fused append and rotary, and
+match the reference with descriptor and pointer loads, with and without appended keys (by the separate append
+kernel, the default, and by the decode kernel itself, FUSED_APPEND) and rotary, and
 equal the table's 3-stage launch bit for bit with either load (the same tiles in the same order; only
 the pipeline's depth differs). 8 warps with 2 stages (b = 32 from 32k) run in
 test_gpu_decode_long_warps.py's b = 32 case. In gpu_check.sh tests-kv."""
@@ -21,9 +22,11 @@ def _sm90():
     return torch.cuda.get_device_capability()[0] == 9  # as the launcher's _arch reads it
 
 
+@pytest.mark.parametrize("fused_append", [False, True])
 @pytest.mark.parametrize("tma", [None, False])  # None: the default rule (descriptor loads at these lengths)
 @pytest.mark.parametrize("cap,s_new,rotary", [(4096, 0, False), (5000, 1, True), (2048, 2, False)])
-def test_two_stages_against_reference(monkeypatch, tma, cap, s_new, rotary):
+def test_two_stages_against_reference(monkeypatch, tma, cap, s_new, rotary, fused_append):
+    monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
     monkeypatch.delenv("FLASHTILE_DECODE_STAGES", raising=False)
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", tma)
     metas = record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)

@@ -52,11 +52,15 @@ def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new):
         assert torch.equal(a, c)  # same kernels, same order of work: bit for bit
 
 
-def test_pdl_in_a_graph_of_layers(monkeypatch):
+@pytest.mark.parametrize("fused_append", [False, True])
+def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
     """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the
     previous layer's output (so a kernel that read before its wait would see a stale input),
     replayed with new lengths, against the same chain launched ordinarily: outputs and appended
-    caches bit for bit."""
+    caches bit for bit. The append runs as its own kernel (the default: an ordinary launch between
+    a layer's merge and the next layer's decode) or inside the decode kernel (PDL decode right after
+    a PDL merge)."""
+    monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     layers = [_inputs(1, 1, 1, 32, 8, 128, 8192, torch.bfloat16, page=16, rotary=True, seed=i) for i in range(8)]

@@ -83,7 +83,7 @@ def test_tma_with_leftpad_and_batch_idx(sm90, monkeypatch, leftpad, batch_idx):
                                      (128, torch.float32)])
 def test_tma_other_head_dims_and_dtypes(sm90, monkeypatch, d, dtype):
     """d = 80 (128-wide tiles: the descriptor zero-fills past d), 256 (32-key tiles, 512-byte rows),
-    fp32 (64-key tiles), against the reference with a fused append."""
+    fp32 (64-key tiles), against the reference with an appended key (the separate append kernel)."""
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     seen = _record_tma(monkeypatch)
     q, kc, vc, kw = _inputs(2, 1, 1, 16, 4, d, 3000, dtype)

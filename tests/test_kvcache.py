@@ -680,9 +680,12 @@ def test_generate_example_runs():
     assert tokens.shape[-1] == 9
 
 
-def test_new_kv_aliasing_the_cache(monkeypatch):
+@pytest.mark.parametrize("fused_append", [False, True])
+def test_new_kv_aliasing_the_cache(monkeypatch, fused_append):
     """k/v passed as views of the very cache slots they are appended to (with rotary): the result
-    must equal the same call on separate copies (the launcher then uses the separate append kernel)."""
+    must equal the same call on separate copies (the launcher then uses the separate append kernel,
+    also when FUSED_APPEND would append in the decode kernel)."""
+    monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
     monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
     g = torch.Generator().manual_seed(3)

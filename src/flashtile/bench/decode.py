@@ -255,6 +255,8 @@ def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_t
         except Exception as e:
             row["us"][name] = None
             row["errors"][name] = _describe(e)
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
     _time_in_rounds(timers, args.rounds, row)
     # free the peers' copies before the paged caches are built (the closures hold them too)
     timers = timer = peer_calls = peer_caches = calls = variants = layer_caches = None

@@ -56,7 +56,8 @@ def _decode_rows_kernel(
     if USE_PDL:
         gdc_wait()
     pid = tl.program_id(0)
-    split = pid % NUM_SPLITS
+    split32 = pid % NUM_SPLITS
+    split = split32.to(tl.int64)  # for the partials' offsets: split x a partial's stride can pass 2^31
     bg = pid // NUM_SPLITS
     kv0 = (bg % GROUPS) * HEADS
     b = (bg // GROUPS).to(tl.int64)
@@ -66,7 +67,7 @@ def _decode_rows_kernel(
         seqlen = cache_len_const
     seqlen = tl.minimum(seqlen + s_new, capacity)
     per = tl.cdiv(tl.cdiv(seqlen, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    lo = split * per
+    lo = split32 * per
     hi = tl.minimum(lo + per, seqlen)
 
     offs_h = tl.arange(0, HEADS)[:, None, None]
@@ -109,8 +110,10 @@ def _decode_rows_kernel(
             lse_ptrs = LSE_PART + b * stride_lpb + lse_head * stride_lph
             lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
             m_all = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
+            lps = stride_lps.to(tl.int64)  # split x a partial's stride can pass 2^31
+            ops = stride_ops.to(tl.int64)
             for sp in range(NUM_SPLITS):
-                m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * stride_lps, mask=lse_ok, other=float("-inf"),
+                m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * lps, mask=lse_ok, other=float("-inf"),
                                                   cache_modifier=".cg"))
             none = m_all == float("-inf")
             m_safe = tl.where(none, 0.0, m_all)
@@ -118,9 +121,9 @@ def _decode_rows_kernel(
             merged = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
             o_ptrs = O_PART + b * stride_opb + q_head * stride_oph + offs_d
             for sp in range(NUM_SPLITS):
-                w = tl.exp(tl.load(lse_ptrs + sp * stride_lps, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp(tl.load(lse_ptrs + sp * lps, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
                            - m_safe)
-                merged += tl.load(o_ptrs + sp * stride_ops, mask=row_ok, other=0.0, cache_modifier=".cg") * w[:, :, None]
+                merged += tl.load(o_ptrs + sp * ops, mask=row_ok, other=0.0, cache_modifier=".cg") * w[:, :, None]
                 w_sum += w
             final = merged / tl.where(none, 1.0, w_sum)[:, :, None]
             tl.store(O + b * stride_ob + q_head * stride_oh + offs_d, final.to(O.dtype.element_ty), mask=row_ok)

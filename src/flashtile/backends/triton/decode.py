@@ -29,7 +29,7 @@ CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 # graph (b = 1, 8k: 17.3-17.4 against 22.1 us a call; decode_fused_append_ab_leaseC_h200_2026-12-01_session19.json).
 # FLASHTILE_DECODE_FUSED_APPEND=1 (read at import) turns it on; tests run both. The Gluon kernel's own append is
 # separate (decode_gluon.FUSED_APPEND).
-FUSED_APPEND = env.get("FLASHTILE_DECODE_FUSED_APPEND", "0") not in ("", "0")
+FUSED_APPEND = bool(env.switch("FLASHTILE_DECODE_FUSED_APPEND"))
 # The split merge inside the decode kernel (the last split to finish merges; one launch fewer):
 # off until it has run on the GPU (a cross-program handshake the interpreter cannot stress).
 # FLASHTILE_DECODE_FUSED_COMBINE=1 turns it on for experiments.
@@ -570,9 +570,9 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                                    alibi_slopes, num_splits, s_new, forced=bool(gluon))
         if done is not None:
             return done
-    # The decode kernel appends by itself, unless it has no program to do it (no query rows), or the
-    # new k/v share storage with the caches: then the kernel's writer could rotate slots that other
-    # programs still read as new keys (the separate kernel reads and writes each slot in one program).
+    # With FUSED_APPEND (off by default) the decode kernel appends by itself, unless it has no program to do it
+    # (no query rows), or the new k/v share storage with the caches: then the kernel's writer could rotate slots
+    # that other programs still read as new keys (the separate kernel reads and writes each slot in one program).
     fused = (FUSED_APPEND and s_new > 0 and q.numel() > 0
              and not _aliases_cache((k, v), (k_cache, v_cache)))
     if k is not None and not fused:

@@ -33,7 +33,9 @@ MAX_GROUP = 16  # the kernel's 16 query rows
 MIN_CAPACITY = 16384
 # With a serving step's append (one new token, in the kernel) the Gluon kernel was 3.3% faster than the Triton
 # kernel's in-kernel append at b = 32, 8k (245.1 against 253.4-253.6 us) and 2.4% at 16k
-# (decode_gluon_append_{8k,16k}_ab_h200_2026-11-30_session18.json); below 8k is unmeasured.
+# (decode_gluon_append_{8k,16k}_ab_h200_2026-11-30_session18.json); below 8k is unmeasured. Since session 19 the
+# Triton path appends with the separate append kernel instead (faster at b = 1 / 8); against that path at b = 32,
+# 8k-16k this bound is unmeasured.
 MIN_CAPACITY_APPENDING = 8192
 # Programs (batch rows x kv heads) an SM the rule needs: measured faster at 1.94 (b = 32 with 8 kv heads on 132
 # SMs) and 3.88 (b = 64), 17% slower at 0.97 (b = 16); between 1 and 1.9 unmeasured, so the Triton kernel's.
@@ -47,9 +49,10 @@ RULE_HEAD_DIM = 128
 # (decode_gluon_tile128_ab_h200_2026-12-01_session19.json) and were removed.
 BLOCK_N = 64
 NUM_BUFFERS = 2
-# The kernel appends a call's new keys itself (FUSED_NEW): 3.3% faster than the Triton kernel's own append at
-# b = 32, 8k in session 18 (decode_gluon_append_8k_ab_h200_2026-11-30_session18.json). False: the separate
-# append kernel first, and the rule's bound without appends.
+# The kernel appends a call's new keys itself (FUSED_NEW): close to free at b = 32, 8k in session 18 (1.4% behind
+# cuDNN with one appended key, about as far as without one; decode_gluon_append_8k_ab_h200_2026-11-30_session18
+# .json). Against this kernel after the separate append kernel it is unmeasured. False: the separate append kernel
+# first, and the rule's bound without appends.
 FUSED_APPEND = True
 
 
@@ -57,7 +60,7 @@ def pdl(device: torch.device) -> bool:
     """Launch the kernel as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL=1, an experiment; off by default):
     inside a graph of layers the next layer's launch then overlaps this one's tail. The Triton kernel's PDL
     measured nothing at b = 32 (session 12); this kernel's is unmeasured."""
-    return env.get("FLASHTILE_DECODE_GLUON_PDL", "0") not in ("", "0") and device.type == "cuda"
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_PDL")) and device.type == "cuda"
 
 
 def requested() -> bool | None:

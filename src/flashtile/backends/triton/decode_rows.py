@@ -1,12 +1,12 @@
 """Host side of the row-stream decode experiment (kernels/decode_rows.py), off unless asked for.
 
-``FLASHTILE_DECODE_ROWS=H`` sends plain decode calls (those the Gluon kernel covers: one query token, a
-contiguous 16-byte aligned bf16 / fp16 cache, no window edge, softcap, ALiBi, rotary, batch index, left padding
-or paging) to programs of H adjacent kv heads (H divides h_k). Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,
-stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the
-splits in the kernel's last split instead of the combine kernel (slower at b = 32, session 19);
-``FLASHTILE_DECODE_ROWS_PDL=1`` launches both kernels as programmatic dependents. New keys are appended by the
-separate append kernel.
+``FLASHTILE_DECODE_ROWS=H`` sends decode calls with one query token and no left window edge, softcap, ALiBi,
+rotary, batch index, left padding or paging (``kvcache_fwd``'s ``_plain_call``) to programs of H adjacent kv heads
+(H divides h_k), when ``covers`` holds: a bf16 / fp16 cache, d of 16-128, at most 16 query heads a kv head.
+Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the
+launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
+kernel (slower at b = 32, session 19); ``FLASHTILE_DECODE_ROWS_PDL=1`` launches both kernels as programmatic
+dependents (sm_90+). New keys are appended by the separate append kernel.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import env
-from flashtile.backends.triton.host import device_guard, launch
+from flashtile.backends.triton.host import capability, cdiv, device_guard, launch
 from flashtile.kernels.decode_rows import _decode_rows_kernel
 
 LOG2E = 1.4426950408889634
@@ -36,19 +36,30 @@ def config(heads: int) -> tuple[int, int, int]:
     text = env.get("FLASHTILE_DECODE_ROWS_CFG", "")
     if not text:
         return CONFIGS[heads]
-    parts = tuple(int(x) for x in text.split(","))
-    if len(parts) != 3:
+    parts = text.split(",")
+    if len(parts) != 3 or not all(x.isdigit() for x in parts):
         raise ValueError(f"FLASHTILE_DECODE_ROWS_CFG must be BLOCK_N,warps,stages, got {text!r}")
-    return parts
+    block_n, warps, stages = map(int, parts)
+    if block_n < 16 or block_n & (block_n - 1) or warps not in (1, 2, 4, 8, 16) or stages < 1:
+        raise ValueError(f"FLASHTILE_DECODE_ROWS_CFG: BLOCK_N a power of two >= 16, warps 1-16 (a power of two), "
+                         f"stages >= 1; got {text!r}")
+    return block_n, warps, stages
 
 
-def num_splits(programs: int, stage_bytes: int, stages: int, sms: int) -> int:
-    """Splits that fill every SM's program slots once (slots from the shared memory the stages take)."""
+def num_splits(programs: int, stage_bytes: int, stages: int, sms: int, key_blocks: int) -> int:
+    """Splits that fill every SM's program slots once (slots from the shared memory the stages take), at most one
+    a key block and MAX_SPLITS."""
+    from flashtile.backends.triton.decode import MAX_SPLITS
+
     forced = env.get("FLASHTILE_DECODE_ROWS_SPLITS", "")
     if forced:
-        return max(1, int(forced))
-    per_sm = max(1, SMEM_PER_SM // max(1, stage_bytes * stages))
-    return max(1, round(per_sm * sms / max(1, programs)))
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"FLASHTILE_DECODE_ROWS_SPLITS must be a positive count, got {forced!r}")
+        splits = int(forced)
+    else:
+        per_sm = max(1, SMEM_PER_SM // max(1, stage_bytes * stages))
+        splits = round(per_sm * sms / max(1, programs))
+    return max(1, min(splits, MAX_SPLITS, key_blocks))
 
 
 def covers(q, k_cache, v_cache, heads: int) -> bool:
@@ -73,13 +84,16 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
         return out, lse
     block_n, warps, stages = config(heads)
     groups = h_k // heads
-    splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms)
+    splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms,
+                        cdiv(max(k_cache.shape[1], 1), block_n))
     o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
     counters = None
-    if env.get("FLASHTILE_DECODE_ROWS_FUSED", "0") not in ("", "0") and splits > 1:
+    if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and splits > 1:
         counters = _merge_counters(q.device, b * groups)
-    pdl = env.get("FLASHTILE_DECODE_ROWS_PDL", "0") not in ("", "0") and q.device.type == "cuda"
+    # griddepcontrol is NVIDIA's, from sm_90 (a ROCm MI300 also reports capability 9.x)
+    pdl = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL")) and q.device.type == "cuda" and torch.version.hip is None \
+        and capability(q.device) >= (9, 0)
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
