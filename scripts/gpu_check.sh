@@ -29,6 +29,7 @@
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
 #   bench-decode-gluon-pdl  the Gluon kernel as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL) at b = 32
+#   tests-decode-gluon-rows / bench-decode-gluon-rows  the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS)
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
@@ -584,6 +585,16 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-pdl && decode_runs decode_gluon_pdl \
         "$wk $p=0|$wk $p=1|$wk $p=0|$wk $p=1" --cuda-graph --layers 8 --batch 32 \
         --seqlens ${GLUON_PDL_SEQLENS:-8192 16384 65536 131072} --pages --peers cudnn ;;
+    tests-decode-gluon-rows)
+      # the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS=1, session 19) against the reference
+      TIMED_XDIST=1 timed_tests decode_gluon_rows tests/test_gpu_decode_gluon_rows.py ;;
+    bench-decode-gluon-rows)
+      # the whole-row Gluon kernel against the default (the per-head Gluon kernel at b = 32, the Triton split
+      # kernel at b = 8) beside cuDNN in 8-layer graphs, alternated twice, after tests-decode-gluon-rows passed
+      r=FLASHTILE_DECODE_GLUON_ROWS
+      gate decode_gluon_rows bench-decode-gluon-rows && decode_runs decode_gluon_rows "$r=0|$r=1|$r=0|$r=1" \
+        --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
+        --pages --peers cudnn ;;
     bench-decode-head-major)
       # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
       # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,

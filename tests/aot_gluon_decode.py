@@ -6,11 +6,10 @@ in the SASS between the key loop's first copy wait (DEPBAR) and its back edge, a
 the PTX."""
 
 import pathlib
-import re
 import sys
 import tempfile
 
-from gluon_aot import compile_for_sm90  # this script runs from tests/ (its folder is on sys.path)
+from gluon_aot import compile_for_sm90, decode_build_summary  # this script runs from tests/ (on sys.path)
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "SEQLENS": "*i32", "K_NEW": "*bf16",
          "V_NEW": "*bf16", "qk_scale": "fp32"}
@@ -25,14 +24,7 @@ def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new
         # strides marked aligned as the JIT does for multiples of 16 (16-byte copies need it)
         got = compile_for_sm90(kernel, cx, TYPES, 4, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))
         ptx = (pathlib.Path(tmp) / "kernel.ptx").read_text()
-    log, sass = got["ptxas_log"], got["sass"]
-    regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
-    loop = sass[sass.find("DEPBAR"):]
-    loop = loop[:loop.find("BRA", loop.find("HMMA"))] if "HMMA" in loop else loop
-    print("SHARED", got["shared"], "REGISTERS", regs.group(1) if regs else -1,
-          "SPILL_STORES", spill.group(1) if spill else 0, "LDGSTS", sass.count("LDGSTS"), "HMMA", sass.count("HMMA"),
-          "LOOP_BARRIERS", loop.count("BAR.SYNC"), "GDC", ptx.count("griddepcontrol."))
-
+    print(decode_build_summary(got), "GDC", ptx.count("griddepcontrol."))
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"],

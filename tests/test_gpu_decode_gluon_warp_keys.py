@@ -74,7 +74,9 @@ def test_outside_coverage_keeps_the_triton_kernel(gluon_calls, kw):
     assert not gluon_calls
 
 
-def test_cuda_graph_step(gluon_calls, monkeypatch):
+def graph_steps_match_the_default(monkeypatch, knob: str):
+    """A decode step with an append captured in a CUDA graph with the kernel's knob on, replayed three times with
+    advancing lengths, each replay against an eager call with the knob off (the default kernels)."""
     q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 1000, torch.bfloat16)
     lens = kw.pop("cache_seqlens")
     lens.clamp_(max=900)
@@ -87,12 +89,16 @@ def test_cuda_graph_step(gluon_calls, monkeypatch):
     for _ in range(3):
         lens += 1
         graph.replay()
-        # the Triton kernel on the appended cache (a replay does not read the variable)
-        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
+        # the default kernels on the appended cache (a replay does not read the variable)
+        monkeypatch.setenv(knob, "0")
         ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=lens + 1, causal=True)
-        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+        monkeypatch.setenv(knob, "1")
         torch.cuda.synchronize()
         assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_cuda_graph_step(gluon_calls, monkeypatch):
+    graph_steps_match_the_default(monkeypatch, "FLASHTILE_DECODE_GLUON_WARP_KEYS")
     assert gluon_calls
 
 

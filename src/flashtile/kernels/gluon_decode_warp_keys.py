@@ -28,6 +28,17 @@ WARPS = 4
 
 
 @gluon.jit
+def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr):
+    """Keys of batch row ``b`` this call attends: its cache length (cache_seqlens[b], or cache_len_const) plus the
+    call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot."""
+    if HAS_SEQLENS:
+        cache_len = gl.load(SEQLENS + b)
+    else:
+        cache_len = cache_len_const
+    return cache_len, gl.minimum(cache_len + s_new, capacity)
+
+
+@gluon.jit
 def _issue_tile(smem, base, row0, seqlen, stride_n, rows, cols, ok):
     """Copy rows [row0, row0 + BLOCK_N) of one kv head, as [warp, keys a warp, d], into ``smem``; rows at or past
     ``seqlen`` (all of them when ``ok`` is false) are zero-filled; the caller commits the group."""
@@ -106,12 +117,7 @@ def _gluon_decode_warp_keys_kernel(
     pid = gl.program_id(0)
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    if HAS_SEQLENS:
-        cache_len = gl.load(SEQLENS + b)
-    else:
-        cache_len = cache_len_const
-    # an unchecked length past the cache's end reads no further than its last slot
-    seqlen = gl.minimum(cache_len + s_new, capacity)
+    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
     n = gl.cdiv(seqlen, BLOCK_N)
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh

@@ -11,7 +11,7 @@ import functools
 import torch
 
 from flashtile import env
-from flashtile.backends.triton import decode_gluon, decode_rows
+from flashtile.backends.triton import decode_gluon, decode_gluon_rows, decode_rows
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
@@ -563,6 +563,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=num_sms(q.device))
+    # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernel, an experiment (off by default)
+    if decode_gluon_rows.requested() and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left,
+                                                     softcap, alibi_slopes, rotary_cos) \
+            and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:
+        if k is not None and s_new > 0:
+            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+        return decode_gluon_rows.gluon_rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                                                   cache_len_const=cache_len_const, s_new=s_new,
+                                                   softmax_scale=softmax_scale, sms=num_sms(q.device))
     gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
     if gluon is not False:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,

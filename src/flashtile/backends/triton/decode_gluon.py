@@ -102,6 +102,11 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
     return None
 
 
+def one_token_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token decode call's outputs, unfilled: out like q (b, 1, h, d) and lse (b, h, 1), fp32."""
+    return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], 1, device=q.device, dtype=torch.float32)
+
+
 def aligned(*tensors: torch.Tensor) -> bool:
     """16-byte copies need 16-byte aligned bases and rows. The JIT marks an integer argument aligned only when
     it is a multiple of 16, so every outer stride must be one (in elements): 8 would be 16 bytes of 2-byte data,
@@ -119,8 +124,7 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
+    out, lse = one_token_outputs(q)
     fused = k_new is not None and s_new > 0
     if b == 0:
         return out, lse

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import env
+from flashtile.backends.triton import decode_gluon
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch
 from flashtile.kernels.decode_rows import _decode_rows_kernel
 
@@ -78,8 +79,7 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
-    out = torch.empty_like(q)
-    lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
+    out, lse = decode_gluon.one_token_outputs(q)
     if b == 0:
         return out, lse
     block_n, warps, stages = config(heads)

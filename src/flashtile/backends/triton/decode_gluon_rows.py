@@ -1,0 +1,75 @@
+"""Which decode calls take the whole-row Gluon kernel (kernels/gluon_decode_rows.py), and its launch: an
+experiment, off unless ``FLASHTILE_DECODE_GLUON_ROWS=1``. Built in session 19 and compiled for sm_90 on the CPU
+(96 KB of shared memory and 128 registers at h_k = 8, d = 128: two programs an SM); not yet GPU-run.
+
+Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
+most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
+padding, left window edge, softcap, ALiBi or rotary. New keys are appended by the separate append kernel first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile import env
+from flashtile.backends.triton import decode_gluon
+from flashtile.backends.triton.host import cdiv, device_guard, run_kernel
+
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)
+KV_HEADS = (4, 8)
+MAX_GROUP = 8  # the kernel's 8 MMA columns
+BLOCK_N = 16
+PROGRAMS_PER_SM = 2  # 96 KB of shared memory and 128 registers a thread at h_k = 8, d = 128
+
+
+def requested() -> bool:
+    """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
+
+
+def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch: str) -> str | None:
+    """Why the kernel cannot compute this call (None: it can); the caller has checked the plain-call
+    conditions (no paging, batch index, left padding, left window edge, softcap, ALiBi or rotary)."""
+    b, sq, h, d = q.shape
+    h_k = k_cache.shape[2]
+    if arch != "sm90":
+        return "not an sm_90 GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return f"dtype {q.dtype} with a {k_cache.dtype} cache (takes bf16 / fp16, the same for both)"
+    if d not in HEAD_DIMS or h_k not in KV_HEADS or sq != 1 or h // h_k > MAX_GROUP:
+        return f"d = {d}, {h_k} kv heads, {sq} query tokens, {h // h_k} query heads a kv head"
+    if not decode_gluon.aligned(k_cache, v_cache):
+        return "cache not 16-byte aligned, or an outer stride not a multiple of 16 elements"
+    return None
+
+
+def num_splits(b: int, capacity: int, sms: int) -> int:
+    """Key splits that give every SM PROGRAMS_PER_SM programs, at most one a 16-key tile and 128."""
+    return max(1, min(round(PROGRAMS_PER_SM * sms / max(b, 1)), cdiv(max(capacity, 1), BLOCK_N), 128))
+
+
+def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, sms):
+    """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or cache_len_const)
+    + s_new keys a row (already appended): out (b, 1, h, d), lse (b, h, 1)."""
+    from flashtile.backends.triton.decode import combine
+    from flashtile.kernels.gluon_decode_rows import _gluon_decode_rows_kernel
+
+    b, _, h, d = q.shape
+    h_k = k_cache.shape[2]
+    out, lse = decode_gluon.one_token_outputs(q)
+    if b == 0:
+        return out, lse
+    splits = num_splits(b, k_cache.shape[1], sms)
+    o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
+    has_seqlens = cache_seqlens is not None
+    with device_guard(q):
+        run_kernel(_gluon_decode_rows_kernel, (b * splits,),
+            q, k_cache, v_cache, o_part, lse_part, cache_seqlens if has_seqlens else lse, softmax_scale * LOG2E,
+            h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1],
+            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
+            lse_part.stride(2),
+            HEADS=h_k, HEAD_DIM=d, NUM_SPLITS=splits, HAS_SEQLENS=has_seqlens, num_warps=h_k)
+    return combine(o_part, lse_part, out, lse)

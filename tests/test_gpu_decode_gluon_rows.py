@@ -1,0 +1,48 @@
+"""The whole-row Gluon decode kernel on the H200 (FLASHTILE_DECODE_GLUON_ROWS=1, an experiment): every call routed
+there must match the PyTorch reference (FlashAttention's tolerance rule), with ragged rows, rows without keys,
+splits past a row's end, appended keys (by the separate append kernel), GQA 1:1 to 8:1, 4 or 8 kv heads and
+d = 64 / 128, and stay capturable in a CUDA graph. Added in session 19, not yet GPU-run; marked gluon (its first
+run goes under gpu_check's timeout: tests-decode-gluon-rows)."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import decode_gluon_rows
+from test_gpu_decode_gluon_warp_keys import _record_launches, graph_steps_match_the_default
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
+
+
+@pytest.fixture
+def rows_calls(monkeypatch):
+    """The knob on, and a list that records every launch of the kernel."""
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "1")
+    return _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
+
+
+# (b, h, h_k, d, cap, s_new)
+SHAPES = [(32, 32, 8, 128, 8192, 0), (32, 32, 8, 128, 4133, 1), (8, 64, 8, 128, 3000, 3), (16, 16, 4, 64, 2049, 1),
+          (3, 8, 8, 128, 700, 0), (1, 32, 8, 128, 20000, 1), (64, 32, 8, 64, 300, 2)]
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b,h,h_k,d,cap,s_new", SHAPES)
+def test_matches_reference(rows_calls, half, b, h, h_k, d, cap, s_new):
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, half, seed=cap + b)
+    if b > 1:
+        kw["cache_seqlens"][1::3] = 0  # rows without cache keys (with new keys: only those)
+    _check(q, kc, vc, kw, causal=True)
+    assert rows_calls, "the whole-row kernel did not run"
+
+
+def test_int_length(rows_calls):
+    q, kc, vc, kw = _inputs(32, 1, 0, 32, 8, 128, 5000, torch.bfloat16)
+    kw["cache_seqlens"] = 4321
+    _check(q, kc, vc, kw)
+    assert rows_calls
+
+
+def test_cuda_graph_step(rows_calls, monkeypatch):
+    graph_steps_match_the_default(monkeypatch, "FLASHTILE_DECODE_GLUON_ROWS")
+    assert rows_calls
