@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from flashtile.backends.triton import decode_gluon_rows
-from test_gpu_decode_gluon_warp_keys import _record_launches, graph_steps_match_the_default
+from test_gpu_decode_gluon_warp_keys import (  # noqa: F401 (three of the per-head kernel's tests, run here too)
+    _record_launches,
+    graph_steps_match_the_default,
+    test_full_cache_without_lengths_and_noncontiguous_q,
+    test_nan_past_the_lengths_is_never_read,
+    test_scale_right_window_and_explicit_single_split,
+)
 from test_gpu_kvcache import _check, _inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
@@ -19,6 +25,12 @@ def rows_calls(monkeypatch):
     """The knob on, and a list that records every launch of the kernel."""
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "1")
     return _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
+
+
+@pytest.fixture
+def gluon_calls(rows_calls):
+    """The imported tests' fixture, here: the whole-row kernel's knob on and its launches."""
+    return rows_calls
 
 
 # (b, h, h_k, d, cap, s_new)
@@ -45,4 +57,37 @@ def test_int_length(rows_calls):
 
 def test_cuda_graph_step(rows_calls, monkeypatch):
     graph_steps_match_the_default(monkeypatch, "FLASHTILE_DECODE_GLUON_ROWS")
+    assert rows_calls
+
+
+# After a review of the kernel (session 19): layouts and strides the shapes above leave out
+@pytest.mark.parametrize("h, h_k, d", [(32, 4, 128), (8, 4, 128), (24, 8, 128), (28, 4, 64), (32, 8, 64)])
+def test_other_groups_and_head_dims(rows_calls, h, h_k, d):
+    # 4 kv heads at d = 128 (its own copy layout), groups of 8, 2, 3 and 7
+    q, kc, vc, kw = _inputs(256 // h_k, 1, 1, h, h_k, d, 1500, torch.bfloat16, seed=h + d)
+    _check(q, kc, vc, kw, causal=True)
+    assert rows_calls
+
+
+def test_head_major_cache_and_more_cache_rows_than_batch(rows_calls):
+    # (b, cap, h_k, d) views of head-major memory (a head stride of cap * d), with two cache rows past the batch
+    q, kc, vc, kw = _inputs(32, 1, 0, 32, 8, 128, 1024, torch.bfloat16, seed=11)
+    hm_k = torch.randn(34, 8, 1024, 128, device=q.device, dtype=q.dtype).transpose(1, 2)
+    hm_v = torch.randn_like(hm_k)
+    _check(q, hm_k, hm_v, kw)
+    assert rows_calls
+
+
+@pytest.mark.parametrize("length, s_new", [(777, 2), (0, 1), (0, 0)])
+def test_int_lengths(rows_calls, length, s_new):
+    q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, 128, 1000, torch.bfloat16)
+    kw["cache_seqlens"] = length
+    _check(q, kc, vc, kw)
+    assert rows_calls
+
+
+def test_one_split(rows_calls):
+    # b = 600 on 132 SMs: the split count rounds to one
+    q, kc, vc, kw = _inputs(600, 1, 1, 32, 8, 128, 64, torch.bfloat16)
+    _check(q, kc, vc, kw, causal=True)
     assert rows_calls

@@ -54,8 +54,8 @@ def _gluon_decode_rows_kernel(
                                                   instr_shape=[1, 16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
-    # copies: 16 bytes a thread along d; a warp's threads cover 256 // HEAD_DIM * ... adjacent heads' pieces of a
-    # key row (contiguous in global memory), the warps further heads and keys
+    # copies: 16 bytes a thread along d; a warp's threads cover whole d-pieces of TPH adjacent heads of one key row
+    # (contiguous in global memory), the warps the remaining heads and further keys
     TPD: gl.constexpr = HEAD_DIM // 8  # threads along d
     TPH: gl.constexpr = 32 // TPD  # threads along heads
     WH: gl.constexpr = HEADS // TPH  # warps along heads
