@@ -17,7 +17,7 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O_PART": "*fp32", "LSE_PART"
 def main(heads: int, head_dim: int):
     from flashtile.kernels.gluon_decode_rows import _gluon_decode_rows_kernel as kernel
 
-    cx = dict(HEADS=heads, HEAD_DIM=head_dim, NUM_SPLITS=8, HAS_SEQLENS=True)
+    cx = dict(HEADS=heads, HEAD_DIM=head_dim, HAS_SEQLENS=True)
     with tempfile.TemporaryDirectory() as tmp:
         got = compile_for_sm90(kernel, cx, TYPES, heads, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))
     print(decode_build_summary(got))

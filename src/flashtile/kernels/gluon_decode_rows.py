@@ -39,13 +39,14 @@ def _issue_rows(smem, base, row0, hi, stride_n, heads, keys, cols, ok):
 
 @gluon.jit
 def _gluon_decode_rows_kernel(
-    Q, K, V, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity,
+    Q, K, V, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
-    HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_SPLITS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
+    HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
 ):
     """q (b, 1, h, d) against a (b, capacity, HEADS, d) cache holding cache_seqlens[b] (or cache_len_const)
-    + s_new keys a row (the new ones already appended); program pid = b * NUM_SPLITS + split, a warp a kv head.
+    + s_new keys a row (the new ones already appended); program pid = b * num_splits + split, a warp a kv head
+    (the split count a runtime argument: it follows b, which must not compile a kernel per batch size).
     ``qk_scale`` is softmax_scale * log2(e); ``group`` (h / h_k) is at most 8."""
     BLOCK_N: gl.constexpr = 16  # keys a tile: S^T's MMA rows
     COLS: gl.constexpr = 8  # the group's query heads, padded to one MMA's columns
@@ -63,10 +64,10 @@ def _gluon_decode_rows_kernel(
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
     pid = gl.program_id(0)
-    b = pid // NUM_SPLITS
-    split = pid % NUM_SPLITS
+    b = pid // num_splits
+    split = pid % num_splits
     _, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
-    per = gl.cdiv(gl.cdiv(seqlen, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    per = gl.cdiv(gl.cdiv(seqlen, BLOCK_N), num_splits) * BLOCK_N
     lo = split * per
     hi = gl.minimum(lo + per, seqlen)
     n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)

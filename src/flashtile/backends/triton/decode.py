@@ -204,8 +204,13 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     else:
         setting = env.get("FLASHTILE_DECODE_PDL", "")
         on = (kv_bytes <= PDL_MAX_KV_BYTES and not fp8) if setting == "" else setting != "0"
-    # griddepcontrol is NVIDIA's (a ROCm MI300 also reports capability 9.x)
-    return bool(on) and device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
+    return bool(on) and pdl_capable(device)
+
+
+def pdl_capable(device: torch.device) -> bool:
+    """Can kernels on ``device`` be launched as programmatic dependents? griddepcontrol is NVIDIA's, from sm_90
+    (a ROCm MI300 also reports capability 9.x)."""
+    return device.type == "cuda" and torch.version.hip is None and capability(device) >= (9, 0)
 
 # Per-device int32 counters of the fused merge, zero between calls (each merger resets its own).
 # Grown, never freed: a captured CUDA graph keeps the address it was captured with.
@@ -413,8 +418,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     if num_splits > 1 and FUSED_COMBINE:
         counters = _merge_counters(q.device, programs)
     if num_splits > 1:
-        o_part = torch.empty(num_splits, b, sq, h, d, device=q.device, dtype=torch.float32)
-        lse_part = torch.empty(num_splits, b, h, sq, device=q.device, dtype=torch.float32)
+        o_part, lse_part = split_partials(num_splits, b, sq, h, d, q.device)
         ops = o_part.stride()[:4]
         lps = lse_part.stride()[:3]
     else:
@@ -479,6 +483,13 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     return out, lse
 
 
+def split_partials(num_splits: int, b: int, sq: int, h: int, d: int, device: torch.device):
+    """Unfilled fp32 partial results of a split launch, as ``combine`` merges them: out_partial
+    (num_splits, b, sq, h, d) and lse_partial (num_splits, b, h, sq)."""
+    return (torch.empty(num_splits, b, sq, h, d, device=device, dtype=torch.float32),
+            torch.empty(num_splits, b, h, sq, device=device, dtype=torch.float32))
+
+
 def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
     """Merge splits: out_partial (ns, b, sq, h, d), lse_partial (ns, b, h, sq) -> out (b, sq, h, d), lse (b, h, sq).
 
@@ -537,11 +548,18 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
         aligned=decode_gluon.aligned(k_cache, v_cache))
     if why is not None:
         return None
-    if k is not None and s_new > 0 and not fused:
-        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+    if not fused:
+        _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
     return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                      cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                      k_new=k if fused else None, v_new=v if fused else None)
+
+
+def _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new) -> None:
+    """The separate append kernel, for the kernels that read the new keys from the cache (contiguous caches
+    without rotary or batch index: the routes that call this cover nothing else)."""
+    if k is not None and s_new > 0:
+        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
 
 
 def _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos) -> bool:
@@ -558,8 +576,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     rows = decode_rows.requested()  # FLASHTILE_DECODE_ROWS: the row-stream experiment, off by default
     if rows and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes,
                             rotary_cos) and decode_rows.covers(q, k_cache, v_cache, rows):
-        if k is not None and s_new > 0:
-            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+        _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=num_sms(q.device))
@@ -567,8 +584,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     if decode_gluon_rows.requested() and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left,
                                                      softcap, alibi_slopes, rotary_cos) \
             and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:
-        if k is not None and s_new > 0:
-            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+        _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
         return decode_gluon_rows.gluon_rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                                    cache_len_const=cache_len_const, s_new=s_new,
                                                    softmax_scale=softmax_scale, sms=num_sms(q.device))

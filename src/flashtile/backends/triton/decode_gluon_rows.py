@@ -52,7 +52,7 @@ def num_splits(b: int, capacity: int, sms: int) -> int:
 def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or cache_len_const)
     + s_new keys a row (already appended): out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import combine
+    from flashtile.backends.triton.decode import combine, split_partials
     from flashtile.kernels.gluon_decode_rows import _gluon_decode_rows_kernel
 
     b, _, h, d = q.shape
@@ -61,15 +61,14 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     if b == 0:
         return out, lse
     splits = num_splits(b, k_cache.shape[1], sms)
-    o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
+    o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     has_seqlens = cache_seqlens is not None
     with device_guard(q):
         run_kernel(_gluon_decode_rows_kernel, (b * splits,),
             q, k_cache, v_cache, o_part, lse_part, cache_seqlens if has_seqlens else lse, softmax_scale * LOG2E,
-            h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1],
+            h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1], splits,
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
             o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
             lse_part.stride(2),
-            HEADS=h_k, HEAD_DIM=d, NUM_SPLITS=splits, HAS_SEQLENS=has_seqlens, num_warps=h_k)
+            HEADS=h_k, HEAD_DIM=d, HAS_SEQLENS=has_seqlens, num_warps=h_k)
     return combine(o_part, lse_part, out, lse)

@@ -15,7 +15,7 @@ import torch
 
 from flashtile import env
 from flashtile.backends.triton import decode_gluon
-from flashtile.backends.triton.host import capability, cdiv, device_guard, launch
+from flashtile.backends.triton.host import cdiv, device_guard, launch
 from flashtile.kernels.decode_rows import _decode_rows_kernel
 
 LOG2E = 1.4426950408889634
@@ -27,8 +27,10 @@ SMEM_PER_SM = 227 * 1024
 
 def requested() -> int:
     """Heads a program from FLASHTILE_DECODE_ROWS (0: off)."""
-    text = env.get("FLASHTILE_DECODE_ROWS", "") or "0"
-    if text not in ("0", *map(str, CONFIGS)):
+    text = env.get("FLASHTILE_DECODE_ROWS", "")
+    if text in ("", "0"):  # every decode call asks: the off path first
+        return 0
+    if text not in tuple(map(str, CONFIGS)):
         raise ValueError(f"FLASHTILE_DECODE_ROWS must be one of 0 {' '.join(map(str, CONFIGS))}, got {text!r}")
     return int(text)
 
@@ -75,7 +77,7 @@ def covers(q, k_cache, v_cache, heads: int) -> bool:
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import _merge_counters, combine
+    from flashtile.backends.triton.decode import _merge_counters, combine, pdl_capable, split_partials
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
@@ -86,14 +88,11 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     groups = h_k // heads
     splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms,
                         cdiv(max(k_cache.shape[1], 1), block_n))
-    o_part = torch.empty(splits, b, 1, h, d, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(splits, b, h, 1, device=q.device, dtype=torch.float32)
+    o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     counters = None
     if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and splits > 1:
         counters = _merge_counters(q.device, b * groups)
-    # griddepcontrol is NVIDIA's, from sm_90 (a ROCm MI300 also reports capability 9.x)
-    pdl = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL")) and q.device.type == "cuda" and torch.version.hip is None \
-        and capability(q.device) >= (9, 0)
+    pdl = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL")) and pdl_capable(q.device)
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
