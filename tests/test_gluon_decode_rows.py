@@ -18,10 +18,10 @@ TESTS = pathlib.Path(__file__).resolve().parent
 SM90_SMEM_PER_SM = 233472  # 228 KiB: two programs an SM need at most half of it each (less 1 KiB reserved)
 
 
-def _compile(*args) -> dict:
+def _compile(*args, script="aot_gluon_decode_rows.py") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["PYTHONPATH"] = str(TESTS.parent / "src")
-    res = subprocess.run([sys.executable, str(TESTS / "aot_gluon_decode_rows.py"), *map(str, args)],
+    res = subprocess.run([sys.executable, str(TESTS / script), *map(str, args)],
                          capture_output=True, text=True, env=env, cwd=TESTS, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     f = res.stdout.split()
@@ -36,6 +36,26 @@ def test_builds_for_sm90_two_programs_an_sm(heads, d):
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 2 * heads * 32 * got["REGISTERS"] <= 65536, got
     assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got
+
+
+@pytest.mark.parametrize("heads, d", [(8, 128), (4, 64)])
+def test_tma_variant_builds_for_sm90_two_programs_an_sm(heads, d):
+    got = _compile(heads, d, 2, 1, script="aot_gluon_decode_rows_tma.py")
+    assert got["SHARED"] >= 3 * heads * 16 * d * 2, got  # the default ring: two K tiles and one V tile
+    assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
+    assert got["SPILL_STORES"] == 0 and 2 * heads * 32 * got["REGISTERS"] <= 65536, got
+    # tiles by TMA copies (none by 16-byte copies), MMA operands by ldmatrix
+    assert got["LDGSTS"] == 0 and got["UTMALDG"] > 0 and got["LDSM"] > 0 and got["HMMA"] > 0, got
+
+
+def test_tma_slots_knob(monkeypatch):
+    assert decode_gluon_rows.tma_slots() == (2, 1)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "3,3")
+    assert decode_gluon_rows.tma_slots() == (3, 3)
+    for bad in ("3", "0,1", "2,x", "9,1"):
+        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_ROWS_SLOTS"):
+            decode_gluon_rows.tma_slots()
 
 
 def _call(b=32, h=32, h_k=8, d=128, cap=64, sq=1, dtype=torch.bfloat16):

@@ -1,8 +1,11 @@
 """The whole-row Gluon decode kernel on the H200 (FLASHTILE_DECODE_GLUON_ROWS=1, an experiment): every call routed
 there must match the PyTorch reference (FlashAttention's tolerance rule), with ragged rows, rows without keys,
 splits past a row's end, appended keys (by the separate append kernel), GQA 1:1 to 8:1, 4 or 8 kv heads and
-d = 64 / 128, and stay capturable in a CUDA graph. Added in session 19, not yet GPU-run; marked gluon (its first
-run goes under gpu_check's timeout: tests-decode-gluon-rows)."""
+d = 64 / 128, and stay capturable in a CUDA graph. Every test runs three times: with 16-byte copies
+(kernels/gluon_decode_rows.py) and with TMA copies (FLASHTILE_DECODE_GLUON_ROWS_TMA=1,
+kernels/gluon_decode_rows_tma.py, session 20), the latter also merging its splits itself
+(FLASHTILE_DECODE_GLUON_ROWS_FUSED=1). Marked gluon (gpu_check's tests-decode-gluon-rows runs them under
+its timeout)."""
 
 import pytest
 import torch
@@ -20,10 +23,13 @@ from test_gpu_kvcache import _check, _inputs
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 
 
-@pytest.fixture
-def gluon_calls(monkeypatch):
-    """The whole-row kernel's knob on, and its launches (the name the imported tests ask for)."""
+@pytest.fixture(params=["copies", "tma", "tma_fused"])
+def gluon_calls(monkeypatch, request):
+    """The whole-row kernel's knob on (with 16-byte or TMA copies; the TMA variant with the combine kernel or its
+    own merge), and its launches (the name the imported tests ask for)."""
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", "0" if request.param == "copies" else "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_FUSED", "1" if request.param == "tma_fused" else "0")
     return _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
 
 
@@ -83,5 +89,17 @@ def test_int_lengths(gluon_calls, length, s_new):
 def test_one_split(gluon_calls):
     # b = 600 on 132 SMs: the split count rounds to one
     q, kc, vc, kw = _inputs(600, 1, 1, 32, 8, 128, 64, torch.bfloat16)
+    _check(q, kc, vc, kw, causal=True)
+    assert gluon_calls
+
+
+@pytest.mark.parametrize("slots", ["1,1", "3,3", "4,2"])
+@pytest.mark.parametrize("b,h,h_k,d,cap,s_new", [(32, 32, 8, 128, 4133, 1), (16, 16, 4, 64, 2049, 1)])
+def test_tma_rings(gluon_calls, monkeypatch, slots, b, h, h_k, d, cap, s_new):
+    # the TMA variant's other rings (one program an SM at 3,3 and 4,2 for h_k = 8, d = 128); the copies variant
+    # ignores the knob and runs these shapes once more
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", slots)
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + len(slots))
+    kw["cache_seqlens"][1::3] = 0
     _check(q, kc, vc, kw, causal=True)
     assert gluon_calls

@@ -38,6 +38,49 @@ def _issue_rows(smem, base, row0, hi, stride_n, heads, keys, cols, ok):
 
 
 @gluon.jit
+def _load_q_t(Q, b, stride_qb, stride_qh, group, d0, HEADS: gl.constexpr, WIDTH: gl.constexpr, COLS: gl.constexpr,
+              layout: gl.constexpr):
+    """Q^T's d columns [d0, d0 + WIDTH) of batch row b as [kv head, d, query head of the group] in ``layout``;
+    columns past the group are zero."""
+    q_h = gl.arange(0, HEADS, gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    q_d = gl.arange(0, WIDTH, gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    q_c = gl.arange(0, COLS, gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    q_head = gl.expand_dims(gl.expand_dims(q_h, 1), 2) * group + gl.expand_dims(gl.expand_dims(q_c, 0), 1)
+    q_ptrs = (Q + b.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
+              + gl.expand_dims(gl.expand_dims(d0 + q_d, 0), 2))
+    q_ok = gl.expand_dims(gl.expand_dims(q_c < group, 0), 1) & gl.expand_dims(gl.expand_dims(q_h >= 0, 1), 2)
+    return gl.load(q_ptrs, mask=q_ok, other=0.0)
+
+
+@gluon.jit
+def _store_partials(O_PART, LSE_PART, ot, m_i, l_i, b, split, group, d0, stride_ops, stride_opb, stride_oph,
+                    stride_lps, stride_lpb, stride_lph, WITH_LSE: gl.constexpr, HEADS: gl.constexpr,
+                    WIDTH: gl.constexpr, COLS: gl.constexpr, mma: gl.constexpr):
+    """The split's normalized partial output O^T [kv head, d in [d0, d0 + WIDTH), query head] into
+    O_PART[split, b, 0, head, d] (fp32), and when WITH_LSE its log-sum-exp (natural log, -inf for no keys) into
+    LSE_PART[split, b, head, 0]; m_i / l_i [kv head, query head] are the online softmax's max (log2 units) and sum."""
+    empty = l_i == 0.0
+    out = ot / gl.expand_dims(gl.where(empty, 1.0, l_i), 1)
+    o_h = gl.arange(0, HEADS, gl.SliceLayout(1, gl.SliceLayout(2, mma)))
+    o_d = gl.arange(0, WIDTH, gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+    o_c = gl.arange(0, COLS, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    o_head = gl.expand_dims(gl.expand_dims(o_h, 1), 2) * group + gl.expand_dims(gl.expand_dims(o_c, 0), 1)
+    o_ptrs = (O_PART + split.to(gl.int64) * stride_ops + b.to(gl.int64) * stride_opb
+              + o_head.to(gl.int64) * stride_oph + gl.expand_dims(gl.expand_dims(d0 + o_d, 0), 2))
+    o_ok = gl.expand_dims(gl.expand_dims(o_c < group, 0), 1) & gl.expand_dims(gl.expand_dims(o_h >= 0, 1), 2)
+    gl.store(o_ptrs, out, mask=o_ok)
+    if WITH_LSE:
+        col_state: gl.constexpr = gl.SliceLayout(1, mma)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        l_h = gl.arange(0, HEADS, gl.SliceLayout(1, col_state))
+        l_c = gl.arange(0, COLS, gl.SliceLayout(0, col_state))
+        l_head = gl.expand_dims(l_h, 1) * group + gl.expand_dims(l_c, 0)
+        l_ok = gl.expand_dims(l_c < group, 0) & gl.expand_dims(l_h >= 0, 1)
+        gl.store(LSE_PART + split.to(gl.int64) * stride_lps + b.to(gl.int64) * stride_lpb
+                 + l_head.to(gl.int64) * stride_lph, lse, mask=l_ok)
+
+
+@gluon.jit
 def _gluon_decode_rows_kernel(
     Q, K, V, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -89,15 +132,7 @@ def _gluon_decode_rows_kernel(
     _issue_rows(v_smem.index(0), v_base, lo, hi, stride_vn, v_heads, keys, cols, n > 0)
     async_copy.commit_group()
 
-    # Q^T: [head, d, query head of the group], columns past the group zero
-    q_h = gl.arange(0, HEADS, gl.SliceLayout(1, gl.SliceLayout(2, b_layout)))
-    q_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(2, b_layout)))
-    q_c = gl.arange(0, COLS, gl.SliceLayout(0, gl.SliceLayout(1, b_layout)))
-    q_head = gl.expand_dims(gl.expand_dims(q_h, 1), 2) * group + gl.expand_dims(gl.expand_dims(q_c, 0), 1)
-    q_ptrs = (Q + b.to(gl.int64) * stride_qb + q_head.to(gl.int64) * stride_qh
-              + gl.expand_dims(gl.expand_dims(q_d, 0), 2))
-    q_ok = gl.expand_dims(gl.expand_dims(q_c < group, 0), 1) & gl.expand_dims(gl.expand_dims(q_h >= 0, 1), 2)
-    qt = gl.load(q_ptrs, mask=q_ok, other=0.0)
+    qt = _load_q_t(Q, b, stride_qb, stride_qh, group, 0, HEADS, HEAD_DIM, COLS, b_layout)
 
     col_state: gl.constexpr = gl.SliceLayout(1, mma)  # [head, query head]
     m_i = gl.full([HEADS, COLS], float("-inf"), gl.float32, col_state)
@@ -134,20 +169,5 @@ def _gluon_decode_rows_kernel(
         async_copy.commit_group()
     async_copy.wait_group(0)
 
-    empty = l_i == 0.0
-    out = ot / gl.expand_dims(gl.where(empty, 1.0, l_i), 1)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_h = gl.arange(0, HEADS, gl.SliceLayout(1, gl.SliceLayout(2, mma)))
-    o_d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(2, mma)))
-    o_c = gl.arange(0, COLS, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
-    o_head = gl.expand_dims(gl.expand_dims(o_h, 1), 2) * group + gl.expand_dims(gl.expand_dims(o_c, 0), 1)
-    o_ptrs = (O_PART + split.to(gl.int64) * stride_ops + b.to(gl.int64) * stride_opb
-              + o_head.to(gl.int64) * stride_oph + gl.expand_dims(gl.expand_dims(o_d, 0), 2))
-    o_ok = gl.expand_dims(gl.expand_dims(o_c < group, 0), 1) & gl.expand_dims(gl.expand_dims(o_h >= 0, 1), 2)
-    gl.store(o_ptrs, out, mask=o_ok)
-    l_h = gl.arange(0, HEADS, gl.SliceLayout(1, col_state))
-    l_c = gl.arange(0, COLS, gl.SliceLayout(0, col_state))
-    l_head = gl.expand_dims(l_h, 1) * group + gl.expand_dims(l_c, 0)
-    l_ok = gl.expand_dims(l_c < group, 0) & gl.expand_dims(l_h >= 0, 1)
-    gl.store(LSE_PART + split.to(gl.int64) * stride_lps + b.to(gl.int64) * stride_lpb
-             + l_head.to(gl.int64) * stride_lph, lse, mask=l_ok)
+    _store_partials(O_PART, LSE_PART, ot, m_i, l_i, b, split, group, 0, stride_ops, stride_opb, stride_oph,
+                    stride_lps, stride_lpb, stride_lph, True, HEADS, HEAD_DIM, COLS, mma)

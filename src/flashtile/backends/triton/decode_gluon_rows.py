@@ -21,11 +21,36 @@ KV_HEADS = (4, 8)
 MAX_GROUP = 8  # the kernel's 8 MMA columns
 BLOCK_N = 16
 PROGRAMS_PER_SM = 2  # 96 KB of shared memory and 128 registers a thread at h_k = 8, d = 128
+SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for thread blocks
 
 
 def requested() -> bool:
     """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
     return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
+
+
+def tma_requested() -> bool:
+    """FLASHTILE_DECODE_GLUON_ROWS_TMA=1: the kernel's tiles move by TMA copies (kernels/gluon_decode_rows_tma.py)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS_TMA"))
+
+
+def fused_merge_requested() -> bool:
+    """FLASHTILE_DECODE_GLUON_ROWS_FUSED=1: the TMA variant's last split of a row merges the splits (no combine
+    kernel)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS_FUSED"))
+
+
+def tma_slots() -> tuple[int, int]:
+    """The TMA variant's ring, FLASHTILE_DECODE_GLUON_ROWS_SLOTS="K,V" tiles in flight (default 2,1: 96 KB at
+    h_k = 8, d = 128, two programs an SM)."""
+    value = env.get("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "") or "2,1"
+    try:
+        k, v = (int(x) for x in value.split(","))
+    except ValueError:
+        k = v = 0
+    if not (1 <= k <= 8 and 1 <= v <= 8):
+        raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SLOTS must be 'K,V' with 1-8 tiles each, got {value!r}")
+    return k, v
 
 
 def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch: str) -> str | None:
@@ -44,15 +69,28 @@ def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch:
     return None
 
 
-def num_splits(b: int, capacity: int, sms: int) -> int:
-    """Key splits that give every SM PROGRAMS_PER_SM programs, at most one a 16-key tile and 128."""
-    return max(1, min(round(PROGRAMS_PER_SM * sms / max(b, 1)), cdiv(max(capacity, 1), BLOCK_N), 128))
+def num_splits(b: int, capacity: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Key splits that give every SM per_sm programs, at most one a 16-key tile and 128."""
+    return max(1, min(round(per_sm * sms / max(b, 1)), cdiv(max(capacity, 1), BLOCK_N), 128))
+
+
+def _tma_descriptors(k_cache, v_cache):
+    """[b, h_k, capacity, d] views of the caches with [1, h_k, 16, 64] blocks (one TMA copy a half of d)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashtile.backends.triton.gluon_fwd import _smem_layout
+
+    block = [1, k_cache.shape[2], BLOCK_N, 64]
+    layout = _smem_layout(tuple(block), k_cache.dtype)
+    return tuple(TensorDescriptor(x, [x.shape[0], x.shape[2], x.shape[1], x.shape[3]],
+                                  [x.stride(0), x.stride(2), x.stride(1), 1], block, layout)
+                 for x in (k_cache, v_cache))
 
 
 def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or cache_len_const)
     + s_new keys a row (already appended): out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import combine, split_partials
+    from flashtile.backends.triton.decode import _merge_counters, combine, split_partials
     from flashtile.kernels.gluon_decode_rows import _gluon_decode_rows_kernel
 
     b, _, h, d = q.shape
@@ -60,15 +98,34 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     out, lse = decode_gluon.one_token_outputs(q)
     if b == 0:
         return out, lse
-    splits = num_splits(b, k_cache.shape[1], sms)
+    tma = tma_requested()
+    if tma:
+        k_slots, v_slots = tma_slots()
+        shared = (k_slots + v_slots) * h_k * BLOCK_N * d * k_cache.element_size()
+        splits = num_splits(b, k_cache.shape[1], sms, max(1, min(PROGRAMS_PER_SM, SHARED_PER_SM // shared)))
+    else:
+        splits = num_splits(b, k_cache.shape[1], sms)
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     has_seqlens = cache_seqlens is not None
+    seqlens = cache_seqlens if has_seqlens else lse
+    common = (softmax_scale * LOG2E, h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1],
+              splits, q.stride(0), q.stride(2))
+    parts = (o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
+             lse_part.stride(2))
     with device_guard(q):
-        run_kernel(_gluon_decode_rows_kernel, (b * splits,),
-            q, k_cache, v_cache, o_part, lse_part, cache_seqlens if has_seqlens else lse, softmax_scale * LOG2E,
-            h // h_k, cache_len_const if not has_seqlens else 0, s_new, k_cache.shape[1], splits,
-            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3],
-            o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
-            lse_part.stride(2),
-            HEADS=h_k, HEAD_DIM=d, HAS_SEQLENS=has_seqlens, num_warps=h_k)
+        if tma:
+            from flashtile.kernels.gluon_decode_rows_tma import _gluon_decode_rows_tma_kernel
+
+            desc_k, desc_v = _tma_descriptors(k_cache, v_cache)
+            counters = _merge_counters(q.device, b) if splits > 1 and fused_merge_requested() else None
+            run_kernel(_gluon_decode_rows_tma_kernel, (b * splits,), q, desc_k, desc_v, o_part, lse_part, seqlens,
+                       *common, *parts, out, lse, counters if counters is not None else lse, out.stride(0),
+                       out.stride(2), lse.stride(0), lse.stride(1), HEADS=h_k, HEAD_DIM=d, K_SLOTS=k_slots,
+                       V_SLOTS=v_slots, HAS_SEQLENS=has_seqlens, FUSED_MERGE=counters is not None, num_warps=h_k)
+            if counters is not None:
+                return out, lse
+        else:
+            run_kernel(_gluon_decode_rows_kernel, (b * splits,), q, k_cache, v_cache, o_part, lse_part, seqlens,
+                       *common, *k_cache.stride()[:3], *v_cache.stride()[:3], *parts,
+                       HEADS=h_k, HEAD_DIM=d, HAS_SEQLENS=has_seqlens, num_warps=h_k)
     return combine(o_part, lse_part, out, lse)

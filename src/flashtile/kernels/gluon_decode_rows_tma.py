@@ -1,0 +1,198 @@
+"""Whole-row decode in Gluon with descriptor (TMA) copies: the whole-row kernel (kernels/gluon_decode_rows.py)
+with its 16-key tiles moved by one TMA copy each instead of 16-byte copies a thread (an experiment, off by
+default; FLASHTILE_DECODE_GLUON_ROWS=1 with FLASHTILE_DECODE_GLUON_ROWS_TMA=1, backends/triton/decode_gluon_rows.py).
+
+Why: the 16-byte copies cost every thread 32 copy instructions a tile, each with its own 64-bit address and
+mask, and DRAM sees the tile as 4096 separate requests; a TMA copy is one instruction, and the copy engine walks
+the tile's 16 whole 2 KB rows (h_k = 8, d = 128) in order.
+
+The descriptors see the (b, capacity, h_k, d) cache as [b, h_k, capacity, d] (strides [stride_b, stride_h,
+stride_n, 1]) with [1, h_k, 16, 64] blocks: a tile is one copy a 64-wide half of d, and each lands in shared
+memory as [head, key, 64], so one head's 16 keys are 16 consecutive swizzled 128-byte rows, from which the MMA
+operands load without bank conflicts (a [key, head, d] copy would put them 2 KB apart, on the same banks). The
+products are the whole-row kernel's, transposed (S^T = K Q^T, O^T += V^T P^T), one MMA per half of d.
+
+The ring: K_SLOTS K tiles and V_SLOTS V tiles in flight, each slot with its own mbarrier; a CTA barrier after a
+tile's MMAs (every warp has read the slot) comes before the slot's refill. TMA copies keys past the cache's
+capacity as zeros but keys in [seqlen, capacity) as whatever the cache holds there (perhaps NaN): their scores are
+masked to -inf and their values to 0 in registers, so P V never sees them.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from flashtile.kernels.gluon_decode_rows import _load_q_t, _store_partials
+from flashtile.kernels.gluon_decode_warp_keys import _row_length
+
+BLOCK_N = 16  # keys a tile: S^T's MMA rows
+HALF = 64  # d columns a TMA block row: 128 bytes, the widest swizzled row
+
+
+@gluon.jit
+def _issue_tile(desc, smem, bars, tile, lo, b, SLOTS: gl.constexpr, HALVES: gl.constexpr):
+    """Start the TMA copies of keys [lo + 16 tile, + 16) of batch row b, every kv head, into slot tile % SLOTS:
+    one copy a 64-wide half of d, into buffers HALVES * slot + half, both signalling the slot's barrier."""
+    slot = tile % SLOTS
+    mbarrier.expect(bars.index(slot), HALVES * desc.block_type.nbytes)
+    for half in gl.static_range(HALVES):
+        tma.async_copy_global_to_shared(desc, [b, 0, lo + tile * 16, half * 64], bars.index(slot),
+                                        smem.index(slot * HALVES + half))
+
+
+@gluon.jit
+def _half(smem, slot, half: gl.constexpr, HEADS: gl.constexpr, HALVES: gl.constexpr):
+    """Slot ``slot``'s d columns [64 half, + 64) as a [HEADS, 16 keys, 64] view."""
+    return smem.index(slot * HALVES + half).reshape([HEADS, 16, 64])
+
+
+@gluon.jit
+def _merge_splits(O_PART, LSE_PART, O, LSE, b, num_splits, num_heads, stride_ops, stride_opb, stride_oph,
+                  stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+                  HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Batch row b's num_splits partials (O_PART[split, b, 0, head, :], LSE_PART[split, b, head, 0]) merged into
+    O[b, 0, head, :] (O's dtype) and LSE[b, head, 0] (+inf for a row without keys, as the combine kernel writes),
+    for the num_heads <= 8 HEADS query heads; the partials are read past L1 (.cg: other SMs wrote them)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [HEADS, 1], [1, 0])
+    d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    for chunk in range(0, gl.cdiv(num_heads, HEADS)):  # HEADS query heads at a time: few registers
+        head = chunk * HEADS + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
+        ok = head < num_heads
+        lse_ptrs = LSE_PART + b.to(gl.int64) * stride_lpb + head * stride_lph
+        o_ptrs = (O_PART + b.to(gl.int64) * stride_opb + gl.expand_dims(head * stride_oph, 1)
+                  + gl.expand_dims(d, 0))
+        m_all = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
+        for sp in range(num_splits):
+            m_all = gl.maximum(m_all, gl.load(lse_ptrs + sp * stride_lps.to(gl.int64), mask=ok,
+                                              other=float("-inf"), cache_modifier=".cg"))
+        none = m_all == float("-inf")
+        m_safe = gl.where(none, 0.0, m_all)
+        w_sum = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, layout))
+        merged = gl.zeros([HEADS, HEAD_DIM], gl.float32, layout)
+        for sp in range(num_splits):
+            w = gl.exp(gl.load(lse_ptrs + sp * stride_lps.to(gl.int64), mask=ok, other=float("-inf"),
+                               cache_modifier=".cg") - m_safe)
+            part = gl.load(o_ptrs + sp * stride_ops.to(gl.int64), mask=gl.expand_dims(ok, 1), other=0.0,
+                           cache_modifier=".cg")
+            merged += part * gl.expand_dims(w, 1)
+            w_sum += w
+        final = merged / gl.expand_dims(gl.where(none, 1.0, w_sum), 1)
+        f_ptrs = O + b.to(gl.int64) * stride_ob + gl.expand_dims(head * stride_oh, 1) + gl.expand_dims(d, 0)
+        gl.store(f_ptrs, final.to(O.dtype.element_ty), mask=gl.expand_dims(ok, 1))
+        gl.store(LSE + b.to(gl.int64) * stride_lse_b + head * stride_lse_h,
+                 gl.where(none, float("inf"), m_all + gl.log(gl.where(none, 1.0, w_sum))), mask=ok)
+
+
+@gluon.jit
+def _gluon_decode_rows_tma_kernel(
+    Q, desc_k, desc_v, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
+    stride_qb, stride_qh, stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
+    O, LSE, COUNTER, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+    HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr = 2, V_SLOTS: gl.constexpr = 1,
+    HAS_SEQLENS: gl.constexpr = True, FUSED_MERGE: gl.constexpr = False,
+):
+    """q (b, 1, h, d) against the caches behind desc_k / desc_v ([b, HEADS, capacity, d] views, blocks
+    [1, HEADS, 16, 64]) holding cache_seqlens[b] (or cache_len_const) + s_new keys a row (the new ones
+    already appended); program pid = b * num_splits + split, a warp a kv head. ``qk_scale`` is
+    softmax_scale * log2(e); ``group`` (h / h_k) is at most 8. Writes the split's partials as the whole-row kernel
+    does; with FUSED_MERGE the last split of a batch row to finish (COUNTER[b], int32, zero between calls: the
+    merger resets it) merges them into O (b, 1, h, d) and LSE (b, h, 1), and no combine kernel runs."""
+    COLS: gl.constexpr = 8  # the group's query heads, padded to one MMA's columns
+    HALVES: gl.constexpr = HEAD_DIM // 64
+    gl.static_assert(gl.num_warps() == HEADS, "a warp a kv head")
+    gl.static_assert(HALVES == 1 or HALVES == 2, "d = 64 or 128")
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[HEADS, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    dtype: gl.constexpr = desc_k.dtype
+
+    pid = gl.program_id(0)
+    b = pid // num_splits
+    split = pid % num_splits
+    _, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
+    per = gl.cdiv(gl.cdiv(seqlen, 16), num_splits) * 16
+    lo = split * per
+    hi = gl.minimum(lo + per, seqlen)
+    n = gl.cdiv(gl.maximum(hi - lo, 0), 16)
+
+    k_smem = gl.allocate_shared_memory(dtype, [K_SLOTS * HALVES] + desc_k.block_type.shape, desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [V_SLOTS * HALVES] + desc_v.block_type.shape, desc_v.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_SLOTS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(K_SLOTS):
+        mbarrier.init(k_ready.index(i), count=1)
+    for i in gl.static_range(V_SLOTS):
+        mbarrier.init(v_ready.index(i), count=1)
+    fence_async_shared()  # the barriers' initialisation is visible to the TMA unit before it signals them
+    for i in gl.static_range(K_SLOTS):
+        if i < n:
+            _issue_tile(desc_k, k_smem, k_ready, i, lo, b, K_SLOTS, HALVES)
+    for i in gl.static_range(V_SLOTS):
+        if i < n:
+            _issue_tile(desc_v, v_smem, v_ready, i, lo, b, V_SLOTS, HALVES)
+
+    qt0 = _load_q_t(Q, b, stride_qb, stride_qh, group, 0, HEADS, 64, COLS, b_layout)
+    qt1 = _load_q_t(Q, b, stride_qb, stride_qh, group, 64 * (HALVES - 1), HEADS, 64, COLS, b_layout)
+    col_state: gl.constexpr = gl.SliceLayout(1, mma)  # [head, query head]
+    m_i = gl.full([HEADS, COLS], float("-inf"), gl.float32, col_state)
+    l_i = gl.zeros([HEADS, COLS], gl.float32, col_state)
+    ot0 = gl.zeros([HEADS, 64, COLS], gl.float32, mma)
+    ot1 = gl.zeros([HEADS, 64, COLS], gl.float32, mma)  # d = 64: never updated (the compiler drops it)
+    s_n = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(2, mma)))
+    key_in_tile = gl.expand_dims(gl.expand_dims(s_n, 0), 2)  # [1, 16, 1]: S^T's keys
+    v_n = gl.arange(0, 16, gl.SliceLayout(0, gl.SliceLayout(1, a_layout)))
+    v_key = gl.expand_dims(gl.expand_dims(v_n, 0), 1)  # [1, 1, 16]: V^T's keys
+    for j in range(0, n):
+        row0 = lo + j * 16
+        ks = j % K_SLOTS
+        mbarrier.wait(k_ready.index(ks), (j // K_SLOTS) & 1)
+        st = mma_v2(_half(k_smem, ks, 0, HEADS, HALVES).load(a_layout), qt0,
+                    gl.zeros([HEADS, 16, COLS], gl.float32, mma))
+        if HALVES == 2:
+            st = mma_v2(_half(k_smem, ks, 1, HEADS, HALVES).load(a_layout), qt1, st)
+        gl.thread_barrier()  # every warp has read K_j: its slot takes K_{j + K_SLOTS}
+        if j + K_SLOTS < n:
+            _issue_tile(desc_k, k_smem, k_ready, j + K_SLOTS, lo, b, K_SLOTS, HALVES)
+        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
+        st = gl.where(row0 + key_in_tile < hi, st * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(st - gl.expand_dims(m_use, 1))
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        pt = gl.convert_layout(p.to(dtype), b_layout)  # [head, key, query head]
+        vs = j % V_SLOTS
+        mbarrier.wait(v_ready.index(vs), (j // V_SLOTS) & 1)
+        v_ok = row0 + v_key < hi  # keys past the split's end: perhaps not finite (never appended)
+        vt0 = _half(v_smem, vs, 0, HEADS, HALVES).permute((0, 2, 1)).load(a_layout)  # [head, d, key]
+        vt0 = gl.where(v_ok, vt0, 0.0).to(dtype)
+        ot0 = mma_v2(vt0, pt, ot0 * gl.expand_dims(alpha, 1))
+        if HALVES == 2:
+            vt1 = _half(v_smem, vs, 1, HEADS, HALVES).permute((0, 2, 1)).load(a_layout)
+            vt1 = gl.where(v_ok, vt1, 0.0).to(dtype)
+            ot1 = mma_v2(vt1, pt, ot1 * gl.expand_dims(alpha, 1))
+        gl.thread_barrier()  # every warp has read V_j: its slot takes V_{j + V_SLOTS}
+        if j + V_SLOTS < n:
+            _issue_tile(desc_v, v_smem, v_ready, j + V_SLOTS, lo, b, V_SLOTS, HALVES)
+    for i in gl.static_range(K_SLOTS):
+        mbarrier.invalidate(k_ready.index(i))
+    for i in gl.static_range(V_SLOTS):
+        mbarrier.invalidate(v_ready.index(i))
+
+    _store_partials(O_PART, LSE_PART, ot0, m_i, l_i, b, split, group, 0, stride_ops, stride_opb, stride_oph,
+                    stride_lps, stride_lpb, stride_lph, True, HEADS, 64, COLS, mma)
+    if HALVES == 2:
+        _store_partials(O_PART, LSE_PART, ot1, m_i, l_i, b, split, group, 64, stride_ops, stride_opb, stride_oph,
+                        stride_lps, stride_lpb, stride_lph, False, HEADS, 64, COLS, mma)
+    if FUSED_MERGE:
+        # every warp's partial stores, then the count (acquire-release at GPU scope)
+        gl.thread_barrier()
+        done = gl.atomic_add(COUNTER + b, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            _merge_splits(O_PART, LSE_PART, O, LSE, b, num_splits, group * HEADS, stride_ops, stride_opb,
+                          stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
+                          stride_lse_h, HEADS, HEAD_DIM)
+            gl.atomic_xchg(COUNTER + b, 0, sem="relaxed", scope="gpu")
