@@ -48,6 +48,15 @@ def test_tma_variant_builds_for_sm90_two_programs_an_sm(heads, d):
     assert got["LDGSTS"] == 0 and got["UTMALDG"] > 0 and got["LDSM"] > 0 and got["HMMA"] > 0, got
 
 
+def test_split_count_knob(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "33")
+    assert decode_gluon_rows.num_splits(32, 131072, 132) == 33
+    assert decode_gluon_rows.num_splits(32, 40, 132) == 3  # still at most one a 16-key tile
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "0")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_ROWS_SPLITS"):
+        decode_gluon_rows.num_splits(32, 131072, 132)
+
+
 def test_tma_slots_knob(monkeypatch):
     assert decode_gluon_rows.tma_slots() == (2, 1)
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "3,3")

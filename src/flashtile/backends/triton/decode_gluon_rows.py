@@ -70,8 +70,13 @@ def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch:
 
 
 def num_splits(b: int, capacity: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Key splits that give every SM per_sm programs, at most one a 16-key tile and 128."""
-    return max(1, min(round(per_sm * sms / max(b, 1)), cdiv(max(capacity, 1), BLOCK_N), 128))
+    """Key splits that give every SM per_sm programs (FLASHTILE_DECODE_GLUON_ROWS_SPLITS=N: N, for experiments),
+    at most one a 16-key tile and 128."""
+    forced = env.get("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "")
+    if forced and not (forced.isdigit() and 1 <= int(forced) <= 128):
+        raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SPLITS must be 1-128 (unset: the rule), got {forced!r}")
+    want = int(forced) if forced else round(per_sm * sms / max(b, 1))
+    return max(1, min(want, cdiv(max(capacity, 1), BLOCK_N), 128))
 
 
 def _tma_descriptors(k_cache, v_cache):
