@@ -48,6 +48,27 @@ def test_tma_variant_builds_for_sm90_two_programs_an_sm(heads, d):
     assert got["LDGSTS"] == 0 and got["UTMALDG"] > 0 and got["LDSM"] > 0 and got["HMMA"] > 0, got
 
 
+def test_tma_default_ring_builds_for_sm90_one_program_an_sm():
+    got = _compile(8, 128, 3, 3, 0, script="aot_gluon_decode_rows_tma.py")
+    assert 6 * 8 * 16 * 128 * 2 <= got["SHARED"] <= 227 * 1024, got  # three K and three V tiles fit one program
+    assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
+
+
+def test_rule():
+    rule = dict(b=32, h_k=8, d=128, capacity=65536, sms=132, num_splits=0)
+    assert decode_gluon_rows.by_rule(**rule)
+    assert decode_gluon_rows.by_rule(**dict(rule, b=16))  # 128 pairs: 0.97 of the SMs
+    assert decode_gluon_rows.by_rule(**dict(rule, b=64))
+    assert not decode_gluon_rows.by_rule(**dict(rule, capacity=65535))  # 32k lost at b = 16 / 32
+    assert not decode_gluon_rows.by_rule(**dict(rule, b=8))  # 64k lost at b = 8
+    assert decode_gluon_rows.by_rule(**dict(rule, b=8, capacity=131072))
+    assert not decode_gluon_rows.by_rule(**dict(rule, b=4, capacity=131072))  # unmeasured
+    assert not decode_gluon_rows.by_rule(**dict(rule, b=65))  # past the largest grid measured
+    assert not decode_gluon_rows.by_rule(**dict(rule, d=64))  # covered, unmeasured
+    assert not decode_gluon_rows.by_rule(**dict(rule, h_k=4, b=64))
+    assert not decode_gluon_rows.by_rule(**dict(rule, num_splits=4))  # the caller's split count: other kernels
+
+
 def test_split_count_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "33")
     assert decode_gluon_rows.num_splits(32, 131072, 132) == 33
@@ -58,7 +79,7 @@ def test_split_count_knob(monkeypatch):
 
 
 def test_tma_slots_knob(monkeypatch):
-    assert decode_gluon_rows.tma_slots() == (2, 1)
+    assert decode_gluon_rows.tma_slots() == (3, 3)
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "3,3")
     assert decode_gluon_rows.tma_slots() == (3, 3)
     for bad in ("3", "0,1", "2,x", "9,1"):

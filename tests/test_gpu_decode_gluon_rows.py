@@ -93,13 +93,32 @@ def test_one_split(gluon_calls):
     assert gluon_calls
 
 
-@pytest.mark.parametrize("slots", ["1,1", "3,3", "4,2"])
+@pytest.mark.parametrize("slots", ["1,1", "2,1", "4,2"])
 @pytest.mark.parametrize("b,h,h_k,d,cap,s_new", [(32, 32, 8, 128, 4133, 1), (16, 16, 4, 64, 2049, 1)])
 def test_tma_rings(gluon_calls, monkeypatch, slots, b, h, h_k, d, cap, s_new):
-    # the TMA variant's other rings (one program an SM at 3,3 and 4,2 for h_k = 8, d = 128); the copies variant
+    # the TMA variant's other rings (two programs an SM at 1,1 and 2,1 for h_k = 8, d = 128); the copies variant
     # ignores the knob and runs these shapes once more
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", slots)
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + len(slots))
     kw["cache_seqlens"][1::3] = 0
     _check(q, kc, vc, kw, causal=True)
     assert gluon_calls
+
+
+def test_rule_routes_long_caches_here(monkeypatch):
+    # FLASHTILE_DECODE_GLUON_ROWS unset: b = 8 at 128k keys takes the TMA kernel (the rule), and agrees with the
+    # call on the other kernels (the knob at 0); the reference would need 17 GB here
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", raising=False)
+    calls = _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
+    q, kc, vc, kw = _inputs(8, 1, 1, 32, 8, 128, 131072, torch.bfloat16, seed=5)
+    from flashtile import flash_attn_with_kvcache
+
+    out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), return_softmax_lse=True, causal=True, **kw)
+    assert len(calls) == 1, "the rule did not pick the whole-row kernel"
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "0")
+    ref, ref_lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, causal=True, **kw)
+    assert len(calls) == 1
+    # outputs of 128k-key averages are ~3e-3: a bf16 step or two apart, not an absolute 1e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-2)
+    assert (lse - ref_lse).abs().max().item() < 1e-4
