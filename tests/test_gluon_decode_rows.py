@@ -54,21 +54,6 @@ def test_tma_default_ring_builds_for_sm90_one_program_an_sm():
     assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
 
 
-def test_rule():
-    rule = dict(b=32, h_k=8, d=128, capacity=65536, sms=132, num_splits=0)
-    assert decode_gluon_rows.by_rule(**rule)
-    assert decode_gluon_rows.by_rule(**dict(rule, b=16))  # 128 pairs: 0.97 of the SMs
-    assert decode_gluon_rows.by_rule(**dict(rule, b=64))
-    assert not decode_gluon_rows.by_rule(**dict(rule, capacity=65535))  # 32k lost at b = 16 / 32
-    assert not decode_gluon_rows.by_rule(**dict(rule, b=8))  # 64k lost at b = 8
-    assert decode_gluon_rows.by_rule(**dict(rule, b=8, capacity=131072))
-    assert not decode_gluon_rows.by_rule(**dict(rule, b=4, capacity=131072))  # unmeasured
-    assert not decode_gluon_rows.by_rule(**dict(rule, b=65))  # past the largest grid measured
-    assert not decode_gluon_rows.by_rule(**dict(rule, d=64))  # covered, unmeasured
-    assert not decode_gluon_rows.by_rule(**dict(rule, h_k=4, b=64))
-    assert not decode_gluon_rows.by_rule(**dict(rule, num_splits=4))  # the caller's split count: other kernels
-
-
 def test_split_count_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "33")
     assert decode_gluon_rows.num_splits(32, 131072, 132) == 33

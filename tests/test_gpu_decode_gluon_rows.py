@@ -104,21 +104,3 @@ def test_tma_rings(gluon_calls, monkeypatch, slots, b, h, h_k, d, cap, s_new):
     _check(q, kc, vc, kw, causal=True)
     assert gluon_calls
 
-
-def test_rule_routes_long_caches_here(monkeypatch):
-    # FLASHTILE_DECODE_GLUON_ROWS unset: b = 8 at 128k keys takes the TMA kernel (the rule), and agrees with the
-    # call on the other kernels (the knob at 0); the reference would need 17 GB here
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS", raising=False)
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", raising=False)
-    calls = _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
-    q, kc, vc, kw = _inputs(8, 1, 1, 32, 8, 128, 131072, torch.bfloat16, seed=5)
-    from flashtile import flash_attn_with_kvcache
-
-    out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), return_softmax_lse=True, causal=True, **kw)
-    assert len(calls) == 1, "the rule did not pick the whole-row kernel"
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "0")
-    ref, ref_lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, causal=True, **kw)
-    assert len(calls) == 1
-    # outputs of 128k-key averages are ~3e-3: a bf16 step or two apart, not an absolute 1e-3
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-5, rtol=2e-2)
-    assert (lse - ref_lse).abs().max().item() < 1e-4

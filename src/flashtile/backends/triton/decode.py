@@ -555,21 +555,6 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
                                      k_new=k if fused else None, v_new=v if fused else None)
 
 
-def _gluon_rows_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, window_left, softcap,
-                      alibi_slopes, rotary_cos, num_splits) -> bool:
-    """Does the call take a whole-row Gluon kernel (backends/triton/decode_gluon_rows.py)?"""
-    wanted = decode_gluon_rows.requested()
-    if wanted is False:
-        return False
-    arch = _arch(q.device)
-    if wanted is None and (arch != "sm90" or not decode_gluon_rows.by_rule(
-            b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3], capacity=k_cache.shape[1], sms=num_sms(q.device),
-            num_splits=num_splits)):
-        return False  # most calls stop here: a few integer compares
-    return (_plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos)
-            and decode_gluon_rows.refusal(q, k_cache, v_cache, arch) is None)
-
-
 def _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new) -> None:
     """The separate append kernel, for the kernels that read the new keys from the cache (contiguous caches
     without rotary or batch index: the routes that call this cover nothing else)."""
@@ -595,9 +580,10 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=num_sms(q.device))
-    # the whole-row Gluon kernels (FLASHTILE_DECODE_GLUON_ROWS: 1 every covered call, 0 none, unset the rule)
-    if _gluon_rows_route(q, k_cache, v_cache, cache_batch_idx, cache_leftpad, block_table, window_left, softcap,
-                         alibi_slopes, rotary_cos, num_splits):
+    # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernels, an experiment (off by default)
+    if decode_gluon_rows.requested() and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left,
+                                                     softcap, alibi_slopes, rotary_cos) \
+            and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
         return decode_gluon_rows.gluon_rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                                    cache_len_const=cache_len_const, s_new=s_new,

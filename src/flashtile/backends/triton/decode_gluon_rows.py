@@ -1,21 +1,19 @@
-"""Which decode calls take the whole-row Gluon kernels, and their launch.
+"""Which decode calls take the whole-row Gluon kernels, and their launch: an experiment, off unless
+``FLASHTILE_DECODE_GLUON_ROWS=1``.
 
 Two kernels read FlashAttention's (b, s, h_k, d) cache a whole key row (every kv head) at a time: one with TMA
-copies (kernels/gluon_decode_rows_tma.py, session 20: the default's) and one with 16-byte copies
-(kernels/gluon_decode_rows.py, session 19; FLASHTILE_DECODE_GLUON_ROWS_TMA=0).
+copies (kernels/gluon_decode_rows_tma.py, session 20; taken unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0) and one with
+16-byte copies (kernels/gluon_decode_rows.py, session 19).
 
-The rule (FLASHTILE_DECODE_GLUON_ROWS unset; 1: every covered call, 0: none) sends long caches here: measured in
-8-layer graphs on three H200s in session 20 (decode_gluon_rows_tma_*_session20.json), the TMA kernel with a ring of
-three K and three V tiles (one program an SM) streams 0.1%-0.2% faster than cuDNN's head-major kernel, but pays
-about 5 us a call more than the per-head kernels (its split merge, one program an SM with nothing to hide the first
-copies' latency). So it wins where the stream is long: from 64k keys when the batch rows x kv heads fill the SMs
-(b = 16-64 at h_k = 8: 0.2%-0.8% faster than the default at 128k), from 128k at half that (b = 8); it lost at 32k
-(b = 16 / 32) and at b = 8, 64k.
+Why it stays off (session 20, 8-layer graphs, docs/decode_tuning_log.md): on two H200s the TMA kernel with a ring
+of three K and three V tiles (one program an SM) was 0.2%-0.8% faster than the default from 64k keys at
+b = 16-64 and from 128k at b = 8, streaming as fast as cuDNN's head-major kernel but paying about 5 us a call
+more; on a third (where every kernel, cuDNN's too, took about 3% longer) it was 1.8% slower than the default at
+b = 32 / 64, 128k. One machine's win is not a default.
 
 Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
 most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
 padding, left window edge, softcap, ALiBi or rotary. New keys are appended by the separate append kernel first.
-The rule takes d = 128 with 8 kv heads only (the shapes measured).
 """
 
 from __future__ import annotations
@@ -35,31 +33,12 @@ PROGRAMS_PER_SM = 2  # 96 KB of shared memory and 128 registers a thread at h_k 
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for thread blocks
 
 
-# The rule's bounds (see above): a cache capacity (the lengths live on the GPU) and batch rows x kv heads as a
-# share of the SMs (b = 16 at h_k = 8 is 0.97 of 132 SMs, b = 8 0.48); at most b = 64's 512 pairs (measured).
-RULE_HEAD_DIM = 128
-RULE_KV_HEADS = 8
-RULE_LONG = 65536  # from here with pairs >= FULL_SHARE x SMs
-RULE_LONGER = 131072  # from here with pairs >= HALF_SHARE x SMs
-FULL_SHARE = 0.95
-HALF_SHARE = 0.45
-RULE_MAX_PAIRS = 512
 DEFAULT_SLOTS = (3, 3)
 
 
-def requested() -> bool | None:
-    """FLASHTILE_DECODE_GLUON_ROWS: 1 sends every covered call to the kernel, 0 none, unset the rule."""
-    return env.switch("FLASHTILE_DECODE_GLUON_ROWS")
-
-
-def by_rule(*, b: int, h_k: int, d: int, capacity: int, sms: int, num_splits: int) -> bool:
-    """The rule's pick for a covered call (see the module's docstring); an explicit num_splits keeps the other
-    kernels (this one picks its own)."""
-    pairs = b * h_k
-    if num_splits > 0 or d != RULE_HEAD_DIM or h_k != RULE_KV_HEADS or pairs > RULE_MAX_PAIRS:
-        return False
-    return ((capacity >= RULE_LONG and pairs >= FULL_SHARE * sms)
-            or (capacity >= RULE_LONGER and pairs >= HALF_SHARE * sms))
+def requested() -> bool:
+    """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
 
 
 def tma_requested() -> bool:
