@@ -30,8 +30,8 @@
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
 #   bench-decode-gluon-pdl  the Gluon kernel as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL) at b = 32
 #   tests-decode-gluon-rows / bench-decode-gluon-rows  the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS)
-#   bench-decode-gluon-rows-tma  its TMA-copy variant (FLASHTILE_DECODE_GLUON_ROWS_TMA=1), rings and in-kernel
-#                 split merge (_SLOTS, _FUSED) beside the default (after tests-decode-gluon-rows)
+#   bench-decode-gluon-rows-tma  its TMA-copy variant (FLASHTILE_DECODE_GLUON_ROWS_TMA=1) with rings 3,3 and 2,1
+#                 and the 16-byte-copy variant, beside the default (after tests-decode-gluon-rows)
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
@@ -600,12 +600,12 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
         --pages --peers cudnn ;;
     bench-decode-gluon-rows-tma)
-      # the whole-row kernel's TMA variant (session 20; FLASHTILE_DECODE_GLUON_ROWS_SLOTS: K,V tiles in flight;
-      # _FUSED=1: its own split merge) against the default, beside cuDNN in 8-layer graphs, alternated twice
-      # (GLUON_ROWS_TMA_RUNS overrides the settings after the default's)
+      # the whole-row kernel's TMA variant (session 20; FLASHTILE_DECODE_GLUON_ROWS_SLOTS: K,V tiles in flight)
+      # against the default, beside cuDNN in 8-layer graphs, alternated twice (GLUON_ROWS_TMA_RUNS overrides the
+      # settings after the default's, e.g. with FLASHTILE_DECODE_GLUON_ROWS_SPLITS=N)
       r=FLASHTILE_DECODE_GLUON_ROWS t="FLASHTILE_DECODE_GLUON_ROWS=1 FLASHTILE_DECODE_GLUON_ROWS_TMA=1"
-      sl=FLASHTILE_DECODE_GLUON_ROWS_SLOTS f=FLASHTILE_DECODE_GLUON_ROWS_FUSED
-      runs="$r=0|${GLUON_ROWS_TMA_RUNS:-$t $sl=3,3 $f=0|$t $sl=3,3 $f=1|$t $sl=4,3 $f=1|$t $sl=2,1 $f=1}"
+      sl=FLASHTILE_DECODE_GLUON_ROWS_SLOTS
+      runs="$r=0|${GLUON_ROWS_TMA_RUNS:-$t $sl=3,3|$t $sl=2,1|$r=1 FLASHTILE_DECODE_GLUON_ROWS_TMA=0}"
       gate decode_gluon_rows bench-decode-gluon-rows-tma && decode_runs decode_gluon_rows_tma "$runs|$runs" \
         --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
         --pages --peers cudnn ;;

@@ -49,7 +49,7 @@ def test_tma_variant_builds_for_sm90_two_programs_an_sm(heads, d):
 
 
 def test_tma_default_ring_builds_for_sm90_one_program_an_sm():
-    got = _compile(8, 128, 3, 3, 0, script="aot_gluon_decode_rows_tma.py")
+    got = _compile(8, 128, 3, 3, script="aot_gluon_decode_rows_tma.py")
     assert 6 * 8 * 16 * 128 * 2 <= got["SHARED"] <= 227 * 1024, got  # three K and three V tiles fit one program
     assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
 

@@ -48,56 +48,18 @@ def _half(smem, slot, half: gl.constexpr, HEADS: gl.constexpr, HALVES: gl.conste
 
 
 @gluon.jit
-def _merge_splits(O_PART, LSE_PART, O, LSE, b, num_splits, num_heads, stride_ops, stride_opb, stride_oph,
-                  stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                  HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """Batch row b's num_splits partials (O_PART[split, b, 0, head, :], LSE_PART[split, b, head, 0]) merged into
-    O[b, 0, head, :] (O's dtype) and LSE[b, head, 0] (+inf for a row without keys, as the combine kernel writes),
-    for the num_heads <= 8 HEADS query heads; the partials are read past L1 (.cg: other SMs wrote them)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [HEADS, 1], [1, 0])
-    d = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
-    for chunk in range(0, gl.cdiv(num_heads, HEADS)):  # HEADS query heads at a time: few registers
-        head = chunk * HEADS + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
-        ok = head < num_heads
-        lse_ptrs = LSE_PART + b.to(gl.int64) * stride_lpb + head * stride_lph
-        o_ptrs = (O_PART + b.to(gl.int64) * stride_opb + gl.expand_dims(head * stride_oph, 1)
-                  + gl.expand_dims(d, 0))
-        m_all = gl.full([HEADS], float("-inf"), gl.float32, gl.SliceLayout(1, layout))
-        for sp in range(num_splits):
-            m_all = gl.maximum(m_all, gl.load(lse_ptrs + sp * stride_lps.to(gl.int64), mask=ok,
-                                              other=float("-inf"), cache_modifier=".cg"))
-        none = m_all == float("-inf")
-        m_safe = gl.where(none, 0.0, m_all)
-        w_sum = gl.zeros([HEADS], gl.float32, gl.SliceLayout(1, layout))
-        merged = gl.zeros([HEADS, HEAD_DIM], gl.float32, layout)
-        for sp in range(num_splits):
-            w = gl.exp(gl.load(lse_ptrs + sp * stride_lps.to(gl.int64), mask=ok, other=float("-inf"),
-                               cache_modifier=".cg") - m_safe)
-            part = gl.load(o_ptrs + sp * stride_ops.to(gl.int64), mask=gl.expand_dims(ok, 1), other=0.0,
-                           cache_modifier=".cg")
-            merged += part * gl.expand_dims(w, 1)
-            w_sum += w
-        final = merged / gl.expand_dims(gl.where(none, 1.0, w_sum), 1)
-        f_ptrs = O + b.to(gl.int64) * stride_ob + gl.expand_dims(head * stride_oh, 1) + gl.expand_dims(d, 0)
-        gl.store(f_ptrs, final.to(O.dtype.element_ty), mask=gl.expand_dims(ok, 1))
-        gl.store(LSE + b.to(gl.int64) * stride_lse_b + head * stride_lse_h,
-                 gl.where(none, float("inf"), m_all + gl.log(gl.where(none, 1.0, w_sum))), mask=ok)
-
-
-@gluon.jit
 def _gluon_decode_rows_tma_kernel(
     Q, desc_k, desc_v, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
     stride_qb, stride_qh, stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
-    O, LSE, COUNTER, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
     HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr = 2, V_SLOTS: gl.constexpr = 1,
-    HAS_SEQLENS: gl.constexpr = True, FUSED_MERGE: gl.constexpr = False,
+    HAS_SEQLENS: gl.constexpr = True,
 ):
     """q (b, 1, h, d) against the caches behind desc_k / desc_v ([b, HEADS, capacity, d] views, blocks
     [1, HEADS, 16, 64]) holding cache_seqlens[b] (or cache_len_const) + s_new keys a row (the new ones
     already appended); program pid = b * num_splits + split, a warp a kv head. ``qk_scale`` is
     softmax_scale * log2(e); ``group`` (h / h_k) is at most 8. Writes the split's partials as the whole-row kernel
-    does; with FUSED_MERGE the last split of a batch row to finish (COUNTER[b], int32, zero between calls: the
-    merger resets it) merges them into O (b, 1, h, d) and LSE (b, h, 1), and no combine kernel runs."""
+    does (the combine kernel merges them; an in-kernel merge by the last split to finish was no faster at b = 32
+    and 1%-7% slower at b = 8 in session 20, and was removed: code at b7d5fd5)."""
     COLS: gl.constexpr = 8  # the group's query heads, padded to one MMA's columns
     HALVES: gl.constexpr = HEAD_DIM // 64
     gl.static_assert(gl.num_warps() == HEADS, "a warp a kv head")
@@ -187,12 +149,3 @@ def _gluon_decode_rows_tma_kernel(
     if HALVES == 2:
         _store_partials(O_PART, LSE_PART, ot1, m_i, l_i, b, split, group, 64, stride_ops, stride_opb, stride_oph,
                         stride_lps, stride_lpb, stride_lph, False, HEADS, 64, COLS, mma)
-    if FUSED_MERGE:
-        # every warp's partial stores, then the count (acquire-release at GPU scope)
-        gl.thread_barrier()
-        done = gl.atomic_add(COUNTER + b, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            _merge_splits(O_PART, LSE_PART, O, LSE, b, num_splits, group * HEADS, stride_ops, stride_opb,
-                          stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
-                          stride_lse_h, HEADS, HEAD_DIM)
-            gl.atomic_xchg(COUNTER + b, 0, sem="relaxed", scope="gpu")

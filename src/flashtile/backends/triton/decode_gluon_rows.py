@@ -47,12 +47,6 @@ def tma_requested() -> bool:
     return env.switch("FLASHTILE_DECODE_GLUON_ROWS_TMA") is not False
 
 
-def fused_merge_requested() -> bool:
-    """FLASHTILE_DECODE_GLUON_ROWS_FUSED=1: the TMA variant's last split of a row merges the splits (no combine
-    kernel)."""
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS_FUSED"))
-
-
 def tma_slots() -> tuple[int, int]:
     """The TMA variant's ring, FLASHTILE_DECODE_GLUON_ROWS_SLOTS="K,V" tiles in flight (default 3,3: 192 KB at
     h_k = 8, d = 128, one program an SM; session 20 measured it ahead of 2,1 (two programs an SM, 0.7% at b = 32,
@@ -109,7 +103,7 @@ def _tma_descriptors(k_cache, v_cache):
 def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or cache_len_const)
     + s_new keys a row (already appended): out (b, 1, h, d), lse (b, h, 1)."""
-    from flashtile.backends.triton.decode import _merge_counters, combine, split_partials
+    from flashtile.backends.triton.decode import combine, split_partials
     from flashtile.kernels.gluon_decode_rows import _gluon_decode_rows_kernel
 
     b, _, h, d = q.shape
@@ -136,13 +130,9 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
             from flashtile.kernels.gluon_decode_rows_tma import _gluon_decode_rows_tma_kernel
 
             desc_k, desc_v = _tma_descriptors(k_cache, v_cache)
-            counters = _merge_counters(q.device, b) if splits > 1 and fused_merge_requested() else None
             run_kernel(_gluon_decode_rows_tma_kernel, (b * splits,), q, desc_k, desc_v, o_part, lse_part, seqlens,
-                       *common, *parts, out, lse, counters if counters is not None else lse, out.stride(0),
-                       out.stride(2), lse.stride(0), lse.stride(1), HEADS=h_k, HEAD_DIM=d, K_SLOTS=k_slots,
-                       V_SLOTS=v_slots, HAS_SEQLENS=has_seqlens, FUSED_MERGE=counters is not None, num_warps=h_k)
-            if counters is not None:
-                return out, lse
+                       *common, *parts, HEADS=h_k, HEAD_DIM=d, K_SLOTS=k_slots, V_SLOTS=v_slots,
+                       HAS_SEQLENS=has_seqlens, num_warps=h_k)
         else:
             run_kernel(_gluon_decode_rows_kernel, (b * splits,), q, k_cache, v_cache, o_part, lse_part, seqlens,
                        *common, *k_cache.stride()[:3], *v_cache.stride()[:3], *parts,
