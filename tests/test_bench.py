@@ -194,3 +194,25 @@ def test_meta_records_the_kernel_switches(monkeypatch):
     env = collect_meta([], "cpu")["env"]
     assert env["FLASHTILE_BWD_FUSED_DQ"] == "1"
     assert all(k.startswith("FLASHTILE_") for k in env)
+
+
+def test_gpu_limits_parses_nvidia_smi_and_says_nothing_on_failure(monkeypatch):
+    import subprocess
+
+    from flashtile.bench import report
+
+    class Done:
+        def __init__(self, rc, out):
+            self.returncode, self.stdout = rc, out
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(0, "1653724024579, 1980, 3201, 700.00, 700.00\n"))
+    assert report.gpu_limits(0) == {"serial": "1653724024579", "clocks.max.sm": "1980", "clocks.max.mem": "3201",
+                                    "power.limit": "700.00", "power.max_limit": "700.00"}
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(9, "No devices were found"))
+    assert report.gpu_limits(0) is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert report.gpu_limits(0) is None

@@ -9,6 +9,7 @@ import platform
 import re
 import shlex
 import socket
+import subprocess
 import sys
 
 import torch
@@ -37,6 +38,24 @@ def _versions() -> dict:
     return out
 
 
+GPU_LIMIT_FIELDS = ("serial", "clocks.max.sm", "clocks.max.mem", "power.limit", "power.max_limit")
+
+
+def gpu_limits(index: int) -> dict | None:
+    """The board's serial, maximum SM / memory clocks (MHz) and power limits (W) from nvidia-smi for GPU ``index``;
+    None when nvidia-smi is missing or fails (the results file then says nothing rather than something wrong)."""
+    try:
+        cmd = ["nvidia-smi", f"--query-gpu={','.join(GPU_LIMIT_FIELDS)}", "--format=csv,noheader,nounits",
+               "-i", str(index)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in res.stdout.strip().split(",")]
+    if res.returncode != 0 or len(values) != len(GPU_LIMIT_FIELDS):
+        return None
+    return dict(zip(GPU_LIMIT_FIELDS, values))
+
+
 def collect_meta(argv: list[str], device: str) -> dict:
     """What a reader needs to trust and reproduce the numbers."""
     now = _dt.datetime.now().astimezone()
@@ -49,6 +68,9 @@ def collect_meta(argv: list[str], device: str) -> dict:
         # which GPU: leases differ by up to a few percent, and a kernel's standing against a peer can flip
         # between two H200s (docs/decode_tuning_log.md, session 19)
         meta["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
+        # and what may explain it: the board's clock and power limits (session 20: on two H200s where cuDNN itself
+        # was 3% slower, one experiment's standing flipped)
+        meta["gpu_limits"] = gpu_limits(torch.device(device).index or torch.cuda.current_device())
     else:
         meta["gpu"] = None
         meta["cpu"] = platform.processor() or platform.machine()
