@@ -5,11 +5,11 @@ Two kernels read FlashAttention's (b, s, h_k, d) cache a whole key row (every kv
 copies (kernels/gluon_decode_rows_tma.py, session 20; taken unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0) and one with
 16-byte copies (kernels/gluon_decode_rows.py, session 19).
 
-Why it stays off (session 20, 8-layer graphs, docs/decode_tuning_log.md): on two H200s the TMA kernel with a ring
-of three K and three V tiles (one program an SM) was 0.2%-0.8% faster than the default from 64k keys at
-b = 16-64 and from 128k at b = 8, streaming as fast as cuDNN's head-major kernel but paying about 5 us a call
-more; on a third (where every kernel, cuDNN's too, took about 3% longer) it was 1.8% slower than the default at
-b = 32 / 64, 128k. One machine's win is not a default.
+Why it stays off (session 20, 8-layer graphs, docs/decode_tuning_log.md): the TMA kernel with a ring of three K
+and three V tiles (one program an SM) streams as fast as cuDNN's head-major kernel but pays about 5 us a call
+more. On three H200s it was 0.2%-0.8% faster than the default at b = 32 from 64k keys (and, on the one where they
+were measured, at b = 16 / 64 from 64k and b = 8 at 128k); on a fourth (where every kernel, cuDNN's too, took
+about 3% longer) it was 1.8% slower than the default at b = 32 / 64, 128k. One machine's loss is not a default.
 
 Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
 most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
