@@ -53,6 +53,19 @@ def _load_q_t(Q, b, stride_qb, stride_qh, group, d0, HEADS: gl.constexpr, WIDTH:
 
 
 @gluon.jit
+def _softmax_step(st, valid, qk_scale, m_i, l_i):
+    """One tile of the online softmax down S^T's columns ([head, key, query head], keys along axis 1): the
+    probabilities p (log2 units, unnormalized), the rescale alpha of the earlier tiles, and the new max and sum."""
+    # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
+    st = gl.where(valid, st * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(st, 1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(st - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
 def _store_partials(O_PART, LSE_PART, ot, m_i, l_i, b, split, group, d0, stride_ops, stride_opb, stride_oph,
                     stride_lps, stride_lpb, stride_lph, WITH_LSE: gl.constexpr, HEADS: gl.constexpr,
                     WIDTH: gl.constexpr, COLS: gl.constexpr, mma: gl.constexpr):
@@ -150,14 +163,7 @@ def _gluon_decode_rows_kernel(
         async_copy.commit_group()
         kt = k_smem.index(j % 2).load(a_layout)  # [head, key, d]: S^T's A operand
         st = mma_v2(kt, qt, gl.zeros([HEADS, BLOCK_N, COLS], gl.float32, mma))
-        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
-        st = gl.where(row0 + key_in_tile < hi, st * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(st - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(st, row0 + key_in_tile < hi, qk_scale, m_i, l_i)
         # V_j landed for every thread (K_{j+1} may still be in flight)
         async_copy.wait_group(1)
         gl.thread_barrier()

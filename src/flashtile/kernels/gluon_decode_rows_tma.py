@@ -23,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from flashtile.kernels.gluon_decode_rows import _load_q_t, _store_partials
+from flashtile.kernels.gluon_decode_rows import _load_q_t, _softmax_step, _store_partials
 from flashtile.kernels.gluon_decode_warp_keys import _row_length
 
 BLOCK_N = 16  # keys a tile: S^T's MMA rows
@@ -117,14 +117,7 @@ def _gluon_decode_rows_tma_kernel(
         gl.thread_barrier()  # every warp has read K_j: its slot takes K_{j + K_SLOTS}
         if j + K_SLOTS < n:
             _issue_tile(desc_k, k_smem, k_ready, j + K_SLOTS, lo, b, K_SLOTS, HALVES)
-        # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
-        st = gl.where(row0 + key_in_tile < hi, st * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(st - gl.expand_dims(m_use, 1))
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(st, row0 + key_in_tile < hi, qk_scale, m_i, l_i)
         pt = gl.convert_layout(p.to(dtype), b_layout)  # [head, key, query head]
         vs = j % V_SLOTS
         mbarrier.wait(v_ready.index(vs), (j // V_SLOTS) & 1)
