@@ -595,8 +595,9 @@ for step in "${steps[@]}"; do
     bench-decode-gluon-rows)
       # the whole-row Gluon kernel against the default (the per-head Gluon kernel at b = 32, the Triton split
       # kernel at b = 8) beside cuDNN in 8-layer graphs, alternated twice, after tests-decode-gluon-rows passed
-      r=FLASHTILE_DECODE_GLUON_ROWS
-      gate decode_gluon_rows bench-decode-gluon-rows && decode_runs decode_gluon_rows "$r=0|$r=1|$r=0|$r=1" \
+      # (the 16-byte-copy kernel, as in session 19: the route's default is the TMA kernel since session 20)
+      r=FLASHTILE_DECODE_GLUON_ROWS c="FLASHTILE_DECODE_GLUON_ROWS=1 FLASHTILE_DECODE_GLUON_ROWS_TMA=0"
+      gate decode_gluon_rows bench-decode-gluon-rows && decode_runs decode_gluon_rows "$r=0|$c|$r=0|$c" \
         --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
         --pages --peers cudnn ;;
     bench-decode-gluon-rows-tma)

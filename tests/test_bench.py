@@ -205,14 +205,24 @@ def test_gpu_limits_parses_nvidia_smi_and_says_nothing_on_failure(monkeypatch):
         def __init__(self, rc, out):
             self.returncode, self.stdout = rc, out
 
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(0, "1653724024579, 1980, 3201, 700.00, 700.00\n"))
-    assert report.gpu_limits(0) == {"serial": "1653724024579", "clocks.max.sm": "1980", "clocks.max.mem": "3201",
-                                    "power.limit": "700.00", "power.max_limit": "700.00"}
+    asked = []
+
+    def smi(cmd, **kw):
+        asked.append(cmd)
+        return Done(0, "1653724024579, 1980, 3201, 700.00, 700.00\n")
+
+    monkeypatch.setattr(subprocess, "run", smi)
+    assert report.gpu_limits("c3e50557-0417-fe08-06df-582c433a835c") == {
+        "serial": "1653724024579", "clocks.max.sm": "1980", "clocks.max.mem": "3201", "power.limit": "700.00",
+        "power.max_limit": "700.00"}
+    # by UUID, not by index: nvidia-smi's indices ignore CUDA_VISIBLE_DEVICES
+    assert asked[-1][-2:] == ["-i", "GPU-c3e50557-0417-fe08-06df-582c433a835c"]
+    assert report.gpu_limits(None) is None and len(asked) == 1
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: Done(9, "No devices were found"))
-    assert report.gpu_limits(0) is None
+    assert report.gpu_limits("c3e5") is None
 
     def missing(*a, **k):
         raise FileNotFoundError("nvidia-smi")
 
     monkeypatch.setattr(subprocess, "run", missing)
-    assert report.gpu_limits(0) is None
+    assert report.gpu_limits("c3e5") is None

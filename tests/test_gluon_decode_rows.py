@@ -63,6 +63,24 @@ def test_split_count_knob(monkeypatch):
         decode_gluon_rows.num_splits(32, 131072, 132)
 
 
+def test_tma_copies_only_where_a_descriptor_fits(monkeypatch):
+    q, kc, vc = _call(cap=64)
+    assert decode_gluon_rows.use_tma(kc, vc)
+    assert not decode_gluon_rows.use_tma(kc[:, :0], vc[:, :0])  # no keys: a descriptor's dims must be positive
+    expanded = kc[:1].expand(32, -1, -1, -1)  # a zero batch stride
+    assert not decode_gluon_rows.use_tma(expanded, vc)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", "0")
+    assert not decode_gluon_rows.use_tma(kc, vc)
+
+
+def test_a_ring_past_shared_memory_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "4,4")  # 256 KB at h_k = 8, d = 128
+    q, kc, vc = _call(cap=64)
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_ROWS_SLOTS=4,4"):
+        decode_gluon_rows.gluon_rows_decode(q, kc, vc, cache_seqlens=None, cache_len_const=64, s_new=0,
+                                            softmax_scale=1.0, sms=132)
+
+
 def test_tma_slots_knob(monkeypatch):
     assert decode_gluon_rows.tma_slots() == (3, 3)
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SLOTS", "3,3")

@@ -41,12 +41,15 @@ def _versions() -> dict:
 GPU_LIMIT_FIELDS = ("serial", "clocks.max.sm", "clocks.max.mem", "power.limit", "power.max_limit")
 
 
-def gpu_limits(index: int) -> dict | None:
-    """The board's serial, maximum SM / memory clocks (MHz) and power limits (W) from nvidia-smi for GPU ``index``;
-    None when nvidia-smi is missing or fails (the results file then says nothing rather than something wrong)."""
+def gpu_limits(uuid: str | None) -> dict | None:
+    """The board's serial, maximum SM / memory clocks (MHz) and power limits (W) from nvidia-smi, for the GPU of
+    this UUID (nvidia-smi's own indices follow PCI order and ignore CUDA_VISIBLE_DEVICES); None without a UUID or
+    when nvidia-smi is missing or fails (the results file then says nothing rather than something wrong)."""
+    if not uuid:
+        return None
     try:
         cmd = ["nvidia-smi", f"--query-gpu={','.join(GPU_LIMIT_FIELDS)}", "--format=csv,noheader,nounits",
-               "-i", str(index)]
+               "-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
@@ -70,7 +73,7 @@ def collect_meta(argv: list[str], device: str) -> dict:
         meta["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
         # and what may explain it: the board's clock and power limits (session 20: on two H200s where cuDNN itself
         # was 3% slower, one experiment's standing flipped)
-        meta["gpu_limits"] = gpu_limits(torch.device(device).index or torch.cuda.current_device())
+        meta["gpu_limits"] = gpu_limits(meta["gpu_uuid"])
     else:
         meta["gpu"] = None
         meta["cpu"] = platform.processor() or platform.machine()

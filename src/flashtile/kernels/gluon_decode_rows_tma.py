@@ -1,6 +1,6 @@
 """Whole-row decode in Gluon with descriptor (TMA) copies: the whole-row kernel (kernels/gluon_decode_rows.py)
-with its 16-key tiles moved by one TMA copy each instead of 16-byte copies a thread (an experiment, off by
-default; FLASHTILE_DECODE_GLUON_ROWS=1 with FLASHTILE_DECODE_GLUON_ROWS_TMA=1, backends/triton/decode_gluon_rows.py).
+with its 16-key tiles moved by TMA copies instead of 16-byte copies a thread (an experiment, off by default:
+FLASHTILE_DECODE_GLUON_ROWS=1 takes it unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0; backends/triton/decode_gluon_rows.py).
 
 Why: the 16-byte copies cost every thread 32 copy instructions a tile, each with its own 64-bit address and
 mask, and DRAM sees the tile as 4096 separate requests; a TMA copy is one instruction, and the copy engine walks

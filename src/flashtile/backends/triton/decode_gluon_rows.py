@@ -29,8 +29,11 @@ HEAD_DIMS = (64, 128)
 KV_HEADS = (4, 8)
 MAX_GROUP = 8  # the kernel's 8 MMA columns
 BLOCK_N = 16
-PROGRAMS_PER_SM = 2  # 96 KB of shared memory and 128 registers a thread at h_k = 8, d = 128
+# the 16-byte-copy kernel: 96 KB of shared memory and 128 registers a thread at h_k = 8, d = 128; the TMA kernel
+# runs as many as its ring lets fit, at most this many
+PROGRAMS_PER_SM = 2
 SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for thread blocks
+SHARED_RESERVE = 1024  # the kernel's mbarriers and what the runtime keeps a block
 
 
 DEFAULT_SLOTS = (3, 3)
@@ -39,12 +42,6 @@ DEFAULT_SLOTS = (3, 3)
 def requested() -> bool:
     """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
     return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
-
-
-def tma_requested() -> bool:
-    """The tiles move by TMA copies (kernels/gluon_decode_rows_tma.py) unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0
-    (16-byte copies, kernels/gluon_decode_rows.py)."""
-    return env.switch("FLASHTILE_DECODE_GLUON_ROWS_TMA") is not False
 
 
 def tma_slots() -> tuple[int, int]:
@@ -75,6 +72,19 @@ def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch:
     if not decode_gluon.aligned(k_cache, v_cache):
         return "cache not 16-byte aligned, or an outer stride not a multiple of 16 elements"
     return None
+
+
+def use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """TMA copies unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0, or a cache a descriptor cannot describe: no keys (a
+    descriptor's dims must be positive) or a zero stride (an expanded cache); those take the 16-byte copies."""
+    if env.switch("FLASHTILE_DECODE_GLUON_ROWS_TMA") is False or k_cache.shape[1] == 0:
+        return False
+    return all(s > 0 for x in (k_cache, v_cache) for s in x.stride()[:3])
+
+
+def ring_bytes(k_slots: int, v_slots: int, h_k: int, d: int, element_size: int) -> int:
+    """The TMA kernel's shared memory: its K and V tiles of 16 whole rows."""
+    return (k_slots + v_slots) * h_k * BLOCK_N * d * element_size
 
 
 def num_splits(b: int, capacity: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
@@ -111,11 +121,14 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     out, lse = decode_gluon.one_token_outputs(q)
     if b == 0:
         return out, lse
-    tma = tma_requested()
+    tma = use_tma(k_cache, v_cache)
     if tma:
         k_slots, v_slots = tma_slots()
-        shared = (k_slots + v_slots) * h_k * BLOCK_N * d * k_cache.element_size()
-        splits = num_splits(b, k_cache.shape[1], sms, max(1, min(PROGRAMS_PER_SM, SHARED_PER_SM // shared)))
+        shared = ring_bytes(k_slots, v_slots, h_k, d, k_cache.element_size()) + SHARED_RESERVE
+        if shared > SHARED_PER_SM:
+            raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SLOTS={k_slots},{v_slots} needs {shared} bytes of shared "
+                             f"memory at h_k = {h_k}, d = {d}, more than an SM's {SHARED_PER_SM}")
+        splits = num_splits(b, k_cache.shape[1], sms, min(PROGRAMS_PER_SM, SHARED_PER_SM // shared))
     else:
         splits = num_splits(b, k_cache.shape[1], sms)
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
