@@ -28,7 +28,6 @@
 #                 kernel and cuDNN at b = 32
 #   bench-decode-gluon-rule  the same A/B on the other grids the rule covers: b = 16 (16k / 64k), b = 32 / 64 at 32k
 #   bench-decode-gluon-append  the same A/B with a serving step's append (--new-tokens 1), b = 32, 16k
-#   bench-decode-gluon-pdl  the Gluon kernel as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL) at b = 32
 #   tests-decode-gluon-rows / bench-decode-gluon-rows  the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS)
 #   bench-decode-gluon-rows-tma  its TMA-copy variant (FLASHTILE_DECODE_GLUON_ROWS_TMA=1) with rings 3,3 and 2,1
 #                 and the 16-byte-copy variant, beside the default (after tests-decode-gluon-rows)
@@ -581,14 +580,6 @@ for step in "${steps[@]}"; do
       gate decode_gluon_warp_keys bench-decode-gluon-append && decode_runs decode_gluon_append "$wk=0|$wk=1|$wk=0|$wk=1" \
         --cuda-graph --layers 8 --batch 32 --seqlens ${GLUON_APPEND_SEQLENS:-16384} --new-tokens 1 --pages \
         --peers cudnn ;;
-    bench-decode-gluon-pdl)
-      # the Gluon kernel launched as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL=1: the next layer's launch
-      # overlaps this one's tail) against plain launches, b = 32 beside cuDNN in 8-layer graphs, alternated twice,
-      # after tests-decode-gluon-warp-keys passed in this call (GLUON_PDL_SEQLENS overrides the lengths)
-      p=FLASHTILE_DECODE_GLUON_PDL wk=FLASHTILE_DECODE_GLUON_WARP_KEYS=1
-      gate decode_gluon_warp_keys bench-decode-gluon-pdl && decode_runs decode_gluon_pdl \
-        "$wk $p=0|$wk $p=1|$wk $p=0|$wk $p=1" --cuda-graph --layers 8 --batch 32 \
-        --seqlens ${GLUON_PDL_SEQLENS:-8192 16384 65536 131072} --pages --peers cudnn ;;
     tests-decode-gluon-rows)
       # the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS=1, session 19) against the reference
       TIMED_XDIST=1 timed_tests decode_gluon_rows tests/test_gpu_decode_gluon_rows.py ;;

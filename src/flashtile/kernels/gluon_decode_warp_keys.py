@@ -84,24 +84,15 @@ def _gluon_decode_warp_keys_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, USE_PDL: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
     writes this call's s_new new keys and values (K_NEW / V_NEW, (b, s_new, h_k, d)) into the cache at
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
-    softmax_scale * log2(e). USE_PDL: launched as a programmatic dependent (an experiment, off by default), the
-    program waits for the kernel before it ahead of its first read, then lets the next kernel launch at once."""
-    if USE_PDL:
-        # griddepcontrol.wait returns once the previous grid has finished and its writes are visible (q, the
-        # lengths and the cache may all come from it). launch_dependents lets the next grid be set up now: its
-        # programs take SM slots as this grid's programs exit and wait there in turn, so the launch gap between
-        # two layers' kernels overlaps this grid's tail.
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
+    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)"""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")

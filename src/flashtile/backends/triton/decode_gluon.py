@@ -56,13 +56,6 @@ NUM_BUFFERS = 2
 FUSED_APPEND = True
 
 
-def pdl(device: torch.device) -> bool:
-    """Launch the kernel as a programmatic dependent (FLASHTILE_DECODE_GLUON_PDL=1, an experiment; off by default):
-    inside a graph of layers the next layer's launch then overlaps this one's tail. The Triton kernel's PDL
-    measured nothing at b = 32 (session 12); this kernel's is unmeasured."""
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_PDL")) and device.type == "cuda"
-
-
 def requested() -> bool | None:
     """FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 routes every covered call to the kernel, 0 none, unset: the rule."""
     return env.switch("FLASHTILE_DECODE_GLUON_WARP_KEYS")
@@ -138,5 +131,5 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            **(dict(USE_PDL=True, launch_pdl=True) if pdl(q.device) else {}), num_warps=4)
+            num_warps=4)
     return out, lse
