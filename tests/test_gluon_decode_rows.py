@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from flashtile.backends.triton import decode_gluon_rows
+from test_gluon_decode_warp_keys import SM90_SMEM_PER_SM
 from test_kvcache import _run_and_check, make_case
 
 TESTS = pathlib.Path(__file__).resolve().parent
-SM90_SMEM_PER_SM = 233472  # 228 KiB: two programs an SM need at most half of it each (less 1 KiB reserved)
 
 
 def _compile(*args, script="aot_gluon_decode_rows.py") -> dict:

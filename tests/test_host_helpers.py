@@ -156,3 +156,22 @@ def test_env_switch_is_tri_state_and_names_bad_values(monkeypatch):
         monkeypatch.setenv("FLASHTILE_TEST_SWITCH", bad)
         with pytest.raises(ValueError, match="FLASHTILE_TEST_SWITCH"):
             env.switch("FLASHTILE_TEST_SWITCH")
+
+
+def test_env_count_takes_whole_numbers_in_range_and_names_bad_values(monkeypatch):
+    """env.count: unset or empty -> None, a whole number in [low, high] -> int, anything else raises."""
+    import pytest
+
+    from flashtile import env
+
+    monkeypatch.delenv("FLASHTILE_TEST_COUNT", raising=False)
+    assert env.count("FLASHTILE_TEST_COUNT") is None
+    for value, want in (("", None), ("1", 1), ("128", 128)):
+        monkeypatch.setenv("FLASHTILE_TEST_COUNT", value)
+        assert env.count("FLASHTILE_TEST_COUNT", 1, 128) == want
+    monkeypatch.setenv("FLASHTILE_TEST_COUNT", "100000")
+    assert env.count("FLASHTILE_TEST_COUNT") == 100000  # no upper bound unless asked
+    for bad in ("0", "129", "-3", "2.5", "x", " 4"):
+        monkeypatch.setenv("FLASHTILE_TEST_COUNT", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_TEST_COUNT"):
+            env.count("FLASHTILE_TEST_COUNT", 1, 128)

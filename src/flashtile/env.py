@@ -40,3 +40,15 @@ def switch(name: str) -> bool | None:
         raise ValueError(f"{name} must be 0 (off), 1 (on) or unset (the default rule), got {value!r}")
     return value == "1"
 
+
+
+def count(name: str, low: int = 1, high: int | None = None) -> int | None:
+    """A whole number in [low, high] (high None: no bound), or None when unset or empty (the caller's rule).
+    Anything else raises a ValueError naming the variable and the range."""
+    value = get(name, "")
+    if value == "":
+        return None
+    if not value.isdigit() or int(value) < low or (high is not None and int(value) > high):
+        span = f"{low}-{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be a whole number {span} (unset: the default rule), got {value!r}")
+    return int(value)

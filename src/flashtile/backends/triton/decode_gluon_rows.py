@@ -22,9 +22,9 @@ import torch
 
 from flashtile import env
 from flashtile.backends.triton import decode_gluon
-from flashtile.backends.triton.host import cdiv, device_guard, run_kernel
+from flashtile.backends.triton.decode_gluon import LOG2E
+from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, device_guard, run_kernel
 
-LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 KV_HEADS = (4, 8)
 MAX_GROUP = 8  # the kernel's 8 MMA columns
@@ -32,10 +32,7 @@ BLOCK_N = 16
 # the 16-byte-copy kernel: 96 KB of shared memory and 128 registers a thread at h_k = 8, d = 128; the TMA kernel
 # runs as many as its ring lets fit, at most this many
 PROGRAMS_PER_SM = 2
-SHARED_PER_SM = 227 * 1024  # an H100 / H200 SM's shared memory for thread blocks
 SHARED_RESERVE = 1024  # the kernel's mbarriers and what the runtime keeps a block
-
-
 DEFAULT_SLOTS = (3, 3)
 
 
@@ -90,11 +87,12 @@ def ring_bytes(k_slots: int, v_slots: int, h_k: int, d: int, element_size: int) 
 def num_splits(b: int, capacity: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
     """Key splits that give every SM per_sm programs (FLASHTILE_DECODE_GLUON_ROWS_SPLITS=N: N, for experiments),
     at most one a 16-key tile and 128."""
-    forced = env.get("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "")
-    if forced and not (forced.isdigit() and 1 <= int(forced) <= 128):
-        raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SPLITS must be 1-128 (unset: the rule), got {forced!r}")
-    want = int(forced) if forced else round(per_sm * sms / max(b, 1))
-    return max(1, min(want, cdiv(max(capacity, 1), BLOCK_N), 128))
+    from flashtile.backends.triton.decode import MAX_SPLITS  # decode imports this module
+
+    want = env.count("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", 1, MAX_SPLITS)
+    if want is None:
+        want = round(per_sm * sms / max(b, 1))
+    return max(1, min(want, cdiv(max(capacity, 1), BLOCK_N), MAX_SPLITS))
 
 
 def _tma_descriptors(k_cache, v_cache):
@@ -125,10 +123,10 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     if tma:
         k_slots, v_slots = tma_slots()
         shared = ring_bytes(k_slots, v_slots, h_k, d, k_cache.element_size()) + SHARED_RESERVE
-        if shared > SHARED_PER_SM:
+        if shared > SM90_SHARED_PER_SM:
             raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SLOTS={k_slots},{v_slots} needs {shared} bytes of shared "
-                             f"memory at h_k = {h_k}, d = {d}, more than an SM's {SHARED_PER_SM}")
-        splits = num_splits(b, k_cache.shape[1], sms, min(PROGRAMS_PER_SM, SHARED_PER_SM // shared))
+                             f"memory at h_k = {h_k}, d = {d}, more than an SM's {SM90_SHARED_PER_SM}")
+        splits = num_splits(b, k_cache.shape[1], sms, min(PROGRAMS_PER_SM, SM90_SHARED_PER_SM // shared))
     else:
         splits = num_splits(b, k_cache.shape[1], sms)
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)

@@ -15,14 +15,13 @@ import torch
 
 from flashtile import env
 from flashtile.backends.triton import decode_gluon
-from flashtile.backends.triton.host import cdiv, device_guard, launch
+from flashtile.backends.triton.decode_gluon import LOG2E
+from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, device_guard, launch
 from flashtile.kernels.decode_rows import _decode_rows_kernel
 
-LOG2E = 1.4426950408889634
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
-SMEM_PER_SM = 227 * 1024
 
 
 def requested() -> int:
@@ -54,13 +53,9 @@ def num_splits(programs: int, stage_bytes: int, stages: int, sms: int, key_block
     a key block and MAX_SPLITS."""
     from flashtile.backends.triton.decode import MAX_SPLITS
 
-    forced = env.get("FLASHTILE_DECODE_ROWS_SPLITS", "")
-    if forced:
-        if not forced.isdigit() or int(forced) < 1:
-            raise ValueError(f"FLASHTILE_DECODE_ROWS_SPLITS must be a positive count, got {forced!r}")
-        splits = int(forced)
-    else:
-        per_sm = max(1, SMEM_PER_SM // max(1, stage_bytes * stages))
+    splits = env.count("FLASHTILE_DECODE_ROWS_SPLITS")
+    if splits is None:
+        per_sm = max(1, SM90_SHARED_PER_SM // max(1, stage_bytes * stages))
         splits = round(per_sm * sms / max(1, programs))
     return max(1, min(splits, MAX_SPLITS, key_blocks))
 

@@ -32,6 +32,10 @@ from flashtile import env
 HEAVY_FIRST = os.environ.get("FLASHTILE_HEAVY_FIRST", "1") not in ("", "0")
 
 
+# An sm_90 (H100 / H200) SM's shared memory for thread blocks: how many programs of a given ring fit one SM.
+SM90_SHARED_PER_SM = 227 * 1024
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
