@@ -44,11 +44,13 @@ def _inputs(b, sq, s_new, h, h_k, d, cap, dtype, page=None, rotary=False, interl
     return q, k_cache, v_cache, kw
 
 
-def _check(q, k_cache, v_cache, kw, **call):
-    kc, vc = k_cache.clone(), v_cache.clone()
+def _check(q, k_cache, v_cache, kw, on_views=False, **call):
+    """The call against the reference. It runs on clones of the caches, unless ``on_views``: then on the caches
+    themselves (a clone of a sliced or expanded view is contiguous, so a test of such views needs them)."""
+    rkc, rvc = k_cache.clone(), v_cache.clone()
+    kc, vc = (k_cache, v_cache) if on_views else (k_cache.clone(), v_cache.clone())
     out, lse = flash_attn_with_kvcache(q, kc, vc, return_softmax_lse=True, **kw, **call)
     call.pop("num_splits", None)  # a kernel-side choice: the reference has one answer for every split
-    rkc, rvc = k_cache.clone(), v_cache.clone()
     ref, ref_lse = kvcache_ref(q, rkc, rvc, **kw, **call)
     pt, _ = kvcache_ref(q, k_cache.clone(), v_cache.clone(), **kw, **call, upcast=False)
     assert_fa_close(out, ref, pt)
