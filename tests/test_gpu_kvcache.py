@@ -59,7 +59,8 @@ def _check(q, k_cache, v_cache, kw, on_views=False, **call):
     if fin.any():
         assert (lse[fin] - ref_lse[fin]).abs().max().item() < 1e-2
     assert torch.equal(vc, rvc)
-    assert (kc.float() - rkc.float()).abs().max().item() <= 1e-2
+    if kc.numel():  # a cache without keys has nothing to compare (and max() of nothing is an error)
+        assert (kc.float() - rkc.float()).abs().max().item() <= 1e-2
 
 
 def _capture(step, before_capture=None):
