@@ -594,14 +594,13 @@ for step in "${steps[@]}"; do
     bench-decode-gluon-rows-tma)
       # the whole-row kernel's TMA variant (session 20; FLASHTILE_DECODE_GLUON_ROWS_SLOTS: K,V tiles in flight)
       # against the default, beside cuDNN in 8-layer graphs, alternated twice (GLUON_ROWS_TMA_RUNS overrides the
-      # settings after the default's, e.g. with FLASHTILE_DECODE_GLUON_ROWS_SPLITS=N or _PDL=1)
+      # settings after the default's, e.g. with FLASHTILE_DECODE_GLUON_ROWS_SPLITS=N)
       r=FLASHTILE_DECODE_GLUON_ROWS t="FLASHTILE_DECODE_GLUON_ROWS=1 FLASHTILE_DECODE_GLUON_ROWS_TMA=1"
       sl=FLASHTILE_DECODE_GLUON_ROWS_SLOTS
       runs="$r=0|${GLUON_ROWS_TMA_RUNS:-$t $sl=3,3|$t $sl=2,1|$r=1 FLASHTILE_DECODE_GLUON_ROWS_TMA=0}"
-      pages=--pages; [[ ${GLUON_ROWS_PAGES:-1} == 0 ]] && pages=  # GLUON_ROWS_PAGES=0: no paged columns (faster)
       gate decode_gluon_rows bench-decode-gluon-rows-tma && decode_runs decode_gluon_rows_tma "$runs|$runs" \
         --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
-        $pages --peers cudnn ;;
+        --pages --peers cudnn ;;
     bench-decode-head-major)
       # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
       # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,

@@ -1,11 +1,10 @@
 """The whole-row Gluon decode kernel on the H200 (FLASHTILE_DECODE_GLUON_ROWS=1, an experiment): every call routed
 there must match the PyTorch reference (FlashAttention's tolerance rule), with ragged rows, rows without keys,
 splits past a row's end, appended keys (by the separate append kernel), GQA 1:1 to 8:1, 4 or 8 kv heads and
-d = 64 / 128, and stay capturable in a CUDA graph. Every test runs three times: with 16-byte copies
-(kernels/gluon_decode_rows.py), with TMA copies (FLASHTILE_DECODE_GLUON_ROWS_TMA=1,
-kernels/gluon_decode_rows_tma.py, session 20), and with TMA copies launched as programmatic dependents
-(FLASHTILE_DECODE_GLUON_ROWS_PDL=1, session 21; the graph test chains layers that way). Marked gluon
-(gpu_check's tests-decode-gluon-rows runs them under its timeout)."""
+d = 64 / 128, and stay capturable in a CUDA graph. Every test runs twice: with 16-byte copies
+(kernels/gluon_decode_rows.py) and with TMA copies (FLASHTILE_DECODE_GLUON_ROWS_TMA=1,
+kernels/gluon_decode_rows_tma.py, session 20). Marked gluon (gpu_check's tests-decode-gluon-rows runs them under
+its timeout)."""
 
 import pytest
 import torch
@@ -23,13 +22,12 @@ from test_gpu_kvcache import _check, _inputs
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 
 
-@pytest.fixture(params=["copies", "tma", "tma_pdl"])
+@pytest.fixture(params=["copies", "tma"])
 def gluon_calls(monkeypatch, request):
-    """The whole-row kernel's knob on (with 16-byte or TMA copies; the TMA kernel also launched as a programmatic
-    dependent, session 21), and its launches (the name the imported tests ask for)."""
+    """The whole-row kernel's knob on (with 16-byte or TMA copies), and its launches (the name the imported tests
+    ask for)."""
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "1")
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", "0" if request.param == "copies" else "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_PDL", "1" if request.param == "tma_pdl" else "0")
     return _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
 
 

@@ -52,21 +52,14 @@ def _gluon_decode_rows_tma_kernel(
     Q, desc_k, desc_v, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
     stride_qb, stride_qh, stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
     HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr = 2, V_SLOTS: gl.constexpr = 1,
-    HAS_SEQLENS: gl.constexpr = True, USE_PDL: gl.constexpr = False,
+    HAS_SEQLENS: gl.constexpr = True,
 ):
     """q (b, 1, h, d) against the caches behind desc_k / desc_v ([b, HEADS, capacity, d] views, blocks
     [1, HEADS, 16, 64]) holding cache_seqlens[b] (or cache_len_const) + s_new keys a row (the new ones
     already appended); program pid = b * num_splits + split, a warp a kv head. ``qk_scale`` is
     softmax_scale * log2(e); ``group`` (h / h_k) is at most 8. Writes the split's partials as the whole-row kernel
     does (the combine kernel merges them; an in-kernel merge by the last split to finish was no faster at b = 32
-    and 1%-7% slower at b = 8 in session 20, and was removed: code at b7d5fd5). USE_PDL (an experiment, off):
-    launched as a programmatic dependent, the program waits for the previous grid before its first read and lets
-    the combine kernel launch once its key loop is done."""
-    if USE_PDL:
-        # returns once the previous grid has finished and its writes are visible (q, the lengths and the cache
-        # may all come from it, an append kernel's new keys among them)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+    and 1%-7% slower at b = 8 in session 20, and was removed: code at b7d5fd5)."""
     COLS: gl.constexpr = 8  # the group's query heads, padded to one MMA's columns
     HALVES: gl.constexpr = HEAD_DIM // 64
     gl.static_assert(gl.num_warps() == HEADS, "a warp a kv head")
@@ -143,10 +136,6 @@ def _gluon_decode_rows_tma_kernel(
         mbarrier.invalidate(k_ready.index(i))
     for i in gl.static_range(V_SLOTS):
         mbarrier.invalidate(v_ready.index(i))
-    if USE_PDL:
-        # the combine kernel may launch now: its programs take SM slots as this grid's exit, and wait for its end
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
 
     _store_partials(O_PART, LSE_PART, ot0, m_i, l_i, b, split, group, 0, stride_ops, stride_opb, stride_oph,
                     stride_lps, stride_lpb, stride_lph, True, HEADS, 64, COLS, mma)

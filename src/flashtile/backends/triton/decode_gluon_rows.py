@@ -41,14 +41,6 @@ def requested() -> bool:
     return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
 
 
-def tma_pdl(device: torch.device) -> bool:
-    """FLASHTILE_DECODE_GLUON_ROWS_PDL=1 launches the TMA kernel and its combine as programmatic dependents (an
-    experiment, off: is the TMA kernel's ~5 us a call above cuDNN launch gaps? session 21)."""
-    from flashtile.backends.triton.decode import pdl_capable  # decode imports this module
-
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS_PDL")) and pdl_capable(device)
-
-
 def tma_slots() -> tuple[int, int]:
     """The TMA variant's ring, FLASHTILE_DECODE_GLUON_ROWS_SLOTS="K,V" tiles in flight (default 3,3: 192 KB at
     h_k = 8, d = 128, one program an SM; session 20 measured it ahead of 2,1 (two programs an SM, 0.7% at b = 32,
@@ -128,7 +120,6 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     if b == 0:
         return out, lse
     tma = use_tma(k_cache, v_cache)
-    pdl = tma and tma_pdl(q.device)
     if tma:
         k_slots, v_slots = tma_slots()
         shared = ring_bytes(k_slots, v_slots, h_k, d, k_cache.element_size()) + SHARED_RESERVE
@@ -152,10 +143,9 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
             desc_k, desc_v = _tma_descriptors(k_cache, v_cache)
             run_kernel(_gluon_decode_rows_tma_kernel, (b * splits,), q, desc_k, desc_v, o_part, lse_part, seqlens,
                        *common, *parts, HEADS=h_k, HEAD_DIM=d, K_SLOTS=k_slots, V_SLOTS=v_slots,
-                       HAS_SEQLENS=has_seqlens, num_warps=h_k,
-                       **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}))
+                       HAS_SEQLENS=has_seqlens, num_warps=h_k)
         else:
             run_kernel(_gluon_decode_rows_kernel, (b * splits,), q, k_cache, v_cache, o_part, lse_part, seqlens,
                        *common, *k_cache.stride()[:3], *v_cache.stride()[:3], *parts,
                        HEADS=h_k, HEAD_DIM=d, HAS_SEQLENS=has_seqlens, num_warps=h_k)
-    return combine(o_part, lse_part, out, lse, pdl=pdl)
+    return combine(o_part, lse_part, out, lse)
