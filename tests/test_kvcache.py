@@ -323,36 +323,6 @@ def test_combine(monkeypatch, kernels):
     assert res.data_ptr() == buf.data_ptr()
 
 
-@pytest.mark.parametrize("heads_per", ["2", "3", "4"])
-def test_combine_with_several_heads_a_program(monkeypatch, heads_per):
-    # FLASHTILE_DECODE_COMBINE_HEADS (session 21's experiment): the same merge, 2 or 4 heads a program (3 -> 2)
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_HEADS", heads_per)
-    from flashtile.backends.triton import decode
-
-    assert decode.combine_heads(4) == (4 if heads_per == "4" else 2) and decode.combine_heads(6) == 2
-    calls = []
-    real = decode._combine_heads
-    monkeypatch.setattr(decode, "_combine_heads", lambda *a: calls.append(a[-1]) or real(*a))
-    ns, b, sq, h, d = 3, 2, 2, 4, 20
-    o_part = torch.randn(ns, b, sq, h, d)
-    lse_part = torch.randn(ns, b, h, sq).transpose(2, 3)
-    lse_part[1, 0, 0, 1] = -math.inf  # an empty split
-    lse_part[:, 1, 1, 3] = -math.inf  # a head no split saw
-    out, lse = flash_attn_combine(o_part, lse_part)
-    w = torch.softmax(lse_part.double(), 0).nan_to_num(0.0)
-    ref = (o_part.double() * w.unsqueeze(-1)).sum(0)
-    assert (out.double() - ref).abs().max().item() < 1e-5
-    assert lse[1, 1, 3] == math.inf and (out[1, 1, 3] == 0).all()
-    ref_lse = torch.logsumexp(lse_part.double(), 0)
-    fin = torch.isfinite(ref_lse)
-    assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-5
-    assert calls == [decode.combine_heads(4)]  # the several-heads kernel ran
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_HEADS", "0")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_COMBINE_HEADS"):
-        flash_attn_combine(o_part, lse_part)
-
-
 def test_combine_errors():
     with pytest.raises(ValueError, match="lse_partial"):
         flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 1))

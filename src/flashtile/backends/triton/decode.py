@@ -497,9 +497,6 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
     ns, b, sq, h, d = out_partial.shape
     if b * sq * h == 0:
         return out, lse
-    heads_per = combine_heads(h) if not pdl else 1
-    if heads_per > 1:
-        return _combine_heads(out_partial, lse_partial, out, lse, heads_per)
     extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
     with device_guard(out):
         run_kernel(_combine_kernel, (b * sq * h,),  # flat grid: the batch on axis 1 would be capped at 65535
@@ -511,31 +508,6 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
             *lse.stride(),
             HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
             num_warps=4 if d >= 128 else 2, **extra,
-        )
-    return out, lse
-
-
-def combine_heads(h: int) -> int:
-    """Heads a merge program takes: FLASHTILE_DECODE_COMBINE_HEADS=N (an experiment, session 21; unset: 1), halved
-    until it divides ``h``."""
-    want = env.count("FLASHTILE_DECODE_COMBINE_HEADS", 1, 256) or 1
-    per = 1 << (want.bit_length() - 1)  # a power of two (a Triton block)
-    while h % per:
-        per //= 2
-    return per
-
-
-def _combine_heads(out_partial, lse_partial, out, lse, heads_per: int):
-    """``combine`` with ``heads_per`` heads a program (kernels/decode_combine_heads.py)."""
-    from flashtile.kernels.decode_combine_heads import _combine_heads_kernel
-
-    ns, b, sq, h, d = out_partial.shape
-    with device_guard(out):
-        run_kernel(_combine_heads_kernel, (b * sq * h // heads_per,),
-            out_partial, lse_partial, out, lse, ns, sq, h,
-            *out_partial.stride()[:4], *lse_partial.stride()[:4], *out.stride()[:3], *lse.stride(),
-            HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)), HEADS_PER=heads_per,
-            num_warps=8 if heads_per * d >= 2048 else 4,
         )
     return out, lse
 
