@@ -507,7 +507,7 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
             *out.stride()[:3],
             *lse.stride(),
             HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
-            num_warps=4 if d >= 128 else 2, **extra,
+            num_warps=env.count("FLASHTILE_DECODE_COMBINE_WARPS", 1, 8) or (4 if d >= 128 else 2), **extra,
         )
     return out, lse
 
