@@ -323,6 +323,20 @@ def test_combine(monkeypatch, kernels):
     assert res.data_ptr() == buf.data_ptr()
 
 
+def test_combine_warps_rule(monkeypatch):
+    from flashtile.backends.triton import decode
+
+    # one warp while a program's partials are at most 1024 values, otherwise the earlier 4 (d >= 128) or 2
+    assert [decode.combine_warps(ns, 128) for ns in (1, 2, 4, 8, 16, 132)] == [1, 1, 1, 1, 4, 4]
+    assert [decode.combine_warps(ns, 64) for ns in (16, 32)] == [1, 2]
+    assert decode.combine_warps(4, 256) == 1 and decode.combine_warps(8, 256) == 4
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_WARPS", "2")
+    assert decode.combine_warps(4, 128) == 2
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_WARPS", "9")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_COMBINE_WARPS"):
+        decode.combine_warps(4, 128)
+
+
 def test_combine_errors():
     with pytest.raises(ValueError, match="lse_partial"):
         flash_attn_combine(torch.randn(2, 1, 1, 2, 8), torch.randn(2, 1, 1, 1))

@@ -290,10 +290,11 @@ def test_paged_decode_tma_compiles_for_sm90(tmp_path):
              warps, stages, bulk=True)
 
 
-def test_combine_issues_its_loads_before_reducing(tmp_path):
+@pytest.mark.parametrize("block_s, warps", [(16, 4), (4, 1)])  # (4, 1): combine_warps's one-warp merges
+def test_combine_issues_its_loads_before_reducing(tmp_path, block_s, warps):
     # the merge sits between a layer's decode and the next: its partial-output loads must not wait for
     # the lse reduction (they do not depend on it), so every global load precedes the first shuffle
     counts = {}
-    _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", dict(HEAD_DIM=128, BLOCK_S=16, BLOCK_D=128,
-             USE_PDL=True), {"O_PART": "*fp32", "LSE_PART": "*fp32"}, 4, 1, fields_out=counts)
+    _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", dict(HEAD_DIM=128, BLOCK_S=block_s, BLOCK_D=128,
+             USE_PDL=True), {"O_PART": "*fp32", "LSE_PART": "*fp32"}, warps, 1, fields_out=counts)
     assert counts["LOADS_AFTER_SHFL"] == 0, counts

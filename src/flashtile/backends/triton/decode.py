@@ -507,9 +507,29 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
             *out.stride()[:3],
             *lse.stride(),
             HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
-            num_warps=env.count("FLASHTILE_DECODE_COMBINE_WARPS", 1, 8) or (4 if d >= 128 else 2), **extra,
+            num_warps=combine_warps(ns, d), **extra,
         )
     return out, lse
+
+
+# One warp a merge program while its partials are at most 1024 values (at d = 128: up to 8 splits). With more warps
+# the reduction over the splits crosses warps through shared memory: at b = 32 with 4 splits (1024 programs of 4
+# warps) Nsight Compute found L1 / shared memory 70% busy, and inside 8-layer graphs one warp took the merge from
+# 4.4 to 2.0 us, and from 1.7 to 1.5 at b = 8 with 2 splits (lease C21, session 21; scripts/probe_decode_timeline.py,
+# benchmarks/results/decode_timeline_combine_warps_leaseC21_*.json). Larger merges (b = 1's 16-132 splits) keep the
+# warps they had, as they would hold too many values a thread.
+COMBINE_ONE_WARP_VALUES = 1024
+
+
+def combine_warps(num_splits: int, d: int) -> int:
+    """The merge kernel's warps for ``num_splits`` partials of head dim ``d`` (FLASHTILE_DECODE_COMBINE_WARPS=N
+    forces N, for experiments)."""
+    forced = env.count("FLASHTILE_DECODE_COMBINE_WARPS", 1, 8)
+    if forced is not None:
+        return forced
+    if max(2, next_pow2(num_splits)) * max(16, next_pow2(d)) <= COMBINE_ONE_WARP_VALUES:
+        return 1
+    return 4 if d >= 128 else 2
 
 
 def _aliases_cache(new: tuple, caches: tuple) -> bool:
