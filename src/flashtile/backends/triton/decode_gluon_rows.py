@@ -1,15 +1,18 @@
-"""Which decode calls take the whole-row Gluon kernels, and their launch: an experiment, off unless
-``FLASHTILE_DECODE_GLUON_ROWS=1``.
+"""Which decode calls take the whole-row Gluon kernels, and their launch: by default (the rule, session 21) long
+caches of grids that fill the GPU; ``FLASHTILE_DECODE_GLUON_ROWS=1`` sends every covered call, ``=0`` none.
 
 Two kernels read FlashAttention's (b, s, h_k, d) cache a whole key row (every kv head) at a time: one with TMA
 copies (kernels/gluon_decode_rows_tma.py, session 20; taken unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0) and one with
 16-byte copies (kernels/gluon_decode_rows.py, session 19).
 
-Why it stays off (session 20, 8-layer graphs, docs/decode_tuning_log.md): the TMA kernel with a ring of three K
-and three V tiles (one program an SM) streams as fast as cuDNN's head-major kernel but pays about 5 us a call
-more. On three H200s it was 0.2%-0.8% faster than the default at b = 32 from 64k keys (and, on the one where they
-were measured, at b = 16 / 64 from 64k and b = 8 at 128k); on a fourth (where every kernel, cuDNN's too, took
-about 3% longer) it was 1.8% slower than the default at b = 32 / 64, 128k. One machine's loss is not a default.
+The rule (``by_rule``): the TMA kernel for caches of at least 128k keys, d = 128 and 8 kv heads, when b x h_k is at
+least 0.95 x the SMs (b >= 16 on 132 SMs), with the heuristic's split count. Measured in 8-layer graphs
+(docs/decode_tuning_log.md, sessions 20-21): at b = 32, 128k it was 0.5%-0.9% faster than the per-head default on
+nine H200s of ten (both board classes: cuDNN at 3658-3664 us and at 3740-3752), and 1.8% slower on one (lease
+E20). It streams as fast as cuDNN's head-major kernel but needs a split merge, which cuDNN's b = 32 grid does not:
+4.4 us a call until session 21's one-warp merge (2.0 us). At 64k it won on the first class and lost on the second,
+and at 16k it lost (0.4%-1.4%): hence 128k. The rule reads the cache's capacity, not the lengths (a host sync),
+so a server that preallocates 128k keys takes it for shorter rows too.
 
 Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
 most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
@@ -36,9 +39,25 @@ SHARED_RESERVE = 1024  # the kernel's mbarriers and what the runtime keeps a blo
 DEFAULT_SLOTS = (3, 3)
 
 
-def requested() -> bool:
-    """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
-    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
+# The rule's bounds (see the module docstring)
+RULE_MIN_CAPACITY = 131072
+RULE_MIN_FILL = 0.95  # b x h_k over the SMs
+RULE_HEAD_DIM = 128
+RULE_KV_HEADS = 8
+
+
+def requested() -> bool | None:
+    """FLASHTILE_DECODE_GLUON_ROWS: 1 sends every covered call to the kernels, 0 none, unset: the rule."""
+    return env.switch("FLASHTILE_DECODE_GLUON_ROWS")
+
+
+def by_rule(*, b: int, h_k: int, d: int, capacity: int, sms: int, num_splits: int) -> bool:
+    """The default for a covered call (integer compares only): a cache of at least RULE_MIN_CAPACITY keys a row, at
+    d = 128 with 8 kv heads (the shapes measured), a grid of b x h_k >= RULE_MIN_FILL x SMs, and the split count
+    left to the heuristic (num_splits <= 0: the kernels pick their own; 1 or n is the caller's and goes to the
+    split kernels)."""
+    return (capacity >= RULE_MIN_CAPACITY and d == RULE_HEAD_DIM and h_k == RULE_KV_HEADS and num_splits <= 0
+            and b * h_k >= RULE_MIN_FILL * sms)
 
 
 def tma_slots() -> tuple[int, int]:
