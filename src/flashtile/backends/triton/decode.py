@@ -515,9 +515,10 @@ def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
 # One warp a merge program while its partials are at most 1024 values (at d = 128: up to 8 splits). With more warps
 # the reduction over the splits crosses warps through shared memory: at b = 32 with 4 splits (1024 programs of 4
 # warps) Nsight Compute found L1 / shared memory 70% busy, and inside 8-layer graphs one warp took the merge from
-# 4.4 to 2.0 us, and from 1.7 to 1.5 at b = 8 with 2 splits (lease C21, session 21; scripts/probe_decode_timeline.py,
-# benchmarks/results/decode_timeline_combine_warps_leaseC21_*.json). Larger merges (b = 1's 16-132 splits) keep the
-# warps they had, as they would hold too many values a thread.
+# 4.4 to 2.0 us, and from 1.7 to 1.5 at b = 8 with 2 splits (lease D21, session 21; scripts/probe_decode_timeline.py,
+# benchmarks/results/decode_timeline_combine_warps_leaseD21_*.json). As calls in 8-layer graphs it was 0.8%-1.4%
+# faster at b = 2 / 8 with 8k-32k keys and even from there (decode_combine_warps_ab_leaseE21_*.json). Larger merges
+# (b = 1's 16-132 splits) keep the warps they had, as they would hold too many values a thread.
 COMBINE_ONE_WARP_VALUES = 1024
 
 
