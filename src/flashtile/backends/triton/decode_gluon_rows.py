@@ -9,10 +9,10 @@ The rule (``by_rule``): the TMA kernel for caches of at least 128k keys, d = 128
 least 0.95 x the SMs (b >= 16 on 132 SMs), with the heuristic's split count. Measured in 8-layer graphs
 (docs/decode_tuning_log.md, sessions 20-21): at b = 32, 128k it was 0.25%-0.9% faster than the per-head default
 on eleven H200s of twelve (both board classes: cuDNN at 3649-3664 us and at 3740-3752), and 1.8% slower on one
-(lease E20). It streams as fast as cuDNN's head-major kernel but needs a split merge, which cuDNN's b = 32 grid does not:
-4.4 us a call until session 21's one-warp merge (2.0 us). At 64k it won on the first class and lost on the second,
-and at 16k it lost (0.4%-1.4%): hence 128k. The rule reads the cache's capacity, not the lengths (a host sync),
-so a server that preallocates 128k keys takes it for shorter rows too.
+(lease E20). It streams as fast as cuDNN's head-major kernel but needs a split merge, which cuDNN's b = 32 grid
+does not: 4.4 us a call until session 21's one-warp merge (2.0 us). At 64k it won on the first class and lost on
+the second, and at 16k it lost (0.4%-1.4%): hence 128k. The rule reads the cache's capacity, not the lengths (a
+host sync), so a server that preallocates 128k keys takes it for shorter rows too.
 
 Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
 most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
