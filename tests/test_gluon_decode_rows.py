@@ -54,15 +54,6 @@ def test_tma_default_ring_builds_for_sm90_one_program_an_sm():
     assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
 
 
-def test_rule_bounds():
-    rule = dict(b=32, h_k=8, d=128, capacity=131072, sms=132, num_splits=0)
-    assert decode_gluon_rows.by_rule(**rule)
-    assert decode_gluon_rows.by_rule(**{**rule, "b": 16, "num_splits": -1})  # 128 programs >= 0.95 x 132
-    for other in (dict(b=15), dict(capacity=131071), dict(d=64), dict(h_k=4, b=64), dict(num_splits=1),
-                  dict(num_splits=4)):
-        assert not decode_gluon_rows.by_rule(**{**rule, **other}), other
-
-
 def test_split_count_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "33")
     assert decode_gluon_rows.num_splits(32, 131072, 132) == 33

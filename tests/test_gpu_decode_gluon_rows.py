@@ -131,36 +131,3 @@ def test_caches_without_keys_or_with_a_zero_batch_stride(gluon_calls):
     assert k_view.stride(0) == 0
     _check(q, k_view, v_view, kw, on_views=True)
     assert len(gluon_calls) == 2
-
-
-# The rule (session 21): with the knob unset, long caches of grids that fill the GPU take the TMA kernel; the caller's
-# split count, smaller grids, shorter caches and other head shapes do not. Compared with the per-head route
-# (FLASHTILE_DECODE_GLUON_ROWS=0) on the same inputs: a 128k reference would take tens of GiB.
-@pytest.mark.xdist_group("big_reference")
-def test_rule_takes_long_caches_of_grids_that_fill_the_gpu(monkeypatch):
-    from flashtile import flash_attn_with_kvcache
-
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS", raising=False)
-    calls = _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    b = -(-sms // 8)  # b x 8 kv heads just fills the GPU
-    q, kc, vc, kw = _inputs(b, 1, 1, 32, 8, 128, decode_gluon_rows.RULE_MIN_CAPACITY, torch.bfloat16, seed=31)
-    k_new, v_new = kw.pop("k"), kw.pop("v")
-    kc2, vc2 = kc.clone(), vc.clone()
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, causal=True, return_softmax_lse=True, **kw)
-    assert len(calls) == 1, "the rule did not take the call"
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "0")
-    ref, ref_lse = flash_attn_with_kvcache(q, kc2, vc2, k_new, v_new, causal=True, return_softmax_lse=True, **kw)
-    assert len(calls) == 1
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same append
-    scale = ref.float().abs().max().item()
-    assert (out.float() - ref.float()).abs().max().item() <= 2e-2 * scale
-    assert (lse - ref_lse).abs().max().item() < 1e-3
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS")
-    for other in (dict(num_splits=1), dict(num_splits=3)):  # the caller's split count: the split kernels
-        flash_attn_with_kvcache(q, kc2, vc2, causal=True, **{**kw, **other})
-    flash_attn_with_kvcache(q[:b // 2], kc2[:b // 2], vc2[:b // 2], causal=True,  # half the grid
-                            cache_seqlens=kw["cache_seqlens"][:b // 2])
-    flash_attn_with_kvcache(q, kc2[:, :-16], vc2[:, :-16], causal=True,  # a capacity under the bound
-                            cache_seqlens=kw["cache_seqlens"].clamp(max=1000))
-    assert len(calls) == 1

@@ -601,16 +601,9 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=num_sms(q.device))
-    # the whole-row Gluon kernels: by the rule (long caches, grids that fill the GPU), FLASHTILE_DECODE_GLUON_ROWS=1
-    # every covered call, 0 none
-    whole_rows = decode_gluon_rows.requested()
-    if whole_rows is None and k_cache.shape[1] >= decode_gluon_rows.RULE_MIN_CAPACITY:  # short caches stop here
-        whole_rows = (q.device.type == "cuda" and decode_gluon_rows.use_tma(k_cache, v_cache)
-                      and decode_gluon_rows.by_rule(b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
-                                                    capacity=k_cache.shape[1], sms=num_sms(q.device),
-                                                    num_splits=num_splits))
-    if whole_rows and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes,
-                                  rotary_cos) \
+    # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernels, an experiment (off by default)
+    if decode_gluon_rows.requested() and _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left,
+                                                     softcap, alibi_slopes, rotary_cos) \
             and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
         return decode_gluon_rows.gluon_rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,

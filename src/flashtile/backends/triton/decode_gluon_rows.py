@@ -1,18 +1,19 @@
-"""Which decode calls take the whole-row Gluon kernels, and their launch: by default (the rule, session 21) long
-caches of grids that fill the GPU; ``FLASHTILE_DECODE_GLUON_ROWS=1`` sends every covered call, ``=0`` none.
+"""Which decode calls take the whole-row Gluon kernels, and their launch: an experiment, off unless
+``FLASHTILE_DECODE_GLUON_ROWS=1``.
 
 Two kernels read FlashAttention's (b, s, h_k, d) cache a whole key row (every kv head) at a time: one with TMA
 copies (kernels/gluon_decode_rows_tma.py, session 20; taken unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0) and one with
 16-byte copies (kernels/gluon_decode_rows.py, session 19).
 
-The rule (``by_rule``): the TMA kernel for caches of at least 128k keys, d = 128 and 8 kv heads, when b x h_k is at
-least 0.95 x the SMs (b >= 16 on 132 SMs), with the heuristic's split count. Measured in 8-layer graphs
-(docs/decode_tuning_log.md, sessions 20-21): at b = 32, 128k it was 0.25%-0.9% faster than the per-head default
-on eleven H200s of twelve (both board classes: cuDNN at 3649-3664 us and at 3740-3752), and 1.8% slower on one
-(lease E20). It streams as fast as cuDNN's head-major kernel but needs a split merge, which cuDNN's b = 32 grid
-does not: 4.4 us a call until session 21's one-warp merge (2.0 us). At 64k it won on the first class and lost on
-the second, and at 16k it lost (0.4%-1.4%): hence 128k. The rule reads the cache's capacity, not the lengths (a
-host sync), so a server that preallocates 128k keys takes it for shorter rows too.
+Why it stays off (sessions 20-21, 8-layer graphs, docs/decode_tuning_log.md): the TMA kernel with a ring of three K
+and three V tiles (one program an SM) streams as fast as cuDNN's head-major kernel, but at b = 32 its 4 key splits
+need a merge (2.0 us a call since session 21's one-warp merge, 4.4 before) that cuDNN's unsplit grid does not. At
+b = 32, 128k it was 0.25%-0.9% faster than the per-head default on eleven H200s of thirteen, and 1.8% slower on
+two (leases E20 and G21, where cuDNN itself took 3768 us against 3649-3752 elsewhere; there rings that fit two
+programs an SM were as fast as the default and one program an SM was not). Over those thirteen boards that
+averages about +0.3%, but it lost on two of the four boards of the slow class it ran on, and that class (cuDNN at
+3740-3768 us) was eight of the leases of sessions 19-21. So the kernel stays an experiment: a rule for it was
+written and reverted in session 20, and again in session 21.
 
 Covered: sm_90, one query token, bf16 / fp16 (cache the same), d = 64 or 128, 4 or 8 kv heads (a warp each), at
 most 8 query heads a kv head, a 16-byte aligned contiguous-last-dim cache, and no paging, batch index, left
@@ -39,25 +40,9 @@ SHARED_RESERVE = 1024  # the kernel's mbarriers and what the runtime keeps a blo
 DEFAULT_SLOTS = (3, 3)
 
 
-# The rule's bounds (see the module docstring)
-RULE_MIN_CAPACITY = 131072
-RULE_MIN_FILL = 0.95  # b x h_k over the SMs
-RULE_HEAD_DIM = 128
-RULE_KV_HEADS = 8
-
-
-def requested() -> bool | None:
-    """FLASHTILE_DECODE_GLUON_ROWS: 1 sends every covered call to the kernels, 0 none, unset: the rule."""
-    return env.switch("FLASHTILE_DECODE_GLUON_ROWS")
-
-
-def by_rule(*, b: int, h_k: int, d: int, capacity: int, sms: int, num_splits: int) -> bool:
-    """The default for a covered call (integer compares only): a cache of at least RULE_MIN_CAPACITY keys a row, at
-    d = 128 with 8 kv heads (the shapes measured), a grid of b x h_k >= RULE_MIN_FILL x SMs, and the split count
-    left to the heuristic (num_splits <= 0: the kernels pick their own; 1 or n is the caller's and goes to the
-    split kernels)."""
-    return (capacity >= RULE_MIN_CAPACITY and d == RULE_HEAD_DIM and h_k == RULE_KV_HEADS and num_splits <= 0
-            and b * h_k >= RULE_MIN_FILL * sms)
+def requested() -> bool:
+    """FLASHTILE_DECODE_GLUON_ROWS=1 sends every covered call to the kernel (unset or 0: none)."""
+    return bool(env.switch("FLASHTILE_DECODE_GLUON_ROWS"))
 
 
 def tma_slots() -> tuple[int, int]:
