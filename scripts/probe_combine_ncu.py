@@ -5,12 +5,12 @@ profile with ncu --nvtx --nvtx-include "<case>/" -k regex:combine.
 Cases: tma_b32 (the whole-row TMA kernel, 4 splits), tma_b8 (16 splits), triton_b32 (the Triton split kernel
 forced to 4 splits). GQA 32 / 8, d = 128, bf16, 16k keys."""
 
-import os
 import sys
 
 import torch
 
 from flashtile import flash_attn_with_kvcache
+from flashtile.env import overrides
 
 CASES = {"tma_b32": (32, {"FLASHTILE_DECODE_GLUON_ROWS": "1"}, 0),
          "tma_b8": (8, {"FLASHTILE_DECODE_GLUON_ROWS": "1"}, 0),
@@ -20,21 +20,19 @@ CASES = {"tma_b32": (32, {"FLASHTILE_DECODE_GLUON_ROWS": "1"}, 0),
 def main(names):
     for name in names or CASES:
         b, env, splits = CASES[name]
-        os.environ.update(env)
-        q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-        kc = torch.randn(b, 16384, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        lens = torch.full((b,), 16384, device="cuda", dtype=torch.int32)
-        for _ in range(2):
-            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(name)
-        for _ in range(3):
-            flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
-        for k in env:
-            del os.environ[k]
+        with overrides(env):
+            q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+            kc = torch.randn(b, 16384, 8, 128, device="cuda", dtype=torch.bfloat16)
+            vc = torch.randn_like(kc)
+            lens = torch.full((b,), 16384, device="cuda", dtype=torch.int32)
+            for _ in range(2):
+                flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(name)
+            for _ in range(3):
+                flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=splits)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
         print(name, "ran", flush=True)
 
 

@@ -13,13 +13,13 @@ checks that every case runs.
 """
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import flash_attn_with_kvcache
+from flashtile.env import overrides
 
 H, H_K, D = 32, 8, 128
 
@@ -48,15 +48,8 @@ def flashtile_case(b: int, sk: int, page: int | None, head_major: bool = False, 
     k_new, v_new, shorter = kc[:, -1:].clone(), vc[:, -1:].clone(), lens - 1
 
     def run():
-        before = os.environ.get("FLASHTILE_DECODE_GLUON_WARP_KEYS")
-        os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"] = append_on
-        try:
+        with overrides({"FLASHTILE_DECODE_GLUON_WARP_KEYS": append_on}):  # the other cases keep the rule
             return flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=shorter, causal=True)
-        finally:  # the other cases keep the rule
-            if before is None:
-                del os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"]
-            else:
-                os.environ["FLASHTILE_DECODE_GLUON_WARP_KEYS"] = before
     return run
 
 

@@ -14,7 +14,6 @@ A case is NAME:VAR=VALUE,VAR=VALUE (flashtile under those settings, read by ever
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 
@@ -23,24 +22,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import flash_attn_with_kvcache
+from flashtile.env import overrides
 
 H, H_K, D = 32, 8, 128
 LAYER_BYTES = 40 << 30  # caches of all layers together at most this
-
-
-@contextlib.contextmanager
-def settings(pairs: dict):
-    """The environment variables ``pairs`` set for the block's duration (restored afterwards)."""
-    before = {k: os.environ.get(k) for k in pairs}
-    os.environ.update(pairs)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def layer_calls(case: str, b: int, sk: int, layers: int):
@@ -63,7 +48,7 @@ def layer_calls(case: str, b: int, sk: int, layers: int):
 
 def timeline(case: str, env: dict, b: int, sk: int, layers: int, replays: int) -> dict:
     backend = sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if case == "cudnn" else contextlib.nullcontext()
-    with settings(env), backend:
+    with overrides(env), backend:
         calls = layer_calls(case, b, sk, layers)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -175,3 +175,20 @@ def test_env_count_takes_whole_numbers_in_range_and_names_bad_values(monkeypatch
         monkeypatch.setenv("FLASHTILE_TEST_COUNT", bad)
         with pytest.raises(ValueError, match="FLASHTILE_TEST_COUNT"):
             env.count("FLASHTILE_TEST_COUNT", 1, 128)
+
+
+def test_env_overrides_set_for_the_block_and_restore(monkeypatch):
+    import os
+
+    import pytest
+
+    from flashtile import env
+
+    monkeypatch.setenv("FLASHTILE_TEST_SET", "a")
+    monkeypatch.delenv("FLASHTILE_TEST_UNSET", raising=False)
+    with env.overrides({"FLASHTILE_TEST_SET": "b", "FLASHTILE_TEST_UNSET": "c"}):
+        assert env.get("FLASHTILE_TEST_SET") == "b" and env.get("FLASHTILE_TEST_UNSET") == "c"
+    assert os.environ["FLASHTILE_TEST_SET"] == "a" and "FLASHTILE_TEST_UNSET" not in os.environ
+    with pytest.raises(RuntimeError), env.overrides({"FLASHTILE_TEST_SET": "d"}):
+        raise RuntimeError  # restored on the way out of an error too
+    assert os.environ["FLASHTILE_TEST_SET"] == "a"

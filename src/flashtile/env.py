@@ -11,6 +11,7 @@ replaced (``mock.patch("os.environ", ...)``), it is ``os.environ.get``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 _ENVIRON = os.environ
@@ -41,7 +42,6 @@ def switch(name: str) -> bool | None:
     return value == "1"
 
 
-
 def count(name: str, low: int = 1, high: int | None = None) -> int | None:
     """A whole number in [low, high] (high None: no bound), or None when unset or empty (the caller's rule).
     Anything else raises a ValueError naming the variable and the range."""
@@ -52,3 +52,19 @@ def count(name: str, low: int = 1, high: int | None = None) -> int | None:
         span = f"{low}-{high}" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be a whole number {span} (unset: the default rule), got {value!r}")
     return int(value)
+
+
+@contextlib.contextmanager
+def overrides(pairs: dict[str, str]):
+    """Set the environment variables ``pairs`` for the block, then restore each (unset again if it was unset):
+    for scripts that time or profile one setting after another in one process."""
+    before = {name: os.environ.get(name) for name in pairs}
+    os.environ.update(pairs)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
