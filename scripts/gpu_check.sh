@@ -607,7 +607,9 @@ for step in "${steps[@]}"; do
       # session 22: the Gluon decode kernel as clusters of adjacent kv heads in lockstep, against the reference and
       # the plain launch, then how many clusters fit at once (probe_cluster_occupancy.py)
       TIMED_XDIST=1 timed_tests decode_lockstep tests/test_gpu_decode_lockstep.py
-      python3 scripts/probe_cluster_occupancy.py --out "$WORK/cluster_occupancy.json" >> "$summary" 2>&1 ;;
+      python3 scripts/probe_cluster_occupancy.py --out "$WORK/cluster_occupancy.json" >> "$summary" 2>&1
+      FLASHTILE_DECODE_GLUON_MAXNREG=168 python3 scripts/probe_cluster_occupancy.py \
+        --out "$WORK/cluster_occupancy_maxnreg168.json" >> "$summary" 2>&1 ;;
     bench-decode-lockstep)
       # the lockstep settings (cluster C, sync every P tiles) against the plain launch at b = 32 beside cuDNN in
       # 8-layer graphs, after tests-decode-lockstep passed; the plain launch and C = 8, P = 1 twice

@@ -1,7 +1,7 @@
 """How many clusters of the Gluon warps-along-keys decode kernel fit on this GPU at once (session 22's lockstep
 experiment, FLASHTILE_DECODE_CLUSTER=C): a grid of b x h_k programs runs in one wave only if
 cuOccupancyMaxActiveClusters(C) x C >= b x h_k. Compiles the kernel through one b = 32, 8k call per cluster size
-and prints / writes {C: clusters, programs} as JSON.
+and prints / writes {C: clusters, programs} as JSON (FLASHTILE_DECODE_GLUON_MAXNREG applies, as in the calls).
     PYTHONPATH=src python scripts/probe_cluster_occupancy.py [--out PATH.json]"""
 
 import argparse
@@ -24,7 +24,8 @@ def main() -> None:
     vc = torch.randn_like(kc)
     lens = torch.full((b,), cap, device="cuda", dtype=torch.int32)
     utils = triton.runtime.driver.active.utils
-    got = {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+    got = {"gpu": torch.cuda.get_device_name(), "maxnreg": env.get("FLASHTILE_DECODE_GLUON_MAXNREG"),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "programs": b * h_k, "clusters": {}}
     for c in (1, 2, 4, 8):
         with env.overrides({"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1", "FLASHTILE_DECODE_CLUSTER": str(c)}):

@@ -186,3 +186,13 @@ def test_knob_value_checked(monkeypatch):
         decode_gluon.requested()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
     assert decode_gluon.requested() is False
+
+
+def test_register_cap_setting(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_MAXNREG", raising=False)
+    assert decode_gluon.max_registers() == {}
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_MAXNREG", "168")
+    assert decode_gluon.max_registers() == {"maxnreg": 168}
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_MAXNREG", "300")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_MAXNREG"):
+        decode_gluon.max_registers()

@@ -107,6 +107,14 @@ def cluster_lockstep(h_k: int) -> tuple[int, int]:
     return c, (0 if c == 1 else 1 if p is None else p)
 
 
+def max_registers() -> dict:
+    """FLASHTILE_DECODE_GLUON_MAXNREG=R caps the kernel's registers a thread (ptxas .maxnreg; unset: no cap), as the
+    lockstep experiment's compile option: at most 170 lets three 128-thread programs share an SM's registers, so
+    more clusters fit at once (session 22)."""
+    r = env.count("FLASHTILE_DECODE_GLUON_MAXNREG", 24, 255)
+    return {} if r is None else {"maxnreg": r}
+
+
 def _as_clusters(kernel, cluster: int, args, meta) -> None:
     """Make the compiled kernel for (args, meta) launch as clusters of ``cluster`` CTAs. Triton's launcher
     launches grid x num_ctas CTAs in clusters of num_ctas (its packed metadata); the kernel is compiled for
@@ -151,7 +159,7 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)))
     meta = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-                num_warps=4, **({"CLUSTER": cluster, "LOCKSTEP": period} if cluster > 1 else {}))
+                num_warps=4, **({"CLUSTER": cluster, "LOCKSTEP": period} if cluster > 1 else {}), **max_registers())
     with device_guard(q):
         if cluster > 1:
             _as_clusters(_gluon_decode_warp_keys_kernel, cluster, args, meta)
