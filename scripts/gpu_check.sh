@@ -31,8 +31,6 @@
 #   tests-decode-gluon-rows / bench-decode-gluon-rows  the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS)
 #   bench-decode-gluon-rows-tma  its TMA-copy variant (FLASHTILE_DECODE_GLUON_ROWS_TMA=1) with rings 3,3 and 2,1
 #                 and the 16-byte-copy variant, beside the default (after tests-decode-gluon-rows)
-#   tests-decode-lockstep / bench-decode-lockstep  the Gluon decode kernel as clusters of kv heads in lockstep
-#                 (FLASHTILE_DECODE_CLUSTER / _LOCKSTEP, session 22) against the reference, then beside the default
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
@@ -603,20 +601,6 @@ for step in "${steps[@]}"; do
       gate decode_gluon_rows bench-decode-gluon-rows-tma && decode_runs decode_gluon_rows_tma "$runs|$runs" \
         --cuda-graph --layers 8 --batch ${GLUON_ROWS_BATCH:-32 8} --seqlens ${GLUON_ROWS_SEQLENS:-16384 65536 131072} \
         --pages --peers cudnn ;;
-    tests-decode-lockstep)
-      # session 22: the Gluon decode kernel as clusters of adjacent kv heads in lockstep, against the reference and
-      # the plain launch, then how many clusters fit at once (probe_cluster_occupancy.py)
-      TIMED_XDIST=1 timed_tests decode_lockstep tests/test_gpu_decode_lockstep.py
-      python3 scripts/probe_cluster_occupancy.py --out "$WORK/cluster_occupancy.json" >> "$summary" 2>&1
-      FLASHTILE_DECODE_GLUON_MAXNREG=168 python3 scripts/probe_cluster_occupancy.py \
-        --out "$WORK/cluster_occupancy_maxnreg168.json" >> "$summary" 2>&1 ;;
-    bench-decode-lockstep)
-      # the lockstep settings (cluster C, sync every P tiles) against the plain launch at b = 32 beside cuDNN in
-      # 8-layer graphs, after tests-decode-lockstep passed; the plain launch and C = 8, P = 1 twice
-      c=FLASHTILE_DECODE_CLUSTER p=FLASHTILE_DECODE_LOCKSTEP
-      gate decode_lockstep bench-decode-lockstep && decode_runs decode_lockstep \
-        "${LOCKSTEP_RUNS:-$c=1|$c=8 $p=1|$c=8 $p=0|$c=4 $p=1|$c=8 $p=4|$c=2 $p=1|$c=1|$c=8 $p=1}" --cuda-graph \
-        --layers 8 --batch 32 --seqlens ${LOCKSTEP_SEQLENS:-8192 16384 65536 131072} --pages --peers cudnn ;;
     bench-decode-head-major)
       # is the b = 32 gap to cuDNN the cache layout? flashtile on its (b, s, h_k, d) cache and on the peers'
       # head-major copies (--head-major: each kv head one contiguous stream, as cuDNN reads them), beside cuDNN,

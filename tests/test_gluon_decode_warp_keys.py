@@ -39,34 +39,6 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
     assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got  # 16-byte cp.async copies, mma.sync
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
     assert got["GDC"] == 0, got  # no griddepcontrol: launched as an ordinary kernel
-    assert got["CLUSTER_ARRIVE"] == got["CLUSTER_WAIT"] == 0, got  # no cluster barrier unless asked
-
-
-@pytest.mark.parametrize("period", [1, 4])
-def test_lockstep_build_pairs_its_cluster_barriers(period):
-    # the prologue's arrival, then a wait before and an arrival after the loop's refill, and the closing wait
-    got = _compile(128, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, 1, 0, period)
-    assert got["CLUSTER_ARRIVE"] == 2 and got["CLUSTER_WAIT"] == 2, got
-    assert got["SPILL_STORES"] == 0 and 2 * 128 * got["REGISTERS"] <= 65536, got  # still two programs an SM
-
-
-@pytest.mark.parametrize("values, want", [({}, (1, 0)), ({"FLASHTILE_DECODE_CLUSTER": "8"}, (8, 1)),
-                                          ({"FLASHTILE_DECODE_CLUSTER": "4", "FLASHTILE_DECODE_LOCKSTEP": "0"}, (4, 0)),
-                                          ({"FLASHTILE_DECODE_CLUSTER": "2", "FLASHTILE_DECODE_LOCKSTEP": "4"}, (2, 4)),
-                                          ({"FLASHTILE_DECODE_LOCKSTEP": "4"}, (1, 0))])
-def test_cluster_lockstep_settings(monkeypatch, values, want):
-    for k in ("FLASHTILE_DECODE_CLUSTER", "FLASHTILE_DECODE_LOCKSTEP"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in values.items():
-        monkeypatch.setenv(k, v)
-    assert decode_gluon.cluster_lockstep(8) == want
-
-
-@pytest.mark.parametrize("c, h_k", [("3", 6), ("8", 4), ("16", 16), ("x", 8)])
-def test_cluster_settings_that_cannot_run_name_the_variable(monkeypatch, c, h_k):
-    monkeypatch.setenv("FLASHTILE_DECODE_CLUSTER", c)
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_CLUSTER"):
-        decode_gluon.cluster_lockstep(h_k)
 
 
 GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,
@@ -186,13 +158,3 @@ def test_knob_value_checked(monkeypatch):
         decode_gluon.requested()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
     assert decode_gluon.requested() is False
-
-
-def test_register_cap_setting(monkeypatch):
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_MAXNREG", raising=False)
-    assert decode_gluon.max_registers() == {}
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_MAXNREG", "168")
-    assert decode_gluon.max_registers() == {"maxnreg": 168}
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_MAXNREG", "300")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_MAXNREG"):
-        decode_gluon.max_registers()

@@ -79,27 +79,12 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 
 
 @gluon.jit
-def _cluster_arrive():
-    """This thread's arrival at its cluster's barrier, without waiting and without ordering memory (relaxed):
-    the lockstep below orders only when copies are issued, not what they read."""
-    gl.inline_asm_elementwise("barrier.cluster.arrive.relaxed.aligned; // $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _cluster_wait():
-    """Wait until every thread of every CTA in the cluster has arrived since this thread's last wait."""
-    gl.inline_asm_elementwise("barrier.cluster.wait.aligned; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, CLUSTER: gl.constexpr = 1, LOCKSTEP: gl.constexpr = 0,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -107,20 +92,11 @@ def _gluon_decode_warp_keys_kernel(
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
-    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)
-
-    CLUSTER = C > 1 and LOCKSTEP = P > 0 (an experiment): the launcher runs the programs as thread-block clusters
-    of C adjacent kv heads of one batch row (C divides h_k, so every program of a cluster has the same row length and tile count),
-    and a program issues tile t (t a multiple of P) only after every program of its cluster issued tile t - P.
-    The C heads then read each key's C x d x 2-byte piece of its row at about the same moment, as one head-major
-    stream would. Split arrive / wait: the wait comes P tiles of compute after this program's own arrival, so a
-    balanced cluster rarely stalls on it. CLUSTER itself changes no code: it keeps the clustered launch's compiled
-    kernel apart from the plain one's, as the launcher marks it (backends/triton/decode_gluon.py)."""
+    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)"""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
     gl.static_assert(NUM_BUFFERS >= 2, "a ring of at least two slots")
-    gl.static_assert(CLUSTER > 1 or LOCKSTEP == 0, "a lockstep needs a cluster")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -156,8 +132,6 @@ def _gluon_decode_warp_keys_kernel(
     for i in gl.static_range(NUM_BUFFERS - 1):
         _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
                   rows, cols, i < n)
-    if LOCKSTEP > 0:
-        _cluster_arrive()
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
     q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))
@@ -185,13 +159,7 @@ def _gluon_decode_warp_keys_kernel(
         # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
         gl.thread_barrier()
-        if LOCKSTEP > 0:
-            if nxt % LOCKSTEP == 0:  # the same tiles in every program of the cluster
-                _cluster_wait()  # the cluster issued tile nxt - LOCKSTEP
         _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
-        if LOCKSTEP > 0:
-            if nxt % LOCKSTEP == 0:
-                _cluster_arrive()
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
@@ -205,8 +173,6 @@ def _gluon_decode_warp_keys_kernel(
         vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
         o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
-    if LOCKSTEP > 0:
-        _cluster_wait()  # every arrival waited for before the program exits (n + 1 of each)
 
     # merge the 4 warps' states (once, across warps)
     m = gl.max(m_i, 0)

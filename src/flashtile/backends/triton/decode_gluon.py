@@ -95,35 +95,6 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
     return None
 
 
-def cluster_lockstep(h_k: int) -> tuple[int, int]:
-    """(cluster size C, lockstep period P) for the experiment of kv heads read in lockstep (kernel docstring):
-    FLASHTILE_DECODE_CLUSTER=C runs the programs as clusters of C adjacent kv heads (C a power of two dividing
-    h_k, at most 8, the portable cluster size); FLASHTILE_DECODE_LOCKSTEP=P syncs the cluster every P tiles
-    (default 1; 0 keeps the clusters without syncs). Unset: (1, 0), no clusters."""
-    c = env.count("FLASHTILE_DECODE_CLUSTER", 1, 8) or 1
-    if c & (c - 1) or h_k % c:
-        raise ValueError(f"FLASHTILE_DECODE_CLUSTER={c} must be a power of two dividing the {h_k} kv heads")
-    p = env.count("FLASHTILE_DECODE_LOCKSTEP", 0)
-    return c, (0 if c == 1 else 1 if p is None else p)
-
-
-def max_registers() -> dict:
-    """FLASHTILE_DECODE_GLUON_MAXNREG=R caps the kernel's registers a thread (ptxas .maxnreg; unset: no cap), as the
-    lockstep experiment's compile option: at most 170 lets three 128-thread programs share an SM's registers, so
-    more clusters fit at once (session 22)."""
-    r = env.count("FLASHTILE_DECODE_GLUON_MAXNREG", 24, 255)
-    return {} if r is None else {"maxnreg": r}
-
-
-def _as_clusters(kernel, cluster: int, args, meta) -> None:
-    """Make the compiled kernel for (args, meta) launch as clusters of ``cluster`` CTAs. Triton's launcher
-    launches grid x num_ctas CTAs in clusters of num_ctas (its packed metadata); the kernel is compiled for
-    num_ctas = 1, so its layouts stay one CTA's, and program_id(0) is the CTA's own index over all of them."""
-    compiled = kernel.warmup(*args, grid=(1,), **meta)
-    warps, _, shared = compiled.packed_metadata
-    compiled.packed_metadata = (warps, cluster, shared)
-
-
 def one_token_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token decode call's outputs, unfilled: out like q (b, 1, h, d) and lse (b, h, 1), fp32."""
     return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], 1, device=q.device, dtype=torch.float32)
@@ -151,17 +122,14 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
-    cluster, period = cluster_lockstep(h_k)
-    args = (q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
+    with device_guard(q):
+        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
+            q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
             v_new if fused else q, softmax_scale * LOG2E, h_k, h // h_k, cache_len_const if not has_seqlens else 0,
             s_new, k_cache.shape[1],
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
-            *(v_new.stride()[:3] if fused else (0, 0, 0)))
-    meta = dict(HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-                num_warps=4, **({"CLUSTER": cluster, "LOCKSTEP": period} if cluster > 1 else {}), **max_registers())
-    with device_guard(q):
-        if cluster > 1:
-            _as_clusters(_gluon_decode_warp_keys_kernel, cluster, args, meta)
-        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k // cluster,), *args, **meta)
+            *(v_new.stride()[:3] if fused else (0, 0, 0)),
+            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
+            num_warps=4)
     return out, lse
