@@ -54,28 +54,6 @@ def test_tma_default_ring_builds_for_sm90_one_program_an_sm():
     assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
 
 
-def test_tma_half_rows_build_for_sm90_two_programs_an_sm():
-    # 4 of 8 kv heads a program (session 22): the 3,3 ring of half rows fits two programs an SM
-    got = _compile(4, 128, 3, 3, 2, script="aot_gluon_decode_rows_tma.py")
-    assert 6 * 4 * 16 * 128 * 2 <= got["SHARED"] and 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
-    assert got["SPILL_STORES"] == 0 and got["UTMALDG"] > 0, got
-
-
-@pytest.mark.parametrize("value, h_k, want", [(None, 8, 8), ("4", 8, 4), ("8", 8, 8), (None, 4, 4)])
-def test_heads_a_program(monkeypatch, value, h_k, want):
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_ROWS_HEADS", raising=False)
-    if value is not None:
-        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_HEADS", value)
-    assert decode_gluon_rows.heads_a_program(h_k) == want
-
-
-@pytest.mark.parametrize("value, h_k", [("2", 8), ("8", 4), ("x", 8)])
-def test_heads_a_program_refuses_what_cannot_run(monkeypatch, value, h_k):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_HEADS", value)
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_ROWS_HEADS"):
-        decode_gluon_rows.heads_a_program(h_k)
-
-
 def test_split_count_knob(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_SPLITS", "33")
     assert decode_gluon_rows.num_splits(32, 131072, 132) == 33

@@ -22,14 +22,12 @@ from test_gpu_kvcache import _check, _inputs
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 
 
-@pytest.fixture(params=["copies", "tma", "tma_h4"])
+@pytest.fixture(params=["copies", "tma"])
 def gluon_calls(monkeypatch, request):
-    """The whole-row kernel's knob on (with 16-byte or TMA copies; tma_h4: TMA copies, 4 kv heads a program,
-    session 22), and its launches (the name the imported tests ask for)."""
+    """The whole-row kernel's knob on (with 16-byte or TMA copies), and its launches (the name the imported tests
+    ask for)."""
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS", "1")
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_TMA", "0" if request.param == "copies" else "1")
-    if request.param == "tma_h4":
-        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_ROWS_HEADS", "4")
     return _record_launches(monkeypatch, decode_gluon_rows, "gluon_rows_decode", 0)
 
 

@@ -31,14 +31,13 @@ HALF = 64  # d columns a TMA block row: 128 bytes, the widest swizzled row
 
 
 @gluon.jit
-def _issue_tile(desc, smem, bars, tile, lo, b, head0, SLOTS: gl.constexpr, HALVES: gl.constexpr):
-    """Start the TMA copies of keys [lo + 16 tile, + 16) of batch row b, kv heads [head0, head0 + HEADS), into
-    slot tile % SLOTS: one copy a 64-wide half of d, into buffers HALVES * slot + half, both signalling the slot's
-    barrier."""
+def _issue_tile(desc, smem, bars, tile, lo, b, SLOTS: gl.constexpr, HALVES: gl.constexpr):
+    """Start the TMA copies of keys [lo + 16 tile, + 16) of batch row b, every kv head, into slot tile % SLOTS:
+    one copy a 64-wide half of d, into buffers HALVES * slot + half, both signalling the slot's barrier."""
     slot = tile % SLOTS
     mbarrier.expect(bars.index(slot), HALVES * desc.block_type.nbytes)
     for half in gl.static_range(HALVES):
-        tma.async_copy_global_to_shared(desc, [b, head0, lo + tile * 16, half * 64], bars.index(slot),
+        tma.async_copy_global_to_shared(desc, [b, 0, lo + tile * 16, half * 64], bars.index(slot),
                                         smem.index(slot * HALVES + half))
 
 
@@ -53,13 +52,11 @@ def _gluon_decode_rows_tma_kernel(
     Q, desc_k, desc_v, O_PART, LSE_PART, SEQLENS, qk_scale, group, cache_len_const, s_new, capacity, num_splits,
     stride_qb, stride_qh, stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph,
     HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, K_SLOTS: gl.constexpr = 2, V_SLOTS: gl.constexpr = 1,
-    HAS_SEQLENS: gl.constexpr = True, GROUPS: gl.constexpr = 1,
+    HAS_SEQLENS: gl.constexpr = True,
 ):
     """q (b, 1, h, d) against the caches behind desc_k / desc_v ([b, HEADS, capacity, d] views, blocks
     [1, HEADS, 16, 64]) holding cache_seqlens[b] (or cache_len_const) + s_new keys a row (the new ones
-    already appended); program pid = (b * GROUPS + g) * num_splits + split, a warp a kv head, for the kv heads
-    [g HEADS, (g + 1) HEADS) (GROUPS > 1: a row's heads in GROUPS programs, HEADS x d x 2 bytes of each key row
-    apiece, an experiment of session 22). ``qk_scale`` is
+    already appended); program pid = b * num_splits + split, a warp a kv head. ``qk_scale`` is
     softmax_scale * log2(e); ``group`` (h / h_k) is at most 8. Writes the split's partials as the whole-row kernel
     does (the combine kernel merges them; an in-kernel merge by the last split to finish was no faster at b = 32
     and 1%-7% slower at b = 8 in session 20, and was removed: code at b7d5fd5)."""
@@ -74,14 +71,8 @@ def _gluon_decode_rows_tma_kernel(
     dtype: gl.constexpr = desc_k.dtype
 
     pid = gl.program_id(0)
-    row = pid // num_splits
+    b = pid // num_splits
     split = pid % num_splits
-    b = row // GROUPS
-    head0 = (row % GROUPS) * HEADS
-    # this group's query heads (and their partials) start at query head head0 * group
-    Q = Q + (head0 * group).to(gl.int64) * stride_qh
-    O_PART = O_PART + (head0 * group).to(gl.int64) * stride_oph
-    LSE_PART = LSE_PART + (head0 * group).to(gl.int64) * stride_lph
     _, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
     per = gl.cdiv(gl.cdiv(seqlen, 16), num_splits) * 16
     lo = split * per
@@ -99,10 +90,10 @@ def _gluon_decode_rows_tma_kernel(
     fence_async_shared()  # the barriers' initialisation is visible to the TMA unit before it signals them
     for i in gl.static_range(K_SLOTS):
         if i < n:
-            _issue_tile(desc_k, k_smem, k_ready, i, lo, b, head0, K_SLOTS, HALVES)
+            _issue_tile(desc_k, k_smem, k_ready, i, lo, b, K_SLOTS, HALVES)
     for i in gl.static_range(V_SLOTS):
         if i < n:
-            _issue_tile(desc_v, v_smem, v_ready, i, lo, b, head0, V_SLOTS, HALVES)
+            _issue_tile(desc_v, v_smem, v_ready, i, lo, b, V_SLOTS, HALVES)
 
     qt0 = _load_q_t(Q, b, stride_qb, stride_qh, group, 0, HEADS, 64, COLS, b_layout)
     qt1 = _load_q_t(Q, b, stride_qb, stride_qh, group, 64 * (HALVES - 1), HEADS, 64, COLS, b_layout)
@@ -125,7 +116,7 @@ def _gluon_decode_rows_tma_kernel(
             st = mma_v2(_half(k_smem, ks, 1, HEADS, HALVES).load(a_layout), qt1, st)
         gl.thread_barrier()  # every warp has read K_j: its slot takes K_{j + K_SLOTS}
         if j + K_SLOTS < n:
-            _issue_tile(desc_k, k_smem, k_ready, j + K_SLOTS, lo, b, head0, K_SLOTS, HALVES)
+            _issue_tile(desc_k, k_smem, k_ready, j + K_SLOTS, lo, b, K_SLOTS, HALVES)
         p, alpha, m_i, l_i = _softmax_step(st, row0 + key_in_tile < hi, qk_scale, m_i, l_i)
         pt = gl.convert_layout(p.to(dtype), b_layout)  # [head, key, query head]
         vs = j % V_SLOTS
@@ -140,7 +131,7 @@ def _gluon_decode_rows_tma_kernel(
             ot1 = mma_v2(vt1, pt, ot1 * gl.expand_dims(alpha, 1))
         gl.thread_barrier()  # every warp has read V_j: its slot takes V_{j + V_SLOTS}
         if j + V_SLOTS < n:
-            _issue_tile(desc_v, v_smem, v_ready, j + V_SLOTS, lo, b, head0, V_SLOTS, HALVES)
+            _issue_tile(desc_v, v_smem, v_ready, j + V_SLOTS, lo, b, V_SLOTS, HALVES)
     for i in gl.static_range(K_SLOTS):
         mbarrier.invalidate(k_ready.index(i))
     for i in gl.static_range(V_SLOTS):

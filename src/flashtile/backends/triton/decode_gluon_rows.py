@@ -75,16 +75,6 @@ def refusal(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, arch:
     return None
 
 
-def heads_a_program(h_k: int) -> int:
-    """The TMA kernel's kv heads a program: FLASHTILE_DECODE_GLUON_ROWS_HEADS=H (4 or 8, dividing h_k; an
-    experiment of session 22: half rows, two programs an SM with a 3,3 ring), else all h_k (whole rows). Only
-    the TMA kernel takes groups."""
-    heads = env.count("FLASHTILE_DECODE_GLUON_ROWS_HEADS", 1, 8) or h_k
-    if heads not in KV_HEADS or h_k % heads:
-        raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_HEADS={heads} must be 4 or 8 and divide the {h_k} kv heads")
-    return heads
-
-
 def use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """TMA copies unless FLASHTILE_DECODE_GLUON_ROWS_TMA=0, or a cache a descriptor cannot describe: no keys (a
     descriptor's dims must be positive) or a zero stride (an expanded cache); those take the 16-byte copies."""
@@ -109,13 +99,13 @@ def num_splits(b: int, capacity: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -
     return max(1, min(want, cdiv(max(capacity, 1), BLOCK_N), MAX_SPLITS))
 
 
-def _tma_descriptors(k_cache, v_cache, heads: int):
-    """[b, h_k, capacity, d] views of the caches with [1, heads, 16, 64] blocks (one TMA copy a half of d)."""
+def _tma_descriptors(k_cache, v_cache):
+    """[b, h_k, capacity, d] views of the caches with [1, h_k, 16, 64] blocks (one TMA copy a half of d)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from flashtile.backends.triton.gluon_fwd import _smem_layout
 
-    block = [1, heads, BLOCK_N, 64]
+    block = [1, k_cache.shape[2], BLOCK_N, 64]
     layout = _smem_layout(tuple(block), k_cache.dtype)
     return tuple(TensorDescriptor(x, [x.shape[0], x.shape[2], x.shape[1], x.shape[3]],
                                   [x.stride(0), x.stride(2), x.stride(1), 1], block, layout)
@@ -134,17 +124,13 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
     if b == 0:
         return out, lse
     tma = use_tma(k_cache, v_cache)
-    # head groups are the TMA kernel's (the 16-byte-copy kernel, and caches a descriptor cannot describe, read
-    # whole rows)
-    heads = heads_a_program(h_k) if tma else h_k
-    groups = h_k // heads
     if tma:
         k_slots, v_slots = tma_slots()
-        shared = ring_bytes(k_slots, v_slots, heads, d, k_cache.element_size()) + SHARED_RESERVE
+        shared = ring_bytes(k_slots, v_slots, h_k, d, k_cache.element_size()) + SHARED_RESERVE
         if shared > SM90_SHARED_PER_SM:
             raise ValueError(f"FLASHTILE_DECODE_GLUON_ROWS_SLOTS={k_slots},{v_slots} needs {shared} bytes of shared "
                              f"memory at h_k = {h_k}, d = {d}, more than an SM's {SM90_SHARED_PER_SM}")
-        splits = num_splits(b * groups, k_cache.shape[1], sms, min(PROGRAMS_PER_SM, SM90_SHARED_PER_SM // shared))
+        splits = num_splits(b, k_cache.shape[1], sms, min(PROGRAMS_PER_SM, SM90_SHARED_PER_SM // shared))
     else:
         splits = num_splits(b, k_cache.shape[1], sms)
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
@@ -158,10 +144,10 @@ def gluon_rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_
         if tma:
             from flashtile.kernels.gluon_decode_rows_tma import _gluon_decode_rows_tma_kernel
 
-            desc_k, desc_v = _tma_descriptors(k_cache, v_cache, heads)
-            run_kernel(_gluon_decode_rows_tma_kernel, (b * groups * splits,), q, desc_k, desc_v, o_part, lse_part,
-                       seqlens, *common, *parts, HEADS=heads, HEAD_DIM=d, K_SLOTS=k_slots, V_SLOTS=v_slots,
-                       HAS_SEQLENS=has_seqlens, GROUPS=groups, num_warps=heads)
+            desc_k, desc_v = _tma_descriptors(k_cache, v_cache)
+            run_kernel(_gluon_decode_rows_tma_kernel, (b * splits,), q, desc_k, desc_v, o_part, lse_part, seqlens,
+                       *common, *parts, HEADS=h_k, HEAD_DIM=d, K_SLOTS=k_slots, V_SLOTS=v_slots,
+                       HAS_SEQLENS=has_seqlens, num_warps=h_k)
         else:
             run_kernel(_gluon_decode_rows_kernel, (b * splits,), q, k_cache, v_cache, o_part, lse_part, seqlens,
                        *common, *k_cache.stride()[:3], *v_cache.stride()[:3], *parts,
