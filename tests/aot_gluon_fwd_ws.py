@@ -1,6 +1,6 @@
 """Compile the warp-specialised Gluon forward (kernels/gluon_fwd_ws.py) for sm_90 without a GPU, at the launcher's
 register cap (run as a script in a subprocess, TRITON_INTERPRET unset):
-    python tests/aot_gluon_fwd_ws.py HEAD_DIM BLOCK_N NUM_BUFFERS CAUSAL
+    python tests/aot_gluon_fwd_ws.py HEAD_DIM BLOCK_N NUM_BUFFERS CAUSAL [BLOCK_M]
 Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> CONSUMER_REGS <n> LOADER_REGS <n> EX2_UNDER_WGMMA <n>
 C7512 <0/1> C7514 <0/1>: the setmaxnreg counts the two partitions take, the most exp2 between a wgmma and the wait
 that retires it (the softmax under the tensor cores), and ptxas's two wgmma-serialisation warnings."""
@@ -13,7 +13,7 @@ import tempfile
 from gluon_aot import compile_for_sm90  # this script runs from tests/ (on sys.path)
 
 
-def main(d: int, block_n: int, buffers: int, causal: bool):
+def main(d: int, block_n: int, buffers: int, causal: bool, block_m: int = 64):
     import triton.experimental.gluon.language as gl
 
     from flashtile.backends.triton.gluon_fwd import WS_MAXNREG
@@ -23,11 +23,12 @@ def main(d: int, block_n: int, buffers: int, causal: bool):
         layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
         return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
 
-    types = dict(desc_q=desc([1, 64, 1, d]), desc_o=desc([1, 64, 1, d]), desc_k=desc([1, block_n, 1, d]),
+    types = dict(desc_q=desc([1, block_m, 1, d]), desc_o=desc([1, block_m, 1, d]), desc_k=desc([1, block_n, 1, d]),
                  desc_v=desc([1, block_n, 1, d]), LSE="*fp32", qk_scale="fp32")
     cx = dict(HEAD_DIM=d, BLOCK_N=block_n, NUM_BUFFERS=buffers, CAUSAL=causal)
     with tempfile.TemporaryDirectory() as tmp:
-        got = compile_for_sm90(kernel, cx, types, 4, pathlib.Path(tmp), "kernel", maxnreg=WS_MAXNREG)
+        got = compile_for_sm90(kernel, cx, types, block_m // 16, pathlib.Path(tmp), "kernel",
+                               maxnreg=WS_MAXNREG[block_m])
         ptx = (pathlib.Path(tmp) / "kernel.ptx").read_text()
     log, sass = got["ptxas_log"], got["sass"]
     regs = re.search(r"Used (\d+) registers", log)
@@ -50,4 +51,4 @@ def main(d: int, block_n: int, buffers: int, causal: bool):
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(int(a[0]), int(a[1]), int(a[2]), a[3] == "1")
+    main(int(a[0]), int(a[1]), int(a[2]), a[3] == "1", *(int(x) for x in a[4:5]))

@@ -28,15 +28,15 @@ def _compile(*args) -> dict:
 
 @pytest.mark.parametrize("d, causal", [(128, False), (128, True), (64, True)])
 def test_default_ring_builds_for_two_ctas_an_sm(d, causal):
-    got = _compile(d, gluon_fwd.WS_BLOCK_N, gluon_fwd.WS_BUFFERS, int(causal))
-    assert got["REGISTERS"] == gluon_fwd.WS_MAXNREG and 2 * 256 * got["REGISTERS"] <= 65536, got
+    got = _compile(d, gluon_fwd.WS_BLOCK_N, gluon_fwd.WS_BUFFERS, int(causal), gluon_fwd.WS_BLOCK_M)
+    assert got["REGISTERS"] == gluon_fwd.WS_MAXNREG[64] and 2 * 256 * got["REGISTERS"] <= 65536, got
     assert got["CONSUMER_REGS"] == 232 and got["LOADER_REGS"] == 24, got
     assert got["SPILL_STORES"] == 0 and got["C7512"] == 0 and got["C7514"] == 0, got
     assert got["EX2_UNDER_WGMMA"] >= 16, got  # half of a 64-key block's exponentials a thread, at least
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
 
 
-@pytest.mark.parametrize("value", ["64,2", "48,4", "64", "x"])
+@pytest.mark.parametrize("value", ["64,64,2", "64,48,4", "96,64,3", "64,4", "x"])
 def test_ring_setting_refuses_what_cannot_run(monkeypatch, value):
     monkeypatch.setenv("FLASHTILE_GLUON_WS_CONFIG", value)
     with pytest.raises(ValueError, match="FLASHTILE_GLUON_WS_CONFIG"):
@@ -45,6 +45,6 @@ def test_ring_setting_refuses_what_cannot_run(monkeypatch, value):
 
 def test_ring_setting(monkeypatch):
     monkeypatch.delenv("FLASHTILE_GLUON_WS_CONFIG", raising=False)
-    assert gluon_fwd.ws_config() == (gluon_fwd.WS_BLOCK_N, gluon_fwd.WS_BUFFERS)
-    monkeypatch.setenv("FLASHTILE_GLUON_WS_CONFIG", "128,3")
-    assert gluon_fwd.ws_config() == (128, 3)
+    assert gluon_fwd.ws_config() == (gluon_fwd.WS_BLOCK_M, gluon_fwd.WS_BLOCK_N, gluon_fwd.WS_BUFFERS)
+    monkeypatch.setenv("FLASHTILE_GLUON_WS_CONFIG", "128,128,3")
+    assert gluon_fwd.ws_config() == (128, 128, 3)

@@ -47,7 +47,7 @@ def test_fp16_gqa_and_strided_views(d):
     _check(q, k, v, causal=False, scale=0.3)
 
 
-@pytest.mark.parametrize("ring", ["32,4", "64,4", "64,5", "128,3"])
+@pytest.mark.parametrize("ring", ["64,32,4", "64,64,5", "64,128,3", "128,128,3", "128,64,4"])
 def test_other_rings(monkeypatch, ring):
     monkeypatch.setenv("FLASHTILE_GLUON_WS_CONFIG", ring)
     for causal in (False, True):

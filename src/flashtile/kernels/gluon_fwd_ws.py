@@ -37,26 +37,24 @@ from flashtile.kernels.gluon_fwd import (
     mma_layout,
 )
 
-HALF_M = gl.constexpr(64)  # query rows a consumer (one warpgroup)
-
 
 @gluon.jit
-def _tile(seqlen, n_heads, heads_per_kv, CAUSAL: gl.constexpr):
+def _tile(seqlen, n_heads, heads_per_kv, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     """This CTA's (batch, head, kv head, first query row); causal grids start with the longest tiles."""
-    n_m_blocks = gl.cdiv(seqlen, HALF_M)
+    n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
     pid_m = gl.program_id(0)
     if CAUSAL:
         pid_m = n_m_blocks - 1 - pid_m
     pid_bh = gl.program_id(1)
     off_h = pid_bh % n_heads
-    return pid_bh // n_heads, off_h, off_h // heads_per_kv, pid_m * HALF_M
+    return pid_bh // n_heads, off_h, off_h // heads_per_kv, pid_m * BLOCK_M
 
 
 @gluon.jit
-def _blocks(seqlen, m0, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key blocks rows [m0, m0 + 64) attend, and how many of them need no mask."""
+def _blocks(seqlen, m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Key blocks rows [m0, m0 + BLOCK_M) attend, and how many of them need no mask."""
     if CAUSAL:
-        n_blocks = gl.cdiv(gl.minimum(seqlen, m0 + HALF_M), BLOCK_N)
+        n_blocks = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
         n_unmasked = gl.minimum((m0 + 1) // BLOCK_N, seqlen // BLOCK_N)
     else:
         n_blocks = gl.cdiv(seqlen, BLOCK_N)
@@ -70,10 +68,11 @@ def _loader(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n
             NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
     """Every TMA load of the CTA: Q, then the K / V ring. Block i reuses block i - NUM_BUFFERS's slot once the
     consumer released it."""
-    off_b, off_h, off_hk, m0 = _tile(seqlen, n_heads, heads_per_kv, CAUSAL)
+    BLOCK_M: gl.constexpr = desc_q.block_type.shape[1]
+    off_b, off_h, off_hk, m0 = _tile(seqlen, n_heads, heads_per_kv, BLOCK_M, CAUSAL)
     mbarrier.expect(q_ready, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [off_b, m0, off_h, 0], q_ready, q_smem)
-    n_blocks, _ = _blocks(seqlen, m0, BLOCK_N, CAUSAL)
+    n_blocks, _ = _blocks(seqlen, m0, BLOCK_M, BLOCK_N, CAUSAL)
     for i in range(0, n_blocks):
         if i >= NUM_BUFFERS:
             # the release of block i - NUM_BUFFERS: the slot's (i // NUM_BUFFERS - 1)-th
@@ -88,23 +87,25 @@ def _consumer(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen,
     """The CTA's 64 query rows: the default kernel's pipeline on one warpgroup, with each block's slot released
     (``empty``) instead of refilled."""
     gl.static_assert(NUM_BUFFERS >= 3)
-    s_layout: gl.constexpr = mma_layout(4, BLOCK_N, 16)
-    o_layout: gl.constexpr = mma_layout(4, HEAD_DIM, 16)
+    BLOCK_M: gl.constexpr = desc_q.block_type.shape[1]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, 16)
+    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, 16)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    off_b, off_h, off_hk, m0 = _tile(seqlen, n_heads, heads_per_kv, CAUSAL)
-    n_blocks, n_unmasked = _blocks(seqlen, m0, BLOCK_N, CAUSAL)
+    off_b, off_h, off_hk, m0 = _tile(seqlen, n_heads, heads_per_kv, BLOCK_M, CAUSAL)
+    n_blocks, n_unmasked = _blocks(seqlen, m0, BLOCK_M, BLOCK_N, CAUSAL)
 
-    q_tile = q_smem.reshape([HALF_M, HEAD_DIM])
+    q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     mbarrier.wait(q_ready, 0)
-    row_idx = m0 + gl.arange(0, HALF_M, row_layout)
-    m_i = gl.full([HALF_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([HALF_M], gl.float32, row_layout)
-    o = warpgroup_mma_init(gl.zeros([HALF_M, HEAD_DIM], gl.float32, o_layout))
-    p = gl.zeros([HALF_M, BLOCK_N], desc_v.dtype, p_layout)
+    row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    o = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
+    p = gl.zeros([BLOCK_M, BLOCK_N], desc_v.dtype, p_layout)
 
-    s = _issue_qk(q_tile, k_smem, k_ready, 0, s_layout, NUM_BUFFERS, HALF_M, BLOCK_N, HEAD_DIM)
+    s = _issue_qk(q_tile, k_smem, k_ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     n_steady = n_blocks - 1
     n_fast = gl.minimum(n_unmasked, n_steady)
@@ -140,7 +141,8 @@ def _step(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, e
           qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr,
           BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr):
     """One steady-state iteration (the default kernel's ``_key_block``), releasing block j - 1's slot."""
-    s_next = _issue_qk(q_tile, k_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, HALF_M, BLOCK_N, HEAD_DIM)
+    BLOCK_M: gl.constexpr = q_tile.shape[0]
+    s_next = _issue_qk(q_tile, k_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
                                        0.0)
     o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
@@ -160,7 +162,7 @@ def _gluon_attn_fwd_ws_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, st
     """bf16 / fp16 forward: q, k, v, out (b, s, h, d) behind descriptors with [1, 64, 1, d] (q, out) and
     [1, BLOCK_N, 1, d] (k, v) blocks; lse (b, h, s). Grid (cdiv(s, 64), b * h), 4 warps (the consumer); the
     launch adds the loader's warp (in a warpgroup of its own)."""
-    gl.static_assert(gl.num_warps() == 4, "the default partition is the consumer warpgroup")
+    gl.static_assert(gl.num_warps() * 16 == desc_q.block_type.shape[1], "a consumer warp a 16 query rows")
     q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
