@@ -31,8 +31,6 @@
 #   tests-decode-gluon-rows / bench-decode-gluon-rows  the whole-row Gluon decode kernel (FLASHTILE_DECODE_GLUON_ROWS)
 #   bench-decode-gluon-rows-tma  its TMA-copy variant (FLASHTILE_DECODE_GLUON_ROWS_TMA=1) with rings 3,3 and 2,1
 #                 and the 16-byte-copy variant, beside the default (after tests-decode-gluon-rows)
-#   tests-gluon-ws / bench-gluon-ws  the warp-specialised Gluon forward (FLASHTILE_GLUON_WS=1, session 22) against
-#                 the reference, then beside the default Gluon kernel and cuDNN at d = 128
 #   bench-decode-head-major  b = 32 on a head-major cache view beside the usual layout and cuDNN (is the gap layout?)
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
@@ -610,14 +608,6 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch ${HM_BATCH:-32} --head-major --rounds 2 \
         --seqlens ${HM_SEQLENS:-16384 65536 131072} --pages --peers cudnn --out "$WORK/decode_head_major.json" \
         2> "$WORK/bench_decode_head_major.log" >> "$summary" ;;
-    tests-gluon-ws)
-      # session 22: the warp-specialised Gluon forward (FLASHTILE_GLUON_WS=1) against the reference, under a timeout
-      TIMED_XDIST=1 timed_tests gluon_ws tests/test_gpu_gluon_ws.py ;;
-    bench-gluon-ws)
-      # the warp-specialised Gluon forward against the default one (FLASHTILE_GLUON_WS=0 1, alternated twice) on the
-      # d = 128 rows beside cuDNN, after tests-gluon-ws passed (WS_SEQLENS overrides the lengths)
-      attn_ab gluon_ws fwd FLASHTILE_GLUON_WS "0 1 0 1" --d 128 --seqlens ${WS_SEQLENS:-1024 4096 16384} \
-        --peers cudnn ;;
     tests-decode-rows)
       # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference
       TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py ;;

@@ -20,7 +20,6 @@ import math
 
 import torch
 
-from flashtile import env
 from flashtile.backends.triton.host import capability, cdiv, device_guard, run_kernel
 
 LOG2E = 1.4426950408889634
@@ -166,71 +165,14 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
     return softmax_scale, cfg, out, lse
 
 
-# The warp-specialised kernel (kernels/gluon_fwd_ws.py, an experiment). Its default: 64 query rows a CTA (one
-# consumer warpgroup), 64-key blocks in a ring of 3 (115 KB at d = 128, so two CTAs share an SM), launched at 128
-# registers a thread so that two CTAs of 8 warps (the consumer warpgroup and the loader's) fit; the consumer then
-# takes 232, the loader 24. With 128 rows (two consumer warpgroups, one CTA an SM) the launch takes 168.
-WS_BLOCK_M = 64
-WS_BLOCK_N = 64
-WS_BUFFERS = 3
-WS_MAXNREG = {64: 128, 128: 168}
-
-
-def ws_config() -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, NUM_BUFFERS) of the warp-specialised kernel: FLASHTILE_GLUON_WS_CONFIG="M,N,B", else the
-    default."""
-    value = env.get("FLASHTILE_GLUON_WS_CONFIG", "")
-    if not value:
-        return WS_BLOCK_M, WS_BLOCK_N, WS_BUFFERS
-    try:
-        bm, bn, nb = (int(x) for x in value.split(","))
-    except ValueError:
-        bm = bn = nb = 0
-    # at least 3 slots: the consumer issues block j + 1's QK^T before it releases block j - 1's slot
-    if bm not in WS_MAXNREG or bn not in (32, 64, 128) or not 3 <= nb <= 8:
-        raise ValueError("FLASHTILE_GLUON_WS_CONFIG must be 'BLOCK_M,BLOCK_N,BUFFERS' (64 / 128, 32 / 64 / 128, "
-                         f"3-8), got {value!r}")
-    return bm, bn, nb
-
-
-def gluon_attn_fwd_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                      causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The warp-specialised Gluon forward (a loader warp issues every TMA copy, consumer warpgroups compute 64 query
-    rows each); the same contract and coverage as ``gluon_attn_fwd`` for bf16 / fp16 at d = 64 / 128."""
-    _validate(q, k, v)
-    b, s, h, h_k, d = _sizes(q, k)
-    if d not in (64, 128):
-        raise ValueError(f"gluon_attn_fwd_ws: head_dim must be 64 or 128, got {d}")
-    softmax_scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    out = torch.empty_like(q)
-    lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-
-    from flashtile.kernels.gluon_fwd_ws import _gluon_attn_fwd_ws_kernel
-
-    bm, bn, nb = ws_config()
-    with device_guard(q):
-        run_kernel(_gluon_attn_fwd_ws_kernel, (cdiv(s, bm), b * h),
-            _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
-            _descriptor(out, [1, bm, 1, d]),
-            lse, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,
-            HEAD_DIM=d, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=bool(causal), num_warps=bm // 16,
-            maxnreg=WS_MAXNREG[bm])
-    return out, lse
-
-
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
     bf16 / fp16, head_dim other than 64 / 128 / 256, seqlen_q != seqlen_k, a GPU other than sm_90,
-    TMA-unfriendly strides. FLASHTILE_GLUON_WS=1 (an experiment) sends calls without a ``config`` at d = 64 /
-    128 to the warp-specialised kernel instead (``gluon_attn_fwd_ws``).
+    TMA-unfriendly strides.
     """
-    if config is None and env.switch("FLASHTILE_GLUON_WS") and q.shape[-1] in (64, 128):
-        return gluon_attn_fwd_ws(q, k, v, softmax_scale, causal)
     _validate(q, k, v)
     b, s, h, h_k, d = _sizes(q, k)
     softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype)
