@@ -198,7 +198,7 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
 
 # Session 22: the kv-head lockstep through progress slots in global memory (FLASHTILE_DECODE_LOCKSTEP=D, an
 # experiment). It changes only when copies are issued, so the results must equal the plain launch's bit for bit.
-@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("tiles", [1, 4, 8])
 def test_lockstep_changes_no_result(gluon_calls, monkeypatch, tiles):
     q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 5000, torch.bfloat16, seed=tiles)
     kw["cache_seqlens"][1::5] = 0  # rows whose programs have no tile
@@ -210,7 +210,7 @@ def test_lockstep_changes_no_result(gluon_calls, monkeypatch, tiles):
     ref, ref_lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **call)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
     assert gluon_calls
-    assert (decode_gluon.progress_slots(q.device, 256)[:256] == 1 << 30).all()  # every program left "done"
+    assert (decode_gluon.progress_slots(q.device, 256)[:256 * 32:32] == 1 << 30).all()  # every program left "done"
 
 
 def test_lockstep_in_a_graph(gluon_calls, monkeypatch):
