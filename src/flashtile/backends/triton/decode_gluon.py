@@ -105,9 +105,9 @@ def lockstep_tiles() -> int:
 
 
 def progress_slots(device: torch.device, n: int) -> torch.Tensor:
-    """The lockstep's progress slots (int32, 32 a program, for at least n programs), one buffer a device, kept across calls (each program
-    leaves 2**30 in its slot on exit, so a call never waits on the one before). Allocate it with an eager call
-    before capturing a CUDA graph."""
+    """The lockstep's progress slots (int32, 32 a program, for at least n programs), one buffer a device, kept
+    across calls (each program leaves 2**30 in its slot on exit, so a call never waits on the one before).
+    Allocate it with an eager call before capturing a CUDA graph."""
     buf = _PROGRESS.get(device)
     if buf is None or buf.numel() < 32 * n:  # a 128-byte line a program
         buf = _PROGRESS[device] = torch.full((32 * max(n, 512),), 1 << 30, dtype=torch.int32, device=device)
