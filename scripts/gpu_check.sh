@@ -608,12 +608,6 @@ for step in "${steps[@]}"; do
       python3 -m flashtile.bench decode --cuda-graph --layers 8 --batch ${HM_BATCH:-32} --head-major --rounds 2 \
         --seqlens ${HM_SEQLENS:-16384 65536 131072} --pages --peers cudnn --out "$WORK/decode_head_major.json" \
         2> "$WORK/bench_decode_head_major.log" >> "$summary" ;;
-    bench-decode-lockstep)
-      # session 22: the kv-head lockstep through progress slots (FLASHTILE_DECODE_LOCKSTEP=D) at b = 32 beside cuDNN,
-      # alternated twice, after tests-decode-gluon-warp-keys passed (its lockstep tests included)
-      gate decode_gluon_warp_keys bench-decode-lockstep && decode_ab - decode_lockstep FLASHTILE_DECODE_LOCKSTEP \
-        "${LOCKSTEP_VALUES:-0 1 2 4 0 1 2 4}" --cuda-graph --layers 8 --batch 32 \
-        --seqlens ${LOCKSTEP_SEQLENS:-16384 65536 131072} --pages --peers cudnn ;;
     tests-decode-rows)
       # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference
       TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py ;;

@@ -194,26 +194,3 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
     q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
     _check(q, kc, vc, kw, causal=True)
     assert not gluon_calls
-
-
-# Session 22: the kv-head lockstep through progress slots in global memory (FLASHTILE_DECODE_LOCKSTEP=D, an
-# experiment). It changes only when copies are issued, so the results must equal the plain launch's bit for bit.
-@pytest.mark.parametrize("tiles", [1, 4, 8])
-def test_lockstep_changes_no_result(gluon_calls, monkeypatch, tiles):
-    q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 5000, torch.bfloat16, seed=tiles)
-    kw["cache_seqlens"][1::5] = 0  # rows whose programs have no tile
-    call = dict(kw, return_softmax_lse=True, causal=True)
-    monkeypatch.setenv("FLASHTILE_DECODE_LOCKSTEP", str(tiles))
-    _check(q, kc, vc, kw, causal=True)
-    out, lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **call)
-    monkeypatch.delenv("FLASHTILE_DECODE_LOCKSTEP")
-    ref, ref_lse = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **call)
-    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
-    assert gluon_calls
-    assert (decode_gluon.progress_slots(q.device, 256)[:256 * 32:32] == 1 << 30).all()  # every program left "done"
-
-
-def test_lockstep_in_a_graph(gluon_calls, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_LOCKSTEP", "1")
-    graph_steps_match_the_default(monkeypatch, "FLASHTILE_DECODE_GLUON_WARP_KEYS")
-    assert gluon_calls

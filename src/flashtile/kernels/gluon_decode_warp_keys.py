@@ -82,10 +82,9 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
-    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, PROG,
+    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, LOCKSTEP: gl.constexpr = 0, LOCK_EVERY: gl.constexpr = 4,
-    MAX_SPIN: gl.constexpr = 4096,
+    FUSED_NEW: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -93,15 +92,7 @@ def _gluon_decode_warp_keys_kernel(
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
-    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)
-
-    LOCKSTEP = D > 0 (an experiment of session 22): the programs of a batch row (its kv heads) keep within D tiles
-    of each other through PROG (int32, one 128-byte slot a program): every LOCK_EVERY tiles a program publishes the
-    tile it is about to issue and waits, re-reading its row's slots, while the slowest of them is more than D
-    tiles behind (at most MAX_SPIN
-    reads, so a sibling that is not resident delays but never deadlocks it); on exit it publishes 2**30 (done:
-    it never holds anyone back, this call or the next). The row's heads then read each 2 KB key row close
-    together in time, as one head-major stream would be read."""
+    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)"""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -159,27 +150,11 @@ def _gluon_decode_warp_keys_kernel(
     s_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(1, mma)))
     s_k = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
-    # a program's slot is 32 int32 (its own 128-byte line: 256 programs hammering a few shared lines was 3.5x
-    # slower); lanes 0-15 of each warp read the row's slots, a warp-local minimum
-    prog_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    sib = gl.arange(0, 16, prog_layout)
-    row_prog = PROG + (b * num_kv_heads + sib) * 32
-    sib_ok = sib < num_kv_heads
-    behind = 1 << 30
     for j in range(0, n):
         slot = j % NUM_BUFFERS
         # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
         nxt = j + NUM_BUFFERS - 1
         k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
-        if LOCKSTEP > 0:
-            if nxt % LOCK_EVERY == 0:
-                gl.store(PROG + pid * 32, nxt)
-                # ``behind`` was read LOCK_EVERY tiles ago (its latency hidden); re-read only to wait
-                spins = 0
-                while (behind < nxt - LOCKSTEP) & (spins < MAX_SPIN):
-                    behind = gl.min(gl.load(row_prog, mask=sib_ok, other=1 << 30, volatile=True), 0)
-                    spins += 1
-                behind = gl.min(gl.load(row_prog, mask=sib_ok, other=1 << 30, volatile=True), 0)
         # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot
         # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
@@ -198,8 +173,6 @@ def _gluon_decode_warp_keys_kernel(
         vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
         o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
-    if LOCKSTEP > 0:
-        gl.store(PROG + pid * 32, 1 << 30)  # done: holds no sibling back
 
     # merge the 4 warps' states (once, across warps)
     m = gl.max(m_i, 0)

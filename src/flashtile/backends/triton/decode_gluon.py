@@ -95,25 +95,6 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
     return None
 
 
-_PROGRESS: dict = {}
-
-
-def lockstep_tiles() -> int:
-    """FLASHTILE_DECODE_LOCKSTEP=D: keep a batch row's kv-head programs within D tiles of each other (an
-    experiment of session 22; the kernel's LOCKSTEP); unset or 0: off."""
-    return env.count("FLASHTILE_DECODE_LOCKSTEP", 0) or 0
-
-
-def progress_slots(device: torch.device, n: int) -> torch.Tensor:
-    """The lockstep's progress slots (int32, 32 a program, for at least n programs), one buffer a device, kept
-    across calls (each program leaves 2**30 in its slot on exit, so a call never waits on the one before).
-    Allocate it with an eager call before capturing a CUDA graph."""
-    buf = _PROGRESS.get(device)
-    if buf is None or buf.numel() < 32 * n:  # a 128-byte line a program
-        buf = _PROGRESS[device] = torch.full((32 * max(n, 512),), 1 << 30, dtype=torch.int32, device=device)
-    return buf
-
-
 def one_token_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token decode call's outputs, unfilled: out like q (b, 1, h, d) and lse (b, h, 1), fp32."""
     return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], 1, device=q.device, dtype=torch.float32)
@@ -141,7 +122,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
-    lock = lockstep_tiles()
     with device_guard(q):
         run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
             q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
@@ -149,7 +129,7 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             s_new, k_cache.shape[1],
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
-            *(v_new.stride()[:3] if fused else (0, 0, 0)), progress_slots(q.device, b * h_k) if lock else lse,
+            *(v_new.stride()[:3] if fused else (0, 0, 0)),
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            num_warps=4, **({"LOCKSTEP": lock} if lock else {}))
+            num_warps=4)
     return out, lse
