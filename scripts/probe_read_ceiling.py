@@ -1,0 +1,211 @@
+"""How fast can any kernel read a b = 32 decode cache on this GPU? (H200 probe, session 23)
+
+Usage: PYTHONPATH=src python scripts/probe_read_ceiling.py --out read_ceiling.json [--seqlens 16384 131072]
+
+At b = 32 the decode kernels of flashtile and cuDNN are both memory-bound, within 1% of each other
+(docs/decode_tuning_log.md, sessions 12-22). Before more kernel work, this measures the ceiling they
+share: kernels that only read the cache, timed the way `bench decode --cuda-graph --layers 8` times
+attention (a graph of one call a layer, each layer its own cache, per-call medians, the order of the
+variants rotating over --rounds), beside flashtile's default decode call and SDPA cuDNN in the same
+process. The read kernels XOR every 16-bit element into a register accumulator (the cheapest use
+that the compiler cannot drop) and store one word a program:
+- ``flat_P<p>_w<w>``: K and V as flat buffers, program i reading the i-th of P contiguous chunks of
+  each, a K tile then a V tile per step (BLOCK elements each). With P = 128 this is the memory
+  order of a whole-row kernel with 4 splits; with P = 256, per-head programs on a head-major cache.
+- ``heads_n<n>_w<w>``: FlashAttention's (b, s, h_k, d) layout read by one program per (row, kv head),
+  as flashtile's per-head kernels read it: n keys x d a tile, 256-byte pieces 2 KB apart.
+If ``flat`` reads faster than cuDNN's attention, cuDNN is not at the ceiling and a kernel could beat
+it; if ``heads`` reads slower than ``flat``, that difference is the layout's price for per-head
+programs, which no per-head attention kernel can avoid.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.bench.report import collect_meta
+from flashtile.bench.timing import bench_graph
+
+H, H_K, D = 32, 8, 128
+LAYER_BYTES_BUDGET = 16 << 30  # as bench decode: the layers' caches of a row stay under this
+
+
+@triton.jit
+def _read_flat(k_ptr, v_ptr, out_ptr, n_tiles, P: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t0 = pid * n_tiles // P
+    t1 = (pid + 1) * n_tiles // P
+    offs = t0.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    kp = k_ptr + offs
+    vp = v_ptr + offs
+    acc = tl.zeros([BLOCK], tl.int16)
+    for _ in range(t0, t1):
+        acc ^= tl.load(kp)
+        acc ^= tl.load(vp)
+        kp += BLOCK
+        vp += BLOCK
+    tl.store(out_ptr + pid, tl.sum(acc.to(tl.int32)))
+
+
+@triton.jit
+def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
+                H_KV: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // H_KV
+    head = pid % H_KV
+    base = row.to(tl.int64) * stride_b + head * stride_h
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, HEAD_D)
+    acc = tl.zeros([BLOCK_N, HEAD_D], tl.int16)
+    for start in range(0, S, BLOCK_N):
+        off = base + (start + rn)[:, None].to(tl.int64) * stride_s + rd[None, :]
+        acc ^= tl.load(k_ptr + off)
+        acc ^= tl.load(v_ptr + off)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc.to(tl.int32), axis=1), axis=0))
+
+
+def flat_call(kc, vc, out, programs, block, warps):
+    k16, v16 = kc.view(torch.int16).view(-1), vc.view(torch.int16).view(-1)
+    n_tiles = k16.numel() // block
+    assert n_tiles * block == k16.numel(), "the cache must be a whole number of tiles"
+
+    def call():
+        _read_flat[(programs,)](k16, v16, out, n_tiles, P=programs, BLOCK=block, num_warps=warps, num_stages=1)
+    return call
+
+
+def heads_call(kc, vc, out, block_n, warps):
+    b, s, h_k, d = kc.shape
+    k16, v16 = kc.view(torch.int16), vc.view(torch.int16)
+    assert s % block_n == 0
+
+    def call():
+        _read_heads[(b * h_k,)](k16, v16, out, s, k16.stride(0), k16.stride(1), k16.stride(2),
+                                H_KV=h_k, HEAD_D=d, BLOCK_N=block_n, num_warps=warps, num_stages=1)
+    return call
+
+
+def expected_flat_xor(kc, vc, programs, block):
+    """The flat kernel's per-program XOR words, from torch (a check that the kernel read every byte)."""
+    k16, v16 = kc.view(torch.int16).view(-1, block), vc.view(torch.int16).view(-1, block)
+    n_tiles = k16.shape[0]
+    words = []
+    for p in range(programs):
+        t0, t1 = p * n_tiles // programs, (p + 1) * n_tiles // programs
+        x = torch.zeros(block, dtype=torch.int32, device=kc.device)
+        for part in (k16[t0:t1], v16[t0:t1]):
+            acc = part.to(torch.int32) & 0xFFFF
+            # XOR down the tiles, by halving (torch has no XOR reduction)
+            while acc.shape[0] > 1:
+                half = acc.shape[0] // 2
+                rest = acc[2 * half:]
+                acc = torch.cat([acc[:half] ^ acc[half:2 * half], rest])
+            if acc.shape[0]:
+                x ^= acc[0]
+        # the kernel XORs 16-bit words, then sums them as signed int32
+        words.append(int(((x + 0x8000) % 0x10000 - 0x8000).sum()))
+    return words
+
+
+def run_row(b, sk, variants, rounds, warmup, rep):
+    kv_bytes = 2 * b * sk * H_K * D * 2
+    layers = max(1, min(8, LAYER_BYTES_BUDGET // kv_bytes))
+    g = torch.Generator(device="cuda").manual_seed(b * 7 + sk)
+    q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+    caches = []
+    for _ in range(layers):
+        kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        caches.append((kc, torch.randn_like(kc)))
+    out = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    row = {"b": b, "seqlen_k": sk, "layers": layers, "kv_bytes": kv_bytes, "us": {}, "rounds_us": {}, "tb_s": {}}
+
+    # correctness of the read kernels on the first layer (every byte read): flat P=128 against torch
+    check = flat_call(*caches[0], out, 128, 8192, 8)
+    check()
+    got = out[:128].tolist()
+    want = expected_flat_xor(*caches[0], 128, 8192) if sk <= 16384 else None
+    row["flat_check"] = "not run (long row)" if want is None else ("ok" if got == want else "MISMATCH")
+
+    timers = {}
+    for name, (kind, a, w) in variants.items():
+        if kind == "flat":
+            calls = [flat_call(kc, vc, out, a, 8192 if w == 8 else 4096, w) for kc, vc in caches]
+        else:
+            calls = [heads_call(kc, vc, out, a, w) for kc, vc in caches]
+        timers[name] = calls
+    timers["flashtile"] = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+                           for kc, vc in caches]
+    names = list(timers)
+    samples = {n: [] for n in names}
+
+    def time_calls(calls):
+        return bench_graph(lambda: [c() for c in calls], "cuda", warmup, rep) * 1e3 / len(calls)
+
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            samples[n].append(time_calls(timers[n]))
+    # cuDNN last, on head-major copies made now, the caches freed first (closures hold them too)
+    del timers, calls, check, kc
+    qt = q.transpose(1, 2)
+    peer = []
+    for i, (kc, vc) in enumerate(caches):
+        kt, vt = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+        caches[i] = None
+        del kc, vc
+        peer.append((kt, vt))
+    calls = [lambda kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for kt, vt in peer]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        samples["cudnn"] = [time_calls(calls) for _ in range(rounds)]
+        # the flat read on the same head-major buffers (the same bytes, so the same ceiling unless placement matters)
+        hm = [flat_call(kt, vt, out, 256, 8192, 8) for kt, vt in peer]
+        samples["flat_P256_w8_headmajor"] = [time_calls(hm) for _ in range(rounds)]
+    for n, ts in samples.items():
+        row["us"][n] = statistics.median(ts)
+        row["rounds_us"][n] = ts
+        row["tb_s"][n] = kv_bytes / (row["us"][n] * 1e-6) / 1e12
+    del peer, calls, hm
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 65536, 131072])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=float, default=25)
+    ap.add_argument("--rep", type=float, default=100)
+    args = ap.parse_args()
+    variants = {
+        "flat_P128_w8": ("flat", 128, 8), "flat_P132_w8": ("flat", 132, 8),
+        "flat_P256_w8": ("flat", 256, 8), "flat_P264_w8": ("flat", 264, 8),
+        "flat_P264_w4": ("flat", 264, 4), "flat_P528_w4": ("flat", 528, 4),
+        "heads_n64_w4": ("heads", 64, 4), "heads_n128_w8": ("heads", 128, 8),
+    }
+    meta = collect_meta(sys.argv, "cuda")
+    meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])
+    rows = []
+    for sk in args.seqlens:
+        row = run_row(args.batch, sk, variants, args.rounds, args.warmup, args.rep)
+        rows.append(row)
+        print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']}", flush=True)
+        for n, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
+            rounds = [round(x, 1) for x in row["rounds_us"][n]]
+            print(f"  {n:26s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
