@@ -33,13 +33,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from flashtile import flash_attn_with_kvcache
 from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench_graph
+from flashtile.env import overrides
 
 H, H_K, D = 32, 8, 128
 LAYER_BYTES_BUDGET = 16 << 30  # as bench decode: the layers' caches of a row stay under this
 
 
 @triton.jit
-def _read_flat(k_ptr, v_ptr, out_ptr, n_tiles, P: tl.constexpr, BLOCK: tl.constexpr):
+def _read_flat(k_ptr, v_ptr, out_ptr, n_tiles, P: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+               AHEAD: tl.constexpr):
     pid = tl.program_id(0)
     t0 = pid * n_tiles // P
     t1 = (pid + 1) * n_tiles // P
@@ -47,17 +49,31 @@ def _read_flat(k_ptr, v_ptr, out_ptr, n_tiles, P: tl.constexpr, BLOCK: tl.conste
     kp = k_ptr + offs
     vp = v_ptr + offs
     acc = tl.zeros([BLOCK], tl.int16)
-    for _ in range(t0, t1):
-        acc ^= tl.load(kp)
-        acc ^= tl.load(vp)
-        kp += BLOCK
-        vp += BLOCK
+    if AHEAD:  # registers double-buffered: the next tile's loads are issued before this tile is used
+        k_cur = tl.load(kp)
+        v_cur = tl.load(vp)
+        for _ in tl.range(t0 + 1, t1):
+            kp += BLOCK
+            vp += BLOCK
+            k_nxt = tl.load(kp)
+            v_nxt = tl.load(vp)
+            acc ^= k_cur ^ v_cur
+            k_cur = k_nxt
+            v_cur = v_nxt
+        acc ^= k_cur ^ v_cur
+    else:  # STAGES > 1: Triton's pipeliner (cp.async into shared memory) if it takes these loads
+        for _ in tl.range(t0, t1, num_stages=STAGES):
+            acc ^= tl.load(kp)
+            acc ^= tl.load(vp)
+            kp += BLOCK
+            vp += BLOCK
     tl.store(out_ptr + pid, tl.sum(acc.to(tl.int32)))
 
 
 @triton.jit
 def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
-                H_KV: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                H_KV: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
+                STAGES: tl.constexpr):
     pid = tl.program_id(0)
     row = pid // H_KV
     head = pid % H_KV
@@ -65,31 +81,47 @@ def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, HEAD_D)
     acc = tl.zeros([BLOCK_N, HEAD_D], tl.int16)
-    for start in range(0, S, BLOCK_N):
-        off = base + (start + rn)[:, None].to(tl.int64) * stride_s + rd[None, :]
-        acc ^= tl.load(k_ptr + off)
-        acc ^= tl.load(v_ptr + off)
+    off = base + rn[:, None].to(tl.int64) * stride_s + rd[None, :]
+    step = BLOCK_N * stride_s
+    if AHEAD:
+        k_cur = tl.load(k_ptr + off)
+        v_cur = tl.load(v_ptr + off)
+        for _ in range(BLOCK_N, S, BLOCK_N):
+            off += step
+            k_nxt = tl.load(k_ptr + off)
+            v_nxt = tl.load(v_ptr + off)
+            acc ^= k_cur ^ v_cur
+            k_cur = k_nxt
+            v_cur = v_nxt
+        acc ^= k_cur ^ v_cur
+    else:
+        for _ in tl.range(0, S, BLOCK_N, num_stages=STAGES):
+            acc ^= tl.load(k_ptr + off)
+            acc ^= tl.load(v_ptr + off)
+            off += step
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc.to(tl.int32), axis=1), axis=0))
 
 
-def flat_call(kc, vc, out, programs, block, warps):
+def flat_call(kc, vc, out, programs, block, warps, stages=1, ahead=False):
     k16, v16 = kc.view(torch.int16).view(-1), vc.view(torch.int16).view(-1)
     n_tiles = k16.numel() // block
     assert n_tiles * block == k16.numel(), "the cache must be a whole number of tiles"
 
     def call():
-        _read_flat[(programs,)](k16, v16, out, n_tiles, P=programs, BLOCK=block, num_warps=warps, num_stages=1)
+        _read_flat[(programs,)](k16, v16, out, n_tiles, P=programs, BLOCK=block, STAGES=stages, AHEAD=ahead,
+                                num_warps=warps, num_stages=1)
     return call
 
 
-def heads_call(kc, vc, out, block_n, warps):
+def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1):
     b, s, h_k, d = kc.shape
     k16, v16 = kc.view(torch.int16), vc.view(torch.int16)
     assert s % block_n == 0
 
     def call():
         _read_heads[(b * h_k,)](k16, v16, out, s, k16.stride(0), k16.stride(1), k16.stride(2),
-                                H_KV=h_k, HEAD_D=d, BLOCK_N=block_n, num_warps=warps, num_stages=1)
+                                H_KV=h_k, HEAD_D=d, BLOCK_N=block_n, AHEAD=ahead, STAGES=stages,
+                                num_warps=warps, num_stages=1)
     return call
 
 
@@ -128,34 +160,37 @@ def run_row(b, sk, variants, rounds, warmup, rep):
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     row = {"b": b, "seqlen_k": sk, "layers": layers, "kv_bytes": kv_bytes, "us": {}, "rounds_us": {}, "tb_s": {}}
 
-    # correctness of the read kernels on the first layer (every byte read): flat P=128 against torch
-    check = flat_call(*caches[0], out, 128, 8192, 8)
-    check()
-    got = out[:128].tolist()
+    # correctness of the flat read (every byte read), plain, registers-ahead and pipelined, against torch
     want = expected_flat_xor(*caches[0], 128, 8192) if sk <= 16384 else None
-    row["flat_check"] = "not run (long row)" if want is None else ("ok" if got == want else "MISMATCH")
+    row["flat_check"] = {}
+    for label, kwargs in (("plain", {}), ("ahead", dict(ahead=True)), ("stages3", dict(stages=3))):
+        check = flat_call(*caches[0], out, 128, 8192, 8, **kwargs)
+        check()
+        got = out[:128].tolist()
+        row["flat_check"][label] = "not run (long row)" if want is None else ("ok" if got == want else "MISMATCH")
 
     timers = {}
-    for name, (kind, a, w) in variants.items():
-        if kind == "flat":
-            calls = [flat_call(kc, vc, out, a, 8192 if w == 8 else 4096, w) for kc, vc in caches]
-        else:
-            calls = [heads_call(kc, vc, out, a, w) for kc, vc in caches]
+    for name, (make, kwargs) in variants.items():
+        calls = [make(kc, vc, out, **kwargs) for kc, vc in caches]
         timers[name] = calls
-    timers["flashtile"] = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
-                           for kc, vc in caches]
+    ft_calls = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens) for kc, vc in caches]
+    timers["flashtile"] = ft_calls
+    # the Triton kernel (the default below 16k keys) beside the rule's Gluon kernel, on every row
+    timers["flashtile_triton"] = ft_calls
+    settings = {"flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"}}
     names = list(timers)
     samples = {n: [] for n in names}
 
-    def time_calls(calls):
-        return bench_graph(lambda: [c() for c in calls], "cuda", warmup, rep) * 1e3 / len(calls)
+    def time_calls(calls, env=None):
+        with overrides(env or {}):  # read when the graph is captured
+            return bench_graph(lambda: [c() for c in calls], "cuda", warmup, rep) * 1e3 / len(calls)
 
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            samples[n].append(time_calls(timers[n]))
+            samples[n].append(time_calls(timers[n], settings.get(n)))
     # cuDNN last, on head-major copies made now, the caches freed first (closures hold them too)
-    del timers, calls, check, kc
+    del timers, calls, check, kc, ft_calls
     qt = q.transpose(1, 2)
     peer = []
     for i, (kc, vc) in enumerate(caches):
@@ -167,8 +202,8 @@ def run_row(b, sk, variants, rounds, warmup, rep):
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         samples["cudnn"] = [time_calls(calls) for _ in range(rounds)]
         # the flat read on the same head-major buffers (the same bytes, so the same ceiling unless placement matters)
-        hm = [flat_call(kt, vt, out, 256, 8192, 8) for kt, vt in peer]
-        samples["flat_P256_w8_headmajor"] = [time_calls(hm) for _ in range(rounds)]
+        hm = [flat_call(kt, vt, out, 256, 8192, 8, stages=3) for kt, vt in peer]
+        samples["flat_P256_b8192_w8_s3_headmajor"] = [time_calls(hm) for _ in range(rounds)]
     for n, ts in samples.items():
         row["us"][n] = statistics.median(ts)
         row["rounds_us"][n] = ts
@@ -187,11 +222,20 @@ def main():
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
     args = ap.parse_args()
+    flat, heads = flat_call, heads_call
     variants = {
-        "flat_P128_w8": ("flat", 128, 8), "flat_P132_w8": ("flat", 132, 8),
-        "flat_P256_w8": ("flat", 256, 8), "flat_P264_w8": ("flat", 264, 8),
-        "flat_P264_w4": ("flat", 264, 4), "flat_P528_w4": ("flat", 528, 4),
-        "heads_n64_w4": ("heads", 64, 4), "heads_n128_w8": ("heads", 128, 8),
+        "flat_P264_b8192_w8_s2": (flat, dict(programs=264, block=8192, warps=8, stages=2)),
+        "flat_P264_b8192_w8_s3": (flat, dict(programs=264, block=8192, warps=8, stages=3)),
+        "flat_P264_b8192_w8_s4": (flat, dict(programs=264, block=8192, warps=8, stages=4)),
+        "flat_P256_b8192_w8_s3": (flat, dict(programs=256, block=8192, warps=8, stages=3)),
+        "flat_P132_b16384_w8_s3": (flat, dict(programs=132, block=16384, warps=8, stages=3)),
+        "flat_P264_b16384_w8_ahead": (flat, dict(programs=264, block=16384, warps=8, ahead=True)),
+        "heads_n64_w4_ahead": (heads, dict(block_n=64, warps=4, ahead=True)),
+        "heads_n64_w4_s2": (heads, dict(block_n=64, warps=4, stages=2)),
+        "heads_n64_w4_s3": (heads, dict(block_n=64, warps=4, stages=3)),
+        "heads_n64_w4_s4": (heads, dict(block_n=64, warps=4, stages=4)),
+        "heads_n32_w4_s4": (heads, dict(block_n=32, warps=4, stages=4)),
+        "heads_n128_w8_s2": (heads, dict(block_n=128, warps=8, stages=2)),
     }
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])
@@ -202,7 +246,7 @@ def main():
         print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']}", flush=True)
         for n, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
             rounds = [round(x, 1) for x in row["rounds_us"][n]]
-            print(f"  {n:26s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
+            print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
