@@ -175,19 +175,18 @@ def run_row(b, sk, variants, rounds, warmup, rep):
         timers[name] = calls
     ft_calls = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens) for kc, vc in caches]
     # flashtile's default, and kernels forced (the Gluon per-head kernel is the rule from 16k keys, the Triton one
-    # below), with experiment settings (a whole-cache call passes no cache_seqlens: the kernel loads no length)
+    # below), and the whole-row kernels (an experiment since session 19, FLASHTILE_DECODE_GLUON_ROWS)
     gluon = {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1"}
+    rows = {"FLASHTILE_DECODE_GLUON_ROWS": "1"}
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
                 "flashtile_gluon": gluon,
-                "flashtile_gluon_nolens": gluon,
-                "flashtile_gluon_buf3": {**gluon, "FLASHTILE_DECODE_GLUON_BUFFERS": "3"},
-                "flashtile_gluon_n32_buf4": {**gluon, "FLASHTILE_DECODE_GLUON_BUFFERS": "4",
-                                             "FLASHTILE_DECODE_GLUON_BLOCK_N": "32"},
-                "flashtile_gluon_n32_buf3": {**gluon, "FLASHTILE_DECODE_GLUON_BUFFERS": "3",
-                                             "FLASHTILE_DECODE_GLUON_BLOCK_N": "32"}}
+                # whole rows (all kv heads a program, split 4 ways at b = 32, then merged): TMA ring 3,3 (one
+                # program an SM), 2,1 (two), and 16-byte copies
+                "flashtile_rows_tma": rows,
+                "flashtile_rows_tma_21": {**rows, "FLASHTILE_DECODE_GLUON_ROWS_SLOTS": "2,1"},
+                "flashtile_rows_cp": {**rows, "FLASHTILE_DECODE_GLUON_ROWS_TMA": "0"}}
     for name in settings:
         timers[name] = ft_calls
-    timers["flashtile_gluon_nolens"] = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc) for kc, vc in caches]
     # every flashtile setting's output against the default's (bf16 rounding apart, equal)
     base = ft_calls[0]().float()
     row["ft_check_max_abs"] = {}
@@ -249,7 +248,6 @@ def main():
         "flat_P264_b8192_w8_s3": (flat, dict(programs=264, block=8192, warps=8, stages=3)),
         "flat_P132_b16384_w8_s3": (flat, dict(programs=132, block=16384, warps=8, stages=3)),
         "heads_n64_w4_ahead": (heads, dict(block_n=64, warps=4, ahead=True)),
-        "heads_n64_w4_s2": (heads, dict(block_n=64, warps=4, stages=2)),
     }
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])

@@ -130,8 +130,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)),
-            HEAD_DIM=d, BLOCK_N=env.count("FLASHTILE_DECODE_GLUON_BLOCK_N", 16, 128) or BLOCK_N,
-            NUM_BUFFERS=env.count("FLASHTILE_DECODE_GLUON_BUFFERS", 2, 4) or NUM_BUFFERS,
-            HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
+            HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
             num_warps=4)
     return out, lse
