@@ -36,6 +36,12 @@ from flashtile.bench.timing import bench_graph
 from flashtile.env import overrides
 
 H, H_K, D = 32, 8, 128
+ATTN_VARIANTS = {
+    "attn_n64_w4": dict(block_n=64, warps=4, ahead=False),
+    "attn_n64_w4_ahead": dict(block_n=64, warps=4, ahead=True),
+    "attn_n64_w8_ahead": dict(block_n=64, warps=8, ahead=True),
+    "attn_n32_w4_ahead": dict(block_n=32, warps=4, ahead=True),
+}
 LAYER_BYTES_BUDGET = 16 << 30  # as bench decode: the layers' caches of a row stay under this
 
 
@@ -100,6 +106,70 @@ def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
             acc ^= tl.load(v_ptr + off)
             off += step
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _attn_step(q, k, v, m_i, l_i, acc, qk_scale):
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_heads(Q, K, V, O, S, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_ob, stride_oh, qk_scale,
+                H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                AHEAD: tl.constexpr):
+    """A bare per-head decode (full rows, S a multiple of BLOCK_N, no masks): the group's query heads against one
+    kv head's keys, Triton's pipeliner off. AHEAD: the next tile's K and V loads are issued into registers before
+    this tile's dots, as heads_*_ahead reads; otherwise after them."""
+    BLOCK_M: tl.constexpr = 16
+    pid = tl.program_id(0)
+    row = pid // H_KV
+    head = pid % H_KV
+    rm = tl.arange(0, BLOCK_M)
+    rd = tl.arange(0, HEAD_D)
+    rn = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + row * stride_qb + (head * GROUP + rm)[:, None] * stride_qh + rd[None, :],
+                mask=(rm < GROUP)[:, None], other=0.0)
+    off = row.to(tl.int64) * stride_kb + head * stride_kh + rn[:, None].to(tl.int64) * stride_ks + rd[None, :]
+    step = BLOCK_N * stride_ks
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    k_cur = tl.load(K + off)
+    v_cur = tl.load(V + off)
+    for _ in tl.range(BLOCK_N, S, BLOCK_N, num_stages=1):  # every tile but the last, then the last
+        off += step
+        if AHEAD:
+            k_nxt = tl.load(K + off)
+            v_nxt = tl.load(V + off)
+            m_i, l_i, acc = _attn_step(q, k_cur, v_cur, m_i, l_i, acc, qk_scale)
+            k_cur = k_nxt
+            v_cur = v_nxt
+        else:
+            m_i, l_i, acc = _attn_step(q, k_cur, v_cur, m_i, l_i, acc, qk_scale)
+            k_cur = tl.load(K + off)
+            v_cur = tl.load(V + off)
+    m_i, l_i, acc = _attn_step(q, k_cur, v_cur, m_i, l_i, acc, qk_scale)
+    out = acc / l_i[:, None]
+    tl.store(O + row * stride_ob + (head * GROUP + rm)[:, None] * stride_oh + rd[None, :], out.to(O.dtype.element_ty),
+             mask=(rm < GROUP)[:, None])
+
+
+def attn_call(q, kc, vc, o, block_n, warps, ahead):
+    b, s, h_k, d = kc.shape
+    h = q.shape[2]
+    assert s % block_n == 0 and kc.stride() == vc.stride()
+
+    def call():
+        _attn_heads[(b * h_k,)](q, kc, vc, o, s, q.stride(0), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2),
+                                o.stride(0), o.stride(2), d ** -0.5 * 1.4426950408889634, H_KV=h_k, GROUP=h // h_k,
+                                HEAD_D=d, BLOCK_N=block_n, AHEAD=ahead, num_warps=warps, num_stages=1)
+    return call
 
 
 def flat_call(kc, vc, out, programs, block, warps, stages=1, ahead=False):
@@ -174,23 +244,33 @@ def run_row(b, sk, variants, rounds, warmup, rep):
         calls = [make(kc, vc, out, **kwargs) for kc, vc in caches]
         timers[name] = calls
     ft_calls = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens) for kc, vc in caches]
+    # bare per-head attention kernels (no masks, no lengths), their outputs checked against flashtile's
+    o_bare = torch.empty_like(q)
+    ref = ft_calls[0]().float()
+    row["bare_check_max_abs"] = {}
+    for name, kwargs in ATTN_VARIANTS.items():
+        calls = [attn_call(q, kc, vc, o_bare, **kwargs) for kc, vc in caches]
+        try:
+            calls[0]()
+            row["bare_check_max_abs"][name] = (o_bare.float() - ref).abs().max().item()
+            timers[name] = calls
+        except Exception as e:
+            row.setdefault("errors", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
     # flashtile's default, and kernels forced (the Gluon per-head kernel is the rule from 16k keys, the Triton one
     # below), and the whole-row kernels (an experiment since session 19, FLASHTILE_DECODE_GLUON_ROWS)
     gluon = {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1"}
     rows = {"FLASHTILE_DECODE_GLUON_ROWS": "1"}
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
                 "flashtile_gluon": gluon,
-                # whole rows (all kv heads a program, split 4 ways at b = 32, then merged): TMA ring 3,3 (one
-                # program an SM), 2,1 (two), and 16-byte copies
-                "flashtile_rows_tma": rows,
-                "flashtile_rows_tma_21": {**rows, "FLASHTILE_DECODE_GLUON_ROWS_SLOTS": "2,1"},
-                "flashtile_rows_cp": {**rows, "FLASHTILE_DECODE_GLUON_ROWS_TMA": "0"}}
+                # whole rows (all kv heads a program, split 4 ways at b = 32, then merged; TMA ring 3,3, one
+                # program an SM; lease E23 also timed its 2,1 ring and 16-byte copies)
+                "flashtile_rows_tma": rows}
     for name in settings:
         timers[name] = ft_calls
     # every flashtile setting's output against the default's (bf16 rounding apart, equal)
     base = ft_calls[0]().float()
     row["ft_check_max_abs"] = {}
-    row["errors"] = {}
+    row.setdefault("errors", {})
     for name in settings:
         try:
             with overrides(settings[name]):
@@ -256,7 +336,8 @@ def main():
         row = run_row(args.batch, sk, variants, args.rounds, args.warmup, args.rep)
         rows.append(row)
         print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} "
-              f"flashtile settings' max |diff|: {row['ft_check_max_abs']}", flush=True)
+              f"flashtile settings' max |diff|: {row['ft_check_max_abs']} bare kernels': {row['bare_check_max_abs']} "
+              f"errors: {row['errors']}", flush=True)
         for n, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
             rounds = [round(x, 1) for x in row["rounds_us"][n]]
             print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
