@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,8 @@ from flashtile.bench.timing import bench_graph
 from flashtile.env import overrides
 
 H, H_K, D = 32, 8, 128
+# lease F23 timed four (block_n, warps, ahead): (64, 4, no) (64, 4, yes) (64, 8, yes) (32, 4, yes), all 6%-40% slower
+# than flashtile's kernels; --bare runs them again
 ATTN_VARIANTS = {
     "attn_n64_w4": dict(block_n=64, warps=4, ahead=False),
     "attn_n64_w4_ahead": dict(block_n=64, warps=4, ahead=True),
@@ -217,7 +220,7 @@ def expected_flat_xor(kc, vc, programs, block):
     return words
 
 
-def run_row(b, sk, variants, rounds, warmup, rep):
+def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     kv_bytes = 2 * b * sk * H_K * D * 2
     layers = max(1, min(8, LAYER_BYTES_BUDGET // kv_bytes))
     g = torch.Generator(device="cuda").manual_seed(b * 7 + sk)
@@ -248,7 +251,7 @@ def run_row(b, sk, variants, rounds, warmup, rep):
     o_bare = torch.empty_like(q)
     ref = ft_calls[0]().float()
     row["bare_check_max_abs"] = {}
-    for name, kwargs in ATTN_VARIANTS.items():
+    for name, kwargs in (ATTN_VARIANTS if bare else {}).items():
         calls = [attn_call(q, kc, vc, o_bare, **kwargs) for kc, vc in caches]
         try:
             calls[0]()
@@ -263,8 +266,11 @@ def run_row(b, sk, variants, rounds, warmup, rep):
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
                 "flashtile_gluon": gluon,
                 # whole rows (all kv heads a program, split 4 ways at b = 32, then merged; TMA ring 3,3, one
-                # program an SM; lease E23 also timed its 2,1 ring and 16-byte copies)
-                "flashtile_rows_tma": rows}
+                # program an SM; lease E23 also timed its 2,1 ring), by 16-byte copies (8 splits, two programs an
+                # SM), and session 19's Triton row kernel
+                "flashtile_rows_tma": rows,
+                "flashtile_rows_cp": {**rows, "FLASHTILE_DECODE_GLUON_ROWS_TMA": "0"},
+                "flashtile_rows_triton": {"FLASHTILE_DECODE_ROWS": "8"}}
     for name in settings:
         timers[name] = ft_calls
     # every flashtile setting's output against the default's (bf16 rounding apart, equal)
@@ -282,14 +288,19 @@ def run_row(b, sk, variants, rounds, warmup, rep):
     names = list(timers)
     samples = {n: [] for n in names}
 
-    def time_calls(calls, env=None):
+    row["timeline"] = []  # (name, unix start, unix end) of every timing, to match a clock / power log
+
+    def time_calls(calls, env=None, name=None):
+        t0 = time.time()
         with overrides(env or {}):  # read when the graph is captured
-            return bench_graph(lambda: [c() for c in calls], "cuda", warmup, rep) * 1e3 / len(calls)
+            us = bench_graph(lambda: [c() for c in calls], "cuda", warmup, rep) * 1e3 / len(calls)
+        row["timeline"].append((name, t0, time.time()))
+        return us
 
     for r in range(rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for n in order:
-            samples[n].append(time_calls(timers[n], settings.get(n)))
+            samples[n].append(time_calls(timers[n], settings.get(n), n))
     # cuDNN last, on head-major copies made now, the caches freed first (closures hold them too)
     del timers, calls, check, kc, ft_calls
     qt = q.transpose(1, 2)
@@ -301,10 +312,11 @@ def run_row(b, sk, variants, rounds, warmup, rep):
         peer.append((kt, vt))
     calls = [lambda kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for kt, vt in peer]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        samples["cudnn"] = [time_calls(calls) for _ in range(rounds)]
+        samples["cudnn"] = [time_calls(calls, name="cudnn") for _ in range(rounds)]
         # the flat read on the same head-major buffers (the same bytes, so the same ceiling unless placement matters)
         hm = [flat_call(kt, vt, out, 256, 8192, 8, stages=3) for kt, vt in peer]
-        samples["flat_P256_b8192_w8_s3_headmajor"] = [time_calls(hm) for _ in range(rounds)]
+        samples["flat_P256_b8192_w8_s3_headmajor"] = [time_calls(hm, name="flat_P256_b8192_w8_s3_headmajor")
+                                                      for _ in range(rounds)]
     for n, ts in samples.items():
         row["us"][n] = statistics.median(ts)
         row["rounds_us"][n] = ts
@@ -322,6 +334,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
+    ap.add_argument("--bare", action="store_true", help="also time the bare per-head attention kernels")
     args = ap.parse_args()
     flat, heads = flat_call, heads_call
     variants = {
@@ -333,7 +346,7 @@ def main():
     meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])
     rows = []
     for sk in args.seqlens:
-        row = run_row(args.batch, sk, variants, args.rounds, args.warmup, args.rep)
+        row = run_row(args.batch, sk, variants, args.rounds, args.warmup, args.rep, args.bare)
         rows.append(row)
         print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} "
               f"flashtile settings' max |diff|: {row['ft_check_max_abs']} bare kernels': {row['bare_check_max_abs']} "
