@@ -80,10 +80,17 @@ def _read_flat(k_ptr, v_ptr, out_ptr, n_tiles, P: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
 def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
                 H_KV: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
-                STAGES: tl.constexpr):
+                STAGES: tl.constexpr, stamps_ptr=None):
     pid = tl.program_id(0)
+    if stamps_ptr is not None:  # --stamps: the program's start and end (ns)
+        tl.store(stamps_ptr + pid * 4, _globaltimer())
     row = pid // H_KV
     head = pid % H_KV
     base = row.to(tl.int64) * stride_b + head * stride_h
@@ -109,6 +116,8 @@ def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
             acc ^= tl.load(v_ptr + off)
             off += step
     tl.store(out_ptr + pid, tl.sum(tl.sum(acc.to(tl.int32), axis=1), axis=0))
+    if stamps_ptr is not None:
+        tl.store(stamps_ptr + pid * 4 + 2, _globaltimer())
 
 
 @triton.jit
@@ -186,7 +195,7 @@ def flat_call(kc, vc, out, programs, block, warps, stages=1, ahead=False):
     return call
 
 
-def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1):
+def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1, stamps=None):
     b, s, h_k, d = kc.shape
     k16, v16 = kc.view(torch.int16), vc.view(torch.int16)
     assert s % block_n == 0
@@ -194,7 +203,7 @@ def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1):
     def call():
         _read_heads[(b * h_k,)](k16, v16, out, s, k16.stride(0), k16.stride(1), k16.stride(2),
                                 H_KV=h_k, HEAD_D=d, BLOCK_N=block_n, AHEAD=ahead, STAGES=stages,
-                                num_warps=warps, num_stages=1)
+                                stamps_ptr=stamps, num_warps=warps, num_stages=1)
     return call
 
 
@@ -326,6 +335,75 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     return row
 
 
+def stamp_summary(stamps: torch.Tensor) -> dict:
+    """One launch's per-program stamps (programs, 4; ns: start, loop end or -1, end) as spans in microseconds."""
+    st = stamps.double()
+    t0, t1, t2 = st[:, 0], st[:, 1], st[:, 2]
+    origin = t0.min()
+    out = {"span_us": (t2.max() - origin).item() / 1e3, "start_skew_us": (t0.max() - origin).item() / 1e3,
+           "end_spread_us": (t2.max() - t2.min()).item() / 1e3,
+           "program_us_min_med_max": [x / 1e3 for x in ((t2 - t0).min().item(), (t2 - t0).median().item(),
+                                                       (t2 - t0).max().item())]}
+    if (t1 > 0).all():
+        epi = t2 - t1
+        out["epilogue_us_med_max"] = [epi.median().item() / 1e3, epi.max().item() / 1e3]
+    return out
+
+
+def run_stamps(b, sk, replays=5):
+    """--stamps: each program's %globaltimer stamps in one replay of an 8-layer graph (fewer layers past 16 GB),
+    for the rule's Gluon kernel and the per-head read; per layer the kernel's span, its programs' start skew and
+    end spread, the Gluon kernel's epilogue (loop end to end), and the gaps from one layer's last program end to
+    the next one's first start."""
+    from flashtile.backends.triton import decode_gluon
+
+    kv_bytes = 2 * b * sk * H_K * D * 2
+    layers = max(1, min(8, LAYER_BYTES_BUDGET // kv_bytes))
+    g = torch.Generator(device="cuda").manual_seed(b * 7 + sk)
+    q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+    caches = []
+    for _ in range(layers):
+        kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        caches.append((kc, torch.randn_like(kc)))
+    programs = b * H_K
+    stamps = torch.full((layers, programs, 4), -1, dtype=torch.int64, device="cuda")
+    out = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    result = {"b": b, "seqlen_k": sk, "layers": layers}
+
+    def gluon_layer(i):
+        kc, vc = caches[i]
+        decode_gluon.STAMPS = stamps[i]
+        try:
+            with overrides({"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1"}):
+                return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        finally:
+            decode_gluon.STAMPS = None
+
+    read_calls = [heads_call(kc, vc, out, 64, 4, ahead=True, stamps=stamps[i]) for i, (kc, vc) in enumerate(caches)]
+    for name, calls in (("gluon", [lambda i=i: gluon_layer(i) for i in range(layers)]), ("heads_read", read_calls)):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            for c in calls:
+                c()
+        for _ in range(replays):
+            stamps.fill_(-1)
+            graph.replay()
+        torch.cuda.synchronize()
+        per_layer = [stamp_summary(stamps[i]) for i in range(layers)]
+        gaps = [(stamps[i + 1, :, 0].min() - stamps[i, :, 2].max()).item() / 1e3 for i in range(layers - 1)]
+        total = (stamps[-1, :, 2].max() - stamps[0, :, 0].min()).item() / 1e3
+        result[name] = {"per_layer": per_layer, "gaps_us": gaps, "first_start_to_last_end_per_call_us": total / layers}
+        del graph
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -335,7 +413,30 @@ def main():
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--bare", action="store_true", help="also time the bare per-head attention kernels")
+    ap.add_argument("--stamps", action="store_true",
+                    help="instead of timing: each program's %%globaltimer stamps, Gluon kernel and per-head read")
     args = ap.parse_args()
+    if args.stamps:
+        meta = collect_meta(sys.argv, "cuda")
+        meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])
+        rows = []
+        for sk in args.seqlens:
+            rows.append(run_stamps(args.batch, sk))
+            r = rows[-1]
+            for name in ("gluon", "heads_read"):
+                x = r[name]
+                lay = x["per_layer"]
+                spans = [round(v["span_us"], 1) for v in lay]
+                skews = [round(v["start_skew_us"], 2) for v in lay]
+                ends = [round(v["end_spread_us"], 1) for v in lay]
+                epilogue = [v.get("epilogue_us_med_max") for v in lay][:2]
+                gaps = [round(v, 2) for v in x["gaps_us"]]
+                print(f"b={r['b']} s={sk} {name:10s} per call {x['first_start_to_last_end_per_call_us']:.1f} us; "
+                      f"span {spans}; start skew {skews}; end spread {ends}; epilogue {epilogue}; gaps {gaps}",
+                      flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        return
     flat, heads = flat_call, heads_call
     variants = {
         "flat_P264_b8192_w8_s3": (flat, dict(programs=264, block=8192, warps=8, stages=3)),

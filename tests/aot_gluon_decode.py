@@ -12,7 +12,7 @@ import tempfile
 from gluon_aot import compile_for_sm90, decode_build_summary  # this script runs from tests/ (on sys.path)
 
 TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32", "SEQLENS": "*i32", "K_NEW": "*bf16",
-         "V_NEW": "*bf16", "qk_scale": "fp32"}
+         "V_NEW": "*bf16", "qk_scale": "fp32", "STAMPS": "*i64"}
 
 
 def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False):

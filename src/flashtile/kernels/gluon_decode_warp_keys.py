@@ -28,6 +28,12 @@ WARPS = 4
 
 
 @gluon.jit
+def _globaltimer():
+    """The GPU's nanosecond clock (%globaltimer), for the session 23 timing experiment (STAMP)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr):
     """Keys of batch row ``b`` this call attends: its cache length (cache_seqlens[b], or cache_len_const) plus the
     call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot."""
@@ -82,9 +88,9 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
-    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
+    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -106,6 +112,8 @@ def _gluon_decode_warp_keys_kernel(
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
     pid = gl.program_id(0)
+    if STAMP:  # an experiment: the program's start, loop end and end (ns) into STAMPS[pid, 0:3]
+        gl.store(STAMPS + pid * 4, _globaltimer())
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
     cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
@@ -173,6 +181,8 @@ def _gluon_decode_warp_keys_kernel(
         vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
         o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
+    if STAMP:
+        gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
     # merge the 4 warps' states (once, across warps)
     m = gl.max(m_i, 0)
@@ -192,3 +202,5 @@ def _gluon_decode_warp_keys_kernel(
     ohead = (kv_head * group + orow).to(gl.int64)
     o_ptrs = O + b.to(gl.int64) * stride_ob + gl.expand_dims(ohead * stride_oh, 1) + gl.expand_dims(ocol, 0)
     gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(orow < group, 1))
+    if STAMP:
+        gl.store(STAMPS + pid * 4 + 2, _globaltimer())
