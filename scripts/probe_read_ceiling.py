@@ -347,6 +347,10 @@ def stamp_summary(stamps: torch.Tensor) -> dict:
     if (t1 > 0).all():
         epi = t2 - t1
         out["epilogue_us_med_max"] = [epi.median().item() / 1e3, epi.max().item() / 1e3]
+        t3 = st[:, 3]
+        if (t3 > 0).all():  # the Gluon kernel's merge of its 4 warps' states ends at t3
+            merge = t3 - t1
+            out["merge_us_med_max"] = [merge.median().item() / 1e3, merge.max().item() / 1e3]
     return out
 
 
@@ -429,10 +433,10 @@ def main():
                 spans = [round(v["span_us"], 1) for v in lay]
                 skews = [round(v["start_skew_us"], 2) for v in lay]
                 ends = [round(v["end_spread_us"], 1) for v in lay]
-                epilogue = [v.get("epilogue_us_med_max") for v in lay][:2]
+                epilogue = [(v.get("epilogue_us_med_max"), v.get("merge_us_med_max")) for v in lay][:2]
                 gaps = [round(v, 2) for v in x["gaps_us"]]
                 print(f"b={r['b']} s={sk} {name:10s} per call {x['first_start_to_last_end_per_call_us']:.1f} us; "
-                      f"span {spans}; start skew {skews}; end spread {ends}; epilogue {epilogue}; gaps {gaps}",
+                      f"span {spans}; start skew {skews}; end spread {ends}; epilogue, merge {epilogue}; gaps {gaps}",
                       flush=True)
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

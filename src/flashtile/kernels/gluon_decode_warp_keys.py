@@ -112,7 +112,7 @@ def _gluon_decode_warp_keys_kernel(
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
     pid = gl.program_id(0)
-    if STAMP:  # an experiment: the program's start, loop end and end (ns) into STAMPS[pid, 0:3]
+    if STAMP:  # an experiment: the program's start, loop end, end and merge end (ns) into STAMPS[pid]
         gl.store(STAMPS + pid * 4, _globaltimer())
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
@@ -189,6 +189,8 @@ def _gluon_decode_warp_keys_kernel(
     wgt = gl.exp2(m_i - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0))
     l_sum = gl.sum(l_i * wgt, 0)
     acc = gl.sum(o * gl.expand_dims(wgt, 2), 0)  # [16, d]
+    if STAMP:
+        gl.store(STAMPS + pid * 4 + 3, _globaltimer())
     out_layout: gl.constexpr = gl.SliceLayout(0, mma)
     inv_l = gl.convert_layout(1.0 / gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, out_layout))
     out = acc * gl.expand_dims(inv_l, 1)
