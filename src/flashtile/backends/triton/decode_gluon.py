@@ -134,5 +134,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, num_warps=4)
+            STAMP=STAMPS is not None, SMEM_MERGE=bool(env.switch("FLASHTILE_DECODE_GLUON_SMEM_MERGE")),
+            num_warps=4)
     return out, lse
