@@ -271,13 +271,10 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     # flashtile's default, and kernels forced (the Gluon per-head kernel is the rule from 16k keys, the Triton one
     # below), and the whole-row kernels (an experiment since session 19, FLASHTILE_DECODE_GLUON_ROWS)
     gluon = {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1"}
-    smem = {"FLASHTILE_DECODE_GLUON_SMEM_MERGE": "1"}
+    # leases E23 / G23 timed the whole-row kernels here too (FLASHTILE_DECODE_GLUON_ROWS=1, ..._TMA=0, and
+    # FLASHTILE_DECODE_ROWS=8), and J23 the Gluon kernel's warp merge through shared memory (now its only merge)
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
-                "flashtile_gluon": gluon,
-                # the Gluon kernel's merge of its warps through shared memory (session 23), under the rule and forced;
-                # leases E23 / G23 timed the whole-row kernels here (FLASHTILE_DECODE_GLUON_ROWS=1, ..._TMA=0, and
-                # FLASHTILE_DECODE_ROWS=8)
-                "flashtile_smem": smem, "flashtile_gluon_smem": {**gluon, **smem}}
+                "flashtile_gluon": gluon}
     for name in settings:
         timers[name] = ft_calls
     # every flashtile setting's output against the default's (bf16 rounding apart, equal)
@@ -373,18 +370,18 @@ def run_stamps(b, sk, replays=5):
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     result = {"b": b, "seqlen_k": sk, "layers": layers}
 
-    def gluon_layer(i, smem_merge="0"):
+    def gluon_layer(i):
         kc, vc = caches[i]
         decode_gluon.STAMPS = stamps[i]
         try:
-            with overrides({"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1", "FLASHTILE_DECODE_GLUON_SMEM_MERGE": smem_merge}):
+            with overrides({"FLASHTILE_DECODE_GLUON_WARP_KEYS": "1"}):
                 return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
         finally:
             decode_gluon.STAMPS = None
 
     read_calls = [heads_call(kc, vc, out, 64, 4, ahead=True, stamps=stamps[i]) for i, (kc, vc) in enumerate(caches)]
-    cases = (("gluon", [lambda i=i: gluon_layer(i) for i in range(layers)]),
-             ("gluon_smem_merge", [lambda i=i: gluon_layer(i, "1") for i in range(layers)]), ("heads_read", read_calls))
+    # (lease J23 also ran the Gluon kernel with its warp merge through shared memory, then behind a switch)
+    cases = (("gluon", [lambda i=i: gluon_layer(i) for i in range(layers)]), ("heads_read", read_calls))
     for name, calls in cases:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -427,7 +424,7 @@ def main():
         for sk in args.seqlens:
             rows.append(run_stamps(args.batch, sk))
             r = rows[-1]
-            for name in ("gluon", "gluon_smem_merge", "heads_read"):
+            for name in ("gluon", "heads_read"):
                 x = r[name]
                 lay = x["per_layer"]
                 spans = [round(v["span_us"], 1) for v in lay]

@@ -55,13 +55,14 @@ def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str) -> str:
 def decode_build_summary(got: dict) -> str:
     """The decode build figures the compile tests read, from compile_for_sm90's result: shared memory, registers,
     spill stores, 16-byte cp.async copies and mma.sync instructions in the SASS, and the CTA barriers between the
-    key loop's first copy wait (DEPBAR) and its back edge."""
+    key loop's first copy wait (DEPBAR) and its back edge, and those after the back edge (the epilogue's)."""
     import re
 
     log, sass = got["ptxas_log"], got["sass"]
     regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
     loop = sass[sass.find("DEPBAR"):]
+    tail = loop[loop.find("BRA", loop.find("HMMA")):] if "HMMA" in loop else ""
     loop = loop[:loop.find("BRA", loop.find("HMMA"))] if "HMMA" in loop else loop
     return (f"SHARED {got['shared']} REGISTERS {regs.group(1) if regs else -1} "
             f"SPILL_STORES {spill.group(1) if spill else 0} LDGSTS {sass.count('LDGSTS')} HMMA {sass.count('HMMA')} "
-            f"LOOP_BARRIERS {loop.count('BAR.SYNC')}")
+            f"LOOP_BARRIERS {loop.count('BAR.SYNC')} TAIL_BARRIERS {tail.count('BAR.SYNC')}")

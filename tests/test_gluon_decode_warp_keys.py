@@ -38,6 +38,9 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
     assert got["LDGSTS"] > 0 and got["HMMA"] > 0, got  # 16-byte cp.async copies, mma.sync
     assert got["LOOP_BARRIERS"] <= 2, got  # the Triton build has 9 a tile
+    # the warps' merge through shared memory: its one barrier (and one the compiler adds), not the 9 that the
+    # reductions across the warp axis took (3.3-3.6 us at the end of every program, session 23)
+    assert got["TAIL_BARRIERS"] <= 2, got
     assert got["GDC"] == 0, got  # no griddepcontrol: launched as an ordinary kernel
 
 
@@ -91,16 +94,15 @@ def test_rule_takes_long_caches_with_two_programs_an_sm():
     rule = dict(capacity=cap, programs=256, sms=132, d=128)  # b = 32, 8 kv heads on an H200
     assert decode_gluon.by_rule(**rule)
     assert decode_gluon.by_rule(**dict(rule, capacity=8 * cap, programs=512))
-    assert not decode_gluon.by_rule(**dict(rule, capacity=cap - 1))  # 8k: the Triton kernel was faster
+    assert not decode_gluon.by_rule(**dict(rule, capacity=cap - 1))  # below 8k unmeasured: the Triton kernel
     assert not decode_gluon.by_rule(**dict(rule, programs=128))  # one program an SM: 17% slower
     assert not decode_gluon.by_rule(**dict(rule, programs=64))  # num_splits=1 on a small grid
     assert not decode_gluon.by_rule(**dict(rule, d=64))  # covered, but unmeasured: half the bytes in flight
-    # appending in the kernel it was faster from 8k
+    # appending in the kernel it was faster from 8k (since session 23 the bound without appends is the same)
     short = decode_gluon.MIN_CAPACITY_APPENDING
-    assert short < cap
+    assert short <= cap
     assert decode_gluon.by_rule(**dict(rule, capacity=short), appends=True)
     assert not decode_gluon.by_rule(**dict(rule, capacity=short - 1), appends=True)
-    assert not decode_gluon.by_rule(**dict(rule, capacity=short))
 
 
 @pytest.fixture

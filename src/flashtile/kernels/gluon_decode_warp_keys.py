@@ -90,8 +90,8 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     """Merge the 4 warps' online-softmax states and write O and LSE, with one CTA barrier: every warp stores its
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
-    register work. (The reductions across the warp axis cost 7 barriers and 3.3-3.6 us at the end of every
-    program: session 23's stamps.)"""
+    register work. Reductions across the warp axis instead (until session 23) took 7 barriers and 3.3-3.6 us at
+    the end of every program, against 1.0 us here (%globaltimer stamps, docs/decode_tuning_log.md, session 23)."""
     o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0])
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     o_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM], o_sl, o)
@@ -126,7 +126,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, SMEM_MERGE: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -220,29 +220,7 @@ def _gluon_decode_warp_keys_kernel(
     if STAMP:
         gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
-    if SMEM_MERGE:
-        _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                            STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM)
-    else:
-        # merge the 4 warps' states (once, across warps)
-        m = gl.max(m_i, 0)
-        wgt = gl.exp2(m_i - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0))
-        l_sum = gl.sum(l_i * wgt, 0)
-        acc = gl.sum(o * gl.expand_dims(wgt, 2), 0)  # [16, d]
-        if STAMP:
-            gl.store(STAMPS + pid * 4 + 3, _globaltimer())
-        out_layout: gl.constexpr = gl.SliceLayout(0, mma)
-        inv_l = gl.convert_layout(1.0 / gl.where(l_sum == 0.0, 1.0, l_sum), gl.SliceLayout(1, out_layout))
-        out = acc * gl.expand_dims(inv_l, 1)
-        # the rows' lse (natural log): +inf for a row without keys (the contract's rule; its O is 0)
-        lrow = gl.arange(0, BLOCK_M, gl.SliceLayout(0, state))
-        lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
-        lhead = (kv_head * group + lrow).to(gl.int64)
-        gl.store(LSE + b.to(gl.int64) * stride_lse_b + lhead * stride_lse_h, lse, mask=lrow < group)
-        orow = gl.arange(0, BLOCK_M, gl.SliceLayout(1, out_layout))
-        ocol = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, out_layout))
-        ohead = (kv_head * group + orow).to(gl.int64)
-        o_ptrs = O + b.to(gl.int64) * stride_ob + gl.expand_dims(ohead * stride_oh, 1) + gl.expand_dims(ocol, 0)
-        gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=gl.expand_dims(orow < group, 1))
+    _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM)
     if STAMP:
         gl.store(STAMPS + pid * 4 + 2, _globaltimer())

@@ -28,9 +28,11 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # the kernel's 16 query rows
 # The rule's shortest cache: the lengths live on the GPU (reading them would sync), so the rule goes by the
-# capacity, the most a program can read. Measured at b = 32: 0.1% faster at 16k, 0.5%-0.85% from 64k, 0.9%
-# slower at 8k.
-MIN_CAPACITY = 16384
+# capacity, the most a program can read. Measured at b = 32 (8-layer graphs): until session 22 0.1% faster than the
+# Triton kernel at 16k, 0.5%-0.85% from 64k and 0.5%-0.9% slower at 8k; since session 23's warp merge through
+# shared memory (about 3 us a call less) 0.4% faster at 8k (236.9 against 237.9 us, lease J23,
+# read_ceiling_smem_merge_leaseJ23_h200_2026-12-01_session23.json). Below 8k unmeasured since.
+MIN_CAPACITY = 8192
 # With a serving step's append (one new token, in the kernel) the Gluon kernel was 3.3% faster than the Triton
 # kernel's in-kernel append at b = 32, 8k (245.1 against 253.4-253.6 us) and 2.4% at 16k
 # (decode_gluon_append_{8k,16k}_ab_h200_2026-11-30_session18.json); below 8k is unmeasured. Since session 19 the
@@ -134,6 +136,5 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, SMEM_MERGE=bool(env.switch("FLASHTILE_DECODE_GLUON_SMEM_MERGE")),
-            num_warps=4)
+            STAMP=STAMPS is not None, num_warps=4)
     return out, lse
