@@ -229,7 +229,8 @@ def expected_flat_xor(kc, vc, programs, block):
     return words
 
 
-def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
+def layer_inputs(b, sk):
+    """(kv bytes a layer, layers, q, lengths, [(K, V) a layer]) for a row, as `bench decode --layers 8` sizes it."""
     kv_bytes = 2 * b * sk * H_K * D * 2
     layers = max(1, min(8, LAYER_BYTES_BUDGET // kv_bytes))
     g = torch.Generator(device="cuda").manual_seed(b * 7 + sk)
@@ -239,6 +240,12 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     for _ in range(layers):
         kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
         caches.append((kc, torch.randn_like(kc)))
+    return kv_bytes, layers, q, lens, caches
+
+
+def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
+    kv_bytes, layers, q, lens, caches = layer_inputs(b, sk)
+    kc = None
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     row = {"b": b, "seqlen_k": sk, "layers": layers, "kv_bytes": kv_bytes, "us": {}, "rounds_us": {}, "tb_s": {}}
 
@@ -356,15 +363,7 @@ def run_stamps(b, sk, replays=5):
     the next one's first start."""
     from flashtile.backends.triton import decode_gluon
 
-    kv_bytes = 2 * b * sk * H_K * D * 2
-    layers = max(1, min(8, LAYER_BYTES_BUDGET // kv_bytes))
-    g = torch.Generator(device="cuda").manual_seed(b * 7 + sk)
-    q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
-    caches = []
-    for _ in range(layers):
-        kc = torch.randn(b, sk, H_K, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        caches.append((kc, torch.randn_like(kc)))
+    _, layers, q, lens, caches = layer_inputs(b, sk)
     programs = b * H_K
     stamps = torch.full((layers, programs, 4), -1, dtype=torch.int64, device="cuda")
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
