@@ -86,13 +86,17 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 
 @gluon.jit
 def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                        STAMPS, pid, STAMP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+                        STAMPS, pid, STAMP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        GROUP_ROWS: gl.constexpr):
     """Merge the 4 warps' online-softmax states and write O and LSE, with one CTA barrier: every warp stores its
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
-    register work. Reductions across the warp axis instead (until session 23) took 7 barriers and 3.3-3.6 us at
-    the end of every program, against 1.0 us here (%globaltimer stamps, docs/decode_tuning_log.md, session 23)."""
-    o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[2, 1, 0])
+    register work. Only the first GROUP_ROWS rows (the group's query heads, a power of two of at least 4) are read
+    back: the rest are the MMA's padding. Reductions across the warp axis instead (until session 23) took 7
+    barriers and 3.3-3.6 us at the end of every program, against 1.0 us here (%globaltimer stamps,
+    docs/decode_tuning_log.md, session 23)."""
+    # the swizzle spans 4 rows, so that the first 4 can be sliced off (2-way bank conflicts on the stores)
+    o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[2, 1, 0])
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     o_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M, HEAD_DIM], o_sl, o)
     m_s = gl.allocate_shared_memory(gl.float32, [4, BLOCK_M], s_sl, m_i)
@@ -100,17 +104,17 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     gl.thread_barrier()
     # the 4 warps' values of a thread's rows and columns in its registers: warps along the rows, lanes along d
     red: gl.constexpr = gl.BlockedLayout([4, 1, HEAD_DIM // 32], [1, 1, 32], [1, 4, 1], [2, 1, 0])
-    m_all = gl.expand_dims(m_s.load(gl.SliceLayout(2, red)), 2)  # [4, rows, 1]
-    l_all = gl.expand_dims(l_s.load(gl.SliceLayout(2, red)), 2)
+    m_all = gl.expand_dims(m_s.slice(0, GROUP_ROWS, dim=1).load(gl.SliceLayout(2, red)), 2)  # [4, rows, 1]
+    l_all = gl.expand_dims(l_s.slice(0, GROUP_ROWS, dim=1).load(gl.SliceLayout(2, red)), 2)
     m = gl.max(m_all, 0)  # [rows, 1]
     wgt = gl.exp2(m_all - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0))  # a warp without keys: 0
     l_sum = gl.sum(l_all * wgt, 0)
-    acc = gl.sum(o_s.load(red) * wgt, 0)  # [rows, d]
+    acc = gl.sum(o_s.slice(0, GROUP_ROWS, dim=1).load(red) * wgt, 0)  # [rows, d]
     if STAMP:
         gl.store(STAMPS + pid * 4 + 3, _globaltimer())
     out = acc / gl.where(l_sum == 0.0, 1.0, l_sum)
     rows: gl.constexpr = gl.SliceLayout(0, red)
-    orow = gl.expand_dims(gl.arange(0, BLOCK_M, gl.SliceLayout(1, rows)), 1)  # [rows, 1]
+    orow = gl.expand_dims(gl.arange(0, GROUP_ROWS, gl.SliceLayout(1, rows)), 1)  # [rows, 1]
     ocol = gl.expand_dims(gl.arange(0, HEAD_DIM, gl.SliceLayout(0, rows)), 0)  # [1, d]
     ohead = (kv_head * group + orow).to(gl.int64)
     gl.store(O + b.to(gl.int64) * stride_ob + ohead * stride_oh + ocol, out.to(O.dtype.element_ty),
@@ -119,14 +123,13 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
     gl.store(LSE + b.to(gl.int64) * stride_lse_b + ohead * stride_lse_h, lse, mask=orow < group)
 
-
 @gluon.jit
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False,
+    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -221,6 +224,6 @@ def _gluon_decode_warp_keys_kernel(
         gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
     _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM)
+                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS)
     if STAMP:
         gl.store(STAMPS + pid * 4 + 2, _globaltimer())

@@ -100,6 +100,14 @@ def refusal(*, arch: str, dtype: torch.dtype, cache_dtype: torch.dtype, d: int, 
     return None
 
 
+def merge_rows(group: int) -> int:
+    """Rows of the warps' merge that hold query heads: the group, as a power of two of at least 4 (the merge's
+    4 warps along the rows), at most the kernel's 16. (FLASHTILE_DECODE_GLUON_ALL_ROWS=1, an experiment: 16.)"""
+    if env.switch("FLASHTILE_DECODE_GLUON_ALL_ROWS"):
+        return MAX_GROUP
+    return min(MAX_GROUP, max(4, 1 << (group - 1).bit_length()))
+
+
 def one_token_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A one-token decode call's outputs, unfilled: out like q (b, 1, h, d) and lse (b, h, 1), fp32."""
     return torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], 1, device=q.device, dtype=torch.float32)
@@ -136,5 +144,5 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, num_warps=4)
+            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), num_warps=4)
     return out, lse
