@@ -281,9 +281,8 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     # leases E23 / G23 timed the whole-row kernels here too (FLASHTILE_DECODE_GLUON_ROWS=1, ..._TMA=0, and
     # FLASHTILE_DECODE_ROWS=8), and J23 the Gluon kernel's warp merge through shared memory (now its only merge)
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
-                "flashtile_gluon": gluon,
-                # the merge reading back all 16 rows, not only the group's (an experiment, session 23)
-                "flashtile_gluon_all_rows": {**gluon, "FLASHTILE_DECODE_GLUON_ALL_ROWS": "1"}}
+                "flashtile_gluon": gluon}
+    # (lease M23 also timed the merge reading back all 16 rows, FLASHTILE_DECODE_GLUON_ALL_ROWS=1, since removed)
     for name in settings:
         timers[name] = ft_calls
     # every flashtile setting's output against the default's (bf16 rounding apart, equal)

@@ -1,6 +1,6 @@
 """Compile the Gluon warps-along-keys decode kernel for sm_90 without a GPU (run as a script in a subprocess,
 TRITON_INTERPRET unset):
-    python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [FUSED_NEW]
+    python tests/aot_gluon_decode.py HEAD_DIM BLOCK_N NUM_BUFFERS HAS_SEQLENS [FUSED_NEW [GROUP_ROWS]]
 Prints SHARED <bytes> REGISTERS <n> SPILL_STORES <bytes> LDGSTS <n> HMMA <n> LOOP_BARRIERS <n> GDC <n>: CTA barriers
 in the SASS between the key loop's first copy wait (DEPBAR) and its back edge, and griddepcontrol instructions in
 the PTX."""
@@ -15,11 +15,12 @@ TYPES = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE": "*fp32",
          "V_NEW": "*bf16", "qk_scale": "fp32", "STAMPS": "*i64"}
 
 
-def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False):
+def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new: bool = False,
+         group_rows: int = 16):
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel as kernel
 
     cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens,
-              FUSED_NEW=fused_new)
+              FUSED_NEW=fused_new, GROUP_ROWS=group_rows)
     with tempfile.TemporaryDirectory() as tmp:
         # strides marked aligned as the JIT does for multiples of 16 (16-byte copies need it)
         got = compile_for_sm90(kernel, cx, TYPES, 4, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))
@@ -27,4 +28,5 @@ def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new
     print(decode_build_summary(got), "GDC", ptx.count("griddepcontrol."))
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1", sys.argv[5:6] == ["1"],
+         int(sys.argv[6]) if len(sys.argv) > 6 else 16)

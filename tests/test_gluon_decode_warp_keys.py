@@ -30,9 +30,11 @@ def _compile(*args) -> dict:
     return {key: int(val) for key, val in zip(f[::2], f[1::2])}
 
 
-@pytest.mark.parametrize("d, has_seqlens, fused_new", [(128, True, False), (64, False, False), (128, True, True)])
-def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new):
-    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new))
+@pytest.mark.parametrize("d, has_seqlens, fused_new, group", [(128, True, False, 4), (64, False, False, 16),
+                                                             (128, True, True, 8)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group):
+    got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new),
+                   decode_gluon.merge_rows(group))
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
@@ -87,6 +89,11 @@ def test_asked_for_on_cpu_the_triton_kernel_answers(decode_interp, monkeypatch, 
     q, kc, vc, args = make_case(dtype=torch.float32, cap=40, **CASES[name])
     _run_and_check(q, kc, vc, args, num_splits=1)
     assert decode_interp, "the Triton decode kernel did not run"
+
+
+def test_merge_reads_back_the_group_rows():
+    # a power of two of at least 4 (the merge's 4 warps along the rows), at most the kernel's 16 rows
+    assert [decode_gluon.merge_rows(g) for g in (1, 2, 3, 4, 5, 8, 9, 16)] == [4, 4, 4, 4, 8, 8, 16, 16]
 
 
 def test_rule_takes_long_caches_with_two_programs_an_sm():
