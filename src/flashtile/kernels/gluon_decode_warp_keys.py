@@ -29,7 +29,7 @@ WARPS = 4
 
 @gluon.jit
 def _globaltimer():
-    """The GPU's nanosecond clock (%globaltimer), for the session 23 timing experiment (STAMP)."""
+    """The GPU's nanosecond clock (%globaltimer), for the STAMP diagnostic (backends/triton/decode_gluon.STAMPS)."""
     return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
@@ -92,9 +92,9 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
     register work. Only the first GROUP_ROWS rows (the group's query heads, a power of two of at least 4) are read
-    back: the rest are the MMA's padding. Reductions across the warp axis instead (until session 23) took 7
-    barriers and 3.3-3.6 us at the end of every program, against 1.0 us here (%globaltimer stamps,
-    docs/decode_tuning_log.md, session 23)."""
+    back: the rest are the MMA's padding. Reductions across the warp axis instead (until session 23) left 9 CTA
+    barriers after the key loop in the sm_90 build and took 3.3-3.6 us at the end of every program, against
+    0.8-1.0 us here (%globaltimer stamps, docs/decode_tuning_log.md, session 23)."""
     # the swizzle spans 4 rows, so that the first 4 can be sliced off (2-way bank conflicts on the stores)
     o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[2, 1, 0])
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -122,6 +122,7 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     # the rows' lse (natural log): +inf for a row without keys (the contract's rule; its O is 0)
     lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
     gl.store(LSE + b.to(gl.int64) * stride_lse_b + ohead * stride_lse_h, lse, mask=orow < group)
+
 
 @gluon.jit
 def _gluon_decode_warp_keys_kernel(
@@ -151,7 +152,7 @@ def _gluon_decode_warp_keys_kernel(
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
     pid = gl.program_id(0)
-    if STAMP:  # an experiment: the program's start, loop end, end and merge end (ns) into STAMPS[pid]
+    if STAMP:  # the diagnostic: the program's start, loop end, end and merge end (ns) into STAMPS[pid, 0:4]
         gl.store(STAMPS + pid * 4, _globaltimer())
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads

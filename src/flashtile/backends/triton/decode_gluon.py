@@ -57,8 +57,9 @@ NUM_BUFFERS = 2
 # .json). Against this kernel after the separate append kernel it is unmeasured. False: the separate append kernel
 # first, and the rule's bound without appends.
 FUSED_APPEND = True
-# Session 23's timing experiment: an int64 tensor of (programs, 4) here makes the next launches write each
-# program's start, loop end and end (%globaltimer, ns) into it. None: the kernel as always.
+# A diagnostic (session 23): an int64 tensor of (programs, 4) here makes the next launches write each program's
+# start, key-loop end, end and merge end (%globaltimer, ns) into it (scripts/probe_read_ceiling.py --stamps reads
+# them). None: the kernel as always (the stamps are compiled out).
 STAMPS = None
 
 
