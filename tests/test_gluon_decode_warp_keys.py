@@ -167,14 +167,3 @@ def test_knob_value_checked(monkeypatch):
         decode_gluon.requested()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
     assert decode_gluon.requested() is False
-
-
-def test_split_launch_refuses_keys_to_append_in_the_kernel():
-    # a split launch's programs read other programs' keys: new keys must be in the cache before it (the route
-    # appends them first), so asking the kernel to append them is an error before any launch
-    q = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16)
-    kc = vc = torch.zeros(1, 64, 1, 128, dtype=torch.bfloat16)
-    new = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="append them first"):
-        decode_gluon.gluon_decode(q, kc, vc, cache_seqlens=None, cache_len_const=63, s_new=1, softmax_scale=0.1,
-                                  k_new=new, v_new=new, splits=4)

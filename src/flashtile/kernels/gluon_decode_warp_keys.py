@@ -87,7 +87,7 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 @gluon.jit
 def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
                         STAMPS, pid, STAMP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        GROUP_ROWS: gl.constexpr, SPLIT: gl.constexpr):
+                        GROUP_ROWS: gl.constexpr):
     """Merge the 4 warps' online-softmax states and write O and LSE, with one CTA barrier: every warp stores its
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
@@ -119,13 +119,8 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     ohead = (kv_head * group + orow).to(gl.int64)
     gl.store(O + b.to(gl.int64) * stride_ob + ohead * stride_oh + ocol, out.to(O.dtype.element_ty),
              mask=(orow < group) & (ocol >= 0))
-    # the rows' lse (natural log); for a row without keys +inf in a call's output (the contract's rule; its O is 0),
-    # -inf in a split's partial (the merge gives it no weight)
-    if SPLIT:
-        empty = float("-inf")
-    else:
-        empty = float("inf")
-    lse = gl.where(l_sum == 0.0, empty, (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
+    # the rows' lse (natural log): +inf for a row without keys (the contract's rule; its O is 0)
+    lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
     gl.store(LSE + b.to(gl.int64) * stride_lse_b + ohead * stride_lse_h, lse, mask=orow < group)
 
 
@@ -134,10 +129,8 @@ def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
-    num_splits, stride_os, stride_lse_s,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
     FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
-    SPLIT: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -145,10 +138,7 @@ def _gluon_decode_warp_keys_kernel(
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
-    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)
-    SPLIT (an experiment, session 23; FUSED_NEW off): program pid = (b * h_k + kv_head) * num_splits + split reads
-    the split's share of the row's keys (whole 64-key tiles) and writes its normalized fp32 partial to
-    O[split] (O + split * stride_os) and its lse to LSE[split] (-inf for no keys), for the split merge."""
+    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)"""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -164,24 +154,10 @@ def _gluon_decode_warp_keys_kernel(
     pid = gl.program_id(0)
     if STAMP:  # the diagnostic: the program's start, loop end, end and merge end (ns) into STAMPS[pid, 0:4]
         gl.store(STAMPS + pid * 4, _globaltimer())
-    if SPLIT:
-        split = pid % num_splits
-        row_head = pid // num_splits
-    else:
-        split = 0
-        row_head = pid
-    b = row_head // num_kv_heads
-    kv_head = row_head % num_kv_heads
+    b = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
     cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
-    # the program's keys [lo, hi): the whole row, or its split's share in whole tiles
-    if SPLIT:
-        per = gl.cdiv(gl.cdiv(seqlen, BLOCK_N), num_splits) * BLOCK_N
-        lo = split * per
-        hi = gl.minimum(lo + per, seqlen)
-    else:
-        lo = 0
-        hi = seqlen
-    n = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+    n = gl.cdiv(seqlen, BLOCK_N)
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
     if FUSED_NEW:
@@ -202,7 +178,7 @@ def _gluon_decode_warp_keys_kernel(
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
     # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top)
     for i in gl.static_range(NUM_BUFFERS - 1):
-        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, lo + i * BLOCK_N, hi, stride_kn, stride_vn,
+        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
                   rows, cols, i < n)
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
@@ -231,11 +207,11 @@ def _gluon_decode_warp_keys_kernel(
         # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
         gl.thread_barrier()
-        _issue_kv(k_next, v_next, k_base, v_base, lo + nxt * BLOCK_N, hi, stride_kn, stride_vn, rows, cols, nxt < n)
+        _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
         kt = k_smem.index(slot).permute((0, 2, 1)).load(b_layout)  # [4, d, KW]
         s = mma_v2(q, kt, gl.zeros([4, BLOCK_M, KW], gl.float32, mma))
         # scaled, then masked: a masked -inf times a scale of 0 or below would be NaN
-        s = gl.where(lo + j * BLOCK_N + key_in_tile < hi, s * qk_scale, float("-inf"))
+        s = gl.where(j * BLOCK_N + key_in_tile < seqlen, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 2))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a warp that has seen no key yet
         p = gl.exp2(s - gl.expand_dims(m_use, 2))
@@ -248,12 +224,7 @@ def _gluon_decode_warp_keys_kernel(
     if STAMP:
         gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
-    o_out = O
-    lse_out = LSE
-    if SPLIT:
-        o_out = O + split.to(gl.int64) * stride_os
-        lse_out = LSE + split.to(gl.int64) * stride_lse_s
-    _merge_through_smem(o, m_i, l_i, o_out, lse_out, b, kv_head, group, stride_ob, stride_oh, stride_lse_b,
-                        stride_lse_h, STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS, SPLIT)
+    _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS)
     if STAMP:
         gl.store(STAMPS + pid * 4 + 2, _globaltimer())

@@ -550,19 +550,6 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
-    splits = decode_gluon.requested_splits()  # FLASHTILE_DECODE_GLUON_SPLITS: an experiment, off
-    if splits and num_splits <= 0 and b * h_k < SPLIT_FREE_FILL * sms:
-        # a call the heuristic would split: this kernel with that many splits, if it covers the rest
-        if decode_gluon.refusal(
-                arch=arch, dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
-                paged=block_table is not None, batch_idx=cache_batch_idx is not None,
-                leftpad=cache_leftpad is not None, window_left=window_left, softcap=softcap,
-                alibi=alibi_slopes is not None, rotary=rotary_cos is not None, num_splits=1, grid_full=True,
-                aligned=decode_gluon.aligned(k_cache, v_cache)) is None:
-            _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
-            return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                             cache_len_const=cache_len_const, s_new=s_new,
-                                             softmax_scale=softmax_scale, splits=splits)
     rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=sms, d=d)
     appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0
     # the rule next: a few integer compares, where small grids and short caches stop

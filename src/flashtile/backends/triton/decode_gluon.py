@@ -122,14 +122,8 @@ def aligned(*tensors: torch.Tensor) -> bool:
                for x in tensors)
 
 
-def requested_splits() -> int | None:
-    """FLASHTILE_DECODE_GLUON_SPLITS=N (an experiment, session 23): covered calls that would be split go to this
-    kernel with N key splits a (row, kv head) and the split merge; unset: none."""
-    return env.count("FLASHTILE_DECODE_GLUON_SPLITS", 2, 128)
-
-
 def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, k_new=None,
-                 v_new=None, splits: int = 1):
+                 v_new=None):
     """Attention of q (b, 1, h, d) over the contiguous (b, capacity, h_k, d) cache holding cache_seqlens + s_new
     keys a row: out (b, 1, h, d), lse (b, h, 1). With k_new / v_new ((b, s_new, h_k, d)) the kernel first appends
     them at cache_seqlens; without, the cache already holds them."""
@@ -141,30 +135,15 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     fused = k_new is not None and s_new > 0
     if b == 0:
         return out, lse
-    if splits > 1 and fused:
-        raise ValueError("a split launch reads the new keys from the cache: append them first")
-    split = splits > 1
-    if split:  # each split's normalized partial, then the split merge (backends/triton/decode.py)
-        from flashtile.backends.triton.decode import combine, split_partials
-
-        o_dst, lse_dst = split_partials(splits, b, 1, h, d, q.device)
-        o_strides = (o_dst.stride(1), o_dst.stride(3))
-        lse_strides = (lse_dst.stride(1), lse_dst.stride(2))
-        split_strides = (o_dst.stride(0), lse_dst.stride(0))
-    else:
-        o_dst, lse_dst = out, lse
-        o_strides, lse_strides, split_strides = (out.stride(0), out.stride(2)), (lse.stride(0), lse.stride(1)), (0, 0)
     has_seqlens = cache_seqlens is not None
     with device_guard(q):
-        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k * splits,),
-            q, k_cache, v_cache, o_dst, lse_dst, cache_seqlens if has_seqlens else lse, k_new if fused else q,
+        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
+            q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
             v_new if fused else q, softmax_scale * LOG2E, h_k, h // h_k, cache_len_const if not has_seqlens else 0,
             s_new, k_cache.shape[1],
-            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_strides, *lse_strides,
-            *(k_new.stride()[:3] if fused else (0, 0, 0)),
-            *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS, splits, *split_strides,
+            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
+            lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
+            *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), SPLIT=split, num_warps=4)
-    if split:
-        return combine(o_dst, lse_dst, out, lse)
+            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), num_warps=4)
     return out, lse
