@@ -21,6 +21,9 @@
 #   tests-bwd-pdl  the backward with programmatic dependent launch of its dQ kernel (FLASHTILE_BWD_PDL), against ordinary launches
 #   bench-decode-b1-layers  bench-decode-layers' b = 1 rows alone
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
+#   probe-read-ceiling  b = 32 read-only kernels (flat and per-head) beside flashtile's decode kernels and cuDNN, with an
+#                 nvidia-smi clock / power log (scripts/probe_read_ceiling.py; CEILING_SEQLENS, default "8192 16384 65536 131072")
+#   probe-decode-stamps  per-program %globaltimer stamps of the Gluon decode kernel and the per-head read (--stamps)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
 #   tests-decode-gluon-warp-keys / bench-decode-gluon-warp-keys  the Gluon decode kernel with cuDNN's warp shape
@@ -312,6 +315,17 @@ for step in "${steps[@]}"; do
         2> "$WORK/bench_decode_b1_layers.log" >> "$summary" ;;
     probe-decode-layout)
       python3 scripts/probe_decode_layout.py --out "$WORK/probe_decode_layout.json" >> "$summary" 2> "$WORK/probe_decode_layout.log" ;;
+    probe-read-ceiling)
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_throttle_reasons.active \
+        --format=csv,nounits -lms 100 > "$WORK/clocks_read_ceiling.csv" 2>&1 &
+      smi=$!
+      python3 scripts/probe_read_ceiling.py --out "$WORK/read_ceiling.json" --seqlens ${CEILING_SEQLENS:-8192 16384 65536 131072} \
+        --rounds 2 >> "$summary" 2> "$WORK/read_ceiling.log"
+      kill "$smi" 2> /dev/null
+      python3 scripts/clock_log_by_timing.py "$WORK/read_ceiling.json" "$WORK/clocks_read_ceiling.csv" >> "$summary" ;;
+    probe-decode-stamps)
+      python3 scripts/probe_read_ceiling.py --stamps --out "$WORK/decode_stamps.json" \
+        --seqlens ${CEILING_SEQLENS:-1024 8192 16384} >> "$summary" 2> "$WORK/decode_stamps.log" ;;
     probe-bwd-modes)
       python3 scripts/probe_bwd_modes.py --out "$WORK/probe_bwd_modes.json" >> "$summary" 2> "$WORK/probe_bwd_modes.log" ;;
     bench-bwd-s1024-route)
