@@ -21,7 +21,6 @@ programs, which no per-head attention kernel can avoid.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -32,6 +31,7 @@ import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashtile import flash_attn_with_kvcache
+from flashtile.bench.decode import _time_in_rounds
 from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench_graph
 from flashtile.env import overrides
@@ -297,9 +297,6 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
         except Exception as e:  # a setting the kernel cannot build: recorded, not timed
             row["errors"][name] = f"{type(e).__name__}: {str(e)[:300]}"
             del timers[name]
-    names = list(timers)
-    samples = {n: [] for n in names}
-
     row["timeline"] = []  # (name, unix start, unix end) of every timing, to match a clock / power log
 
     def time_calls(calls, env=None, name=None):
@@ -309,10 +306,8 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
         row["timeline"].append((name, t0, time.time()))
         return us
 
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            samples[n].append(time_calls(timers[n], settings.get(n), n))
+    # every variant `rounds` times, the first of each round rotating (bench decode's rounds)
+    _time_in_rounds([(n, lambda c=c, n=n: time_calls(c, settings.get(n), n)) for n, c in timers.items()], rounds, row)
     # cuDNN last, on head-major copies made now, the caches freed first (closures hold them too)
     del timers, calls, check, kc, ft_calls
     qt = q.transpose(1, 2)
@@ -323,16 +318,14 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
         del kc, vc
         peer.append((kt, vt))
     calls = [lambda kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True) for kt, vt in peer]
+    # the flat read on the same head-major buffers (the same bytes, so the same ceiling unless placement matters)
+    hm = [flat_call(kt, vt, out, 256, 8192, 8, stages=3) for kt, vt in peer]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        samples["cudnn"] = [time_calls(calls, name="cudnn") for _ in range(rounds)]
-        # the flat read on the same head-major buffers (the same bytes, so the same ceiling unless placement matters)
-        hm = [flat_call(kt, vt, out, 256, 8192, 8, stages=3) for kt, vt in peer]
-        samples["flat_P256_b8192_w8_s3_headmajor"] = [time_calls(hm, name="flat_P256_b8192_w8_s3_headmajor")
-                                                      for _ in range(rounds)]
-    for n, ts in samples.items():
-        row["us"][n] = statistics.median(ts)
-        row["rounds_us"][n] = ts
-        row["tb_s"][n] = kv_bytes / (row["us"][n] * 1e-6) / 1e12
+        _time_in_rounds([(n, lambda c=c, n=n: time_calls(c, name=n))
+                         for n, c in (("cudnn", calls), ("flat_P256_b8192_w8_s3_headmajor", hm))], rounds, row)
+    for n, us in row["us"].items():  # None: it failed (row["errors"] says why)
+        row["rounds_us"].setdefault(n, [us] if us else [])  # one round: its only sample
+        row["tb_s"][n] = kv_bytes / (us * 1e-6) / 1e12 if us else None
     del peer, calls, hm
     torch.cuda.empty_cache()
     return row
@@ -453,7 +446,7 @@ def main():
         print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} "
               f"flashtile settings' max |diff|: {row['ft_check_max_abs']} bare kernels': {row['bare_check_max_abs']} "
               f"errors: {row['errors']}", flush=True)
-        for n, us in sorted(row["us"].items(), key=lambda kv: kv[1]):
+        for n, us in sorted(((n, us) for n, us in row["us"].items() if us), key=lambda kv: kv[1]):
             rounds = [round(x, 1) for x in row["rounds_us"][n]]
             print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
         with open(args.out, "w") as f:
