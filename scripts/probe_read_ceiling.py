@@ -85,9 +85,38 @@ def _globaltimer():
 
 
 @triton.jit
+def _prefetch_l2(ptr, nbytes):
+    """One thread of the program asks the TMA unit to pull [ptr, ptr + nbytes) into L2 (sm_90 bulk prefetch; no
+    registers, no shared memory, nothing to wait for)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_rows(k_ptr, v_ptr, row_base, key0, S, stride_s, head,
+                   H_KV: tl.constexpr, BLOCK_N: tl.constexpr, L2_DIST: tl.constexpr, L2_ROTATE: tl.constexpr):
+    """Whole key rows of the tile L2_DIST tiles ahead into L2, in contiguous pieces, shared out among the row's
+    H_KV per-head programs: each takes an H_KV-th of every tile (L2_ROTATE false), or every H_KV-th tile whole."""
+    key = key0 + L2_DIST * BLOCK_N
+    if key < S:
+        tile_elems = BLOCK_N * stride_s
+        if L2_ROTATE:
+            if (key // BLOCK_N) % H_KV == head:
+                start = row_base + key.to(tl.int64) * stride_s
+                _prefetch_l2(k_ptr + start, tile_elems * 2)
+                _prefetch_l2(v_ptr + start, tile_elems * 2)
+        else:
+            start = row_base + key.to(tl.int64) * stride_s + head * (tile_elems // H_KV)
+            _prefetch_l2(k_ptr + start, tile_elems // H_KV * 2)
+            _prefetch_l2(v_ptr + start, tile_elems // H_KV * 2)
+
+
+@triton.jit
 def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
                 H_KV: tl.constexpr, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, AHEAD: tl.constexpr,
-                STAGES: tl.constexpr, stamps_ptr=None):
+                STAGES: tl.constexpr, stamps_ptr=None, L2_DIST: tl.constexpr = 0, L2_ROTATE: tl.constexpr = False):
     pid = tl.program_id(0)
     if stamps_ptr is not None:  # --stamps: the program's start and end (ns)
         tl.store(stamps_ptr + pid * 4, _globaltimer())
@@ -100,9 +129,16 @@ def _read_heads(k_ptr, v_ptr, out_ptr, S, stride_b, stride_s, stride_h,
     off = base + rn[:, None].to(tl.int64) * stride_s + rd[None, :]
     step = BLOCK_N * stride_s
     if AHEAD:
+        row_base = row.to(tl.int64) * stride_b
+        if L2_DIST > 0:  # the first tiles' rows, then a tile's a step (L2_DIST tiles ahead of the loads)
+            for t in tl.static_range(L2_DIST + 1):
+                _prefetch_rows(k_ptr, v_ptr, row_base, (t - L2_DIST) * BLOCK_N, S, stride_s, head, H_KV, BLOCK_N,
+                               L2_DIST, L2_ROTATE)
         k_cur = tl.load(k_ptr + off)
         v_cur = tl.load(v_ptr + off)
-        for _ in range(BLOCK_N, S, BLOCK_N):
+        for key0 in range(BLOCK_N, S, BLOCK_N):
+            if L2_DIST > 0:
+                _prefetch_rows(k_ptr, v_ptr, row_base, key0, S, stride_s, head, H_KV, BLOCK_N, L2_DIST, L2_ROTATE)
             off += step
             k_nxt = tl.load(k_ptr + off)
             v_nxt = tl.load(v_ptr + off)
@@ -195,15 +231,17 @@ def flat_call(kc, vc, out, programs, block, warps, stages=1, ahead=False):
     return call
 
 
-def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1, stamps=None):
+def heads_call(kc, vc, out, block_n, warps, ahead=False, stages=1, stamps=None, l2_dist=0, l2_rotate=False):
     b, s, h_k, d = kc.shape
     k16, v16 = kc.view(torch.int16), vc.view(torch.int16)
     assert s % block_n == 0
+    assert not l2_dist or (ahead and kc.is_contiguous() and vc.is_contiguous()), "L2 prefetch: contiguous rows"
 
     def call():
         _read_heads[(b * h_k,)](k16, v16, out, s, k16.stride(0), k16.stride(1), k16.stride(2),
                                 H_KV=h_k, HEAD_D=d, BLOCK_N=block_n, AHEAD=ahead, STAGES=stages,
-                                stamps_ptr=stamps, num_warps=warps, num_stages=1)
+                                stamps_ptr=stamps, L2_DIST=l2_dist, L2_ROTATE=l2_rotate, num_warps=warps,
+                                num_stages=1)
     return call
 
 
@@ -262,6 +300,14 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     for name, (make, kwargs) in variants.items():
         calls = [make(kc, vc, out, **kwargs) for kc, vc in caches]
         timers[name] = calls
+    # the per-head reads' XOR words against the plain one's (a prefetch changes no value; a wrong one would fault)
+    heads_call(*caches[0], out, 64, 4)()
+    want_heads = out[:b * H_K].clone()
+    row["heads_check"] = {}
+    for name in (n for n in timers if n.startswith("heads")):
+        out.zero_()
+        timers[name][0]()
+        row["heads_check"][name] = "ok" if torch.equal(out[:b * H_K], want_heads) else "MISMATCH"
     ft_calls = [lambda kc=kc, vc=vc: flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens) for kc, vc in caches]
     # bare per-head attention kernels (no masks, no lengths), their outputs checked against flashtile's
     o_bare = torch.empty_like(q)
@@ -407,6 +453,8 @@ def main():
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=100)
     ap.add_argument("--bare", action="store_true", help="also time the bare per-head attention kernels")
+    ap.add_argument("--l2", action="store_true",
+                    help="also the per-head read with whole rows bulk-prefetched into L2 a few tiles ahead")
     ap.add_argument("--stamps", action="store_true",
                     help="instead of timing: each program's %%globaltimer stamps, Gluon kernel and per-head read")
     args = ap.parse_args()
@@ -437,13 +485,20 @@ def main():
         "flat_P132_b16384_w8_s3": (flat, dict(programs=132, block=16384, warps=8, stages=3)),
         "heads_n64_w4_ahead": (heads, dict(block_n=64, warps=4, ahead=True)),
     }
+    if args.l2:  # the per-head read with the row's whole key rows pulled into L2 ahead by bulk prefetches
+        for dist in (2, 4, 8):
+            variants[f"heads_n64_w4_ahead_l2slice_d{dist}"] = (heads, dict(block_n=64, warps=4, ahead=True,
+                                                                           l2_dist=dist))
+        for dist in (4, 8):
+            variants[f"heads_n64_w4_ahead_l2rotate_d{dist}"] = (heads, dict(block_n=64, warps=4, ahead=True,
+                                                                            l2_dist=dist, l2_rotate=True))
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_read_ceiling.py " + " ".join(sys.argv[1:])
     rows = []
     for sk in args.seqlens:
         row = run_row(args.batch, sk, variants, args.rounds, args.warmup, args.rep, args.bare)
         rows.append(row)
-        print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} "
+        print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} {row['heads_check']} "
               f"flashtile settings' max |diff|: {row['ft_check_max_abs']} bare kernels': {row['bare_check_max_abs']} "
               f"errors: {row['errors']}", flush=True)
         for n, us in sorted(((n, us) for n, us in row["us"].items() if us), key=lambda kv: kv[1]):
