@@ -281,7 +281,7 @@ def layer_inputs(b, sk):
     return kv_bytes, layers, q, lens, caches
 
 
-def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
+def run_row(b, sk, variants, rounds, warmup, rep, bare=False, extra_settings=None):
     kv_bytes, layers, q, lens, caches = layer_inputs(b, sk)
     kc = None
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
@@ -327,7 +327,7 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False):
     # leases E23 / G23 timed the whole-row kernels here too (FLASHTILE_DECODE_GLUON_ROWS=1, ..._TMA=0, and
     # FLASHTILE_DECODE_ROWS=8), and J23 the Gluon kernel's warp merge through shared memory (now its only merge)
     settings = {"flashtile": {}, "flashtile_triton": {"FLASHTILE_DECODE_GLUON_WARP_KEYS": "0"},
-                "flashtile_gluon": gluon}
+                "flashtile_gluon": gluon, **(extra_settings or {})}
     # (lease M23 also timed the merge reading back all 16 rows, FLASHTILE_DECODE_GLUON_ALL_ROWS=1, since removed)
     for name in settings:
         timers[name] = ft_calls
