@@ -12,7 +12,8 @@ takes the row kernel's shape (a program per (row, key split), 4 splits at b = 32
 - ``rows_read2d``: the same bytes as [keys, h_k * d] tiles, each key row's 2 KB one piece;
 - ``rows_qk``: + the 8 heads' scores S = Q K^T (batched dots), V still XORed;
 - ``rows_attn``: + the online softmax and O += P V, the whole attention (checked against flashtile);
-- ``rows_attn2d``: the whole attention on the 2-D tiles, reshaped to [h_k, keys, d] in registers.
+- ``rows_attn2d``: the whole attention on the 2-D tiles, reshaped to [h_k, keys, d] in registers;
+- ``rows_attn_combine``: the whole attention, its 4 splits' partials merged by flashtile's combine kernel.
 The first variant that is slower than the read says which step costs the time.
 """
 
@@ -31,13 +32,16 @@ BLOCK_M = 16  # a GQA group of 4 padded to one MMA's rows
 
 
 @triton.jit
-def _rows_probe(Q, K, V, O, out_ptr, S, stride_qb, stride_qh, stride_kb, stride_ks, stride_ob, stride_oh, qk_scale,
+def _rows_probe(Q, K, V, O, out_ptr, O_PART, LSE_PART, S, stride_qb, stride_qh, stride_kb, stride_ks, stride_ob,
+                stride_oh, stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, qk_scale,
                 SPLITS: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, TILE_2D: tl.constexpr,
                 STAGES: tl.constexpr):
     """MODE 0: read only; 1: + scores; 2: the whole attention (full rows, S a multiple of SPLITS * BLOCK_N, no
     masks, and the splits' partials not merged: O gets split 0's normalized output, enough for a check at
-    SPLITS = 1). TILE_2D: K / V tiles loaded as [BLOCK_N, H_KV * HEAD_D] and reshaped."""
+    SPLITS = 1); 3: the whole attention, every split's normalized output and lse stored as flashtile's combine
+    kernel takes them (O_PART (splits, b, 1, h, d), LSE_PART (splits, b, h, 1)). TILE_2D: K / V tiles loaded as
+    [BLOCK_N, H_KV * HEAD_D] and reshaped."""
     pid = tl.program_id(0)
     row = pid // SPLITS
     split = pid % SPLITS
@@ -86,7 +90,16 @@ def _rows_probe(Q, K, V, O, out_ptr, S, stride_qb, stride_qh, stride_kb, stride_
                 l_i = l_i * alpha + tl.sum(p, 2)
                 acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-    if MODE == 2:
+    if MODE == 3:
+        out = acc / l_i[:, :, None]
+        q_head = hm * GROUP + mm
+        split64 = split.to(tl.int64)
+        tl.store(O_PART + split64 * stride_ops + row * stride_opb + q_head * stride_oph + dd, out, mask=mm < GROUP)
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+        lse_head = tl.arange(0, H_KV)[:, None] * GROUP + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(LSE_PART + split64 * stride_lps + row * stride_lpb + lse_head * stride_lph, lse,
+                 mask=tl.arange(0, BLOCK_M)[None, :] < GROUP)
+    elif MODE == 2:
         out = acc / l_i[:, :, None]
         if split == 0:
             tl.store(O + row * stride_ob + (hm * GROUP + mm) * stride_oh + dd, out.to(O.dtype.element_ty),
@@ -103,15 +116,24 @@ def _rows_probe(Q, K, V, O, out_ptr, S, stride_qb, stride_qh, stride_kb, stride_
 
 
 def rows_call(q, o, kc, vc, out, mode, tile_2d=False, splits=4, block_n=16, warps=8, stages=3):
+    """Mode 3 merges the splits with flashtile's combine kernel into o (and an lse)."""
+    from flashtile.backends.triton.decode import combine, split_partials
+
     b, s, h_k, d = kc.shape
     h = q.shape[2]
     assert s % (splits * block_n) == 0 and kc.stride() == vc.stride() and kc.stride(2) == d
+    o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
+    lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
 
     def call():
-        _rows_probe[(b * splits,)](q, kc, vc, o, out, s, q.stride(0), q.stride(2), kc.stride(0), kc.stride(1),
-                                   o.stride(0), o.stride(2), d ** -0.5 * 1.4426950408889634, SPLITS=splits,
+        _rows_probe[(b * splits,)](q, kc, vc, o, out, o_part, lse_part, s, q.stride(0), q.stride(2), kc.stride(0),
+                                   kc.stride(1), o.stride(0), o.stride(2), o_part.stride(0), o_part.stride(1),
+                                   o_part.stride(3), lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                                   d ** -0.5 * 1.4426950408889634, SPLITS=splits,
                                    H_KV=h_k, GROUP=h // h_k, HEAD_D=d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, MODE=mode,
                                    TILE_2D=tile_2d, STAGES=stages, num_warps=warps, num_stages=1)
+        if mode == 3:
+            combine(o_part, lse_part, o, lse)
     return call
 
 
@@ -126,10 +148,11 @@ def check_attention(b=4, sk=4096):
     ref = torch.softmax(q.float().transpose(1, 2) @ kk.transpose(-1, -2) * D ** -0.5, -1) @ vv  # b, h, 1, d
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     result = {}
-    for tile_2d in (False, True):
+    for name, mode, tile_2d, splits in (("rows_attn", 2, False, 1), ("rows_attn2d", 2, True, 1),
+                                        ("rows_attn_combine", 3, False, 4)):
         o = torch.zeros_like(q)
-        rows_call(q, o, kc, vc, out, 2, tile_2d=tile_2d, splits=1)()
-        result["rows_attn2d" if tile_2d else "rows_attn"] = (o.float().transpose(1, 2) - ref).abs().max().item()
+        rows_call(q, o, kc, vc, out, mode, tile_2d=tile_2d, splits=splits)()
+        result[name] = (o.float().transpose(1, 2) - ref).abs().max().item()
     return result
 
 
@@ -157,9 +180,12 @@ def main():
         "rows_read2d": (rows, dict(mode=0, tile_2d=True)),
         "rows_qk": (rows, dict(mode=1)),
         "rows_attn": (rows, dict(mode=2)),
-        "rows_attn2d": (rows, dict(mode=2, tile_2d=True)),
+        "rows_attn_combine": (rows, dict(mode=3)),
     }
-    extra = {"flashtile_rows8": {"FLASHTILE_DECODE_ROWS": "8"}}
+    # (lease B24 also ran rows_attn2d: 10%-13% slower, the 2-D tiles' reshape goes through shared memory)
+    rows8 = {"FLASHTILE_DECODE_ROWS": "8"}
+    extra = {"flashtile_rows8": rows8, "flashtile_rows8_fused": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1"},
+             "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"}}
     rows_out = []
     for sk in args.seqlens:
         row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=extra)
