@@ -185,7 +185,9 @@ def main():
     # (lease B24 also ran rows_attn2d: 10%-13% slower, the 2-D tiles' reshape goes through shared memory)
     rows8 = {"FLASHTILE_DECODE_ROWS": "8"}
     extra = {"flashtile_rows8": rows8, "flashtile_rows8_fused": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1"},
-             "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"}}
+             "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"},
+             "flashtile_rows8_fused_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1",
+                                           "FLASHTILE_DECODE_ROWS_PDL": "1"}}
     rows_out = []
     for sk in args.seqlens:
         row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=extra)

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(32, 8, 8, 128, 16384, 0), (32, 32, 8, 128, 4133, 1), (4, 64, 8, 128, 3000, 3), (8, 32, 8, 64, 2049, 1)]
 
 
-@pytest.mark.parametrize("heads,pdl,fused", [(1, 0, 0), (2, 0, 0), (4, 0, 0), (8, 0, 0), (8, 1, 0), (8, 0, 1)])
+@pytest.mark.parametrize("heads,pdl,fused", [(1, 0, 0), (2, 0, 0), (4, 0, 0), (8, 0, 0), (8, 1, 0), (8, 0, 1),
+                                             (8, 1, 1), (4, 0, 1)])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES])
 def test_matches_reference(monkeypatch, heads, pdl, fused, shape):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", str(heads))

@@ -37,6 +37,39 @@ def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MA
 
 
 @triton.jit
+def _merge_row_splits(O_PART, LSE_PART, O, LSE, b, q0, rows, stride_ops, stride_opb, stride_oph, stride_lps,
+                      stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+                      NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr):
+    """The in-kernel merge of a row's splits, query heads q0 .. q0 + rows - 1 (a program's kv heads' groups, side
+    by side): [MERGE_ROWS, HEAD_DIM] tiles without the per-head padding of the main loop's BLOCK_M. Unrolled
+    (static_range), so every split's loads issue together instead of one L2 trip a split. Reads past L1 (.cg):
+    the other splits' partials were written by other SMs."""
+    rq = tl.arange(0, MERGE_ROWS)
+    ok = rq < rows
+    qh = q0 + rq
+    rd = tl.arange(0, HEAD_DIM)[None, :]
+    lps = stride_lps.to(tl.int64)  # split x a partial's stride can pass 2^31
+    ops = stride_ops.to(tl.int64)
+    lse_ptrs = LSE_PART + b * stride_lpb + qh * stride_lph
+    o_ptrs = O_PART + b * stride_opb + qh[:, None] * stride_oph + rd
+    m_all = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+    for sp in tl.static_range(NUM_SPLITS):
+        m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * lps, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+    none = m_all == float("-inf")
+    m_safe = tl.where(none, 0.0, m_all)
+    w_sum = tl.zeros([MERGE_ROWS], tl.float32)
+    merged = tl.zeros([MERGE_ROWS, HEAD_DIM], tl.float32)
+    for sp in tl.static_range(NUM_SPLITS):
+        w = tl.exp(tl.load(lse_ptrs + sp * lps, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+        merged += tl.load(o_ptrs + sp * ops, mask=ok[:, None], other=0.0, cache_modifier=".cg") * w[:, None]
+        w_sum += w
+    final = merged / tl.where(none, 1.0, w_sum)[:, None]
+    tl.store(O + b * stride_ob + qh[:, None] * stride_oh + rd, final.to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(LSE + b * stride_lse_b + qh * stride_lse_h,
+             tl.where(none, float("inf"), m_all + tl.log(tl.where(none, 1.0, w_sum))), mask=ok)
+
+
+@triton.jit
 def _decode_rows_kernel(
     Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -44,7 +77,7 @@ def _decode_rows_kernel(
     stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
@@ -107,26 +140,7 @@ def _decode_rows_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(COUNTER + bg, 1, sem="acq_rel", scope="gpu")
         if done == NUM_SPLITS - 1:
-            lse_ptrs = LSE_PART + b * stride_lpb + lse_head * stride_lph
-            lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
-            m_all = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-            lps = stride_lps.to(tl.int64)  # split x a partial's stride can pass 2^31
-            ops = stride_ops.to(tl.int64)
-            for sp in range(NUM_SPLITS):
-                m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * lps, mask=lse_ok, other=float("-inf"),
-                                                  cache_modifier=".cg"))
-            none = m_all == float("-inf")
-            m_safe = tl.where(none, 0.0, m_all)
-            w_sum = tl.zeros([HEADS, BLOCK_M], tl.float32)
-            merged = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-            o_ptrs = O_PART + b * stride_opb + q_head * stride_oph + offs_d
-            for sp in range(NUM_SPLITS):
-                w = tl.exp(tl.load(lse_ptrs + sp * lps, mask=lse_ok, other=float("-inf"), cache_modifier=".cg")
-                           - m_safe)
-                merged += tl.load(o_ptrs + sp * ops, mask=row_ok, other=0.0, cache_modifier=".cg") * w[:, :, None]
-                w_sum += w
-            final = merged / tl.where(none, 1.0, w_sum)[:, :, None]
-            tl.store(O + b * stride_ob + q_head * stride_oh + offs_d, final.to(O.dtype.element_ty), mask=row_ok)
-            tl.store(LSE + b * stride_lse_b + lse_head * stride_lse_h,
-                     tl.where(none, float("inf"), m_all + tl.log(tl.where(none, 1.0, w_sum))), mask=lse_ok)
+            _merge_row_splits(O_PART, LSE_PART, O, LSE, b, kv0 * group, HEADS * group, stride_ops, stride_opb,
+                              stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
+                              stride_lse_h, NUM_SPLITS, HEAD_DIM, MERGE_ROWS)
             tl.atomic_xchg(COUNTER + bg, 0, sem="relaxed", scope="gpu")

@@ -16,12 +16,14 @@ import torch
 from flashtile import env
 from flashtile.backends.triton import decode_gluon
 from flashtile.backends.triton.decode_gluon import LOG2E
-from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, device_guard, launch
+from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.decode_rows import _decode_rows_kernel
 
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
+# The in-kernel merge unrolls its loop over the splits; more splits than this go to the combine kernel.
+FUSED_MAX_SPLITS = 8
 
 
 def requested() -> int:
@@ -85,7 +87,7 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
                         cdiv(max(k_cache.shape[1], 1), block_n))
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     counters = None
-    if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and splits > 1:
+    if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and 1 < splits <= FUSED_MAX_SPLITS:
         counters = _merge_counters(q.device, b * groups)
     pdl = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL")) and pdl_capable(q.device)
     with device_guard(q):
@@ -99,7 +101,8 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
             o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
             lse_part.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
-            HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None, num_warps=warps,
+            HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
+            MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
             num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
