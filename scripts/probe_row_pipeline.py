@@ -162,6 +162,8 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 131072])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rule", action="store_true",
+                    help="only flashtile's kernels (the default, the row kernel with PDL) beside cuDNN, for a rule")
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_row_pipeline.py " + " ".join(sys.argv[1:])
@@ -188,6 +190,9 @@ def main():
              "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"},
              "flashtile_rows8_fused_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1",
                                            "FLASHTILE_DECODE_ROWS_PDL": "1"}}
+    if args.rule:
+        variants = {}
+        extra = {"flashtile_rows8_pdl": extra["flashtile_rows8_pdl"]}
     rows_out = []
     for sk in args.seqlens:
         row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=extra)
