@@ -297,6 +297,7 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False, extra_settings=Non
         row["flat_check"][label] = "not run (long row)" if want is None else ("ok" if got == want else "MISMATCH")
 
     timers = {}
+    calls = None  # (no variants: flashtile's settings and cuDNN only)
     for name, (make, kwargs) in variants.items():
         calls = [make(kc, vc, out, **kwargs) for kc, vc in caches]
         timers[name] = calls
