@@ -1,7 +1,8 @@
-"""The row-stream decode experiment (FLASHTILE_DECODE_ROWS=H, off by default) through Triton's interpreter: the
+"""The whole-row decode kernel (FLASHTILE_DECODE_ROWS=H, or its rule on Hopper) through Triton's interpreter: the
 calls it takes match the dense oracle (ragged and empty rows, splits without keys, appended keys, an int length,
 the whole cache), with the combine kernel or the in-kernel merge; calls it does not cover keep the default
-kernels; bad knob values are refused by name. GPU results: tests/test_gpu_decode_rows.py."""
+kernels; bad knob values are refused by name; the rule's bounds and its wiring. GPU results:
+tests/test_gpu_decode_rows.py."""
 
 import pytest
 import torch
@@ -86,7 +87,43 @@ def test_knobs_are_checked(monkeypatch):
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_CFG"):
             decode_rows.config(8)
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    assert decode_rows.requested() is None  # the rule
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "0")
     assert decode_rows.requested() == 0
+
+
+def test_rule_takes_long_caches_on_large_batches():
+    rule = dict(arch="sm90", h_k=8, d=128, num_splits=0, sms=132)
+    assert decode_rows.by_rule(b=32, capacity=65536, **rule) == 8
+    assert decode_rows.by_rule(b=32, capacity=131072, **rule) == 8
+    assert decode_rows.by_rule(b=32, capacity=32768, **rule) == 0  # the per-head kernel was faster there
+    assert decode_rows.by_rule(b=64, capacity=32768, **rule) == 8
+    assert decode_rows.by_rule(b=64, capacity=16384, **rule) == 0  # unmeasured
+    assert decode_rows.by_rule(b=16, capacity=131072, **rule) == 0  # 8 splits lost at b = 16
+    # only the measured shape: Hopper, 8 kv heads of d = 128, the heuristic's split count
+    assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="default")) == 0
+    assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="interpret")) == 0
+    assert decode_rows.by_rule(b=64, capacity=65536, **dict(rule, h_k=4)) == 0
+    assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, d=64)) == 0
+    assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, num_splits=1)) == 0
+    # fewer SMs: the same batch is more programs an SM
+    assert decode_rows.by_rule(b=16, capacity=65536, **dict(rule, sms=66)) == 8
+
+
+def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
+    from flashtile.backends.triton import decode
+
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.setattr(decode_rows, "RULE_BOUNDS", ((0.0, 0),))  # every grid and cache
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1)
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == []  # the interpreter is not Hopper: the rule keeps the default kernels
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [8]
+    # an explicit split count keeps the default kernels
+    _run_and_check(q, kc, vc, args, num_splits=2)
+    assert rows_calls == [8]
 
 
 def test_splits_fill_the_program_slots(monkeypatch):

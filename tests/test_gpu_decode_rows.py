@@ -1,10 +1,11 @@
-"""The row-stream decode experiment on the H200 (FLASHTILE_DECODE_ROWS=H: programs of H adjacent kv heads over a
+"""The whole-row decode kernel on the H200 (FLASHTILE_DECODE_ROWS=H, or its rule: programs of H adjacent kv heads over a
 key split): every call routed there must match the PyTorch reference as the default kernels do (FlashAttention's
 tolerance rule) and append its new keys exactly."""
 
 import pytest
 import torch
 
+from flashtile import flash_attn_with_kvcache
 from flashtile.backends.triton import decode_rows
 from test_gpu_kvcache import _check, _inputs
 
@@ -29,3 +30,53 @@ def test_matches_reference(monkeypatch, heads, pdl, fused, shape):
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap)
     _check(q, kc, vc, kw, causal=True)
     assert calls, "the row-stream kernel did not run"
+
+
+# the rule's grids (decode_rows.RULE_BOUNDS) at their shortest caches; MHA keeps the reference small
+RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 32768, 0)]
+
+
+@pytest.mark.parametrize("shape", RULE_SHAPES, ids=[f"b{s[0]}c{s[4]}n{s[5]}" for s in RULE_SHAPES])
+def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    b, h, h_k, d, cap, s_new = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + b)
+    _check(q, kc, vc, kw, causal=True)
+    assert calls == [8], "the rule did not take the call"
+    _check(q, kc, vc, kw, causal=True, num_splits=1)  # an explicit split count keeps the default kernels
+    assert calls == [8]
+    _check(q, kc, vc, dict(kw, cache_seqlens=cap // 2 - s_new))  # an int length
+    assert calls == [8, 8]
+
+
+def test_rule_in_a_graph_of_layers(monkeypatch):
+    """Four layers of one decode step in a CUDA graph (each layer's query the output before it), every launch a
+    programmatic dependent: the replay equals the eager calls."""
+    from test_gpu_kvcache import _capture
+
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    b, h, h_k, d, cap = 32, 8, 8, 128, 65536
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q0 = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    caches = [(torch.randn(b, cap, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g),
+               torch.randn(b, cap, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(4)]
+    lens = torch.randint(1, cap + 1, (b,), device="cuda", dtype=torch.int32, generator=g)
+
+    def step():
+        x = q0
+        for kc, vc in caches:
+            x = flash_attn_with_kvcache(x, kc, vc, cache_seqlens=lens)
+        return x
+
+    want = step().clone()
+    assert calls == [8] * 4
+    graph, got = _capture(step)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

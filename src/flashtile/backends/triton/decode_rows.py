@@ -1,12 +1,21 @@
-"""Host side of the row-stream decode experiment (kernels/decode_rows.py), off unless asked for.
+"""Host side of the whole-row (row-stream) decode kernel (kernels/decode_rows.py): one program per (batch row,
+group of H adjacent kv heads, key split), batched dots, the splits merged by the combine kernel.
 
-``FLASHTILE_DECODE_ROWS=H`` sends decode calls with one query token and no left window edge, softcap, ALiBi,
-rotary, batch index, left padding or paging (``kvcache_fwd``'s ``_plain_call``) to programs of H adjacent kv heads
-(H divides h_k), when ``covers`` holds: a bf16 / fp16 cache, d of 16-128, at most 16 query heads a kv head.
-Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override the
-launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
-kernel (slower at b = 32, session 19); ``FLASHTILE_DECODE_ROWS_PDL=1`` launches both kernels as programmatic
-dependents (sm_90+). New keys are appended by the separate append kernel.
+The rule (``by_rule``, since session 24): on Hopper, calls of the plain kind (``kvcache_fwd``'s ``_plain_call``:
+one query token, no left window edge, softcap, ALiBi, rotary, batch index, left padding or paging), d = 128 and
+8 kv heads (whole 2 KB key rows a program), the heuristic's split count (num_splits = 0), and a long cache on a
+large batch (``RULE_BOUNDS``). Both kernels launch as programmatic dependents (``FLASHTILE_DECODE_ROWS_PDL=0``
+turns that off).
+
+Why: a program per (row, kv head), as every other decode kernel here is, reads 256-byte pieces of FlashAttention's
+(b, s, h_k, d) cache rows; no such kernel passed cuDNN from 64k keys at b = 32 (session 23's read ceilings). This
+one reads whole rows, the order of the fastest plain read (docs/decode_tuning_log.md, session 24).
+
+``FLASHTILE_DECODE_ROWS=H`` sends every covered call (``covers``: a bf16 / fp16 cache, d of 16-128, at most 16
+query heads a kv head, H dividing h_k) to programs of H kv heads, whatever its split count; ``0`` none; unset the
+rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override
+the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
+kernel (no faster in session 24). New keys are appended by the separate append kernel first.
 """
 
 from __future__ import annotations
@@ -26,14 +35,36 @@ CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
 FUSED_MAX_SPLITS = 8
 
 
-def requested() -> int:
-    """Heads a program from FLASHTILE_DECODE_ROWS (0: off)."""
+# The rule's calls: (programs a per-head kernel would have per SM, b x h_k / SMs, at least; capacity at least).
+# Measured on one H200 (lease D24, 8-layer graphs, row_rule_b{16,32,64}_leaseD24_h200_2026-12-01_session24.json),
+# this kernel against the per-head default: b = 64 (3.9 an SM) 8.4% faster at 32k, 7.9% at 64k, 8.4% at 128k;
+# b = 32 (1.9) 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k; b = 16 (0.97) 0.3%-0.7% slower. Leases B24,
+# C24 and D24 (row_pipeline_*_session24.json) agree at b = 32: 0.3%-0.4% faster at 64k (a tie on B24 without
+# PDL), 0.8%-1.0% at 128k, 0.9%-1.0% slower at 16k.
+RULE_BOUNDS = ((3.8, 32768), (1.9, 65536))
+RULE_KV_HEADS = 8
+RULE_HEAD_DIM = 128
+
+
+def requested() -> int | None:
+    """FLASHTILE_DECODE_ROWS: heads a program for every covered call, 0 for none, None (unset) for the rule."""
     text = env.get("FLASHTILE_DECODE_ROWS", "")
-    if text in ("", "0"):  # every decode call asks: the off path first
-        return 0
-    if text not in tuple(map(str, CONFIGS)):
-        raise ValueError(f"FLASHTILE_DECODE_ROWS must be one of 0 {' '.join(map(str, CONFIGS))}, got {text!r}")
+    if text == "":
+        return None
+    if text != "0" and text not in tuple(map(str, CONFIGS)):
+        raise ValueError(f"FLASHTILE_DECODE_ROWS must be one of 0 {' '.join(map(str, CONFIGS))} or unset (the "
+                         f"default rule), got {text!r}")
     return int(text)
+
+
+def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int) -> int:
+    """Heads a program for a covered plain call by default (0: another kernel). Only the measured shape: Hopper,
+    8 kv heads of d = 128 (whole rows), the split heuristic's call (an explicit num_splits keeps its kernel), and
+    a grid and cache in RULE_BOUNDS. The capacity stands for the lengths, which live on the GPU."""
+    if arch != "sm90" or h_k != RULE_KV_HEADS or d != RULE_HEAD_DIM or num_splits != 0:
+        return 0
+    per_sm = b * h_k / sms
+    return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in RULE_BOUNDS) else 0
 
 
 def config(heads: int) -> tuple[int, int, int]:
@@ -89,7 +120,8 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     counters = None
     if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and 1 < splits <= FUSED_MAX_SPLITS:
         counters = _merge_counters(q.device, b * groups)
-    pdl = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL")) and pdl_capable(q.device)
+    # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
+    pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
