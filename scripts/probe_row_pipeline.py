@@ -13,7 +13,9 @@ takes the row kernel's shape (a program per (row, key split), 4 splits at b = 32
 - ``rows_qk``: + the 8 heads' scores S = Q K^T (batched dots), V still XORed;
 - ``rows_attn``: + the online softmax and O += P V, the whole attention (checked against flashtile);
 - ``rows_attn2d``: the whole attention on the 2-D tiles, reshaped to [h_k, keys, d] in registers;
-- ``rows_attn_combine``: the whole attention, its 4 splits' partials merged by flashtile's combine kernel.
+- ``rows_attn_combine``: the whole attention, its 4 splits' partials merged by flashtile's combine kernel;
+- ``rows_diag`` / ``rows_diag_combine``: the whole attention as plain 2-D dots of all the program's query heads
+  against all its kv heads' keys, the other heads' scores masked (``_rows_diag``).
 The first variant that is slower than the read says which step costs the time.
 """
 
@@ -115,6 +117,77 @@ def _rows_probe(Q, K, V, O, out_ptr, O_PART, LSE_PART, S, stride_qb, stride_qh, 
         tl.store(out_ptr + pid, word)
 
 
+@triton.jit
+def _rows_diag(Q, K, V, O, O_PART, LSE_PART, S, stride_qb, stride_qh, stride_kb, stride_ks, stride_ob, stride_oh,
+               stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, qk_scale,
+               SPLITS: tl.constexpr, H_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_D: tl.constexpr,
+               Q_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PARTIALS: tl.constexpr, STAGES: tl.constexpr):
+    """The whole attention with plain 2-D dots: a tile is BLOCK_N whole key rows read as [BLOCK_N * H_KV, HEAD_D]
+    (row r: key r // H_KV, kv head r % H_KV; contiguous rows, so one 32 KB piece), and the program's query heads
+    are [Q_ROWS, HEAD_D] (row j: query head j, of kv head j // GROUP). S = Q K^T scores every query head against
+    every kv head's keys; the pairs of different heads are masked to -inf (block-diagonal), so no padding a head
+    and no 3-D dots: 8x the MMA work of a per-head product, for a memory-bound loop. PARTIALS: every split's
+    normalized output and lse for the combine kernel; otherwise O gets split 0's output (a check at SPLITS = 1)."""
+    pid = tl.program_id(0)
+    row = pid // SPLITS
+    split = pid % SPLITS
+    per = S // SPLITS
+    lo = split * per
+    rr = tl.arange(0, BLOCK_N * H_KV)
+    rd = tl.arange(0, HEAD_D)[None, :]
+    off = row.to(tl.int64) * stride_kb + lo.to(tl.int64) * stride_ks + rr[:, None] * HEAD_D + rd
+    step = BLOCK_N * stride_ks
+    rq = tl.arange(0, Q_ROWS)
+    q_ok = rq < H_KV * GROUP
+    q = tl.load(Q + row * stride_qb + rq[:, None] * stride_qh + rd, mask=q_ok[:, None], other=0.0)
+    same_head = (rq // GROUP)[:, None] == (rr % H_KV)[None, :]  # [Q_ROWS, BLOCK_N * H_KV]
+    m_i = tl.full([Q_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([Q_ROWS], tl.float32)
+    acc = tl.zeros([Q_ROWS, HEAD_D], tl.float32)
+    for _ in tl.range(0, per, BLOCK_N, num_stages=STAGES):
+        k = tl.load(K + off)
+        v = tl.load(V + off)
+        off += step
+        s = tl.where(same_head, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    if PARTIALS:
+        split64 = split.to(tl.int64)
+        tl.store(O_PART + split64 * stride_ops + row * stride_opb + rq[:, None] * stride_oph + rd, out,
+                 mask=q_ok[:, None])
+        tl.store(LSE_PART + split64 * stride_lps + row * stride_lpb + rq * stride_lph,
+                 (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=q_ok)
+    elif split == 0:
+        tl.store(O + row * stride_ob + rq[:, None] * stride_oh + rd, out.to(O.dtype.element_ty), mask=q_ok[:, None])
+
+
+def diag_call(q, o, kc, vc, out, partials=False, splits=4, block_n=16, warps=8, stages=3):
+    """rows_diag (partials=False) / rows_diag_combine: _rows_diag, and with partials the combine kernel."""
+    from flashtile.backends.triton.decode import combine, split_partials
+
+    b, s, h_k, d = kc.shape
+    h = q.shape[2]
+    assert s % (splits * block_n) == 0 and kc.is_contiguous() and vc.is_contiguous() and q.shape[1] == 1
+    o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
+    lse = torch.empty(b, h, 1, device=q.device, dtype=torch.float32)
+
+    def call():
+        _rows_diag[(b * splits,)](q, kc, vc, o, o_part, lse_part, s, q.stride(0), q.stride(2), kc.stride(0),
+                                  kc.stride(1), o.stride(0), o.stride(2), o_part.stride(0), o_part.stride(1),
+                                  o_part.stride(3), lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+                                  d ** -0.5 * 1.4426950408889634, SPLITS=splits, H_KV=h_k, GROUP=h // h_k,
+                                  HEAD_D=d, Q_ROWS=max(16, triton.next_power_of_2(h)), BLOCK_N=block_n,
+                                  PARTIALS=partials, STAGES=stages, num_warps=warps, num_stages=1)
+        if partials:
+            combine(o_part, lse_part, o, lse)
+    return call
+
+
 def rows_call(q, o, kc, vc, out, mode, tile_2d=False, splits=4, block_n=16, warps=8, stages=3):
     """Mode 3 merges the splits with flashtile's combine kernel into o (and an lse)."""
     from flashtile.backends.triton.decode import combine, split_partials
@@ -153,6 +226,10 @@ def check_attention(b=4, sk=4096):
         o = torch.zeros_like(q)
         rows_call(q, o, kc, vc, out, mode, tile_2d=tile_2d, splits=splits)()
         result[name] = (o.float().transpose(1, 2) - ref).abs().max().item()
+    for name, partials, splits in (("rows_diag", False, 1), ("rows_diag_combine", True, 4)):
+        o = torch.zeros_like(q)
+        diag_call(q, o, kc, vc, out, partials=partials, splits=splits)()
+        result[name] = (o.float().transpose(1, 2) - ref).abs().max().item()
     return result
 
 
@@ -183,6 +260,8 @@ def main():
         "rows_qk": (rows, dict(mode=1)),
         "rows_attn": (rows, dict(mode=2)),
         "rows_attn_combine": (rows, dict(mode=3)),
+        "rows_diag": (lambda kc, vc, out, **kw: diag_call(q, o, kc, vc, out, **kw), {}),
+        "rows_diag_combine": (lambda kc, vc, out, **kw: diag_call(q, o, kc, vc, out, **kw), dict(partials=True)),
     }
     # (lease B24 also ran rows_attn2d: 10%-13% slower, the 2-D tiles' reshape goes through shared memory)
     rows8 = {"FLASHTILE_DECODE_ROWS": "8"}
