@@ -260,10 +260,9 @@ def main():
         "rows_qk": (rows, dict(mode=1)),
         "rows_attn": (rows, dict(mode=2)),
         "rows_attn_combine": (rows, dict(mode=3)),
-        "rows_diag": (lambda kc, vc, out, **kw: diag_call(q, o, kc, vc, out, **kw), {}),
-        "rows_diag_combine": (lambda kc, vc, out, **kw: diag_call(q, o, kc, vc, out, **kw), dict(partials=True)),
     }
-    # (lease B24 also ran rows_attn2d: 10%-13% slower, the 2-D tiles' reshape goes through shared memory)
+    # (lease B24 also ran rows_attn2d: 10%-13% slower, the 2-D tiles' reshape goes through shared memory; lease F24
+    # rows_diag and rows_diag_combine: 14%-18% slower; check_attention still checks both)
     rows8 = {"FLASHTILE_DECODE_ROWS": "8"}
     extra = {"flashtile_rows8": rows8, "flashtile_rows8_fused": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1"},
              "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"},
