@@ -97,8 +97,9 @@ def test_rule_takes_long_caches_on_large_batches():
     assert decode_rows.by_rule(b=32, capacity=65536, **rule) == 8
     assert decode_rows.by_rule(b=32, capacity=131072, **rule) == 8
     assert decode_rows.by_rule(b=32, capacity=32768, **rule) == 0  # the per-head kernel was faster there
-    assert decode_rows.by_rule(b=64, capacity=32768, **rule) == 8
-    assert decode_rows.by_rule(b=64, capacity=16384, **rule) == 0  # unmeasured
+    assert decode_rows.by_rule(b=64, capacity=8192, **rule) == 8
+    assert decode_rows.by_rule(b=64, capacity=4096, **rule) == 0  # unmeasured
+    assert decode_rows.by_rule(b=128, capacity=8192, **rule) == 8
     assert decode_rows.by_rule(b=16, capacity=131072, **rule) == 0  # 8 splits lost at b = 16
     # only the measured shape: Hopper, 8 kv heads of d = 128, the heuristic's split count
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="default")) == 0

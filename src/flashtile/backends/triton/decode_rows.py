@@ -36,12 +36,15 @@ FUSED_MAX_SPLITS = 8
 
 
 # The rule's calls: (programs a per-head kernel would have per SM, b x h_k / SMs, at least; capacity at least).
-# Measured on one H200 (lease D24, 8-layer graphs, row_rule_b{16,32,64}_leaseD24_h200_2026-12-01_session24.json),
-# this kernel against the per-head default: b = 64 (3.9 an SM) 8.4% faster at 32k, 7.9% at 64k, 8.4% at 128k;
-# b = 32 (1.9) 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k; b = 16 (0.97) 0.3%-0.7% slower. Leases B24,
-# C24 and D24 (row_pipeline_*_session24.json) agree at b = 32: 0.3%-0.4% faster at 64k (a tie on B24 without
-# PDL), 0.8%-1.0% at 128k, 0.9%-1.0% slower at 16k.
-RULE_BOUNDS = ((3.8, 32768), (1.9, 65536))
+# Measured in 8-layer graphs against the per-head default of the time (docs/decode_tuning_log.md, session 24):
+# - b = 64 (3.9 an SM): 6.5% faster at 8k, 7.6% at 16k (lease G24, row_rule_short_b64_leaseG24_...json), 8.4% at
+#   32k, 7.9% at 64k, 8.4% at 128k (D24, row_rule_b64_leaseD24_...json), and ahead of cuDNN at every length;
+# - b = 128 (7.8): 1.1% faster at 8k, 2.7% at 16k, a tie at 32k (G24, row_rule_short_b128_leaseG24_...json);
+# - b = 32 (1.9): 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k (D24); leases B24, C24 and D24
+#   (row_pipeline_*_session24.json) agree: 0.3%-0.4% faster at 64k (a tie on B24 without PDL), 0.8%-1.0% at
+#   128k, 0.9%-1.0% slower at 16k;
+# - b = 16 (0.97): 0.3%-0.7% slower (8 splits), so never. Below 8k keys unmeasured.
+RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 RULE_KV_HEADS = 8
 RULE_HEAD_DIM = 128
 
