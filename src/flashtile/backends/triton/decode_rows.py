@@ -41,9 +41,9 @@ FUSED_MAX_SPLITS = 8
 #   32k, 7.9% at 64k, 8.4% at 128k (D24, row_rule_b64_leaseD24_...json), and ahead of cuDNN at every length;
 # - b = 128 (7.8): 1.1% faster at 8k, 2.7% at 16k, a tie at 32k (G24, row_rule_short_b128_leaseG24_...json);
 # - b = 32 (1.9): 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k (D24); leases B24, C24 and D24
-#   (row_pipeline_*_session24.json) agree: 0.3%-0.4% faster at 64k (a tie on B24 without PDL), 0.8%-1.0% at
-#   128k, 0.9%-1.0% slower at 16k;
-# - b = 16 (0.97): 0.3%-0.7% slower (8 splits), so never. Below 8k keys unmeasured.
+#   (row_pipeline_*_session24.json) agree: 0.3%-0.5% faster at 64k (a tie on B24 without PDL), 0.9%-1.0% at
+#   128k, 0.7%-1.3% slower at 16k;
+# - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never. Below 8k keys unmeasured.
 RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 RULE_KV_HEADS = 8
 RULE_HEAD_DIM = 128
