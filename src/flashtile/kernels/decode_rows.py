@@ -1,4 +1,5 @@
-"""Row-stream decode: one program per (batch row, group of kv heads, key split), an experiment.
+"""Whole-row decode: one program per (batch row, group of kv heads, key split); the rule for long caches on large
+batches since session 24 (backends/triton/decode_rows.py says which calls).
 
 In the (b, capacity, h_k, d) cache that flash_attn_with_kvcache takes, one key's kv heads lie side by side:
 a program per (row, kv head) reads d * 2 bytes (256 B at d = 128) of every h_k * d * 2-byte key row, and the
@@ -6,7 +7,8 @@ row's other heads come from other programs at other times. On the same kernel a 
 head one contiguous stream, the layout cuDNN reads) was 0.8% faster at b = 32, 128k (session 19). A program
 here reads HEADS adjacent kv heads of each key, HEADS * d * 2 contiguous bytes (all h_k heads: whole rows),
 and splits the keys instead, so that the grid stays as large. Batched (3D) dots: one head's query group a
-batch entry, padded to BLOCK_M rows. The splits are merged by the split-KV combine kernel.
+batch entry, padded to BLOCK_M rows. The splits are merged by the split-KV combine kernel (or, FUSED_COMBINE, by
+the last split of a row to finish).
 """
 
 import triton
