@@ -241,6 +241,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rule", action="store_true",
                     help="only flashtile's kernels (the default, the row kernel with PDL) beside cuDNN, for a rule")
+    ap.add_argument("--cfgs", nargs="*", default=[],
+                    help="also the row kernel with FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages set to each")
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_row_pipeline.py " + " ".join(sys.argv[1:])
@@ -271,6 +273,8 @@ def main():
     if args.rule:
         variants = {}
         extra = {"flashtile_rows8_pdl": extra["flashtile_rows8_pdl"]}
+    for cfg in args.cfgs:
+        extra[f"flashtile_rows8_cfg{cfg.replace(',', '_')}"] = {**rows8, "FLASHTILE_DECODE_ROWS_CFG": cfg}
     rows_out = []
     for sk in args.seqlens:
         row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=extra)
