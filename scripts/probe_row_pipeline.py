@@ -270,9 +270,11 @@ def main():
              "flashtile_rows8_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_PDL": "1"},
              "flashtile_rows8_fused_pdl": {**rows8, "FLASHTILE_DECODE_ROWS_FUSED": "1",
                                            "FLASHTILE_DECODE_ROWS_PDL": "1"}}
+    extra["flashtile_rows8_streamk"] = {**rows8, "FLASHTILE_DECODE_ROWS_STREAMK": "1"}
     if args.rule:
         variants = {}
-        extra = {"flashtile_rows8_pdl": extra["flashtile_rows8_pdl"]}
+        extra = {"flashtile_rows8_pdl": extra["flashtile_rows8_pdl"],
+                 "flashtile_rows8_streamk": extra["flashtile_rows8_streamk"]}
     for cfg in args.cfgs:
         extra[f"flashtile_rows8_cfg{cfg.replace(',', '_')}"] = {**rows8, "FLASHTILE_DECODE_ROWS_CFG": cfg}
     rows_out = []

@@ -47,6 +47,7 @@ def test_matches_oracle(rows_calls, combines, monkeypatch, heads, fused, name):
     from flashtile.backends.triton import decode
 
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", str(heads))
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "0")  # the split kernel (stream-K: the test below)
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_FUSED", fused)
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, **CASES[name])
     _run_and_check(q, kc, vc, args)
@@ -62,6 +63,7 @@ def test_splits_of_several_tiles(rows_calls, monkeypatch, splits, fused):
     # 16-key tiles, rows of up to 110 keys in one or two splits: full tiles (the unmasked loop and its pointer
     # steps) then a partial one
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "2")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "0")
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_SPLITS", splits)
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_FUSED", fused)
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=110, s_new=1)
@@ -76,6 +78,21 @@ def test_uncovered_calls_keep_the_default_kernels(rows_calls, monkeypatch):
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, page=16, s_new=1)  # paged
     _run_and_check(q, kc, vc, args)
     assert rows_calls == []
+
+
+@pytest.mark.parametrize("programs", ["1", "5", "100", ""])  # one for all; units across programs; more than tiles
+@pytest.mark.parametrize("lens", [[40, 30, 0], [0, 40, 17], [1, 0, 40]])
+@pytest.mark.parametrize("s_new", [0, 1])
+def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, monkeypatch, programs, lens, s_new):
+    """FLASHTILE_DECODE_ROWS_STREAMK=1: the programs take equal runs of all units' key tiles end to end; a unit's
+    segments meet again in the stream-K merge kernel (not the combine kernel), whatever the program count."""
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, s_new=s_new)
+    args["cache_seqlens"] = (torch.tensor(lens, dtype=torch.int32) - s_new).clamp_(min=0)  # rows without keys too
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [1] and combines == []
 
 
 def test_knobs_are_checked(monkeypatch):

@@ -32,6 +32,21 @@ def test_matches_reference(monkeypatch, heads, pdl, fused, shape):
     assert calls, "the row-stream kernel did not run"
 
 
+@pytest.mark.parametrize("programs", ["", "7"])  # one a slot; or few, each over several rows and row ends
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES])
+def test_stream_k_matches_reference(monkeypatch, programs, shape):
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "8")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
+    calls = []
+    real = decode_rows._streamk
+    monkeypatch.setattr(decode_rows, "_streamk", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    b, h, h_k, d, cap, s_new = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + 1)
+    _check(q, kc, vc, kw, causal=True)
+    assert calls, "the stream-K kernel did not run"
+
+
 # the rule's grids (decode_rows.RULE_BOUNDS) at their shortest caches; MHA keeps the reference small
 RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0)]
 
@@ -52,12 +67,14 @@ def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     assert calls == [8, 8]
 
 
-def test_rule_in_a_graph_of_layers(monkeypatch):
+@pytest.mark.parametrize("streamk", ["0", "1"])
+def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
     """Four layers of one decode step in a CUDA graph (each layer's query the output before it), every launch a
     programmatic dependent: the replay equals the eager calls."""
     from test_gpu_kvcache import _capture
 
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", streamk)
     calls = []
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])

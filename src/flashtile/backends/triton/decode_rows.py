@@ -27,12 +27,16 @@ from flashtile.backends.triton import decode_gluon
 from flashtile.backends.triton.decode_gluon import LOG2E
 from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.decode_rows import _decode_rows_kernel
+from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_streamk_kernel
 
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
 # The in-kernel merge unrolls its loop over the splits; more splits than this go to the combine kernel.
 FUSED_MAX_SPLITS = 8
+# Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
+STREAMK_MAX_UNITS = 4096
+STREAMK_DEFAULT = False
 
 
 # The rule's calls: (programs a per-head kernel would have per SM, b x h_k / SMs, at least; capacity at least).
@@ -105,6 +109,13 @@ def covers(q, k_cache, v_cache, heads: int) -> bool:
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 
+def streamk_requested(units: int) -> bool:
+    """FLASHTILE_DECODE_ROWS_STREAMK: 1 every call of at most STREAMK_MAX_UNITS units, 0 none, unset the default
+    (STREAMK_DEFAULT)."""
+    choice = env.switch("FLASHTILE_DECODE_ROWS_STREAMK")
+    return (STREAMK_DEFAULT if choice is None else choice) and units <= STREAMK_MAX_UNITS
+
+
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
@@ -117,14 +128,22 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
         return out, lse
     block_n, warps, stages = config(heads)
     groups = h_k // heads
+    # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
+    pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
+    if streamk_requested(b * groups):
+        # one program a slot (the shared memory its stages take), never more than the key tiles;
+        # FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests: programs that span several units, units several programs)
+        per_sm = max(1, SM90_SHARED_PER_SM // (2 * heads * block_n * d * k_cache.element_size() * stages))
+        programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(
+            per_sm * sms, b * groups * cdiv(max(k_cache.shape[1], 1), block_n))
+        return _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale,
+                        heads, groups, (block_n, warps, stages), programs, pdl)
     splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms,
                         cdiv(max(k_cache.shape[1], 1), block_n))
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     counters = None
     if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and 1 < splits <= FUSED_MAX_SPLITS:
         counters = _merge_counters(q.device, b * groups)
-    # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
-    pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
     with device_guard(q):
         launch(
             _decode_rows_kernel, (b * groups * splits,),
@@ -141,3 +160,40 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
             num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
+
+
+def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, groups,
+             cfg, programs, pdl):
+    """The stream-K launch (kernels/decode_rows_streamk.py): ``programs`` programs share every unit's key tiles
+    evenly, then the merge kernel, one program a (unit, query head)."""
+    b, _, h, d = q.shape
+    block_n, warps, stages = cfg
+    units = b * groups
+    unit_heads = heads * (h // k_cache.shape[2])
+    o_part = torch.empty(units + programs, unit_heads, d, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(units + programs, unit_heads, device=q.device, dtype=torch.float32)
+    lens = cache_seqlens if cache_seqlens is not None else lse
+    units_p2 = max(2, next_pow2(units))
+    extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
+    # a unit's segments: about programs / units of them, one more where a program boundary falls inside it
+    block_s = min(8, max(2, next_pow2(-(-programs // units) + 1)))
+    with device_guard(q):
+        launch(
+            _rows_streamk_kernel, (programs,),
+            q, k_cache, v_cache, o_part, lse_part, lens, softmax_scale * LOG2E, cache_len_const, s_new,
+            k_cache.shape[1], h // k_cache.shape[2], units, programs,
+            q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
+            lse_part.stride(0),
+            HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2,
+            HAS_SEQLENS=cache_seqlens is not None, num_warps=warps, num_stages=stages, **extra,
+        )
+        launch(
+            _rows_streamk_combine, (units * unit_heads,),
+            o_part, lse_part, out, lse, lens, cache_len_const, s_new, k_cache.shape[1], units, unit_heads, programs,
+            o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(2), lse.stride(0),
+            lse.stride(1),
+            GROUPS=groups, HEAD_DIM=d, BLOCK_N=block_n, UNITS_P2=units_p2, BLOCK_S=block_s,
+            HAS_SEQLENS=cache_seqlens is not None, num_warps=1 if block_s * d <= 1024 else 4, num_stages=1, **extra,
+        )
+    return out, lse
