@@ -15,7 +15,9 @@ one reads whole rows, the order of the fastest plain read (docs/decode_tuning_lo
 query heads a kv head, H dividing h_k) to programs of H kv heads, whatever its split count; ``0`` none; unset the
 rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override
 the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
-kernel (no faster in session 24). New keys are appended by the separate append kernel first.
+kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
+program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, session 24).
+New keys are appended by the separate append kernel first.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
 FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
 STREAMK_MAX_UNITS = 4096
+# Off: on lease K24 it was 0.2%-0.5% slower than the split kernel at b = 32, 64k-128k, and 0.5%-1.6% at b = 64
+# (row_streamk_*leaseK24_h200_2026-12-01_session24.json); meant for boards like J24, where it is unmeasured.
 STREAMK_DEFAULT = False
 
 
