@@ -378,6 +378,16 @@ def run_row(b, sk, variants, rounds, warmup, rep, bare=False, extra_settings=Non
     return row
 
 
+def print_and_save(row: dict, out: str, meta: dict, rows: list) -> None:
+    """A row's timings, fastest first, then every row so far to ``out`` (rewritten after each row, so a run cut short
+    keeps what it measured)."""
+    for n, us in sorted(((n, us) for n, us in row["us"].items() if us), key=lambda kv: kv[1]):
+        rounds = [round(x, 1) for x in row["rounds_us"][n]]
+        print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def stamp_summary(stamps: torch.Tensor) -> dict:
     """One launch's per-program stamps (programs, 4; ns: start, loop end or -1, end) as spans in microseconds."""
     st = stamps.double()
@@ -502,11 +512,7 @@ def main():
         print(f"b={row['b']} s={sk} layers={row['layers']} check={row['flat_check']} {row['heads_check']} "
               f"flashtile settings' max |diff|: {row['ft_check_max_abs']} bare kernels': {row['bare_check_max_abs']} "
               f"errors: {row['errors']}", flush=True)
-        for n, us in sorted(((n, us) for n, us in row["us"].items() if us), key=lambda kv: kv[1]):
-            rounds = [round(x, 1) for x in row["rounds_us"][n]]
-            print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print_and_save(row, args.out, meta, rows)
 
 
 if __name__ == "__main__":

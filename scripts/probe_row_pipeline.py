@@ -20,13 +20,12 @@ The first variant that is slower than the read says which step costs the time.
 """
 
 import argparse
-import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from probe_read_ceiling import H_K, D, H, flat_call, run_row
+from probe_read_ceiling import H_K, D, H, flat_call, print_and_save, run_row
 
 from flashtile.bench.report import collect_meta
 
@@ -282,11 +281,7 @@ def main():
         row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=extra)
         rows_out.append(row)
         print(f"b={row['b']} s={sk} layers={row['layers']} errors: {row['errors']}", flush=True)
-        for n, us in sorted(((n, us) for n, us in row["us"].items() if us), key=lambda kv: kv[1]):
-            rounds = [round(x, 1) for x in row["rounds_us"][n]]
-            print(f"  {n:36s} {us:9.1f} us  {row['tb_s'][n]:.3f} TB/s  rounds {rounds}", flush=True)
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows_out}, f, indent=1)
+        print_and_save(row, args.out, meta, rows_out)
 
 
 if __name__ == "__main__":
