@@ -50,7 +50,7 @@ STREAMK_DEFAULT = False
 # - b = 128 (7.8): 1.1% faster at 8k, 2.7% at 16k, a tie at 32k (G24, row_rule_short_b128_leaseG24_...json);
 # - b = 32 (1.9): 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k (D24); leases B24, C24 and D24
 #   (row_pipeline_*_session24.json) agree: 0.3%-0.5% faster at 64k (a tie on B24 without PDL), 0.9%-1.0% at
-#   128k, 0.7%-1.3% slower at 16k;
+#   128k, 0.7%-1.3% slower at 16k; on F24 even at 64k and 128k (row_pipeline_diag_leaseF24_...json);
 # - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never. Below 8k keys unmeasured.
 RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 RULE_KV_HEADS = 8
