@@ -39,6 +39,26 @@ def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MA
 
 
 @triton.jit
+def _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Keys [lo, hi) of one row from k_ptrs / v_ptrs (at key lo): the whole tiles (the loop Triton pipelines),
+    then a partial last one. Returns the online softmax's (m, l, unnormalized acc) for every head's rows."""
+    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
+    full = tl.maximum(hi - lo, 0) // BLOCK_N
+    for i in range(0, full):
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + i * BLOCK_N, hi, qk_scale, offs_n,
+                                   MASKED=False)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    if lo + full * BLOCK_N < hi:
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale, offs_n,
+                                   MASKED=True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _merge_row_splits(O_PART, LSE_PART, O, LSE, b, q0, rows, stride_ops, stride_opb, stride_oph, stride_lps,
                       stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
                       NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr):
@@ -114,18 +134,8 @@ def _decode_rows_kernel(
     k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
     v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
 
-    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-    full = tl.maximum(hi - lo, 0) // BLOCK_N
-    for i in range(0, full):
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + i * BLOCK_N, hi, qk_scale, offs_n,
-                                   MASKED=False)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    if lo + full * BLOCK_N < hi:
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale, offs_n,
-                                   MASKED=True)
+    m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
+                                BLOCK_M, BLOCK_N, HEAD_DIM)
 
     if USE_PDL:
         gdc_launch_dependents()  # the merge kernel may start launching (it waits for this grid's end)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.decode_rows import _rows_tile
+from flashtile.kernels.decode_rows import _rows_range
 
 
 @triton.jit
@@ -83,18 +83,8 @@ def _rows_streamk_kernel(
             q = tl.load(Q + b * stride_qb + (kv0 * group + head_row) * stride_qh + offs_d, mask=row_ok, other=0.0)
             k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
             v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
-            m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-            acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-            full = (hi - lo) // BLOCK_N
-            for i in range(0, full):
-                m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + i * BLOCK_N, hi, qk_scale, offs_n,
-                                           MASKED=False)
-                k_ptrs += BLOCK_N * stride_kn
-                v_ptrs += BLOCK_N * stride_vn
-            if lo + full * BLOCK_N < hi:  # the unit's last tile, part of it past the row's length
-                m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale,
-                                           offs_n, MASKED=True)
+            m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
+                                        BLOCK_M, BLOCK_N, HEAD_DIM)
             slot = u.to(tl.int64) + pid
             tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None], mask=row_ok)
             tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)

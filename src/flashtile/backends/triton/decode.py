@@ -597,14 +597,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # the whole-row kernel: FLASHTILE_DECODE_ROWS=H every covered call, 0 none, unset its rule
     plain = _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos)
     rows = decode_rows.requested()
+    sms = num_sms(q.device)
     if rows is None and plain:
         rows = decode_rows.by_rule(arch=_arch(q.device), b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
-                                   capacity=k_cache.shape[1], num_splits=num_splits, sms=num_sms(q.device))
+                                   capacity=k_cache.shape[1], num_splits=num_splits, sms=sms)
     if rows and plain and decode_rows.covers(q, k_cache, v_cache, rows):
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
-                                       heads=rows, sms=num_sms(q.device))
+                                       heads=rows, sms=sms)
     # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernels, an experiment (off by default)
     if decode_gluon_rows.requested() and plain \
             and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:

@@ -99,9 +99,13 @@ def num_splits(programs: int, stage_bytes: int, stages: int, sms: int, key_block
 
     splits = env.count("FLASHTILE_DECODE_ROWS_SPLITS")
     if splits is None:
-        per_sm = max(1, SM90_SHARED_PER_SM // max(1, stage_bytes * stages))
-        splits = round(per_sm * sms / max(1, programs))
+        splits = round(programs_per_sm(stage_bytes, stages) * sms / max(1, programs))
     return max(1, min(splits, MAX_SPLITS, key_blocks))
+
+
+def programs_per_sm(stage_bytes: int, stages: int) -> int:
+    """The programs an SM holds at once, from the shared memory their stages of K and V take."""
+    return max(1, SM90_SHARED_PER_SM // max(1, stage_bytes * stages))
 
 
 def covers(q, k_cache, v_cache, heads: int) -> bool:
@@ -132,18 +136,18 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
         return out, lse
     block_n, warps, stages = config(heads)
     groups = h_k // heads
+    stage_bytes = 2 * heads * block_n * d * k_cache.element_size()
+    key_blocks = cdiv(max(k_cache.shape[1], 1), block_n)
     # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
     pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
     if streamk_requested(b * groups):
-        # one program a slot (the shared memory its stages take), never more than the key tiles;
-        # FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests: programs that span several units, units several programs)
-        per_sm = max(1, SM90_SHARED_PER_SM // (2 * heads * block_n * d * k_cache.element_size() * stages))
+        # one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests:
+        # programs that span several units, units several programs)
         programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(
-            per_sm * sms, b * groups * cdiv(max(k_cache.shape[1], 1), block_n))
+            programs_per_sm(stage_bytes, stages) * sms, b * groups * key_blocks)
         return _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale,
                         heads, groups, (block_n, warps, stages), programs, pdl)
-    splits = num_splits(b * groups, 2 * heads * block_n * d * k_cache.element_size(), stages, sms,
-                        cdiv(max(k_cache.shape[1], 1), block_n))
+    splits = num_splits(b * groups, stage_bytes, stages, sms, key_blocks)
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     counters = None
     if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and 1 < splits <= FUSED_MAX_SPLITS:
