@@ -74,7 +74,8 @@ def _capture(step, before_capture=None):
     if before_capture is not None:
         before_capture()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # on the warm-up stream: per-stream state made there (the fused decode merges' counters) is used in the capture
+    with torch.cuda.graph(graph, stream=s):
         out = step()
     return graph, out
 

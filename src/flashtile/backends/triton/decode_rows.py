@@ -173,7 +173,10 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
 def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, groups,
              cfg, programs, pdl):
     """The stream-K launch (kernels/decode_rows_streamk.py): ``programs`` programs share every unit's key tiles
-    evenly, then the merge kernel, one program a (unit, query head)."""
+    evenly; the program that ends a unit's last segment merges its segments (``FLASHTILE_DECODE_ROWS_STREAMK_FUSED``
+    unset or 1), or the merge kernel does, one program a (unit, query head)."""
+    from flashtile.backends.triton.decode import _merge_counters
+
     b, _, h, d = q.shape
     block_n, warps, stages = cfg
     units = b * groups
@@ -184,18 +187,28 @@ def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_ne
     units_p2 = max(2, next_pow2(units))
     extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
     # a unit's segments: about programs / units of them, one more where a program boundary falls inside it
-    block_s = min(8, max(2, next_pow2(-(-programs // units) + 1)))
+    segments = -(-programs // units) + 1
+    # (None inside a graph capture that would have to allocate them: the merge kernel then)
+    counters = _merge_counters(q.device, units) if env.switch("FLASHTILE_DECODE_ROWS_STREAMK_FUSED") is not False \
+        else None
+    merge_rows = max(16, next_pow2(unit_heads))
     with device_guard(q):
         launch(
             _rows_streamk_kernel, (programs,),
-            q, k_cache, v_cache, o_part, lse_part, lens, softmax_scale * LOG2E, cache_len_const, s_new,
-            k_cache.shape[1], h // k_cache.shape[2], units, programs,
+            q, k_cache, v_cache, o_part, lse_part, out, lse, counters if counters is not None else lse, lens,
+            softmax_scale * LOG2E, cache_len_const, s_new, k_cache.shape[1], h // k_cache.shape[2], units, programs,
             q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0),
+            lse_part.stride(0), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
             HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2,
-            HAS_SEQLENS=cache_seqlens is not None, num_warps=warps, num_stages=stages, **extra,
+            HAS_SEQLENS=cache_seqlens is not None, FUSED=counters is not None, MERGE_ROWS=merge_rows,
+            # the merge's [segments, rows, d] fp32 tiles: at most 8192 values (32 registers a thread at 8 warps)
+            BLOCK_S=max(1, min(next_pow2(segments), 8192 // (merge_rows * d))),
+            num_warps=warps, num_stages=stages, **extra,
         )
+        if counters is not None:
+            return out, lse
+        block_s = min(8, max(2, next_pow2(segments)))
         launch(
             _rows_streamk_combine, (units * unit_heads,),
             o_part, lse_part, out, lse, lens, cache_len_const, s_new, k_cache.shape[1], units, unit_heads, programs,
