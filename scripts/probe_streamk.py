@@ -13,11 +13,15 @@ This probe runs, in one process on one board, in 8-layer graphs (probe_read_ceil
   split kernel's work, so split against it is the merge and bookkeeping, and it against 132 the unit crossings
   less what 4 more SMs bring), plus any ``--settings``;
 - cuDNN;
-then each setting's kernels one by one (torch.profiler, eager calls): the attention kernel's and the merge's own
-device time, and an nvidia-smi clock / power / throttle log sampled beside the whole run.
+then each setting's kernels one by one (torch.profiler, eager calls: with programmatic dependent launch a kernel's
+span can include its wait for the one before), and an nvidia-smi clock / power / throttle log sampled beside the whole
+run. ``--stamps``: instead, per setting, one graph of the layers replayed with the row kernels' STAMP diagnostic
+(backends/triton/decode_rows.STAMPS): each program's start, end of its key loop(s), end and SM; per layer the
+kernel's span, the spread of the loop ends and of the ends, and the gap to the next layer's first start.
 """
 
 import argparse
+import json
 import subprocess
 import sys
 
@@ -70,6 +74,67 @@ def kernel_times(b: int, sk: int, settings: dict, calls: int = 20) -> dict:
     return out
 
 
+def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
+    """--stamps: per setting, the row kernels' per-program stamps (start, loop end, end: ns; SM id) in the last of
+    ``replays`` replays of a graph of the layers, summarized per layer."""
+    from flashtile.backends.triton import decode_rows
+
+    _, layers, q, lens, caches = layer_inputs(b, sk)
+    stamps = torch.full((layers, 1024, 4), -1, dtype=torch.int64, device="cuda")
+    result = {}
+    for name, env in settings.items():
+        def step():
+            for i, (kc, vc) in enumerate(caches):
+                decode_rows.STAMPS = stamps[i]
+                try:
+                    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+                finally:
+                    decode_rows.STAMPS = None
+
+        with overrides(env):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                step()
+        for _ in range(replays):
+            stamps.fill_(-1)
+            graph.replay()
+        torch.cuda.synchronize()
+        st = stamps.cpu()
+        per_layer, gaps = [], []
+        for i in range(layers):
+            live = st[i][st[i, :, 0] > 0].double()
+            t0, t1, t2, sm = live[:, 0], live[:, 1], live[:, 2], live[:, 3]
+            origin = t0.min()
+            loop = t1 - t0
+            slow = torch.argsort(loop, descending=True)[:6]
+            per_layer.append({
+                "programs": len(live), "span_us": (t2.max() - origin).item() / 1e3,
+                "start_skew_us": (t0.max() - origin).item() / 1e3,
+                "loop_end_spread_us": (t1.max() - t1.min()).item() / 1e3,
+                "end_spread_us": (t2.max() - t2.min()).item() / 1e3,
+                "last_loop_end_to_last_end_us": (t2.max() - t1.max()).item() / 1e3,
+                "epilogue_us_med_max": [((t2 - t1).median() / 1e3).item(), ((t2 - t1).max() / 1e3).item()],
+                "loop_us_min_med_max": [(loop.min() / 1e3).item(), (loop.median() / 1e3).item(),
+                                        (loop.max() / 1e3).item()],
+                "slowest_loops": [[int(sm[j].item()), round(loop[j].item() / 1e3, 2)] for j in slow],
+                "sms_used": int(torch.unique(sm).numel()),
+            })
+            if i + 1 < layers:
+                nxt = st[i + 1][st[i + 1, :, 0] > 0]
+                gaps.append((nxt[:, 0].min() - st[i][st[i, :, 0] > 0][:, 2].max()).item() / 1e3)
+        first = st[0][st[0, :, 0] > 0][:, 0].min()
+        last = st[-1][st[-1, :, 0] > 0][:, 2].max()
+        result[name] = {"per_layer": per_layer, "gaps_us": gaps, "first_start_to_last_end_per_call_us":
+                        (last - first).item() / 1e3 / layers}
+        del graph
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -78,6 +143,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: more flashtile settings")
     ap.add_argument("--clock-log", default=None, help="nvidia-smi clock log CSV written beside the run")
+    ap.add_argument("--stamps", action="store_true", help="the row kernels' per-program stamps instead of timings")
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_streamk.py " + " ".join(sys.argv[1:])
@@ -91,6 +157,19 @@ def main():
     variants = {"flat_P128_b16384_w8_s3": (flat_call, dict(programs=128, block=16384, warps=8, stages=3)),
                 "flat_P132_b16384_w8_s3": (flat_call, dict(programs=132, block=16384, warps=8, stages=3))}
     rows = []
+    if args.stamps:
+        for sk in args.seqlens:
+            row = {"b": args.batch, "seqlen_k": sk, "stamps": stamp_layers(args.batch, sk, settings)}
+            rows.append(row)
+            for name, res in row["stamps"].items():
+                print(f"b={args.batch} s={sk} {name}: per call {res['first_start_to_last_end_per_call_us']:.1f} us, "
+                      f"gaps {[round(g, 2) for g in res['gaps_us']]}", flush=True)
+                for layer in res["per_layer"]:
+                    print("   ", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in layer.items()},
+                          flush=True)
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        return
     try:
         for sk in args.seqlens:
             row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=settings)

@@ -17,6 +17,17 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _stamp(STAMPS, pid, slot: tl.constexpr):
+    """The STAMP diagnostic (backends/triton/decode_rows.STAMPS): %globaltimer (ns) into STAMPS[pid, slot], and at
+    slot 0 the SM's id (%smid) into STAMPS[pid, 3]."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(STAMPS + pid * 4 + slot, t)
+    if slot == 0:
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        tl.store(STAMPS + pid * 4 + 3, sm.to(tl.int64))
+
+
+@triton.jit
 def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED: tl.constexpr):
     """One tile of BLOCK_N keys from ``start``: the online-softmax step for every head of the program."""
     if MASKED:
@@ -99,7 +110,7 @@ def _decode_rows_kernel(
     stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16,
+    USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16, STAMPS=None, STAMP: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
@@ -107,10 +118,13 @@ def _decode_rows_kernel(
     split without keys). ``qk_scale`` is softmax_scale * log2(e). With FUSED_COMBINE the last split of a
     (row, head group) to finish merges them into O (b, 1, h, d) and LSE (b, h, 1) (+inf for a row without keys):
     a counter a (row, head group), which the merger resets, says which split is last. USE_PDL: launched as a
-    programmatic dependent, it waits for the kernel before it ahead of its first read."""
+    programmatic dependent, it waits for the kernel before it ahead of its first read. STAMP: the diagnostic
+    (_stamp): the program's start, loop end and end, and its SM."""
     if USE_PDL:
         gdc_wait()
     pid = tl.program_id(0)
+    if STAMP:
+        _stamp(STAMPS, pid, 0)
     split32 = pid % NUM_SPLITS
     split = split32.to(tl.int64)  # for the partials' offsets: split x a partial's stride can pass 2^31
     bg = pid // NUM_SPLITS
@@ -137,6 +151,8 @@ def _decode_rows_kernel(
     m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
                                 BLOCK_M, BLOCK_N, HEAD_DIM)
 
+    if STAMP:
+        _stamp(STAMPS, pid, 1)
     if USE_PDL:
         gdc_launch_dependents()  # the merge kernel may start launching (it waits for this grid's end)
     empty = l_i == 0.0
@@ -156,3 +172,5 @@ def _decode_rows_kernel(
                               stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
                               stride_lse_h, NUM_SPLITS, HEAD_DIM, MERGE_ROWS)
             tl.atomic_xchg(COUNTER + bg, 0, sem="relaxed", scope="gpu")
+    if STAMP:
+        _stamp(STAMPS, pid, 2)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.decode_rows import _rows_range
+from flashtile.kernels.decode_rows import _rows_range, _stamp
 
 
 @triton.jit
@@ -125,20 +125,24 @@ def _rows_streamk_kernel(
     stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = 32, BLOCK_S: tl.constexpr = 4, USE_PDL: tl.constexpr = False,
+    MERGE_ROWS: tl.constexpr = 32, BLOCK_S: tl.constexpr = 4, USE_PDL: tl.constexpr = False, STAMPS=None,
+    STAMP: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache; unit u = batch row u // GROUPS, kv heads
     (u % GROUPS) * HEADS onwards. Writes each of its segments' normalized output O_PART[slot, unit query head, :]
     (fp32) and lse LSE_PART[slot, unit query head] (natural log) at slot = unit + program. FUSED: the program that
     finishes a unit's last segment (a counter a unit, which it resets, counts them) merges the unit's segments into O
     (b, 1, h, d) and LSE (b, h, 1), and program u % P writes the zero output and +inf lse of a unit u without keys;
-    otherwise _rows_streamk_combine does both."""
+    otherwise _rows_streamk_combine does both. STAMP: the diagnostic (decode_rows._stamp): the program's start, the
+    end of its segments and its end, and its SM."""
     if USE_PDL:
         gdc_wait()
         # the next kernel may start launching: its programs find no room on an SM before this one's end, and its
         # own wait holds it until this grid is done
         gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
+    if STAMP:
+        _stamp(STAMPS, pid, 0)
     ru, lens, tiles, ends, total = _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS, BLOCK_N,
                                                UNITS_P2, HAS_SEQLENS)
     total = total.to(tl.int64)
@@ -198,6 +202,8 @@ def _rows_streamk_kernel(
                             merge_last = u
         t = seg_end
         u += 1
+    if STAMP:
+        _stamp(STAMPS, pid, 1)
     if FUSED:
         _merge_if_owed(O_PART, LSE_PART, O, LSE, COUNTER, merge_first, ru, tiles, ends, total, programs, group,
                        stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEADS,
@@ -211,6 +217,8 @@ def _rows_streamk_kernel(
                 _merge_unit(O_PART, LSE_PART, O, LSE, e, 0, -1, total, programs, e // GROUPS,
                             (e % GROUPS) * HEADS * group, HEADS * group, stride_ops, stride_oph, stride_lps,
                             stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEAD_DIM, MERGE_ROWS, BLOCK_S)
+    if STAMP:
+        _stamp(STAMPS, pid, 2)
 
 
 @triton.jit

@@ -41,6 +41,9 @@ STREAMK_MAX_UNITS = 4096
 # Off: on lease K24 it was 0.2%-0.5% slower than the split kernel at b = 32, 64k-128k, and 0.5%-1.6% at b = 64
 # (row_streamk_*leaseK24_h200_2026-12-01_session24.json); meant for boards like J24, where it is unmeasured.
 STREAMK_DEFAULT = False
+# The STAMP diagnostic (scripts/probe_streamk.py --stamps): an int64 (programs, 4) tensor that the row kernels (split
+# and stream-K) fill with each program's %globaltimer at its start, loop end and end, and its SM id; None: off.
+STAMPS = None
 
 
 # The rule's calls: (programs a per-head kernel would have per SM, b x h_k / SMs, at least; capacity at least).
@@ -165,9 +168,13 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
             MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
-            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}),
+            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
+
+
+def _stamps() -> dict:
+    return {} if STAMPS is None else dict(STAMPS=STAMPS, STAMP=True)
 
 
 def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, groups,
@@ -204,7 +211,7 @@ def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_ne
             HAS_SEQLENS=cache_seqlens is not None, FUSED=counters is not None, MERGE_ROWS=merge_rows,
             # the merge's [segments, rows, d] fp32 tiles: at most 8192 values (32 registers a thread at 8 warps)
             BLOCK_S=max(1, min(next_pow2(segments), 8192 // (merge_rows * d))),
-            num_warps=warps, num_stages=stages, **extra,
+            num_warps=warps, num_stages=stages, **extra, **_stamps(),
         )
         if counters is not None:
             return out, lse
