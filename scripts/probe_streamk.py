@@ -8,10 +8,9 @@ Session 24 found boards (lease J24) where one streaming program an SM on 128 SMs
 slot, 132) was 0.2%-0.5% slower than the split kernel on a board where 128 programs read as fast as 132 (K24).
 This probe runs, in one process on one board, in 8-layer graphs (probe_read_ceiling.run_row):
 - the flat read on 128 and 132 programs: the board's class;
-- flashtile's default (the split row kernel at these shapes), stream-K on 132 programs, and stream-K on 128
-  (``FLASHTILE_DECODE_ROWS_PROGRAMS=128``: at uniform lengths each program then holds a quarter of one row, the
-  split kernel's work, so split against it is the merge and bookkeeping, and it against 132 the unit crossings
-  less what 4 more SMs bring), plus any ``--settings``;
+- flashtile's default (the split row kernel at these shapes) and stream-K on 132 programs, plus any ``--settings``
+  (session 25 also ran stream-K on 128, ``FLASHTILE_DECODE_ROWS_PROGRAMS=128``, where at equal lengths each program
+  holds a quarter of a row, the split kernel's work);
 - cuDNN;
 then each setting's kernels one by one (torch.profiler, eager calls: with programmatic dependent launch a kernel's
 span can include its wait for the one before), and an nvidia-smi clock / power / throttle log sampled beside the whole
@@ -36,7 +35,6 @@ ROWS8 = {"FLASHTILE_DECODE_ROWS": "8"}
 SETTINGS = {
     "flashtile_split": ROWS8,
     "flashtile_streamk": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1"},
-    "flashtile_streamk_p128": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1", "FLASHTILE_DECODE_ROWS_PROGRAMS": "128"},
 }
 
 
@@ -123,6 +121,7 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
                                         (loop.max() / 1e3).item()],
                 "slowest_loops": [[int(sm[j].item()), round(loop[j].item() / 1e3, 2)] for j in slow],
                 "sms_used": int(torch.unique(sm).numel()),
+                "raw_start_loopend_end_sm": st[i][st[i, :, 0] > 0].tolist(),
             })
             if i + 1 < layers:
                 nxt = st[i + 1][st[i + 1, :, 0] > 0]
@@ -165,8 +164,8 @@ def main():
                 print(f"b={args.batch} s={sk} {name}: per call {res['first_start_to_last_end_per_call_us']:.1f} us, "
                       f"gaps {[round(g, 2) for g in res['gaps_us']]}", flush=True)
                 for layer in res["per_layer"]:
-                    print("   ", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in layer.items()},
-                          flush=True)
+                    print("   ", {k: (round(v, 2) if isinstance(v, float) else v) for k, v in layer.items()
+                                  if not k.startswith("raw")}, flush=True)
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
         return

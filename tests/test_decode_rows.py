@@ -81,30 +81,28 @@ def test_uncovered_calls_keep_the_default_kernels(rows_calls, monkeypatch):
 
 
 @pytest.mark.parametrize("programs", ["1", "5", "100", ""])  # one for all; units across programs; more than tiles
-@pytest.mark.parametrize("lens", [[40, 30, 0], [0, 40, 17], [1, 0, 40], [0, 0, 0]])
-@pytest.mark.parametrize("s_new, fused", [(0, "1"), (1, "1"), (1, "0")])
-def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, monkeypatch, programs, lens, s_new,
-                                                        fused):
+# ragged rows, rows without keys, none at all, and a long row among short ones (5 programs: its 5 segments pass the
+# 4 fixed slots a unit, so the merge reads the overflow slots)
+@pytest.mark.parametrize("lens", [[40, 30, 0], [0, 40, 17], [1, 0, 40], [0, 0, 0], [160, 1, 0]])
+@pytest.mark.parametrize("s_new", [0, 1])
+def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, monkeypatch, programs, lens, s_new):
     """FLASHTILE_DECODE_ROWS_STREAMK=1: the programs take equal runs of all units' key tiles end to end; a unit's
-    segments meet again in the program that ends the last of them (FLASHTILE_DECODE_ROWS_STREAMK_FUSED unset or 1)
-    or in the stream-K merge kernel (0), never the combine kernel, whatever the program count; units without keys
-    get a zero output and +inf lse either way."""
+    segments meet again in the stream-K merge kernel (not the combine kernel), whatever the program count; units
+    without keys get a zero output and +inf lse."""
     from flashtile.kernels import decode_rows_streamk
 
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")  # all 4 kv heads a unit: 3 units, a row each
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK_FUSED", fused)
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
     launched = []
     real = decode_rows.launch
     monkeypatch.setattr(decode_rows, "launch",
                         lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
-    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, s_new=s_new)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=max(40, *lens), s_new=s_new)
     args["cache_seqlens"] = (torch.tensor(lens, dtype=torch.int32) - s_new).clamp_(min=0)  # rows without keys too
     _run_and_check(q, kc, vc, args)
-    assert rows_calls == [1] and combines == []
-    merge = decode_rows_streamk._rows_streamk_combine
-    assert launched == [decode_rows_streamk._rows_streamk_kernel] + [merge] * (fused == "0")
+    assert rows_calls == [4] and combines == []
+    assert launched == [decode_rows_streamk._rows_streamk_kernel, decode_rows_streamk._rows_streamk_combine]
 
 
 def test_knobs_are_checked(monkeypatch):

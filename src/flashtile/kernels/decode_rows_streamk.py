@@ -6,9 +6,15 @@ read as fast as 132, but on some (session 24's lease J24) a plain read on 128 pr
 and every 128-SM decode kernel trailed cuDNN by 1.2%-1.6%. Here the (unit, key tile) pairs, a unit being a (batch
 row, kv-head group) with its row's tiles in order, are laid end to end and program p of P takes tiles
 [p T / P, (p + 1) T / P) of the T in all: one program an SM, each the same share of the bytes, a segment of one unit
-at a time. A segment's normalized output and lse go to partial slot unit + p: along the tile order both the unit
-and the program only grow and each new segment moves at least one of them, so no two segments share a slot, and
-units + P slots hold them all. The merge kernel finds a unit's slots from the same lengths.
+at a time.
+
+Partial slots: a unit's k-th segment (its programs in order, those with tiles) writes its normalized output and lse
+to slot u * SEGS + k while k < SEGS, and the program holding the unit's first tile writes -inf to the lse of the
+unit's unused slots and the segment count to COUNTS[u]; so the merge kernel reads a unit's SEGS slots and its count
+in one round trip, without the lengths. A unit of more segments (ragged rows: a long row among short ones) puts
+segment k >= SEGS of program p at slot units * SEGS + u + p: along the tile order both the unit and the program only
+grow and each new segment moves at least one of them, so no two segments share it; the merge kernel finds those
+from the lengths, on that unit's programs only.
 """
 
 import triton
@@ -36,8 +42,16 @@ def _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS: tl.c
 
 
 @triton.jit
+def _unit_span(u, ru, tiles, ends):
+    """Unit u's tiles [start, end) in the order of all units' tiles (int64 scalars)."""
+    here = ru == u
+    u_end = tl.sum(tl.where(here, ends, 0), 0).to(tl.int64)
+    return u_end - tl.sum(tl.where(here, tiles, 0), 0), u_end
+
+
+@triton.jit
 def _owner(x, total, programs):
-    """The program whose tile range [p total / P, (p + 1) total / P) holds tile x (int64 scalars)."""
+    """The program whose tile range [p total / P, (p + 1) total / P) holds tile x (int64 scalars; total >= 1)."""
     return ((x + 1) * programs + total - 1) // total - 1
 
 
@@ -45,7 +59,7 @@ def _owner(x, total, programs):
 def _unit_programs(u_start, u_end, total, programs):
     """The first and last program holding tiles [u_start, u_end) of ``total`` (p_hi = p_lo - 1 for a unit without
     tiles), and how many of those programs hold any: with fewer tiles than programs some take none, and every other
-    one takes a single tile."""
+    one a single tile."""
     some = tl.maximum(total, 1)  # (no tiles at all: every unit is empty, and no division by zero)
     p_lo = _owner(u_start, some, programs)
     p_hi = tl.where(u_end > u_start, _owner(u_end - 1, some, programs), p_lo - 1)
@@ -53,93 +67,29 @@ def _unit_programs(u_start, u_end, total, programs):
 
 
 @triton.jit
-def _unit_programs_of(u, ru, tiles, ends, total, programs):
-    """_unit_programs for unit u, from _unit_tiles' vectors."""
-    here = ru == u
-    u_end = tl.sum(tl.where(here, ends, 0), 0).to(tl.int64)
-    return _unit_programs(u_end - tl.sum(tl.where(here, tiles, 0), 0), u_end, total, programs)
-
-
-@triton.jit
-def _has_tiles(p, total, programs):
-    """Whether program p's range [p total / P, (p + 1) total / P) holds a tile."""
-    some = tl.maximum(total, 1)
-    return (p + 1) * some // programs > p * some // programs
-
-
-@triton.jit
-def _merge_unit(O_PART, LSE_PART, O, LSE, u, p_lo, p_hi, total, programs, b, head0, rows, stride_ops, stride_oph,
-                stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEAD_DIM: tl.constexpr,
-                MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """A unit's segments (slots u + p for its programs p_lo..p_hi that hold tiles) merged into O's and LSE's query
-    heads head0 .. head0 + rows - 1 of row b: [BLOCK_S, MERGE_ROWS, HEAD_DIM] tiles, BLOCK_S segments' loads issued
-    together, a running max across chunks. Reads past L1 (.cg): other SMs wrote the partials."""
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)[:, None]
-    rq = tl.arange(0, MERGE_ROWS)[None, :]
-    rd = tl.arange(0, HEAD_DIM)[None, None, :]
-    row_ok = rq < rows
-    m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-    w_sum = tl.zeros([MERGE_ROWS], tl.float32)
-    merged = tl.zeros([MERGE_ROWS, HEAD_DIM], tl.float32)
-    for p0 in range(p_lo, p_hi + 1, BLOCK_S):
-        p = p0 + offs_s  # [BLOCK_S, 1]
-        ok = (p <= p_hi) & _has_tiles(p, total, programs) & row_ok
-        slot = u + p
-        lse_s = tl.load(LSE_PART + slot * stride_lps + rq, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(O_PART + slot[:, :, None] * stride_ops + rq[:, :, None] * stride_oph + rd, mask=ok[:, :, None],
-                      other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse_s, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        scale = tl.exp(m - m_safe)
-        w = tl.exp(lse_s - m_safe[None, :])
-        w_sum = w_sum * scale + tl.sum(w, 0)
-        merged = merged * scale[:, None] + tl.sum(o_s * w[:, :, None], 0)
-        m = m_new
-    empty = w_sum == 0.0
-    heads = head0 + tl.arange(0, MERGE_ROWS)
-    ok = tl.arange(0, MERGE_ROWS) < rows
-    tl.store(O + b * stride_ob + heads[:, None] * stride_oh + tl.arange(0, HEAD_DIM)[None, :],
-             (merged / tl.where(empty, 1.0, w_sum)[:, None]).to(O.dtype.element_ty), mask=ok[:, None])
-    tl.store(LSE + b * stride_lse_b + heads * stride_lse_h,
-             tl.where(empty, float("inf"), m + tl.log(tl.where(empty, 1.0, w_sum))), mask=ok)
-
-
-@triton.jit
-def _merge_if_owed(O_PART, LSE_PART, O, LSE, COUNTER, u, ru, tiles, ends, total, programs, group, stride_ops,
-                   stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEADS: tl.constexpr,
-                   GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Unit u's merge (nothing for u = -1), then its counter reset for the next call."""
-    if u >= 0:
-        p_lo, p_hi, _ = _unit_programs_of(u, ru, tiles, ends, total, programs)
-        _merge_unit(O_PART, LSE_PART, O, LSE, u, p_lo, p_hi, total, programs, u // GROUPS,
-                    (u % GROUPS) * HEADS * group, HEADS * group, stride_ops, stride_oph, stride_lps, stride_ob,
-                    stride_oh, stride_lse_b, stride_lse_h, HEAD_DIM, MERGE_ROWS, BLOCK_S)
-        tl.atomic_xchg(COUNTER + u, 0, sem="relaxed", scope="gpu")
+def _segment_index(p, p_lo, u_start, total, programs):
+    """Program p's segment's place among its unit's segments: its program's place among the unit's programs, or,
+    with fewer tiles than programs (one tile a program that has any), its tile's place in the unit."""
+    return tl.where(total >= programs, p - p_lo, p * total // programs - u_start)
 
 
 @triton.jit
 def _rows_streamk_kernel(
-    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group, n_units,
-    programs,
+    Q, K, V, O_PART, LSE_PART, COUNTS, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group, n_units, programs,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
+    stride_ops, stride_oph, stride_lps,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED: tl.constexpr = False,
-    MERGE_ROWS: tl.constexpr = 32, BLOCK_S: tl.constexpr = 4, USE_PDL: tl.constexpr = False, STAMPS=None,
-    STAMP: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr, SEGS: tl.constexpr, LSE_ROWS: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False, STAMPS=None, STAMP: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache; unit u = batch row u // GROUPS, kv heads
-    (u % GROUPS) * HEADS onwards. Writes each of its segments' normalized output O_PART[slot, unit query head, :]
-    (fp32) and lse LSE_PART[slot, unit query head] (natural log) at slot = unit + program. FUSED: the program that
-    finishes a unit's last segment (a counter a unit, which it resets, counts them) merges the unit's segments into O
-    (b, 1, h, d) and LSE (b, h, 1), and program u % P writes the zero output and +inf lse of a unit u without keys;
-    otherwise _rows_streamk_combine does both. STAMP: the diagnostic (decode_rows._stamp): the program's start, the
-    end of its segments and its end, and its SM."""
+    (u % GROUPS) * HEADS onwards, its HEADS * group query heads (LSE_ROWS, a power of two, at least). Writes each of
+    its segments' normalized output O_PART[slot, unit query head, :] (fp32) and lse LSE_PART[slot, unit query head]
+    (natural log) at the slot the module docstring gives, and COUNTS and the unused slots' -inf lse for the units
+    whose first tile it holds (or, for a unit without tiles, program u % P). STAMP: the diagnostic
+    (decode_rows._stamp): the program's start, the end of its segments and its end, and its SM."""
     if USE_PDL:
         gdc_wait()
-        # the next kernel may start launching: its programs find no room on an SM before this one's end, and its
-        # own wait holds it until this grid is done
-        gdc_launch_dependents()
     pid = tl.program_id(0).to(tl.int64)
     if STAMP:
         _stamp(STAMPS, pid, 0)
@@ -149,9 +99,6 @@ def _rows_streamk_kernel(
     t = pid * total // programs
     t_stop = (pid + 1) * total // programs
     u = tl.sum((ends <= t).to(tl.int32), 0)  # the first unit that ends past this program's first tile
-    t_first = t
-    merge_first = u * 0 - 1  # (FUSED) the units whose merge this program does, -1 for none
-    merge_last = u * 0 - 1
 
     offs_h = tl.arange(0, HEADS)[:, None, None]
     offs_m = tl.arange(0, BLOCK_M)[None, :, None]
@@ -161,113 +108,103 @@ def _rows_streamk_kernel(
     row_ok = offs_m < group
     lse_row = tl.arange(0, HEADS)[:, None] * group + tl.arange(0, BLOCK_M)[None, :]
     lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
+    unit_rows = HEADS * group
     while t < t_stop:
-        here = ru == u
-        u_end = tl.sum(tl.where(here, ends, 0), 0).to(tl.int64)
-        u_start = u_end - tl.sum(tl.where(here, tiles, 0), 0)
+        u_start, u_end = _unit_span(u, ru, tiles, ends)
         seg_end = tl.minimum(t_stop, u_end)
         if seg_end > t:  # (a unit without keys has no segment)
             b = (u // GROUPS).to(tl.int64)
             kv0 = (u % GROUPS) * HEADS
             lo = ((t - u_start) * BLOCK_N).to(tl.int32)
-            hi = tl.minimum(((seg_end - u_start) * BLOCK_N).to(tl.int32), tl.sum(tl.where(here, lens, 0), 0))
+            hi = tl.minimum(((seg_end - u_start) * BLOCK_N).to(tl.int32), tl.sum(tl.where(ru == u, lens, 0), 0))
             q = tl.load(Q + b * stride_qb + (kv0 * group + head_row) * stride_qh + offs_d, mask=row_ok, other=0.0)
             k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
             v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
             m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
                                         BLOCK_M, BLOCK_N, HEAD_DIM)
             p_lo, p_hi, segments = _unit_programs(u_start, u_end, total, programs)
-            if FUSED and segments == 1:  # the unit's only segment: its output as it is
-                qh = kv0 * group + head_row
-                tl.store(O + b * stride_ob + qh * stride_oh + offs_d, (acc / l_i[:, :, None]).to(O.dtype.element_ty),
-                         mask=row_ok)
-                tl.store(LSE + b * stride_lse_b + (kv0 * group + lse_row) * stride_lse_h,
-                         (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)
-            else:
-                slot = u.to(tl.int64) + pid
-                tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None],
-                         mask=row_ok)
-                tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453,
-                         mask=lse_ok)
-                if FUSED:
-                    # every thread's partial stores, then the count (acquire-release); the merger reads past L1
-                    tl.debug_barrier()
-                    done = tl.atomic_add(COUNTER + u, 1, sem="acq_rel", scope="gpu")
-                    if done == segments - 1:
-                        # a shared unit is a program's first or last segment: its merge waits for the loop's end,
-                        # where no segment's registers are live
-                        if t == t_first:
-                            merge_first = u
-                        else:
-                            merge_last = u
+            k = _segment_index(pid, p_lo, u_start, total, programs)
+            slot = tl.where(k < SEGS, u.to(tl.int64) * SEGS + k, n_units * SEGS + u + pid)
+            tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None], mask=row_ok)
+            tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)
+            if t == u_start:  # this program holds the unit's first tile
+                _close_unused_slots(LSE_PART, COUNTS, u, segments, stride_lps, unit_rows, SEGS, LSE_ROWS)
         t = seg_end
         u += 1
+    # units without tiles: no program holds their first tile; program u % P writes their count and -inf lse
+    for e in range(pid, n_units, programs):
+        if tl.sum(tl.where(ru == e, tiles, 0), 0) == 0:
+            _close_unused_slots(LSE_PART, COUNTS, e, 0, stride_lps, unit_rows, SEGS, LSE_ROWS)
     if STAMP:
         _stamp(STAMPS, pid, 1)
-    if FUSED:
-        _merge_if_owed(O_PART, LSE_PART, O, LSE, COUNTER, merge_first, ru, tiles, ends, total, programs, group,
-                       stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEADS,
-                       GROUPS, HEAD_DIM, MERGE_ROWS, BLOCK_S)
-        _merge_if_owed(O_PART, LSE_PART, O, LSE, COUNTER, merge_last, ru, tiles, ends, total, programs, group,
-                       stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEADS,
-                       GROUPS, HEAD_DIM, MERGE_ROWS, BLOCK_S)
-        # units without keys have no segment to merge: program u % P writes their output (no slots: zero, +inf)
-        for e in range(pid, n_units, programs):
-            if tl.sum(tl.where(ru == e, tiles, 0), 0) == 0:
-                _merge_unit(O_PART, LSE_PART, O, LSE, e, 0, -1, total, programs, e // GROUPS,
-                            (e % GROUPS) * HEADS * group, HEADS * group, stride_ops, stride_oph, stride_lps,
-                            stride_ob, stride_oh, stride_lse_b, stride_lse_h, HEAD_DIM, MERGE_ROWS, BLOCK_S)
+    if USE_PDL:
+        gdc_launch_dependents()  # the merge kernel may start launching (it waits for this grid's end)
     if STAMP:
         _stamp(STAMPS, pid, 2)
 
 
 @triton.jit
+def _close_unused_slots(LSE_PART, COUNTS, u, segments, stride_lps, unit_rows, SEGS: tl.constexpr,
+                        LSE_ROWS: tl.constexpr):
+    """Unit u's segment count to COUNTS[u], and -inf to the lse of its slots past its segments."""
+    rs = tl.arange(0, SEGS)[:, None]
+    rr = tl.arange(0, LSE_ROWS)[None, :]
+    tl.store(LSE_PART + (u * SEGS + rs) * stride_lps + rr, tl.full([SEGS, LSE_ROWS], float("-inf"), tl.float32),
+             mask=(rs >= segments) & (rr < unit_rows))
+    tl.store(COUNTS + u, segments)
+
+
+@triton.jit
 def _rows_streamk_combine(
-    O_PART, LSE_PART, O, LSE, SEQLENS, cache_len_const, s_new, capacity, n_units, unit_heads, programs,
+    O_PART, LSE_PART, O, LSE, COUNTS, SEQLENS, cache_len_const, s_new, capacity, n_units, unit_heads, programs,
     stride_ops, stride_oph, stride_lps, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SEGS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One (unit, query head of the unit): lse = logsumexp over its segments' lse, out = sum exp(lse_s - lse)
-    out_s; a unit without keys gets out 0 and lse +inf. Its segments are slots unit + p for the programs p that
-    hold its first to last tile (those with tiles: with more programs than tiles some have none), read BLOCK_S
-    at a time with a running max."""
+    out_s; a unit without keys gets out 0 and lse +inf. Its first SEGS slots and its count load together; a unit of
+    more segments then reads the rest BLOCK_S at a time with a running max, from its programs' overflow slots."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     pid = tl.program_id(0)
     u = pid // unit_heads
     j = pid % unit_heads
-    ru, lens, tiles, ends, total = _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS, BLOCK_N,
-                                               UNITS_P2, HAS_SEQLENS)
-    total = total.to(tl.int64)
-    here = ru == u
-    u_end = tl.sum(tl.where(here, ends, 0), 0).to(tl.int64)
-    u_start = u_end - tl.sum(tl.where(here, tiles, 0), 0)
-    p_lo, p_hi, _ = _unit_programs(u_start, u_end, total, programs)
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
-    m = tl.full([1], float("-inf"), tl.float32)
-    w_sum = tl.zeros([1], tl.float32)
-    out = tl.zeros([HEAD_DIM], tl.float32)
-    for p0 in range(p_lo, p_hi + 1, BLOCK_S):
-        p = p0 + offs_s
-        # with more programs than tiles some take none, and may sit between a unit's first and last program
-        ok = (p <= p_hi) & _has_tiles(p, total, programs)
-        slot = u + p
-        lse_s = tl.load(LSE_PART + slot * stride_lps + j, mask=ok, other=float("-inf"))
-        o_s = tl.load(O_PART + slot[:, None] * stride_ops + j * stride_oph + offs_d[None, :], mask=ok[:, None],
-                      other=0.0)
-        m_new = tl.maximum(m, tl.max(lse_s, 0))
-        scale = tl.exp(m - m_new)
-        w = tl.exp(lse_s - m_new)
-        w_sum = w_sum * scale + tl.sum(w, 0)
-        out = out * scale + tl.sum(o_s * w[:, None], 0)
-        m = m_new
+    slots = u.to(tl.int64) * SEGS + tl.arange(0, SEGS)
+    segments = tl.load(COUNTS + u)
+    lse_s = tl.load(LSE_PART + slots * stride_lps + j)
+    o_s = tl.load(O_PART + slots[:, None] * stride_ops + j * stride_oph + offs_d[None, :])
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)  # 0 in an unused slot, whose output was never written: masked below
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(tl.where((lse_s > float("-inf"))[:, None], o_s, 0.0) * w[:, None], 0)
+    if segments > SEGS:  # a long unit among short ones: its other segments sit in its programs' overflow slots
+        ru, lens, tiles, ends, total = _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS,
+                                                   BLOCK_N, UNITS_P2, HAS_SEQLENS)
+        total = total.to(tl.int64)
+        u_start, u_end = _unit_span(u, ru, tiles, ends)
+        p_lo, p_hi, _ = _unit_programs(u_start, u_end, total, programs)
+        offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+        for p0 in range(p_lo, p_hi + 1, BLOCK_S):
+            p = p0 + offs_s
+            has = (p + 1) * total // programs > p * total // programs  # (some programs hold no tile)
+            ok = (p <= p_hi) & has & (_segment_index(p, p_lo, u_start, total, programs) >= SEGS)
+            slot = n_units * SEGS + u + p
+            lse_x = tl.load(LSE_PART + slot * stride_lps + j, mask=ok, other=float("-inf"))
+            o_x = tl.load(O_PART + slot[:, None] * stride_ops + j * stride_oph + offs_d[None, :], mask=ok[:, None],
+                          other=0.0)
+            m_new = tl.maximum(m, tl.max(lse_x, 0))  # (finite: the unit has SEGS segments already)
+            scale = tl.exp(m - m_new)
+            w_x = tl.exp(lse_x - m_new)
+            w_sum = w_sum * scale + tl.sum(w_x, 0)
+            out = out * scale + tl.sum(o_x * w_x[:, None], 0)
+            m = m_new
     empty = w_sum == 0.0
     out = out / tl.where(empty, 1.0, w_sum)
     lse = tl.where(empty, float("inf"), m + tl.log(tl.where(empty, 1.0, w_sum)))
     b = u // GROUPS
     head = (u % GROUPS) * unit_heads + j
     tl.store(O + b * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
-    tl.store(LSE + b * stride_lse_b + head * stride_lse_h + tl.arange(0, 1), lse)
+    tl.store(LSE + b * stride_lse_b + head * stride_lse_h, lse)

@@ -180,48 +180,40 @@ def _stamps() -> dict:
 def _streamk(q, k_cache, v_cache, out, lse, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, groups,
              cfg, programs, pdl):
     """The stream-K launch (kernels/decode_rows_streamk.py): ``programs`` programs share every unit's key tiles
-    evenly; the program that ends a unit's last segment merges its segments (``FLASHTILE_DECODE_ROWS_STREAMK_FUSED``
-    unset or 1), or the merge kernel does, one program a (unit, query head)."""
-    from flashtile.backends.triton.decode import _merge_counters
-
+    evenly, then the merge kernel, one program a (unit, query head)."""
     b, _, h, d = q.shape
     block_n, warps, stages = cfg
     units = b * groups
     unit_heads = heads * (h // k_cache.shape[2])
-    o_part = torch.empty(units + programs, unit_heads, d, device=q.device, dtype=torch.float32)
-    lse_part = torch.empty(units + programs, unit_heads, device=q.device, dtype=torch.float32)
+    # a unit's segments at equal lengths: about programs / units, one more where a program boundary falls inside it
+    segs = max(2, next_pow2(-(-programs // units) + 1))
+    o_part = torch.empty(units * segs + units + programs, unit_heads, d, device=q.device, dtype=torch.float32)
+    lse_part = torch.empty(o_part.shape[:2], device=q.device, dtype=torch.float32)
+    counts = torch.empty(units, device=q.device, dtype=torch.int32)
     lens = cache_seqlens if cache_seqlens is not None else lse
     units_p2 = max(2, next_pow2(units))
     extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
-    # a unit's segments: about programs / units of them, one more where a program boundary falls inside it
-    segments = -(-programs // units) + 1
-    # (None inside a graph capture that would have to allocate them: the merge kernel then)
-    counters = _merge_counters(q.device, units) if env.switch("FLASHTILE_DECODE_ROWS_STREAMK_FUSED") is not False \
-        else None
-    merge_rows = max(16, next_pow2(unit_heads))
     with device_guard(q):
         launch(
             _rows_streamk_kernel, (programs,),
-            q, k_cache, v_cache, o_part, lse_part, out, lse, counters if counters is not None else lse, lens,
-            softmax_scale * LOG2E, cache_len_const, s_new, k_cache.shape[1], h // k_cache.shape[2], units, programs,
+            q, k_cache, v_cache, o_part, lse_part, counts, lens, softmax_scale * LOG2E, cache_len_const, s_new,
+            k_cache.shape[1], h // k_cache.shape[2], units, programs,
             q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), o_part.stride(0), o_part.stride(1),
-            lse_part.stride(0), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
-            HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2,
-            HAS_SEQLENS=cache_seqlens is not None, FUSED=counters is not None, MERGE_ROWS=merge_rows,
-            # the merge's [segments, rows, d] fp32 tiles: at most 8192 values (32 registers a thread at 8 warps)
-            BLOCK_S=max(1, min(next_pow2(segments), 8192 // (merge_rows * d))),
-            num_warps=warps, num_stages=stages, **extra, **_stamps(),
+            lse_part.stride(0),
+            HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2, SEGS=segs,
+            LSE_ROWS=max(2, next_pow2(unit_heads)), HAS_SEQLENS=cache_seqlens is not None, num_warps=warps,
+            num_stages=stages, **extra, **_stamps(),
         )
-        if counters is not None:
-            return out, lse
-        block_s = min(8, max(2, next_pow2(segments)))
+        # the overflow loop's chunk: a unit past SEGS segments is a long row among short ones, over many programs
+        block_s = 8
         launch(
             _rows_streamk_combine, (units * unit_heads,),
-            o_part, lse_part, out, lse, lens, cache_len_const, s_new, k_cache.shape[1], units, unit_heads, programs,
-            o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(2), lse.stride(0),
-            lse.stride(1),
-            GROUPS=groups, HEAD_DIM=d, BLOCK_N=block_n, UNITS_P2=units_p2, BLOCK_S=block_s,
-            HAS_SEQLENS=cache_seqlens is not None, num_warps=1 if block_s * d <= 1024 else 4, num_stages=1, **extra,
+            o_part, lse_part, out, lse, counts, lens, cache_len_const, s_new, k_cache.shape[1], units, unit_heads,
+            programs, o_part.stride(0), o_part.stride(1), lse_part.stride(0), out.stride(0), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            GROUPS=groups, HEAD_DIM=d, BLOCK_N=block_n, UNITS_P2=units_p2, SEGS=segs, BLOCK_S=block_s,
+            HAS_SEQLENS=cache_seqlens is not None, num_warps=1 if max(segs, block_s) * d <= 1024 else 4,
+            num_stages=1, **extra,
         )
     return out, lse
