@@ -33,7 +33,7 @@ from flashtile.env import overrides
 
 ROWS8 = {"FLASHTILE_DECODE_ROWS": "8"}
 SETTINGS = {
-    "flashtile_split": ROWS8,
+    "flashtile_split": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "0"},
     "flashtile_streamk": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1"},
 }
 
@@ -173,6 +173,11 @@ def main():
         for sk in args.seqlens:
             row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=settings)
             row["kernel_us"] = kernel_times(args.batch, sk, {"flashtile": {}, **settings})
+            # the default's measured choice (backends/triton/decode_rows_measure): split / stream-K us, and the pick
+            from flashtile.backends.triton import decode_rows_measure
+            row["measured_choice"] = [[str(k), list(v), decode_rows_measure.CHOICES[k]]
+                                      for k, v in decode_rows_measure.MEASURED.items()]
+            print(f"  measured (split us, stream-K us, stream-K chosen): {row['measured_choice']}", flush=True)
             rows.append(row)
             print(f"b={row['b']} s={sk} layers={row['layers']} errors: {row['errors']}", flush=True)
             for name, table in row["kernel_us"].items():
