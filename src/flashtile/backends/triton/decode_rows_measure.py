@@ -9,20 +9,23 @@ so at b = 32 it runs 128 programs on the H200's 132 SMs, and at b = 64, 128 agai
   trailed cuDNN by 1.3%-1.6%.
 Nothing static tells the two apart (J24 and K24 report the same clocks and power limits), so when the split grid
 would leave SMs idle, the first call of a shape outside a CUDA graph capture times both kernels on the call's own
-cache at its full capacity (the regime the rule is for; the lengths may be short now and grow), alternating, and
-keeps stream-K only if it is MARGIN faster. The choice is kept per (device, shape) for the process. A call captured
-before any eager call of its shape takes the split kernel and decides nothing. ``FLASHTILE_DECODE_ROWS_STREAMK``
-=1 / 0 forces stream-K / the split kernel.
+cache at its full capacity (the regime the rule is for; the lengths may be short now and grow), in alternating
+bursts, and keeps stream-K only if it is MARGIN faster. The choice is kept per (device, shape) for the process. A
+call captured before any eager call of its shape takes the split kernel and decides nothing.
+``FLASHTILE_DECODE_ROWS_STREAMK`` =1 / 0 forces stream-K / the split kernel.
 """
 
 from __future__ import annotations
 
 import torch
 
-# stream-K must be this much faster (relative) to be chosen: a J24-like board gains about 2%, a normal one loses
-MARGIN = 0.005
-# timed calls of each kernel, alternating, after one of each to warm up (b = 32, 128k: about 45 ms in all)
+# stream-K must be this much faster (relative) to be chosen: a J24-like board should gain about 2%; on normal boards
+# stream-K was 0.3%-0.8% slower, and single eager launches misjudged the pair by up to 1.3% (lease E25)
+MARGIN = 0.01
+# samples of each kernel, alternating, each BURST launches back to back (the GPU never waits for the host), after
+# one burst of each to warm up: at b = 32, 128k about 32 launches, 120 ms, once a shape
 ROUNDS = 5
+BURST = 3
 # key -> True (stream-K) / False (split); MEASURED: key -> (split us, stream-K us), for reports
 CHOICES: dict[tuple, bool] = {}
 MEASURED: dict[tuple, tuple[float, float]] = {}
@@ -43,7 +46,7 @@ def choose(key: tuple, run_split, run_streamk) -> bool:
 
 
 def _time_both(run_split, run_streamk) -> tuple[float, float]:
-    """Median microseconds of each launch, timed with CUDA events in alternating order."""
+    """Median microseconds a launch of each, from bursts of BURST launches timed with CUDA events, alternating."""
     times = ([], [])
     runs = (run_split, run_streamk)
     for run in runs:
@@ -52,8 +55,9 @@ def _time_both(run_split, run_streamk) -> tuple[float, float]:
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            runs[i]()
+            for _ in range(BURST):
+                runs[i]()
             end.record()
             end.synchronize()
-            times[i].append(start.elapsed_time(end) * 1e3)
+            times[i].append(start.elapsed_time(end) * 1e3 / BURST)
     return tuple(sorted(t)[len(t) // 2] for t in times)
