@@ -134,24 +134,6 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
     return result
 
 
-def repeat_measure(b: int, sk: int, repeats: int) -> list:
-    """The default's split / stream-K measurement (decode_rows_measure) taken ``repeats`` times afresh."""
-    from flashtile.backends.triton import decode_rows_measure
-
-    if not repeats:
-        return []
-    _, _, q, lens, caches = layer_inputs(b, sk)
-    kc, vc = caches[0]
-    del caches
-    pairs = []
-    for _ in range(repeats):
-        decode_rows_measure.CHOICES.clear()
-        decode_rows_measure.MEASURED.clear()
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
-        pairs += [[round(x, 1) for x in v] for v in decode_rows_measure.MEASURED.values()]
-    return pairs
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -160,8 +142,6 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: more flashtile settings")
     ap.add_argument("--clock-log", default=None, help="nvidia-smi clock log CSV written beside the run")
-    ap.add_argument("--measure-repeats", type=int, default=0,
-                    help="also repeat the default's split / stream-K measurement this many times a row")
     ap.add_argument("--stamps", action="store_true", help="the row kernels' per-program stamps instead of timings")
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
@@ -193,14 +173,6 @@ def main():
         for sk in args.seqlens:
             row = run_row(args.batch, sk, variants, args.rounds, 25, 100, extra_settings=settings)
             row["kernel_us"] = kernel_times(args.batch, sk, {"flashtile": {}, **settings})
-            # the default's measured choice (backends/triton/decode_rows_measure): split / stream-K us, and the pick
-            from flashtile.backends.triton import decode_rows_measure
-            row["measured_choice"] = [[str(k), list(v), decode_rows_measure.CHOICES[k]]
-                                      for k, v in decode_rows_measure.MEASURED.items()]
-            print(f"  measured (split us, stream-K us, stream-K chosen): {row['measured_choice']}", flush=True)
-            row["measure_repeats"] = repeat_measure(args.batch, sk, args.measure_repeats)
-            if row["measure_repeats"]:
-                print(f"  repeated (split us, stream-K us): {row['measure_repeats']}", flush=True)
             rows.append(row)
             print(f"b={row['b']} s={sk} layers={row['layers']} errors: {row['errors']}", flush=True)
             for name, table in row["kernel_us"].items():

@@ -169,30 +169,3 @@ def test_splits_fill_the_program_slots(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_SPLITS"):
         decode_rows.num_splits(1, 8 * 1024, 3, 132, key_blocks=5)
 
-
-def test_split_or_stream_k_is_measured_once_a_shape(monkeypatch):
-    """decode_rows_measure.choose: stream-K only when it is MARGIN faster; one measurement a key; none inside a
-    graph capture (the split kernel then, undecided)."""
-    from flashtile.backends.triton import decode_rows_measure as measure
-
-    monkeypatch.setattr(measure, "CHOICES", {})
-    monkeypatch.setattr(measure, "MEASURED", {})
-    timed = []
-    times = {"a": (1000.0, 980.0), "b": (1000.0, 997.0), "c": (1000.0, 1010.0)}
-
-    def fake_time(run_split, run_streamk):
-        key = run_split()
-        timed.append(key)
-        return times[key]
-
-    monkeypatch.setattr(measure, "_time_both", fake_time)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert measure.choose("a", lambda: "a", None) is True  # 2% faster
-    assert measure.choose("b", lambda: "b", None) is False  # 0.3%: inside the margin
-    assert measure.choose("c", lambda: "c", None) is False
-    assert measure.choose("a", lambda: "a", None) is True
-    assert timed == ["a", "b", "c"] and measure.MEASURED["a"] == (1000.0, 980.0)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert measure.choose("d", lambda: "d", None) is False
-    assert "d" not in measure.CHOICES and timed == ["a", "b", "c"]

@@ -340,8 +340,6 @@ def run(args) -> int:
     except Exception as e:
         meta["copy_tb_s"] = None
         report.eprint(f"note: copy bandwidth not measured ({_describe(e)}); no floor column")
-    from flashtile.backends.triton import decode_rows_measure
-
     names = (["flashtile"] + ["flashtile-hm"] * bool(args.head_major) + [f"flashtile-p{p}" for p in args.pages]
              + list(dict.fromkeys(args.peers)))
     out_path = args.out or report.default_out_path("decode", meta)
@@ -350,11 +348,7 @@ def run(args) -> int:
     t_start = time.perf_counter()
     for i, (b, s) in enumerate(shapes, 1):
         t0 = time.perf_counter()
-        seen = set(decode_rows_measure.MEASURED)
         row = run_row(b, s, h, h_k, d, args, device, meta["copy_tb_s"])
-        # the whole-row decode's split / stream-K times and choice, where this row measured them
-        row["rows_streamk_measured"] = [dict(split_us=v[0], streamk_us=v[1], streamk=decode_rows_measure.CHOICES[k])
-                                        for k, v in decode_rows_measure.MEASURED.items() if k not in seen]
         rows.append(row)
         parts = " | ".join(f"{n} {_fmt(row['us'].get(n))}" for n in names)
         report.eprint(f"[{i}/{len(shapes)}] decode b={b} seqlen_k={s}: {parts} us  floor {_fmt(row['floor_us'])}"

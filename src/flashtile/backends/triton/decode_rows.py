@@ -38,6 +38,11 @@ CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
 FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
 STREAMK_MAX_UNITS = 4096
+# Stream-K is off unless FLASHTILE_DECODE_ROWS_STREAMK=1: in 8-layer graphs it was 0.3%-0.5% slower than the split
+# kernel at b = 32, 64k-128k and 1%-2% at b = 64 on every board measured (leases A25-F25; 128 programs read as fast
+# as 132 there); boards like J24 (session 24), where it should gain, were not seen again. Timing both kernels on a
+# call's first eager use was tried and reverted: eager launches rank them the other way round
+# (docs/decode_tuning_log.md, session 25).
 # The STAMP diagnostic (scripts/probe_streamk.py --stamps): an int64 (programs, 4) tensor that the row kernels (split
 # and stream-K) fill with each program's %globaltimer at its start, loop end and end, and its SM id; None: off.
 STAMPS = None
@@ -117,12 +122,6 @@ def covers(q, k_cache, v_cache, heads: int) -> bool:
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 
-def streamk_forced() -> bool | None:
-    """FLASHTILE_DECODE_ROWS_STREAMK: 1 stream-K (calls of at most STREAMK_MAX_UNITS units), 0 the split kernel,
-    None (unset) measured (decode_rows_measure) where the split grid leaves SMs idle."""
-    return env.switch("FLASHTILE_DECODE_ROWS_STREAMK")
-
-
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
@@ -140,37 +139,16 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     key_blocks = cdiv(max(k_cache.shape[1], 1), block_n)
     # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
     pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
-    slots = programs_per_sm(stage_bytes, stages) * sms
-    splits = num_splits(units, stage_bytes, stages, sms, key_blocks)
-    # stream-K: one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n
-    # (tests: programs that span several units, units several programs)
-    programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(slots, units * key_blocks)
-    args = (q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl)
-
-    def split_call(o, o_lse, seqlens, len_const, new):
-        return _split(*args, o, o_lse, seqlens, len_const, new, splits)
-
-    def streamk_call(o, o_lse, seqlens, len_const, new):
-        return _streamk(*args, o, o_lse, seqlens, len_const, new, programs)
-
-    forced = streamk_forced()
-    if units > STREAMK_MAX_UNITS or forced is False:
-        use_streamk = False
-    elif forced:
-        use_streamk = True
-    elif q.device.type != "cuda" or units * splits >= slots:
-        use_streamk = False  # (the split grid fills every slot)
-    else:
-        from flashtile.backends.triton import decode_rows_measure
-
-        # timed on the cache's full capacity, into scratch outputs: what the rule's long caches will cost
-        scratch = decode_gluon.one_token_outputs(q)
-        key = (q.device.index, tuple(q.shape), tuple(k_cache.shape), k_cache.stride(), q.dtype, heads, pdl)
-        use_streamk = decode_rows_measure.choose(
-            key, lambda: split_call(*scratch, None, k_cache.shape[1], 0),
-            lambda: streamk_call(*scratch, None, k_cache.shape[1], 0))
-    run = streamk_call if use_streamk else split_call
-    return run(out, lse, cache_seqlens, cache_len_const, s_new)
+    args = (q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
+            s_new)
+    # stream-K: FLASHTILE_DECODE_ROWS_STREAMK=1 (off by default: slower on every board measured, session 25)
+    if env.switch("FLASHTILE_DECODE_ROWS_STREAMK") and units <= STREAMK_MAX_UNITS:
+        # one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests:
+        # programs that span several units, units several programs)
+        programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(
+            programs_per_sm(stage_bytes, stages) * sms, units * key_blocks)
+        return _streamk(*args, programs)
+    return _split(*args, num_splits(units, stage_bytes, stages, sms, key_blocks))
 
 
 def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
