@@ -111,7 +111,6 @@ def _decode_rows_kernel(
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16, STAMPS=None, STAMP: tl.constexpr = False,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
@@ -120,13 +119,11 @@ def _decode_rows_kernel(
     (row, head group) to finish merges them into O (b, 1, h, d) and LSE (b, h, 1) (+inf for a row without keys):
     a counter a (row, head group), which the merger resets, says which split is last. USE_PDL: launched as a
     programmatic dependent, it waits for the kernel before it ahead of its first read, and lets the merge kernel
-    launch after its key loop (EARLY_TRIGGER: from its start, so the merge's programs wait on the SMs that finish
-    first). STAMP: the diagnostic
+    launch after its key loop (from its start instead, the merge's programs waiting on the SMs that finish first, it
+    was 3-5 us a call slower at b = 32, lease G25). STAMP: the diagnostic
     (_stamp): the program's start, loop end and end, and its SM."""
     if USE_PDL:
         gdc_wait()
-        if EARLY_TRIGGER:
-            gdc_launch_dependents()
     pid = tl.program_id(0)
     if STAMP:
         _stamp(STAMPS, pid, 0)
@@ -158,7 +155,7 @@ def _decode_rows_kernel(
 
     if STAMP:
         _stamp(STAMPS, pid, 1)
-    if USE_PDL and not EARLY_TRIGGER:
+    if USE_PDL:
         gdc_launch_dependents()  # the merge kernel may start launching (it waits for this grid's end)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, :, None]

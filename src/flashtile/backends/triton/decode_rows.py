@@ -160,8 +160,6 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
     block_n, warps, stages = cfg
-    # FLASHTILE_DECODE_ROWS_PDL_EARLY=1: the merge kernel may launch from the kernel's start (an experiment)
-    early = bool(env.switch("FLASHTILE_DECODE_ROWS_PDL_EARLY"))
     o_part, lse_part = split_partials(splits, b, 1, h, d, q.device)
     counters = None
     if env.switch("FLASHTILE_DECODE_ROWS_FUSED") and 1 < splits <= FUSED_MAX_SPLITS:
@@ -179,8 +177,7 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
             MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
-            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True, EARLY_TRIGGER=early) if pdl else {}),
-            **_stamps(),
+            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
 
