@@ -16,7 +16,8 @@ query heads a kv head, H dividing h_k) to programs of H kv heads, whatever its s
 rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override
 the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
 kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
-program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, session 24).
+program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, sessions
+24-25). ``STAMPS`` is the row kernels' per-program timing diagnostic.
 New keys are appended by the separate append kernel first.
 """
 
