@@ -407,6 +407,31 @@ def stamp_summary(stamps: torch.Tensor) -> dict:
     return out
 
 
+def replay_stamped(step, stamps: torch.Tensor, replays: int) -> None:
+    """``step()`` once on a side stream (compiles), captured there in a CUDA graph, then replayed ``replays`` times
+    with ``stamps`` reset to -1 before each: it holds the last replay's stamps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        step()
+    for _ in range(replays):
+        stamps.fill_(-1)
+        graph.replay()
+    torch.cuda.synchronize()
+
+
+def layer_gaps(layers: list) -> dict:
+    """From each layer's (programs, >= 3) stamps (ns: start, ..., end at column 2): the gaps from one layer's last
+    end to the next one's first start, and the first start to the last end over the layers, per layer (us)."""
+    gaps = [(nxt[:, 0].min() - cur[:, 2].max()).item() / 1e3 for cur, nxt in zip(layers, layers[1:])]
+    total = (layers[-1][:, 2].max() - layers[0][:, 0].min()).item() / 1e3
+    return {"gaps_us": gaps, "first_start_to_last_end_per_call_us": total / len(layers)}
+
+
 def run_stamps(b, sk, replays=5):
     """--stamps: each program's %globaltimer stamps in one replay of an 8-layer graph (fewer layers past 16 GB),
     for the rule's Gluon kernel and the per-head read; per layer the kernel's span, its programs' start skew and
@@ -433,25 +458,9 @@ def run_stamps(b, sk, replays=5):
     # (lease J23 also ran the Gluon kernel with its warp merge through shared memory, then behind a switch)
     cases = (("gluon", [lambda i=i: gluon_layer(i) for i in range(layers)]), ("heads_read", read_calls))
     for name, calls in cases:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for c in calls:
-                c()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):
-            for c in calls:
-                c()
-        for _ in range(replays):
-            stamps.fill_(-1)
-            graph.replay()
-        torch.cuda.synchronize()
-        per_layer = [stamp_summary(stamps[i]) for i in range(layers)]
-        gaps = [(stamps[i + 1, :, 0].min() - stamps[i, :, 2].max()).item() / 1e3 for i in range(layers - 1)]
-        total = (stamps[-1, :, 2].max() - stamps[0, :, 0].min()).item() / 1e3
-        result[name] = {"per_layer": per_layer, "gaps_us": gaps, "first_start_to_last_end_per_call_us": total / layers}
-        del graph
+        replay_stamped(lambda calls=calls: [c() for c in calls], stamps, replays)
+        result[name] = {"per_layer": [stamp_summary(stamps[i]) for i in range(layers)],
+                        **layer_gaps([stamps[i] for i in range(layers)])}
     return result
 
 

@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 import torch
-from probe_read_ceiling import flat_call, layer_inputs, print_and_save, run_row
+from probe_read_ceiling import flat_call, layer_gaps, layer_inputs, print_and_save, replay_stamped, run_row
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.bench.report import collect_meta
@@ -72,6 +72,28 @@ def kernel_times(b: int, sk: int, settings: dict, calls: int = 20) -> dict:
     return out
 
 
+def _layer_summary(stamps: torch.Tensor) -> dict:
+    """One layer's stamps (programs, 4: start, loop end, end in ns, SM id) as spans in microseconds, the slowest
+    loops with their SMs, and the stamps themselves."""
+    live = stamps.double()
+    t0, t1, t2, sm = live[:, 0], live[:, 1], live[:, 2], live[:, 3]
+    origin = t0.min()
+    loop = t1 - t0
+    slow = torch.argsort(loop, descending=True)[:6]
+    return {
+        "programs": len(live), "span_us": (t2.max() - origin).item() / 1e3,
+        "start_skew_us": (t0.max() - origin).item() / 1e3,
+        "loop_end_spread_us": (t1.max() - t1.min()).item() / 1e3,
+        "end_spread_us": (t2.max() - t2.min()).item() / 1e3,
+        "last_loop_end_to_last_end_us": (t2.max() - t1.max()).item() / 1e3,
+        "epilogue_us_med_max": [((t2 - t1).median() / 1e3).item(), ((t2 - t1).max() / 1e3).item()],
+        "loop_us_min_med_max": [(loop.min() / 1e3).item(), (loop.median() / 1e3).item(), (loop.max() / 1e3).item()],
+        "slowest_loops": [[int(sm[j].item()), round(loop[j].item() / 1e3, 2)] for j in slow],
+        "sms_used": int(torch.unique(sm).numel()),
+        "raw_start_loopend_end_sm": stamps.tolist(),
+    }
+
+
 def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
     """--stamps: per setting, the row kernels' per-program stamps (start, loop end, end: ns; SM id) in the last of
     ``replays`` replays of a graph of the layers, summarized per layer."""
@@ -90,47 +112,10 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
                     decode_rows.STAMPS = None
 
         with overrides(env):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side):
-                step()
-        for _ in range(replays):
-            stamps.fill_(-1)
-            graph.replay()
-        torch.cuda.synchronize()
+            replay_stamped(step, stamps, replays)
         st = stamps.cpu()
-        per_layer, gaps = [], []
-        for i in range(layers):
-            live = st[i][st[i, :, 0] > 0].double()
-            t0, t1, t2, sm = live[:, 0], live[:, 1], live[:, 2], live[:, 3]
-            origin = t0.min()
-            loop = t1 - t0
-            slow = torch.argsort(loop, descending=True)[:6]
-            per_layer.append({
-                "programs": len(live), "span_us": (t2.max() - origin).item() / 1e3,
-                "start_skew_us": (t0.max() - origin).item() / 1e3,
-                "loop_end_spread_us": (t1.max() - t1.min()).item() / 1e3,
-                "end_spread_us": (t2.max() - t2.min()).item() / 1e3,
-                "last_loop_end_to_last_end_us": (t2.max() - t1.max()).item() / 1e3,
-                "epilogue_us_med_max": [((t2 - t1).median() / 1e3).item(), ((t2 - t1).max() / 1e3).item()],
-                "loop_us_min_med_max": [(loop.min() / 1e3).item(), (loop.median() / 1e3).item(),
-                                        (loop.max() / 1e3).item()],
-                "slowest_loops": [[int(sm[j].item()), round(loop[j].item() / 1e3, 2)] for j in slow],
-                "sms_used": int(torch.unique(sm).numel()),
-                "raw_start_loopend_end_sm": st[i][st[i, :, 0] > 0].tolist(),
-            })
-            if i + 1 < layers:
-                nxt = st[i + 1][st[i + 1, :, 0] > 0]
-                gaps.append((nxt[:, 0].min() - st[i][st[i, :, 0] > 0][:, 2].max()).item() / 1e3)
-        first = st[0][st[0, :, 0] > 0][:, 0].min()
-        last = st[-1][st[-1, :, 0] > 0][:, 2].max()
-        result[name] = {"per_layer": per_layer, "gaps_us": gaps, "first_start_to_last_end_per_call_us":
-                        (last - first).item() / 1e3 / layers}
-        del graph
+        live = [st[i][st[i, :, 0] > 0] for i in range(layers)]  # (programs that ran)
+        result[name] = {"per_layer": [_layer_summary(x) for x in live], **layer_gaps(live)}
     return result
 
 
