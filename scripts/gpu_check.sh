@@ -23,6 +23,8 @@
 #   probe-decode-layout  decode on a sequence-major vs head-major cache, flashtile and SDPA cuDNN (graph replays)
 #   probe-read-ceiling  b = 32 read-only kernels (flat and per-head) beside flashtile's decode kernels and cuDNN, with an
 #                 nvidia-smi clock / power log (scripts/probe_read_ceiling.py; CEILING_SEQLENS, default "8192 16384 65536 131072")
+#   probe-streamk  the split and stream-K whole-row kernels on one board (scripts/probe_streamk.py): timings beside the
+#                 flat reads on 128 / 132 programs and cuDNN, then both kernels' per-program stamps (b = 32 / 64)
 #   probe-decode-stamps  per-program %globaltimer stamps of the Gluon decode kernel and the per-head read (--stamps)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
@@ -323,6 +325,17 @@ for step in "${steps[@]}"; do
         --rounds 2 >> "$summary" 2> "$WORK/read_ceiling.log"
       kill "$smi" 2> /dev/null
       python3 scripts/clock_log_by_timing.py "$WORK/read_ceiling.json" "$WORK/clocks_read_ceiling.csv" >> "$summary" ;;
+    probe-streamk)
+      # the split and stream-K row kernels on one board: timings beside the flat reads (128 / 132 programs: the
+      # board's class) and cuDNN, with a clock log, then both kernels' per-program stamps (session 25)
+      python3 scripts/probe_streamk.py --out "$WORK/streamk_b32.json" --clock-log "$WORK/clocks_streamk.csv" \
+        >> "$summary" 2> "$WORK/streamk.log"
+      python3 scripts/probe_streamk.py --batch 64 --seqlens 8192 32768 --out "$WORK/streamk_b64.json" \
+        >> "$summary" 2>> "$WORK/streamk.log"
+      python3 scripts/probe_streamk.py --stamps --seqlens 65536 --out "$WORK/streamk_stamps_b32.json" \
+        >> "$summary" 2>> "$WORK/streamk.log"
+      python3 scripts/probe_streamk.py --stamps --batch 64 --seqlens 8192 --out "$WORK/streamk_stamps_b64.json" \
+        >> "$summary" 2>> "$WORK/streamk.log" ;;
     probe-decode-stamps)
       python3 scripts/probe_read_ceiling.py --stamps --out "$WORK/decode_stamps.json" \
         --seqlens ${CEILING_SEQLENS:-1024 8192 16384} >> "$summary" 2> "$WORK/decode_stamps.log" ;;
