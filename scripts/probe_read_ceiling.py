@@ -424,6 +424,16 @@ def replay_stamped(step, stamps: torch.Tensor, replays: int) -> None:
     torch.cuda.synchronize()
 
 
+def row_parser(seqlens: list) -> argparse.ArgumentParser:
+    """The arguments every b-by-seqlen probe takes: --out, --batch, --seqlens (default ``seqlens``), --rounds."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=seqlens)
+    ap.add_argument("--rounds", type=int, default=2)
+    return ap
+
+
 def layer_gaps(layers: list) -> dict:
     """From each layer's (programs, >= 3) stamps (ns: start, ..., end at column 2): the gaps from one layer's last
     end to the next one's first start, and the first start to the last end over the layers, per layer (us)."""

@@ -19,13 +19,12 @@ takes the row kernel's shape (a program per (row, key split), 4 splits at b = 32
 The first variant that is slower than the read says which step costs the time.
 """
 
-import argparse
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from probe_read_ceiling import H_K, D, H, flat_call, print_and_save, run_row
+from probe_read_ceiling import H_K, D, H, flat_call, print_and_save, row_parser, run_row
 
 from flashtile.bench.report import collect_meta
 
@@ -233,11 +232,7 @@ def check_attention(b=4, sk=4096):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[16384, 131072])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = row_parser([16384, 131072])
     ap.add_argument("--rule", action="store_true",
                     help="only flashtile's kernels (the default, the row kernel with PDL) beside cuDNN, for a rule")
     ap.add_argument("--cfgs", nargs="*", default=[],

@@ -19,13 +19,12 @@ run. ``--stamps``: instead, per setting, one graph of the layers replayed with t
 kernel's span, the spread of the loop ends and of the ends, and the gap to the next layer's first start.
 """
 
-import argparse
 import json
 import subprocess
 import sys
 
 import torch
-from probe_read_ceiling import flat_call, layer_gaps, layer_inputs, print_and_save, replay_stamped, run_row
+from probe_read_ceiling import flat_call, layer_gaps, layer_inputs, print_and_save, replay_stamped, row_parser, run_row
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.bench.report import collect_meta
@@ -120,11 +119,7 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[65536, 131072])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap = row_parser([65536, 131072])
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: more flashtile settings")
     ap.add_argument("--clock-log", default=None, help="nvidia-smi clock log CSV written beside the run")
     ap.add_argument("--stamps", action="store_true", help="the row kernels' per-program stamps instead of timings")
