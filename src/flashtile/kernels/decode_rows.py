@@ -120,8 +120,8 @@ def _decode_rows_kernel(
     a counter a (row, head group), which the merger resets, says which split is last. USE_PDL: launched as a
     programmatic dependent, it waits for the kernel before it ahead of its first read, and lets the merge kernel
     launch after its key loop (from its start instead, the merge's programs waiting on the SMs that finish first, it
-    was 3-5 us a call slower at b = 32, lease G25). STAMP: the diagnostic
-    (_stamp): the program's start, loop end and end, and its SM."""
+    was 3-5 us a call slower at b = 32, lease G25). STAMP: the diagnostic (_stamp): the program's start, loop end
+    and end, and its SM."""
     if USE_PDL:
         gdc_wait()
     pid = tl.program_id(0)
