@@ -25,6 +25,8 @@
 #                 nvidia-smi clock / power log (scripts/probe_read_ceiling.py; CEILING_SEQLENS, default "8192 16384 65536 131072")
 #   probe-streamk  the split and stream-K whole-row kernels on one board (scripts/probe_streamk.py): timings beside the
 #                 flat reads on 128 / 132 programs and cuDNN, then both kernels' per-program stamps (b = 32 / 64)
+#   probe-paged-rows  paged caches (16 / 256-token pages) on the whole-row kernel against the per-head paged kernel and
+#                 the contiguous cache, in 8-layer graphs (scripts/probe_paged_rows.py)
 #   probe-decode-stamps  per-program %globaltimer stamps of the Gluon decode kernel and the per-head read (--stamps)
 #   probe-bwd-modes  the causal s=1024 backward fresh, after heavy rows, PDL off/on, split into kernels
 #   bench-bwd-pdl  the backward with FLASHTILE_BWD_PDL=0 then 1, alternated twice (d = 64 / 128 / 256, s = 1024-16384)
@@ -336,6 +338,12 @@ for step in "${steps[@]}"; do
         >> "$summary" 2>> "$WORK/streamk.log"
       python3 scripts/probe_streamk.py --stamps --batch 64 --seqlens 8192 --out "$WORK/streamk_stamps_b64.json" \
         >> "$summary" 2>> "$WORK/streamk.log" ;;
+    probe-paged-rows)
+      # paged caches on the row kernel against the per-head paged kernel and the contiguous cache (session 26;
+      # PAGED_BATCHES / PAGED_SEQLENS / PAGED_SETTINGS pick the rows and more contiguous settings)
+      python3 scripts/probe_paged_rows.py --out "$WORK/paged_rows.json" --batches ${PAGED_BATCHES:-8 32 64} \
+        --seqlens ${PAGED_SEQLENS:-8192 32768 131072} ${PAGED_SETTINGS:+--settings $PAGED_SETTINGS} \
+        >> "$summary" 2> "$WORK/paged_rows.log" ;;
     probe-decode-stamps)
       python3 scripts/probe_read_ceiling.py --stamps --out "$WORK/decode_stamps.json" \
         --seqlens ${CEILING_SEQLENS:-1024 8192 16384} >> "$summary" 2> "$WORK/decode_stamps.log" ;;

@@ -75,9 +75,22 @@ def test_uncovered_calls_keep_the_default_kernels(rows_calls, monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
     q, kc, vc, args = make_case(dtype=torch.float16, h=6, h_k=2, d=16, cap=40, s_new=1)  # 4 does not divide 2
     _run_and_check(q, kc, vc, args)
-    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, page=16, s_new=1)  # paged
+    # pages smaller than a 16-key tile (a tile would span pages)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, page=8, s_new=1)
     _run_and_check(q, kc, vc, args)
     assert rows_calls == []
+
+
+@pytest.mark.parametrize("page", [16, 32, 48])  # a tile a page; two; three (not a power of two)
+@pytest.mark.parametrize("name", ["ragged_append", "read_only_int_len", "empty_rows"])
+def test_paged_caches(rows_calls, combines, monkeypatch, page, name):
+    """Pages of whole 16-key tiles, scattered in the pool: each tile's page comes from the block table; keys
+    appended through the table first."""
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_SPLITS", "2")
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=100, page=page, **CASES[name])
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [4] and combines == [1]
 
 
 @pytest.mark.parametrize("programs", ["1", "5", "100", ""])  # one for all; units across programs; more than tiles

@@ -47,6 +47,25 @@ def test_stream_k_matches_reference(monkeypatch, programs, shape):
     assert calls, "the stream-K kernel did not run"
 
 
+# (b, h, h_k, d, cap, s_new, page): a tile a page, several tiles a page, GQA 8:1, appends through the table, d = 64
+PAGED_SHAPES = [(32, 32, 8, 128, 4133, 1, 16), (8, 64, 8, 128, 3000, 2, 256), (4, 32, 8, 64, 2100, 0, 64),
+                (2, 8, 8, 128, 20000, 3, 32)]
+
+
+@pytest.mark.parametrize("heads", [8, 4])
+@pytest.mark.parametrize("shape", PAGED_SHAPES,
+                         ids=[f"b{s[0]}h{s[1]}d{s[3]}c{s[4]}n{s[5]}p{s[6]}" for s in PAGED_SHAPES])
+def test_paged_matches_reference(monkeypatch, heads, shape):
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", str(heads))
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["block_table"]), real(*a, **k))[1])
+    b, h, h_k, d, cap, s_new, page = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, page=page, seed=cap + page)
+    _check(q, kc, vc, kw, causal=True)
+    assert len(calls) == 1 and calls[0] is not None, "the row kernel did not take the paged call"
+
+
 # the rule's grids (decode_rows.RULE_BOUNDS) at their shortest caches; MHA keeps the reference small
 RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0)]
 

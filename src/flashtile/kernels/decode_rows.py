@@ -70,6 +70,40 @@ def _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_v
 
 
 @triton.jit
+def _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn, stride_vb, stride_vn,
+                    PAGE_SIZE: tl.constexpr):
+    """The K and V pointers of the tile of keys from ``start`` (a multiple of BLOCK_N, which divides PAGE_SIZE: the
+    tile lies in one page), its page looked up in the row's block table BT_ROW. k_in_page / v_in_page: the tile's
+    offsets inside a page at its first row."""
+    page = tl.load(BT_ROW + start // PAGE_SIZE).to(tl.int64)
+    row = start % PAGE_SIZE
+    return (K + page * stride_kb + row * stride_kn + k_in_page, V + page * stride_vb + row * stride_vn + v_in_page)
+
+
+@triton.jit
+def _rows_range_paged(q, K, V, BT_ROW, k_in_page, v_in_page, lo, hi, qk_scale, offs_n, stride_kb, stride_kn,
+                      stride_vb, stride_vn, PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """_rows_range over a paged cache: every tile's pointers from its page (the table load, a scalar, is one more
+    load the pipeliner issues ahead with the tile's)."""
+    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
+    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
+    full = tl.maximum(hi - lo, 0) // BLOCK_N
+    for i in range(0, full):
+        start = lo + i * BLOCK_N
+        k_ptrs, v_ptrs = _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn,
+                                         stride_vb, stride_vn, PAGE_SIZE)
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED=False)
+    start = lo + full * BLOCK_N
+    if start < hi:
+        k_ptrs, v_ptrs = _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn,
+                                         stride_vb, stride_vn, PAGE_SIZE)
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED=True)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _merge_row_splits(O_PART, LSE_PART, O, LSE, b, q0, rows, stride_ops, stride_opb, stride_oph, stride_lps,
                       stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
                       NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_ROWS: tl.constexpr):
@@ -104,13 +138,14 @@ def _merge_row_splits(O_PART, LSE_PART, O, LSE, b, q0, rows, stride_ops, stride_
 
 @triton.jit
 def _decode_rows_kernel(
-    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group,
-    stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
+    Q, K, V, O_PART, LSE_PART, O, LSE, COUNTER, SEQLENS, BLOCK_TABLE, qk_scale, cache_len_const, s_new, capacity,
+    group, stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_bt_b,
     stride_ops, stride_opb, stride_oph, stride_lps, stride_lpb, stride_lph, stride_ob, stride_oh, stride_lse_b,
     stride_lse_h,
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16, STAMPS=None, STAMP: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 0,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
@@ -121,7 +156,8 @@ def _decode_rows_kernel(
     programmatic dependent, it waits for the kernel before it ahead of its first read, and lets the merge kernel
     launch after its key loop (from its start instead, the merge's programs waiting on the SMs that finish first, it
     was 3-5 us a call slower at b = 32, lease G25). STAMP: the diagnostic (_stamp): the program's start, loop end
-    and end, and its SM."""
+    and end, and its SM. PAGE_SIZE > 0: K and V are (pages, PAGE_SIZE, h_k, d) pools, a row's keys in the pages
+    that BLOCK_TABLE[b] lists (BLOCK_N divides PAGE_SIZE); stride_kb / stride_vb are then a page's strides."""
     if USE_PDL:
         gdc_wait()
     pid = tl.program_id(0)
@@ -147,11 +183,17 @@ def _decode_rows_kernel(
     offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
     q_head = (kv0 + offs_h) * group + offs_m  # [HEADS, BLOCK_M, 1]
     q = tl.load(Q + b * stride_qb + q_head * stride_qh + offs_d, mask=offs_m < group, other=0.0)
-    k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
-    v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
-
-    m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
-                                BLOCK_M, BLOCK_N, HEAD_DIM)
+    if PAGE_SIZE > 0:
+        k_in_page = (kv0 + offs_h) * stride_kh + offs_n * stride_kn + offs_d
+        v_in_page = (kv0 + offs_h) * stride_vh + offs_n * stride_vn + offs_d
+        m_i, l_i, acc = _rows_range_paged(q, K, V, BLOCK_TABLE + b * stride_bt_b, k_in_page, v_in_page, lo, hi,
+                                          qk_scale, offs_n, stride_kb, stride_kn, stride_vb, stride_vn, PAGE_SIZE,
+                                          HEADS, BLOCK_M, BLOCK_N, HEAD_DIM)
+    else:
+        k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
+        v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
+        m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
+                                    BLOCK_M, BLOCK_N, HEAD_DIM)
 
     if STAMP:
         _stamp(STAMPS, pid, 1)

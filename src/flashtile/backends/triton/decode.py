@@ -594,18 +594,24 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                 rotary_interleaved, alibi_slopes, num_splits, descales=(None, None, None)):
     """The whole call on the Triton kernels: append (+ rotary on k), then split-KV attention (+ rotary on q)."""
     s_new = 0 if k is None else k.shape[1]
-    # the whole-row kernel: FLASHTILE_DECODE_ROWS=H every covered call, 0 none, unset its rule
-    plain = _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos)
+    # the whole-row kernel (contiguous or paged caches): FLASHTILE_DECODE_ROWS=H every covered call, 0 none, unset
+    # its rule
+    plain_or_paged = _plain_call(cache_batch_idx, cache_leftpad, None, window_left, softcap, alibi_slopes, rotary_cos)
+    plain = plain_or_paged and block_table is None
     rows = decode_rows.requested()
     sms = num_sms(q.device)
-    if rows is None and plain:
+    if rows is None and plain_or_paged:
         rows = decode_rows.by_rule(arch=_arch(q.device), b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
-                                   capacity=k_cache.shape[1], num_splits=num_splits, sms=sms)
-    if rows and plain and decode_rows.covers(q, k_cache, v_cache, rows):
-        _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
+                                   capacity=decode_rows.capacity_of(k_cache, block_table), num_splits=num_splits,
+                                   sms=sms)
+    if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
+        if block_table is None:
+            _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
+        elif k is not None and s_new > 0:
+            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, block_table, None, None, False)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
-                                       heads=rows, sms=sms)
+                                       heads=rows, sms=sms, block_table=block_table)
     # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernels, an experiment (off by default)
     if decode_gluon_rows.requested() and plain \
             and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:

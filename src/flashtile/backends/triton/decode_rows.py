@@ -35,6 +35,11 @@ from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_s
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
+# Paged caches: each tile's block-table load feeds its K / V addresses, and Triton's pipeliner gives that chain two
+# more stages. With these two extra, a paged launch keeps the contiguous one's buffers of K and V in shared memory
+# (two of each at 3 stages; sm_90 builds: 163840 bytes contiguous, 163848 paged; with the same stage count the paged
+# build kept one).
+PAGED_EXTRA_STAGES = 2
 # The in-kernel merge unrolls its loop over the splits; more splits than this go to the combine kernel.
 FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
@@ -114,18 +119,28 @@ def programs_per_sm(stage_bytes: int, stages: int) -> int:
     return max(1, SM90_SHARED_PER_SM // max(1, stage_bytes * stages))
 
 
-def covers(q, k_cache, v_cache, heads: int) -> bool:
-    """Whether the kernel computes this call (the caller has checked the plain-call conditions)."""
+def covers(q, k_cache, v_cache, heads: int, block_table=None) -> bool:
+    """Whether the kernel computes this call (the caller has checked the plain-call conditions). A paged cache
+    (``block_table``) only with pages of whole tiles (the tile's BLOCK_N divides the page size: 16, 32, ..., 256)."""
     h, d = q.shape[2], q.shape[3]
     h_k = k_cache.shape[2]
+    if block_table is not None and k_cache.shape[1] % config(heads)[0]:
+        return False
     return (q.shape[1] == 1 and h_k % heads == 0 and h // h_k <= 16 and d in (16, 32, 64, 128)
             and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype == v_cache.dtype
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 
-def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms):
+def capacity_of(k_cache, block_table) -> int:
+    """Keys a row can hold: the cache's second dimension, or a paged row's pages x the page size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
+def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms,
+                block_table=None):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
-    cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1)."""
+    cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1). With ``block_table`` (b, pages a row), int32, the
+    caches are (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists."""
     from flashtile.backends.triton.decode import pdl_capable
 
     b, _, h, d = q.shape
@@ -137,11 +152,14 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     groups = h_k // heads
     units = b * groups
     stage_bytes = 2 * heads * block_n * d * k_cache.element_size()
-    key_blocks = cdiv(max(k_cache.shape[1], 1), block_n)
+    capacity = capacity_of(k_cache, block_table)
+    key_blocks = cdiv(max(capacity, 1), block_n)
     # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
     pdl = env.switch("FLASHTILE_DECODE_ROWS_PDL") is not False and pdl_capable(q.device)
     args = (q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
             s_new)
+    if block_table is not None:  # paged: the split kernel (stream-K reads contiguous caches only)
+        return _split(*args, num_splits(units, stage_bytes, stages, sms, key_blocks), block_table=block_table)
     # stream-K: FLASHTILE_DECODE_ROWS_STREAMK=1 (off by default: slower on every board measured, session 25)
     if env.switch("FLASHTILE_DECODE_ROWS_STREAMK") and units <= STREAMK_MAX_UNITS:
         # one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests:
@@ -153,9 +171,9 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
 
 
 def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
-           s_new, splits):
+           s_new, splits, block_table=None):
     """The split launch: b * groups * splits programs, then the combine kernel (or, FLASHTILE_DECODE_ROWS_FUSED=1,
-    the in-kernel merge)."""
+    the in-kernel merge). ``block_table``: a paged cache (rows_decode)."""
     from flashtile.backends.triton.decode import _merge_counters, combine, split_partials
 
     b, _, h, d = q.shape
@@ -169,16 +187,19 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
         launch(
             _decode_rows_kernel, (b * groups * splits,),
             q, k_cache, v_cache, o_part, lse_part, out, lse, counters if counters is not None else lse,
-            cache_seqlens if cache_seqlens is not None else lse,
-            softmax_scale * LOG2E, cache_len_const, s_new, k_cache.shape[1], h // h_k,
+            cache_seqlens if cache_seqlens is not None else lse, block_table if block_table is not None else lse,
+            softmax_scale * LOG2E, cache_len_const, s_new, capacity_of(k_cache, block_table), h // h_k,
             q.stride(0), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            0 if block_table is None else block_table.stride(0),
             o_part.stride(0), o_part.stride(1), o_part.stride(3), lse_part.stride(0), lse_part.stride(1),
             lse_part.stride(2), out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
             MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
-            num_stages=stages, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
+            num_stages=stages + (PAGED_EXTRA_STAGES if block_table is not None else 0),
+            **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
+            **({} if block_table is None else dict(PAGE_SIZE=k_cache.shape[1])),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
 
