@@ -18,6 +18,7 @@ Every setting's output is checked against the contiguous default's (``check_max_
 
 import argparse
 import re
+import sys
 
 import torch
 from probe_read_ceiling import layer_inputs, print_and_save
@@ -89,9 +90,7 @@ def main():
         name, _, body = item.partition("=")
         # a value may hold commas (FLASHTILE_DECODE_ROWS_CFG=16,16,3): split only before the next VAR=
         settings[name] = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", body) if kv)
-    meta = collect_meta()
-    meta["command"] = "scripts/probe_paged_rows.py " + " ".join(
-        f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if k != "out")
+    meta = collect_meta(sys.argv, "cuda")
     rows = []
     for b in args.batches:
         for sk in args.seqlens:
