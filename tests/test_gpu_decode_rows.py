@@ -86,6 +86,19 @@ def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     assert calls == [8, 8]
 
 
+@pytest.mark.parametrize("page", [16, 256, 8])
+def test_rule_takes_paged_calls_on_large_batches(monkeypatch, page):
+    """decode_rows.PAGED_RULE_BOUNDS: b = 32 from 8k keys, with pages of whole tiles (8-key pages keep the per-head
+    paged kernel)."""
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, 8192, torch.bfloat16, page=page, seed=page)
+    _check(q, kc, vc, kw, causal=True)
+    assert calls == ([] if page == 8 else [8])
+
+
 @pytest.mark.parametrize("streamk", ["0", "1"])
 def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
     """Four layers of one decode step in a CUDA graph (each layer's query the output before it), every launch a

@@ -64,6 +64,15 @@ STAMPS = None
 #   128k, 0.7%-1.3% slower at 16k; on F24 even at 64k and 128k (row_pipeline_diag_leaseF24_...json);
 # - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never. Below 8k keys unmeasured.
 RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
+# Paged caches (pages of whole tiles: 16 keys and up): against the per-head paged kernel, in 8-layer graphs on lease
+# A26 (paged_rows_leaseA26_h200_2026-12-01_session26.json; 8k / 32k / 128k keys, per call, us):
+# - b = 64 (3.9 an SM), 16-key pages: 485.0 / 1903.9 / 7560.5 against 599.4 / 2410.1 / 9647.2; 256-key pages 481.1 /
+#   1885.4 / 7470.7 against 484.2 / 1890.6 / 7511.8 (the contiguous cache: 480.2 / 1878.9 / 7459.1);
+# - b = 32 (1.9): 16-key pages 246.4 / 956.6 / 3794.4 against 246.9 / 972.4 / 3864.2; 256-key pages 244.8 / 948.6 /
+#   3750.6 against 246.8 / 954.4 / 3815.9;
+# - b = 8 (0.48): slower, 69.7 / 248.9 / 965.5 against 68.0 / 247.9 / 965.2-1026.4 (16-key pages) and 69.6 / 247.4 /
+#   957.5 against 66.7 / 243.6 / 948.8 (256). b = 16 and caches under 8k keys unmeasured.
+PAGED_RULE_BOUNDS = ((1.9, 8192),)
 RULE_KV_HEADS = 8
 RULE_HEAD_DIM = 128
 
@@ -79,14 +88,17 @@ def requested() -> int | None:
     return int(text)
 
 
-def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int) -> int:
+def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int,
+            paged: bool = False) -> int:
     """Heads a program for a covered plain call by default (0: another kernel). Only the measured shape: Hopper,
     8 kv heads of d = 128 (whole rows), the split heuristic's call (an explicit num_splits keeps its kernel), and
-    a grid and cache in RULE_BOUNDS. The capacity stands for the lengths, which live on the GPU."""
+    a grid and cache in RULE_BOUNDS (``paged``: PAGED_RULE_BOUNDS). The capacity stands for the lengths, which live
+    on the GPU."""
     if arch != "sm90" or h_k != RULE_KV_HEADS or d != RULE_HEAD_DIM or num_splits != 0:
         return 0
     per_sm = b * h_k / sms
-    return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in RULE_BOUNDS) else 0
+    bounds = PAGED_RULE_BOUNDS if paged else RULE_BOUNDS
+    return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in bounds) else 0
 
 
 def config(heads: int) -> tuple[int, int, int]:
