@@ -70,6 +70,8 @@ def test_paged_matches_reference(monkeypatch, heads, shape):
 RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0)]
 
 
+# the tests of 4-32 GiB caches share one xdist worker (--dist loadgroup): side by side they ran the GPU out of memory
+@pytest.mark.xdist_group("big_caches")
 @pytest.mark.parametrize("shape", RULE_SHAPES, ids=[f"b{s[0]}c{s[4]}n{s[5]}" for s in RULE_SHAPES])
 def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
@@ -99,6 +101,7 @@ def test_rule_takes_paged_calls_on_large_batches(monkeypatch, page):
     assert calls == ([] if page == 8 else [8])
 
 
+@pytest.mark.xdist_group("big_caches")
 @pytest.mark.parametrize("streamk", ["0", "1"])
 def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
     """Four layers of one decode step in a CUDA graph (each layer's query the output before it), every launch a
