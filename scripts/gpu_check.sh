@@ -644,7 +644,9 @@ for step in "${steps[@]}"; do
         --seqlens ${HM_SEQLENS:-16384 65536 131072} --pages --peers cudnn --out "$WORK/decode_head_major.json" \
         2> "$WORK/bench_decode_head_major.log" >> "$summary" ;;
     tests-decode-rows)
-      # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference
+      # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference; at most 4 workers: each
+      # keeps up to 15 GiB cached, and 8 of them beside the big-cache group ran the GPU out of memory (session 26)
+      [[ ${#xdist[@]} -gt 0 && ${GPU_TEST_WORKERS:-8} -gt 4 ]] && xdist=(-n 4 --dist loadgroup)
       TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py ;;
     bench-decode-rows)
       # the row-stream decode experiment at b = 32 beside the default (Gluon) and cuDNN, after tests-decode-rows
