@@ -149,10 +149,13 @@ def test_rule_takes_long_caches_on_large_batches():
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, num_splits=1)) == 0
     # fewer SMs: the same batch is more programs an SM
     assert decode_rows.by_rule(b=16, capacity=65536, **dict(rule, sms=66)) == 8
-    # paged caches: from 8k keys at b = 32 (against the per-head paged kernel; lost at b = 8)
-    assert decode_rows.by_rule(b=32, capacity=8192, paged=True, **rule) == 8
-    assert decode_rows.by_rule(b=32, capacity=4096, paged=True, **rule) == 0
-    assert decode_rows.by_rule(b=8, capacity=131072, paged=True, **rule) == 0
+    # paged caches (against the per-head paged kernel): from 8k keys at b = 32, at b = 16 on 16-key pages only, never
+    # at b = 8
+    for page in (16, 64, 256):
+        assert decode_rows.by_rule(b=32, capacity=8192, page_size=page, **rule) == 8
+        assert decode_rows.by_rule(b=32, capacity=4096, page_size=page, **rule) == 0
+        assert decode_rows.by_rule(b=8, capacity=131072, page_size=page, **rule) == 0
+        assert decode_rows.by_rule(b=16, capacity=131072, page_size=page, **rule) == (8 if page == 16 else 0)
 
 
 def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
@@ -170,7 +173,7 @@ def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
     _run_and_check(q, kc, vc, args, num_splits=2)
     assert rows_calls == [8]
     # paged caches too, with pages of whole tiles (the CPU tests' 16-key tiles); smaller pages keep the default
-    monkeypatch.setattr(decode_rows, "PAGED_RULE_BOUNDS", ((0.0, 0),))
+    monkeypatch.setattr(decode_rows, "SMALL_PAGE_RULE_BOUNDS", ((0.0, 0),))
     for page, taken in ((16, [8, 8]), (8, [8, 8])):
         q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, page=page)
         _run_and_check(q, kc, vc, args)

@@ -88,17 +88,18 @@ def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     assert calls == [8, 8]
 
 
-@pytest.mark.parametrize("page", [16, 256, 8])
-def test_rule_takes_paged_calls_on_large_batches(monkeypatch, page):
-    """decode_rows.PAGED_RULE_BOUNDS: b = 32 from 8k keys, with pages of whole tiles (8-key pages keep the per-head
-    paged kernel)."""
+@pytest.mark.parametrize("b, page, taken", [(32, 16, True), (32, 256, True), (32, 8, False), (16, 16, True),
+                                            (16, 256, False)])
+def test_rule_takes_paged_calls_on_large_batches(monkeypatch, b, page, taken):
+    """decode_rows.PAGED_RULE_BOUNDS / SMALL_PAGE_RULE_BOUNDS: from 8k keys, b = 32 with pages of whole tiles (8-key
+    pages keep the per-head paged kernel), b = 16 with 16-key pages only."""
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
     calls = []
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
-    q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, 8192, torch.bfloat16, page=page, seed=page)
+    q, kc, vc, kw = _inputs(b, 1, 1, 8, 8, 128, 8192, torch.bfloat16, page=page, seed=page + b)
     _check(q, kc, vc, kw, causal=True)
-    assert calls == ([] if page == 8 else [8])
+    assert calls == ([8] if taken else [])
 
 
 @pytest.mark.xdist_group("big_caches")

@@ -603,7 +603,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     if rows is None and plain_or_paged:
         rows = decode_rows.by_rule(arch=_arch(q.device), b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
                                    capacity=decode_rows.capacity_of(k_cache, block_table), num_splits=num_splits,
-                                   sms=sms, paged=block_table is not None)
+                                   sms=sms, page_size=0 if block_table is None else k_cache.shape[1])
     if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
         if block_table is None:
             _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)

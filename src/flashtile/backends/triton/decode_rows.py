@@ -65,14 +65,21 @@ STAMPS = None
 # - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never. Below 8k keys unmeasured.
 RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 # Paged caches (pages of whole tiles: 16 keys and up): against the per-head paged kernel, in 8-layer graphs on lease
-# A26 (paged_rows_leaseA26_h200_2026-12-01_session26.json; 8k / 32k / 128k keys, per call, us):
-# - b = 64 (3.9 an SM), 16-key pages: 485.0 / 1903.9 / 7560.5 against 599.4 / 2410.1 / 9647.2; 256-key pages 481.1 /
+# A26 (paged_rows{,_b16,_b128}_leaseA26_h200_2026-12-01_session26.json; 8k / 32k / 128k keys, per call, us):
+# - b = 128 (7.8 an SM), 8k / 32k: 16-key pages 961.1 / 3780.7 against 1009.5 / 4019.7; 256-key pages 952.9 /
+#   3752.4 against 963.0 / 3799.0;
+# - b = 64 (3.9), 16-key pages: 485.0 / 1903.9 / 7560.5 against 599.4 / 2410.1 / 9647.2; 256-key pages 481.1 /
 #   1885.4 / 7470.7 against 484.2 / 1890.6 / 7511.8 (the contiguous cache: 480.2 / 1878.9 / 7459.1);
 # - b = 32 (1.9): 16-key pages 246.4 / 956.6 / 3794.4 against 246.9 / 972.4 / 3864.2; 256-key pages 244.8 / 948.6 /
 #   3750.6 against 246.8 / 954.4 / 3815.9;
+# - b = 16 (0.97): 16-key pages 128.6 / 488.2 / 1920.2 against 138.3 / 535.6 / 2135.5 (the per-head kernel is slow on
+#   small pages); 64-key pages 128.7 / 488.3 / 1912.4 against 125.1 / 480.5 / 1918.4, 256-key 127.3 / 484.6 /
+#   1897.4 against 125.4 / 478.2 / 1881.7, so larger pages stay per-head there;
 # - b = 8 (0.48): slower, 69.7 / 248.9 / 965.5 against 68.0 / 247.9 / 965.2-1026.4 (16-key pages) and 69.6 / 247.4 /
-#   957.5 against 66.7 / 243.6 / 948.8 (256). b = 16 and caches under 8k keys unmeasured.
+#   957.5 against 66.7 / 243.6 / 948.8 (256).
+# Caches under 8k keys and 32-key pages unmeasured (32-key pages take the larger pages' bound).
 PAGED_RULE_BOUNDS = ((1.9, 8192),)
+SMALL_PAGE_RULE_BOUNDS = ((0.95, 8192),)  # pages of one 16-key tile
 RULE_KV_HEADS = 8
 RULE_HEAD_DIM = 128
 
@@ -89,15 +96,15 @@ def requested() -> int | None:
 
 
 def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int,
-            paged: bool = False) -> int:
+            page_size: int = 0) -> int:
     """Heads a program for a covered plain call by default (0: another kernel). Only the measured shape: Hopper,
     8 kv heads of d = 128 (whole rows), the split heuristic's call (an explicit num_splits keeps its kernel), and
-    a grid and cache in RULE_BOUNDS (``paged``: PAGED_RULE_BOUNDS). The capacity stands for the lengths, which live
-    on the GPU."""
+    a grid and cache in RULE_BOUNDS (a paged cache, ``page_size`` > 0: SMALL_PAGE_RULE_BOUNDS for 16-key pages,
+    PAGED_RULE_BOUNDS for larger ones). The capacity stands for the lengths, which live on the GPU."""
     if arch != "sm90" or h_k != RULE_KV_HEADS or d != RULE_HEAD_DIM or num_splits != 0:
         return 0
     per_sm = b * h_k / sms
-    bounds = PAGED_RULE_BOUNDS if paged else RULE_BOUNDS
+    bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
     return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in bounds) else 0
 
 
