@@ -3,6 +3,7 @@
 
 Usage: PYTHONPATH=src python scripts/probe_paged_rows.py --out paged_rows.json [--batches 8 32 64]
        [--seqlens 8192 32768 131072] [--pages 16 256] [--rounds 2] [--settings NAME=VAR=V,VAR=V ...]
+       [--paged-settings NAME=VAR=V,VAR=V ...]
 
 Until session 26 a paged call (block_table) never reached the whole-row kernel: at b = 64 the per-head paged kernel
 took 24%-29% longer than the contiguous cache on 16-token pages. A page of 16 keys at 8 kv heads of d = 128 is 32 KB
@@ -12,7 +13,8 @@ For each (b, seqlen_k), in 8-layer graphs (bench decode's layer budget) with rou
 - ``paged{P}_rows``: pages of P tokens, scattered as an allocator leaves them, on the row kernel
   (FLASHTILE_DECODE_ROWS=8);
 - ``paged{P}_per_head``: the same pages on the per-head paged kernel (FLASHTILE_DECODE_ROWS=0);
-- any ``--settings`` on the contiguous cache (e.g. ``w16=FLASHTILE_DECODE_ROWS=8,FLASHTILE_DECODE_ROWS_CFG=16,16,3``).
+- any ``--settings`` on the contiguous cache (e.g. ``w16=FLASHTILE_DECODE_ROWS=8,FLASHTILE_DECODE_ROWS_CFG=16,16,3``),
+  and any ``--paged-settings`` on the row kernel over every page size (``paged{P}_NAME``).
 Every setting's output is checked against the contiguous default's (``check_max_abs``).
 """
 
@@ -40,7 +42,7 @@ def _timer(calls, env, warmup, rep):
     return run
 
 
-def run_row(b, sk, pages, settings, rounds, warmup=25, rep=100):
+def run_row(b, sk, pages, settings, rounds, paged_settings=None, warmup=25, rep=100):
     kv_bytes, layers, q, lens, caches = layer_inputs(b, sk)
     row = {"b": b, "seqlen_k": sk, "layers": layers, "kv_bytes": kv_bytes, "us": {}, "rounds_us": {}, "tb_s": {},
            "check_max_abs": {}, "errors": {}}
@@ -60,7 +62,8 @@ def run_row(b, sk, pages, settings, rounds, warmup=25, rep=100):
         calls = [lambda kp=kp, vp=vp, t=table: flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=t)
                  for kp, vp, _ in pools]
         timers = []
-        for kind, env in (("rows", ROWS), ("per_head", PER_HEAD)):
+        kinds = {"rows": ROWS, "per_head": PER_HEAD, **{n: {**ROWS, **e} for n, e in (paged_settings or {}).items()}}
+        for kind, env in kinds.items():
             name = f"paged{page}_{kind}"
             with overrides(env):
                 row["check_max_abs"][name] = (calls[0]().float() - base).abs().max().item()
@@ -76,26 +79,33 @@ def run_row(b, sk, pages, settings, rounds, warmup=25, rep=100):
     return row
 
 
+def _parse_settings(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        name, _, body = item.partition("=")
+        # a value may hold commas (FLASHTILE_DECODE_ROWS_CFG=16,16,3): split only before the next VAR=
+        out[name] = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", body) if kv)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[8192, 32768, 131072])
-    ap.add_argument("--pages", type=int, nargs="+", default=[16, 256])
+    ap.add_argument("--pages", type=int, nargs="*", default=[16, 256])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: contiguous-cache settings")
+    ap.add_argument("--paged-settings", nargs="*", default=[],
+                    help="NAME=VAR=VALUE,...: more row-kernel settings on every page size (paged{P}_NAME)")
     args = ap.parse_args()
-    settings = {}
-    for item in args.settings:
-        name, _, body = item.partition("=")
-        # a value may hold commas (FLASHTILE_DECODE_ROWS_CFG=16,16,3): split only before the next VAR=
-        settings[name] = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", body) if kv)
+    settings, paged_settings = _parse_settings(args.settings), _parse_settings(args.paged_settings)
     meta = collect_meta(sys.argv, "cuda")
     rows = []
     for b in args.batches:
         for sk in args.seqlens:
             print(f"b={b} seqlen_k={sk}", flush=True)
-            rows.append(run_row(b, sk, args.pages, settings, args.rounds))
+            rows.append(run_row(b, sk, args.pages, settings, args.rounds, paged_settings))
             print_and_save(rows[-1], args.out, meta, rows)
             for n, err in rows[-1]["check_max_abs"].items():
                 print(f"  check {n}: max |diff| {err:.2e}", flush=True)

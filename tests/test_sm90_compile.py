@@ -298,3 +298,26 @@ def test_combine_issues_its_loads_before_reducing(tmp_path, block_s, warps):
     _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", dict(HEAD_DIM=128, BLOCK_S=block_s, BLOCK_D=128,
              USE_PDL=True), {"O_PART": "*fp32", "LSE_PART": "*fp32"}, warps, 1, fields_out=counts)
     assert counts["LOADS_AFTER_SHFL"] == 0, counts
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_row_decode_paged_build_keeps_the_contiguous_buffers(tmp_path, stages):
+    """The whole-row kernel (kernels/decode_rows.py, 8 kv heads of d = 128, 16-key tiles): a paged launch takes
+    decode_rows.launch_stages stages so that it keeps the contiguous build's K / V buffers (the block-table load
+    splits the pipeliner's stages), within sm_90's shared memory, its tile copies 16 bytes wide."""
+    from flashtile.backends.triton.decode_rows import launch_stages
+
+    cx = dict(HEADS=8, GROUPS=1, NUM_SPLITS=4, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=16, HAS_SEQLENS=True,
+              FUSED_COMBINE=False, USE_PDL=True, MERGE_ROWS=32)
+    types = {"O_PART": "*fp32", "LSE_PART": "*fp32", "LSE": "*fp32", "COUNTER": "*i32", "SEQLENS": "*i32",
+             "BLOCK_TABLE": "*i32", "STAMPS": "*i64"}
+    got = {}
+    for page in (0, 16, 256):
+        fields = {}
+        _compile(tmp_path, "_decode_rows_kernel", "flashtile.kernels.decode_rows", dict(cx, PAGE_SIZE=page), types,
+                 8, launch_stages(stages, page > 0), gdc=(True, True), fields_out=fields)
+        assert fields["CP_ASYNC_16"] > 0
+        got[page] = fields["SHARED"]
+    # K and V buffers of 8 x 16 x 128 bf16 (32 KB) each: the paged builds add only their block-table slots
+    assert all(0 <= got[p] - got[0] < 64 for p in (16, 256)), got
+    assert got[0] >= 2 * (stages - 1) * 32768, got

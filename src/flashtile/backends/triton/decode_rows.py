@@ -35,11 +35,16 @@ from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_s
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
-# Paged caches: each tile's block-table load feeds its K / V addresses, and Triton's pipeliner gives that chain two
-# more stages. With these two extra, a paged launch keeps the contiguous one's buffers of K and V in shared memory
-# (two of each at 3 stages; sm_90 builds: 163840 bytes contiguous, 163848 paged; with the same stage count the paged
-# build kept one).
-PAGED_EXTRA_STAGES = 2
+# Paged caches: each tile's block-table load feeds its K / V addresses, and Triton's pipeliner splits the stages
+# between that chain's two loads: a paged build at s stages keeps (s - 1) // 2 buffers of K and V in shared memory,
+# a contiguous one s - 1. So a paged launch takes 2 s - 1 stages for the contiguous launch's s (sm_90 builds at
+# d = 128, 8 heads: contiguous 3 / 4 stages 163840 / 229376 bytes, paged 5 / 7 stages 163848 / 229388; paged 3 and
+# 4 kept one buffer, 6 two; tests/test_sm90_compile.py checks it).
+
+
+def launch_stages(stages: int, paged: bool) -> int:
+    """The num_stages of a launch whose contiguous-cache config has ``stages``: 2 stages - 1 on a paged cache."""
+    return 2 * stages - 1 if paged else stages
 # The in-kernel merge unrolls its loop over the splits; more splits than this go to the combine kernel.
 FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
@@ -216,7 +221,7 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
             HEADS=heads, GROUPS=groups, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n,
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
             MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
-            num_stages=stages + (PAGED_EXTRA_STAGES if block_table is not None else 0),
+            num_stages=launch_stages(stages, block_table is not None),
             **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
             **({} if block_table is None else dict(PAGE_SIZE=k_cache.shape[1])),
         )
