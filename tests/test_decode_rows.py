@@ -180,6 +180,16 @@ def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
         assert rows_calls == taken
 
 
+def test_paged_launches_keep_three_buffers(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS_CFG", raising=False)
+    assert decode_rows.config(8) == (16, 8, 3)
+    assert decode_rows.config(8, paged=True) == (16, 8, 4)  # a third buffer of K and V: faster on pages only
+    assert decode_rows.launch_stages(4, paged=True) == 7 and decode_rows.launch_stages(4, paged=False) == 4
+    assert decode_rows.config(4, paged=True) == decode_rows.config(4)  # unmeasured: as on a contiguous cache
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "32,4,2")
+    assert decode_rows.config(8, paged=True) == (32, 4, 2)
+
+
 def test_splits_fill_the_program_slots(monkeypatch):
     from flashtile.backends.triton.decode import MAX_SPLITS
 

@@ -35,6 +35,12 @@ from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_s
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
+# Paged caches at 8 heads: a third buffer of K and V (4 stages, launched as 7: launch_stages). On lease C26, in 8-layer
+# graphs (row_stages_b{32,64}_leaseC26_h200_2026-12-01_session26.json), 16-key pages: b = 32 1898.3 against 1903.2 us
+# at 64k, 3772.2 against 3783.0 at 128k, 482.9 against 484.0 at 16k; b = 64 483.5 against 484.9 at 8k, 1899.1 against
+# 1905.7 at 32k; 256-key pages 1881.6 / 3744.9 against 1883.0 / 3749.2 at b = 32 (64k / 128k). On the contiguous cache
+# the same third buffer changed nothing (1877.8 against 1877.5 at b = 32, 64k; 3744.6 against 3743.9 at 128k).
+PAGED_CONFIGS = {8: (16, 8, 4)}
 # Paged caches: each tile's block-table load feeds its K / V addresses, and Triton's pipeliner splits the stages
 # between that chain's two loads: a paged build at s stages keeps (s - 1) // 2 buffers of K and V in shared memory,
 # a contiguous one s - 1. So a paged launch takes 2 s - 1 stages for the contiguous launch's s (sm_90 builds at
@@ -113,10 +119,12 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
     return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in bounds) else 0
 
 
-def config(heads: int) -> tuple[int, int, int]:
+def config(heads: int, paged: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of a launch of ``heads`` kv heads a program (stages as on a contiguous cache: see
+    launch_stages); FLASHTILE_DECODE_ROWS_CFG overrides it."""
     text = env.get("FLASHTILE_DECODE_ROWS_CFG", "")
     if not text:
-        return CONFIGS[heads]
+        return PAGED_CONFIGS.get(heads, CONFIGS[heads]) if paged else CONFIGS[heads]
     parts = text.split(",")
     if len(parts) != 3 or not all(x.isdigit() for x in parts):
         raise ValueError(f"FLASHTILE_DECODE_ROWS_CFG must be BLOCK_N,warps,stages, got {text!r}")
@@ -172,7 +180,7 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     out, lse = decode_gluon.one_token_outputs(q)
     if b == 0:
         return out, lse
-    cfg = block_n, _, stages = config(heads)
+    cfg = block_n, _, stages = config(heads, paged=block_table is not None)
     groups = h_k // heads
     units = b * groups
     stage_bytes = 2 * heads * block_n * d * k_cache.element_size()
