@@ -36,7 +36,7 @@ from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_s
 # (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
 CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
 # Paged caches at 8 heads: a third buffer of K and V (4 stages, launched as 7: launch_stages). On lease C26, in 8-layer
-# graphs (row_stages_b{32,64}_leaseC26_h200_2026-12-01_session26.json), 16-key pages: b = 32 1898.3 against 1903.2 us
+# graphs (row_stages_b{32,64}_leaseC26_h200_2026-12-02_session26.json), 16-key pages: b = 32 1898.3 against 1903.2 us
 # at 64k, 3772.2 against 3783.0 at 128k, 482.9 against 484.0 at 16k; b = 64 483.5 against 484.9 at 8k, 1899.1 against
 # 1905.7 at 32k; 256-key pages 1881.6 / 3744.9 against 1883.0 / 3749.2 at b = 32 (64k / 128k). On the contiguous cache
 # the same third buffer changed nothing (1877.8 against 1877.5 at b = 32, 64k; 3744.6 against 3743.9 at 128k).
