@@ -8,7 +8,8 @@ head one contiguous stream, the layout cuDNN reads) was 0.8% faster at b = 32, 1
 here reads HEADS adjacent kv heads of each key, HEADS * d * 2 contiguous bytes (all h_k heads: whole rows),
 and splits the keys instead, so that the grid stays as large. Batched (3D) dots: one head's query group a
 batch entry, padded to BLOCK_M rows. The splits are merged by the split-KV combine kernel (or, FUSED_COMBINE, by
-the last split of a row to finish).
+the last split of a row to finish). A paged cache (PAGE_SIZE > 0, a multiple of BLOCK_N) is read the same way, each
+tile from the page the row's block table names (session 26).
 """
 
 import triton

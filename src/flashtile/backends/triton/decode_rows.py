@@ -2,10 +2,11 @@
 group of H adjacent kv heads, key split), batched dots, the splits merged by the combine kernel.
 
 The rule (``by_rule``, since session 24): on Hopper, calls of the plain kind (``kvcache_fwd``'s ``_plain_call``:
-one query token, no left window edge, softcap, ALiBi, rotary, batch index, left padding or paging), d = 128 and
-8 kv heads (whole 2 KB key rows a program), the heuristic's split count (num_splits = 0), and a long cache on a
-large batch (``RULE_BOUNDS``). Both kernels launch as programmatic dependents (``FLASHTILE_DECODE_ROWS_PDL=0``
-turns that off).
+one query token, no left window edge, softcap, ALiBi, rotary, batch index or left padding), d = 128 and 8 kv heads
+(whole 2 KB key rows a program), the heuristic's split count (num_splits = 0), and a long cache on a large batch
+(``RULE_BOUNDS``); since session 26 paged caches too, with pages of whole tiles, by their own bounds
+(``PAGED_RULE_BOUNDS``, ``SMALL_PAGE_RULE_BOUNDS``). Both kernels launch as programmatic dependents
+(``FLASHTILE_DECODE_ROWS_PDL=0`` turns that off).
 
 Why: a program per (row, kv head), as every other decode kernel here is, reads 256-byte pieces of FlashAttention's
 (b, s, h_k, d) cache rows; no such kernel passed cuDNN from 64k keys at b = 32 (session 23's read ceilings). This
@@ -18,7 +19,7 @@ the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's 
 kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
 program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, sessions
 24-25). ``STAMPS`` is the row kernels' per-program timing diagnostic.
-New keys are appended by the separate append kernel first.
+New keys are appended by the separate append kernel first (through the block table on a paged cache).
 """
 
 from __future__ import annotations
