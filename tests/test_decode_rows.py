@@ -93,6 +93,22 @@ def test_paged_caches(rows_calls, combines, monkeypatch, page, name):
     assert rows_calls == [4] and combines == [1]
 
 
+def test_paged_caches_take_the_split_kernel_under_stream_k(rows_calls, monkeypatch):
+    """Stream-K reads contiguous caches only: a paged call with FLASHTILE_DECODE_ROWS_STREAMK=1 runs the split
+    kernel."""
+    from flashtile.kernels.decode_rows import _decode_rows_kernel
+
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
+    launched = []
+    real = decode_rows.launch
+    monkeypatch.setattr(decode_rows, "launch",
+                        lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=64, page=32, s_new=1)
+    _run_and_check(q, kc, vc, args)
+    assert rows_calls == [4] and launched == [_decode_rows_kernel]
+
+
 @pytest.mark.parametrize("programs", ["1", "5", "100", ""])  # one for all; units across programs; more than tiles
 # ragged rows, rows without keys, none at all, and a long row among short ones (5 programs: its 5 segments pass the
 # 4 fixed slots a unit, so the merge reads the overflow slots)

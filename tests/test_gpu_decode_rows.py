@@ -135,3 +135,41 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+def test_paged_rule_in_a_graph_of_layers(monkeypatch):
+    """A decode step over 16-token paged caches in a CUDA graph, each layer appending one key through the block
+    table (the append kernel, then the row kernel): replays equal the eager step, and the graph reads the lengths
+    and the table as they are at replay."""
+    from test_gpu_kvcache import _capture
+
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    b, h, h_k, d, cap, page = 32, 8, 8, 128, 8192, 16
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q0 = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    per = cap // page
+    table = torch.randperm(b * per, device="cuda", generator=g).view(b, per).to(torch.int32)
+    pools = [torch.randn(b * per, page, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(8)]
+    k_new, v_new = (torch.randn(b, 1, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    lens = torch.randint(1, cap, (b,), device="cuda", dtype=torch.int32, generator=g)
+    start = [p.clone() for p in pools]
+
+    def step():
+        x = q0
+        for kc, vc in zip(pools[::2], pools[1::2]):
+            x = flash_attn_with_kvcache(x, kc, vc, k=k_new, v=v_new, cache_seqlens=lens, block_table=table)
+        return x
+
+    want = step().clone()
+    assert calls == [8] * 4
+    graph, got = _capture(step, before_capture=lambda: [p.copy_(s) for p, s in zip(pools, start)])
+    for _ in range(2):
+        for p, s in zip(pools, start):
+            p.copy_(s)
+        got.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
