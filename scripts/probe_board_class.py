@@ -44,18 +44,19 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--gib", type=float, nargs="+", default=[0.5, 1, 2, 4, 8])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--block", type=int, default=8192, help="elements a tile (probe_read_ceiling's BLOCK)")
     args = ap.parse_args()
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     rows = []
     for gib in args.gib:
         n = int(gib * (1 << 30)) // 2 // 2  # bf16 elements of K and of V
-        k = torch.empty(n, dtype=torch.bfloat16, device="cuda").view(-1, 8192)
+        k = torch.empty(n, dtype=torch.bfloat16, device="cuda").view(-1, args.block)
         v = torch.empty_like(k)
         row = {"gib": gib}
         for mode, timer in (("eager", eager_us), ("graph", graph_us)):
             for rnd in range(2):
                 for p in (128, 132) if rnd == 0 else (132, 128):
-                    call = flat_call(k, v, out, p, 8192, 8, stages=3)
+                    call = flat_call(k, v, out, p, args.block, 8, stages=3)
                     call()
                     row.setdefault(f"{mode}_P{p}", []).append(timer(call, args.reps))
         for mode in ("eager", "graph"):
