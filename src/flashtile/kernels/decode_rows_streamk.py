@@ -218,13 +218,9 @@ def _rows_streamk_kernel(
             v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
             m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
                                         BLOCK_M, BLOCK_N, HEAD_DIM)
-            p_lo, p_hi, segments = _unit_programs(u_start, u_end, total, programs)
-            k = _segment_index(pid, p_lo, u_start, total, programs)
-            slot = tl.where(k < SEGS, u.to(tl.int64) * SEGS + k, n_units * SEGS + u + pid)
-            tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None], mask=row_ok)
-            tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)
-            if t == u_start:  # this program holds the unit's first tile
-                _close_unused_slots(LSE_PART, COUNTS, u, segments, stride_lps, unit_rows, SEGS, LSE_ROWS)
+            _store_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, pid, u, u_start, u_end, t == u_start, total,
+                           programs, n_units, head_row, row_ok, offs_d, lse_row, lse_ok, stride_ops, stride_oph,
+                           stride_lps, unit_rows, SEGS, LSE_ROWS)
         t = seg_end
         u += 1
     # units without tiles: no program holds their first tile; program u % P writes their count and -inf lse
