@@ -92,19 +92,36 @@ def _load_unit_q(Q, u, head_row, row_ok, offs_d, group, stride_qb, stride_qh, GR
 
 
 @triton.jit
+def _segment_slot(pid, u, u_start, u_end, total, programs, n_units, SEGS: tl.constexpr):
+    """Where program pid's segment of unit u (tiles [u_start, u_end) among all units') goes (the module docstring),
+    and the unit's segment count (int64 scalars)."""
+    p_lo, p_hi, segments = _unit_programs(u_start, u_end, total, programs)
+    k = _segment_index(pid, p_lo, u_start, total, programs)
+    return tl.where(k < SEGS, u.to(tl.int64) * SEGS + k, n_units * SEGS + u + pid), segments
+
+
+@triton.jit
+def _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, holds_first, head_row, row_ok, offs_d,
+                   lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows, SEGS: tl.constexpr,
+                   LSE_ROWS: tl.constexpr):
+    """A segment's normalized output and lse into ``slot``, and, from the program holding unit u's first tile, the
+    unit's count and its unused slots' -inf."""
+    tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None], mask=row_ok)
+    tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)
+    if holds_first:
+        _close_unused_slots(LSE_PART, COUNTS, u, segments, stride_lps, unit_rows, SEGS, LSE_ROWS)
+
+
+@triton.jit
 def _store_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, pid, u, u_start, u_end, holds_first, total, programs,
                    n_units, head_row, row_ok, offs_d, lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows,
                    SEGS: tl.constexpr, LSE_ROWS: tl.constexpr):
     """A segment of unit u (its tiles [u_start, u_end) among all units'): normalized output and lse into its slot
     (the module docstring), and, from the program holding the unit's first tile, the unit's count and its unused
     slots' -inf."""
-    p_lo, p_hi, segments = _unit_programs(u_start, u_end, total, programs)
-    k = _segment_index(pid, p_lo, u_start, total, programs)
-    slot = tl.where(k < SEGS, u.to(tl.int64) * SEGS + k, n_units * SEGS + u + pid)
-    tl.store(O_PART + slot * stride_ops + head_row * stride_oph + offs_d, acc / l_i[:, :, None], mask=row_ok)
-    tl.store(LSE_PART + slot * stride_lps + lse_row, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=lse_ok)
-    if holds_first:
-        _close_unused_slots(LSE_PART, COUNTS, u, segments, stride_lps, unit_rows, SEGS, LSE_ROWS)
+    slot, segments = _segment_slot(pid, u, u_start, u_end, total, programs, n_units, SEGS)
+    _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, holds_first, head_row, row_ok, offs_d,
+                   lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows, SEGS, LSE_ROWS)
 
 
 @triton.jit
@@ -127,9 +144,15 @@ def _streamk_flat(Q, K, V, O_PART, LSE_PART, COUNTS, pid, t0, t1, u0, b0, b1, to
     row_ok = offs_m < group
     lse_row = tl.arange(0, HEADS)[:, None] * group + tl.arange(0, BLOCK_M)[None, :]
     lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
+    # a tile's pointers: a scalar base (its row, kv heads and first key) plus these loop-invariant offsets
+    k_off = offs_h * stride_kh + offs_n * stride_kn + offs_d
+    v_off = offs_h * stride_vh + offs_n * stride_vn + offs_d
     # (u0: the unit of tile t0; past the last unit when this program has no tiles)
     q = _load_unit_q(Q, tl.minimum(u0, n_units - 1), head_row, row_ok, offs_d, group, stride_qb, stride_qh, GROUPS,
                      HEADS)
+    # both segments' slots and counts ahead of the loop (their 64-bit divisions kept out of it)
+    slot0, segs0 = _segment_slot(pid, u0, s0.to(tl.int64), e0.to(tl.int64), total, programs, n_units, SEGS)
+    slot1, segs1 = _segment_slot(pid, u0 + 1, s1.to(tl.int64), e1.to(tl.int64), total, programs, n_units, SEGS)
     m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
     acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
@@ -140,14 +163,15 @@ def _streamk_flat(Q, K, V, O_PART, LSE_PART, COUNTS, pid, t0, t1, u0, b0, b1, to
         b = (u // GROUPS).to(tl.int64)
         kv0 = (u % GROUPS) * HEADS
         start = (t - first) * BLOCK_N
-        k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (start + offs_n).to(tl.int64) * stride_kn + offs_d
-        v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (start + offs_n).to(tl.int64) * stride_vn + offs_d
+        key = start.to(tl.int64)
+        k_ptrs = K + (b * stride_kb + kv0 * stride_kh + key * stride_kn) + k_off
+        v_ptrs = V + (b * stride_vb + kv0 * stride_vh + key * stride_vn) + v_off
         m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, tl.where(second, n1, n0), qk_scale,
                                    offs_n, MASKED=True)
         end = tl.where(second, e1, e0)
         if (t + 1 == end) | (t + 1 == t1):  # the segment's last tile: store it, start the next unit's
-            _store_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, pid, u, first.to(tl.int64), end.to(tl.int64),
-                           first >= t0, total, programs, n_units, head_row, row_ok, offs_d, lse_row, lse_ok,
+            _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, tl.where(second, slot1, slot0),
+                           tl.where(second, segs1, segs0), first >= t0, head_row, row_ok, offs_d, lse_row, lse_ok,
                            stride_ops, stride_oph, stride_lps, HEADS * group, SEGS, LSE_ROWS)
             m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
