@@ -51,56 +51,41 @@ def _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MA
 
 
 @triton.jit
+def _tile_ptrs(k_ptrs, v_ptrs, BT_ROW, start, stride_kb, stride_kn, stride_vb, stride_vn, PAGE_SIZE: tl.constexpr):
+    """The K and V pointers of the tile of keys from ``start``. Contiguous (PAGE_SIZE 0): k_ptrs / v_ptrs as they
+    are. Paged: k_ptrs / v_ptrs point at a page's first row, and the tile (``start`` a multiple of BLOCK_N, which
+    divides PAGE_SIZE: it lies in one page) is in the page the row's block table BT_ROW lists."""
+    if PAGE_SIZE > 0:
+        page = tl.load(BT_ROW + start // PAGE_SIZE).to(tl.int64)
+        row = start % PAGE_SIZE
+        return k_ptrs + (page * stride_kb + row * stride_kn), v_ptrs + (page * stride_vb + row * stride_vn)
+    else:
+        return k_ptrs, v_ptrs
+
+
+@triton.jit
 def _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Keys [lo, hi) of one row from k_ptrs / v_ptrs (at key lo): the whole tiles (the loop Triton pipelines),
-    then a partial last one. Returns the online softmax's (m, l, unnormalized acc) for every head's rows."""
-    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-    full = tl.maximum(hi - lo, 0) // BLOCK_N
-    for i in range(0, full):
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + i * BLOCK_N, hi, qk_scale, offs_n,
-                                   MASKED=False)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    if lo + full * BLOCK_N < hi:
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, lo + full * BLOCK_N, hi, qk_scale, offs_n,
-                                   MASKED=True)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn, stride_vb, stride_vn,
-                    PAGE_SIZE: tl.constexpr):
-    """The K and V pointers of the tile of keys from ``start`` (a multiple of BLOCK_N, which divides PAGE_SIZE: the
-    tile lies in one page), its page looked up in the row's block table BT_ROW. k_in_page / v_in_page: the tile's
-    offsets inside a page at its first row."""
-    page = tl.load(BT_ROW + start // PAGE_SIZE).to(tl.int64)
-    row = start % PAGE_SIZE
-    return (K + page * stride_kb + row * stride_kn + k_in_page, V + page * stride_vb + row * stride_vn + v_in_page)
-
-
-@triton.jit
-def _rows_range_paged(q, K, V, BT_ROW, k_in_page, v_in_page, lo, hi, qk_scale, offs_n, stride_kb, stride_kn,
-                      stride_vb, stride_vn, PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """_rows_range over a paged cache: every tile's pointers from its page (the table load, a scalar, is one more
-    load the pipeliner issues ahead with the tile's)."""
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BT_ROW=None, stride_kb=0,
+                stride_vb=0, PAGE_SIZE: tl.constexpr = 0):
+    """Keys [lo, hi) of one row: the whole tiles (the loop Triton pipelines), then a partial last one. Returns the
+    online softmax's (m, l, unnormalized acc) for every head's rows. k_ptrs / v_ptrs: the tile at key lo, or on a
+    paged cache (PAGE_SIZE > 0) a page's first row, each tile's page looked up in BT_ROW (_tile_ptrs; the table
+    load is one more load the pipeliner issues ahead with the tile's)."""
     m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
     acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
     full = tl.maximum(hi - lo, 0) // BLOCK_N
     for i in range(0, full):
         start = lo + i * BLOCK_N
-        k_ptrs, v_ptrs = _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn,
-                                         stride_vb, stride_vn, PAGE_SIZE)
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED=False)
+        kp, vp = _tile_ptrs(k_ptrs, v_ptrs, BT_ROW, start, stride_kb, stride_kn, stride_vb, stride_vn, PAGE_SIZE)
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, kp, vp, start, hi, qk_scale, offs_n, MASKED=False)
+        if PAGE_SIZE == 0:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     start = lo + full * BLOCK_N
     if start < hi:
-        k_ptrs, v_ptrs = _page_tile_ptrs(K, V, BT_ROW, start, k_in_page, v_in_page, stride_kb, stride_kn,
-                                         stride_vb, stride_vn, PAGE_SIZE)
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, hi, qk_scale, offs_n, MASKED=True)
+        kp, vp = _tile_ptrs(k_ptrs, v_ptrs, BT_ROW, start, stride_kb, stride_kn, stride_vb, stride_vn, PAGE_SIZE)
+        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, kp, vp, start, hi, qk_scale, offs_n, MASKED=True)
     return m_i, l_i, acc
 
 
@@ -184,17 +169,14 @@ def _decode_rows_kernel(
     offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
     q_head = (kv0 + offs_h) * group + offs_m  # [HEADS, BLOCK_M, 1]
     q = tl.load(Q + b * stride_qb + q_head * stride_qh + offs_d, mask=offs_m < group, other=0.0)
-    if PAGE_SIZE > 0:
-        k_in_page = (kv0 + offs_h) * stride_kh + offs_n * stride_kn + offs_d
-        v_in_page = (kv0 + offs_h) * stride_vh + offs_n * stride_vn + offs_d
-        m_i, l_i, acc = _rows_range_paged(q, K, V, BLOCK_TABLE + b * stride_bt_b, k_in_page, v_in_page, lo, hi,
-                                          qk_scale, offs_n, stride_kb, stride_kn, stride_vb, stride_vn, PAGE_SIZE,
-                                          HEADS, BLOCK_M, BLOCK_N, HEAD_DIM)
+    if PAGE_SIZE > 0:  # a page's first row: each tile adds its page and row (_tile_ptrs)
+        k_ptrs = K + (kv0 + offs_h) * stride_kh + offs_n * stride_kn + offs_d
+        v_ptrs = V + (kv0 + offs_h) * stride_vh + offs_n * stride_vn + offs_d
     else:
         k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
         v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
-        m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
-                                    BLOCK_M, BLOCK_N, HEAD_DIM)
+    m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS, BLOCK_M,
+                                BLOCK_N, HEAD_DIM, BLOCK_TABLE + b * stride_bt_b, stride_kb, stride_vb, PAGE_SIZE)
 
     if STAMP:
         _stamp(STAMPS, pid, 1)
