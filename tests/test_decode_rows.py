@@ -31,6 +31,15 @@ def rows_calls(monkeypatch):
 
 
 @pytest.fixture
+def launched(monkeypatch):
+    """A list that records the kernel of every launch the row-kernel host code makes."""
+    calls = []
+    real = decode_rows.launch
+    monkeypatch.setattr(decode_rows, "launch", lambda kernel, *a, **k: (calls.append(kernel), real(kernel, *a, **k))[1])
+    return calls
+
+
+@pytest.fixture
 def combines(monkeypatch):
     """A list that records every launch of the combine kernel (the split merge when not fused)."""
     from flashtile.backends.triton import decode
@@ -93,17 +102,13 @@ def test_paged_caches(rows_calls, combines, monkeypatch, page, name):
     assert rows_calls == [4] and combines == [1]
 
 
-def test_paged_caches_take_the_split_kernel_under_stream_k(rows_calls, monkeypatch):
+def test_paged_caches_take_the_split_kernel_under_stream_k(rows_calls, launched, monkeypatch):
     """Stream-K reads contiguous caches only: a paged call with FLASHTILE_DECODE_ROWS_STREAMK=1 runs the split
     kernel."""
     from flashtile.kernels.decode_rows import _decode_rows_kernel
 
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
-    launched = []
-    real = decode_rows.launch
-    monkeypatch.setattr(decode_rows, "launch",
-                        lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=64, page=32, s_new=1)
     _run_and_check(q, kc, vc, args)
     assert rows_calls == [4] and launched == [_decode_rows_kernel]
@@ -114,7 +119,8 @@ def test_paged_caches_take_the_split_kernel_under_stream_k(rows_calls, monkeypat
 # 4 fixed slots a unit, so the merge reads the overflow slots)
 @pytest.mark.parametrize("lens", [[40, 30, 0], [0, 40, 17], [1, 0, 40], [0, 0, 0], [160, 1, 0]])
 @pytest.mark.parametrize("s_new", [0, 1])
-def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, monkeypatch, programs, lens, s_new):
+def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, launched, monkeypatch, programs, lens,
+                                                         s_new):
     """FLASHTILE_DECODE_ROWS_STREAMK=1: the programs take equal runs of all units' key tiles end to end; a unit's
     segments meet again in the stream-K merge kernel (not the combine kernel), whatever the program count; units
     without keys get a zero output and +inf lse."""
@@ -123,10 +129,6 @@ def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, mon
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")  # all 4 kv heads a unit: 3 units, a row each
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
-    launched = []
-    real = decode_rows.launch
-    monkeypatch.setattr(decode_rows, "launch",
-                        lambda kernel, *a, **k: (launched.append(kernel), real(kernel, *a, **k))[1])
     q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=max(40, *lens), s_new=s_new)
     args["cache_seqlens"] = (torch.tensor(lens, dtype=torch.int32) - s_new).clamp_(min=0)  # rows without keys too
     _run_and_check(q, kc, vc, args)

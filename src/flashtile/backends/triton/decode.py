@@ -576,11 +576,11 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
                                      k_new=k if fused else None, v_new=v if fused else None)
 
 
-def _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new) -> None:
-    """The separate append kernel, for the kernels that read the new keys from the cache (contiguous caches
-    without rotary or batch index: the routes that call this cover nothing else)."""
+def _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table=None) -> None:
+    """The separate append kernel, for the kernels that read the new keys from the cache (caches without rotary or
+    batch index, paged through ``block_table`` or not: the routes that call this cover nothing else)."""
     if k is not None and s_new > 0:
-        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, None, None, None, False)
+        kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, block_table, None, None, False)
 
 
 def _plain_call(cache_batch_idx, cache_leftpad, block_table, window_left, softcap, alibi_slopes, rotary_cos) -> bool:
@@ -605,10 +605,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                                    capacity=decode_rows.capacity_of(k_cache, block_table), num_splits=num_splits,
                                    sms=sms, page_size=0 if block_table is None else k_cache.shape[1])
     if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
-        if block_table is None:
-            _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
-        elif k is not None and s_new > 0:
-            kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, None, block_table, None, None, False)
+        _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
                                        heads=rows, sms=sms, block_table=block_table)

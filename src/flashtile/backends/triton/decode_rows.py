@@ -58,10 +58,11 @@ FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
 STREAMK_MAX_UNITS = 4096
 # Stream-K is off unless FLASHTILE_DECODE_ROWS_STREAMK=1: in 8-layer graphs it was 0.3%-0.5% slower than the split
-# kernel at b = 32, 64k-128k and 1%-2% at b = 64 on every board measured (leases A25-F25; 128 programs read as fast
-# as 132 there); boards like J24 (session 24), where it should gain, were not seen again. Timing both kernels on a
-# call's first eager use was tried and reverted: eager launches rank them the other way round
-# (docs/decode_tuning_log.md, session 25).
+# kernel at b = 32, 64k-128k and 1%-2% at b = 64 on the boards where 128 programs read as fast as 132 (leases
+# A25-F25), and 1.3%-1.4% faster at b = 32 on one where they do not (E26, row_streamk_b32_leaseE26_h200_2026-12-02_
+# session26.json). Timing both kernels on a call's first eager use was tried and reverted: eager launches rank them
+# the other way round (docs/decode_tuning_log.md, session 25); a 128- against 132-program read tells the boards apart
+# by about 1%, within its noise (session 26).
 # The STAMP diagnostic (scripts/probe_streamk.py --stamps): an int64 (programs, 4) tensor that the row kernels (split
 # and stream-K) fill with each program's %globaltimer at its start, loop end and end, and its SM id; None: off.
 STAMPS = None
@@ -158,7 +159,7 @@ def covers(q, k_cache, v_cache, heads: int, block_table=None) -> bool:
     (``block_table``) only with pages of whole tiles (the tile's BLOCK_N divides the page size: 16, 32, ..., 256)."""
     h, d = q.shape[2], q.shape[3]
     h_k = k_cache.shape[2]
-    if block_table is not None and k_cache.shape[1] % config(heads)[0]:
+    if block_table is not None and k_cache.shape[1] % config(heads, paged=True)[0]:
         return False
     return (q.shape[1] == 1 and h_k % heads == 0 and h // h_k <= 16 and d in (16, 32, 64, 128)
             and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype == v_cache.dtype
