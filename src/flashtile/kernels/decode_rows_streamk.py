@@ -113,18 +113,6 @@ def _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, h
 
 
 @triton.jit
-def _store_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, pid, u, u_start, u_end, holds_first, total, programs,
-                   n_units, head_row, row_ok, offs_d, lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows,
-                   SEGS: tl.constexpr, LSE_ROWS: tl.constexpr):
-    """A segment of unit u (its tiles [u_start, u_end) among all units'): normalized output and lse into its slot
-    (the module docstring), and, from the program holding the unit's first tile, the unit's count and its unused
-    slots' -inf."""
-    slot, segments = _segment_slot(pid, u, u_start, u_end, total, programs, n_units, SEGS)
-    _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, holds_first, head_row, row_ok, offs_d,
-                   lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows, SEGS, LSE_ROWS)
-
-
-@triton.jit
 def _streamk_flat(Q, K, V, O_PART, LSE_PART, COUNTS, pid, t0, t1, u0, b0, b1, total, programs, n_units,
                   qk_scale, group, stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
                   stride_vh, stride_ops, stride_oph, stride_lps, HEADS: tl.constexpr, GROUPS: tl.constexpr,
@@ -242,9 +230,9 @@ def _rows_streamk_kernel(
             v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
             m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
                                         BLOCK_M, BLOCK_N, HEAD_DIM)
-            _store_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, pid, u, u_start, u_end, t == u_start, total,
-                           programs, n_units, head_row, row_ok, offs_d, lse_row, lse_ok, stride_ops, stride_oph,
-                           stride_lps, unit_rows, SEGS, LSE_ROWS)
+            slot, segments = _segment_slot(pid, u, u_start, u_end, total, programs, n_units, SEGS)
+            _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, t == u_start, head_row, row_ok,
+                           offs_d, lse_row, lse_ok, stride_ops, stride_oph, stride_lps, unit_rows, SEGS, LSE_ROWS)
         t = seg_end
         u += 1
     # units without tiles: no program holds their first tile; program u % P writes their count and -inf lse
