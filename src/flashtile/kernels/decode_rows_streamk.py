@@ -225,7 +225,7 @@ def _rows_streamk_kernel(
             kv0 = (u % GROUPS) * HEADS
             lo = ((t - u_start) * BLOCK_N).to(tl.int32)
             hi = tl.minimum(((seg_end - u_start) * BLOCK_N).to(tl.int32), tl.sum(tl.where(ru == u, lens, 0), 0))
-            q = tl.load(Q + b * stride_qb + (kv0 * group + head_row) * stride_qh + offs_d, mask=row_ok, other=0.0)
+            q = _load_unit_q(Q, u, head_row, row_ok, offs_d, group, stride_qb, stride_qh, GROUPS, HEADS)
             k_ptrs = K + b * stride_kb + (kv0 + offs_h) * stride_kh + (lo + offs_n).to(tl.int64) * stride_kn + offs_d
             v_ptrs = V + b * stride_vb + (kv0 + offs_h) * stride_vh + (lo + offs_n).to(tl.int64) * stride_vn + offs_d
             m_i, l_i, acc = _rows_range(q, k_ptrs, v_ptrs, lo, hi, qk_scale, offs_n, stride_kn, stride_vn, HEADS,
