@@ -141,8 +141,7 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
 
 def test_paged_rule_in_a_graph_of_layers(monkeypatch):
     """A decode step over 16-token paged caches in a CUDA graph, each layer appending one key through the block
-    table (the append kernel, then the row kernel): replays equal the eager step, and the graph reads the lengths
-    and the table as they are at replay."""
+    table (the append kernel, then the row kernel): replays from the same caches equal the eager step."""
     from test_gpu_kvcache import _capture
 
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
