@@ -19,11 +19,10 @@ Every setting's output is checked against the contiguous default's (``check_max_
 """
 
 import argparse
-import re
 import sys
 
 import torch
-from probe_read_ceiling import layer_inputs, print_and_save
+from probe_read_ceiling import layer_inputs, parse_settings, print_and_save
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.bench.decode import _page_order, _paged, _time_in_rounds
@@ -79,15 +78,6 @@ def run_row(b, sk, pages, settings, rounds, paged_settings=None, warmup=25, rep=
     return row
 
 
-def _parse_settings(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        name, _, body = item.partition("=")
-        # a value may hold commas (FLASHTILE_DECODE_ROWS_CFG=16,16,3): split only before the next VAR=
-        out[name] = dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", body) if kv)
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -99,7 +89,7 @@ def main():
     ap.add_argument("--paged-settings", nargs="*", default=[],
                     help="NAME=VAR=VALUE,...: more row-kernel settings on every page size (paged{P}_NAME)")
     args = ap.parse_args()
-    settings, paged_settings = _parse_settings(args.settings), _parse_settings(args.paged_settings)
+    settings, paged_settings = parse_settings(args.settings), parse_settings(args.paged_settings)
     meta = collect_meta(sys.argv, "cuda")
     rows = []
     for b in args.batches:

@@ -21,6 +21,7 @@ programs, which no per-head attention kernel can avoid.
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -422,6 +423,16 @@ def replay_stamped(step, stamps: torch.Tensor, replays: int) -> None:
         stamps.fill_(-1)
         graph.replay()
     torch.cuda.synchronize()
+
+
+def parse_settings(items: list[str], base: dict | None = None) -> dict:
+    """``NAME=VAR=VALUE,VAR=VALUE`` items as {NAME: {VAR: VALUE, ...}}, each on top of ``base``. A value may hold
+    commas (FLASHTILE_DECODE_ROWS_CFG=16,16,3): the items split only before the next VAR=."""
+    out = {}
+    for item in items:
+        name, _, body = item.partition("=")
+        out[name] = {**(base or {}), **dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Z0-9_]+=)", body) if kv)}
+    return out
 
 
 def row_parser(seqlens: list) -> argparse.ArgumentParser:

@@ -24,7 +24,16 @@ import subprocess
 import sys
 
 import torch
-from probe_read_ceiling import flat_call, layer_gaps, layer_inputs, print_and_save, replay_stamped, row_parser, run_row
+from probe_read_ceiling import (
+    flat_call,
+    layer_gaps,
+    layer_inputs,
+    parse_settings,
+    print_and_save,
+    replay_stamped,
+    row_parser,
+    run_row,
+)
 
 from flashtile import flash_attn_with_kvcache
 from flashtile.bench.report import collect_meta
@@ -38,14 +47,6 @@ SETTINGS = {
     "flashtile_streamk_flat": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1",
                                "FLASHTILE_DECODE_ROWS_STREAMK_FLAT": "1"},
 }
-
-
-def parse_settings(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        name, _, body = item.partition("=")
-        out[name] = {**ROWS8, **dict(kv.split("=", 1) for kv in body.split(",") if kv)}
-    return out
 
 
 def kernel_times(b: int, sk: int, settings: dict, calls: int = 20) -> dict:
@@ -129,7 +130,7 @@ def main():
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_streamk.py " + " ".join(sys.argv[1:])
-    settings = {**SETTINGS, **parse_settings(args.settings)}
+    settings = {**SETTINGS, **parse_settings(args.settings, ROWS8)}
     log = None
     if args.clock_log:
         log = subprocess.Popen(
