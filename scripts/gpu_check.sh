@@ -646,8 +646,10 @@ for step in "${steps[@]}"; do
     tests-decode-rows)
       # the row-stream decode experiment (FLASHTILE_DECODE_ROWS=H) against the reference; at most 4 workers: each
       # keeps up to 15 GiB cached, and 8 of them beside the big-cache group ran the GPU out of memory (session 26)
+      all_workers=("${xdist[@]}")
       [[ ${#xdist[@]} -gt 0 && ${GPU_TEST_WORKERS:-8} -gt 4 ]] && xdist=(-n 4 --dist loadgroup)
-      TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py ;;
+      TIMED_XDIST=1 timed_tests decode_rows tests/test_gpu_decode_rows.py
+      xdist=("${all_workers[@]}") ;;  # the later steps keep their workers
     bench-decode-rows)
       # the row-stream decode experiment at b = 32 beside the default (Gluon) and cuDNN, after tests-decode-rows
       # passed in this call: one kv head a program on both layouts (the kernel's own layout cost), then 2, 4
