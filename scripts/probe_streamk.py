@@ -43,9 +43,6 @@ ROWS8 = {"FLASHTILE_DECODE_ROWS": "8"}
 SETTINGS = {
     "flashtile_split": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "0"},
     "flashtile_streamk": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1"},
-    # session 26: one key loop across a program's two units (FLASHTILE_DECODE_ROWS_STREAMK_FLAT), not yet measured
-    "flashtile_streamk_flat": {**ROWS8, "FLASHTILE_DECODE_ROWS_STREAMK": "1",
-                               "FLASHTILE_DECODE_ROWS_STREAMK_FLAT": "1"},
 }
 
 
