@@ -136,23 +136,6 @@ def test_stream_k_shares_every_unit_among_the_programs(rows_calls, combines, lau
     assert launched == [decode_rows_streamk._rows_streamk_kernel, decode_rows_streamk._rows_streamk_combine]
 
 
-@pytest.mark.parametrize("programs", ["1", "3", "5", ""])  # all units in one program's loop; units across programs
-# 3 units, or 8 (one program over all 8 goes segment by segment; 3 programs over 8 units, one key loop each)
-@pytest.mark.parametrize("lens", [[40, 30, 0], [0, 40, 17], [1, 0, 40], [0, 0, 0], [160, 1, 0], [16, 16, 16],
-                                  [5, 16, 17, 0, 3, 33, 1, 2]])
-def test_stream_k_flat_loop(rows_calls, combines, monkeypatch, programs, lens):
-    """FLASHTILE_DECODE_ROWS_STREAMK_FLAT=1: a program whose tiles lie in at most four units runs them in one key
-    loop, storing a segment where a unit ends (the others go segment by segment); results as the oracle's."""
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "4")
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK_FLAT", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
-    q, kc, vc, args = make_case(dtype=torch.float16, b=len(lens), h=8, h_k=4, d=16, cap=max(40, *lens), s_new=1)
-    args["cache_seqlens"] = (torch.tensor(lens, dtype=torch.int32) - 1).clamp_(min=0)
-    _run_and_check(q, kc, vc, args)
-    assert rows_calls == [4] and combines == []
-
-
 def test_knobs_are_checked(monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "3")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS"):

@@ -32,13 +32,11 @@ def test_matches_reference(monkeypatch, heads, pdl, fused, shape):
     assert calls, "the row-stream kernel did not run"
 
 
-@pytest.mark.parametrize("flat", ["0", "1"])  # FLASHTILE_DECODE_ROWS_STREAMK_FLAT: one key loop across two units
 @pytest.mark.parametrize("programs", ["", "7"])  # one a slot; or few, each over several rows and row ends
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"b{s[0]}h{s[1]}hk{s[2]}d{s[3]}c{s[4]}n{s[5]}" for s in SHAPES])
-def test_stream_k_matches_reference(monkeypatch, programs, shape, flat):
+def test_stream_k_matches_reference(monkeypatch, programs, shape):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "8")
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_STREAMK_FLAT", flat)
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_PROGRAMS", programs)
     calls = []
     real = decode_rows._streamk

@@ -323,13 +323,11 @@ def test_row_decode_paged_build_keeps_the_contiguous_buffers(tmp_path, stages):
     assert got[0] >= 2 * (stages - 1) * 32768, got
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["segments", "flat"])
-def test_stream_k_row_decode_compiles_for_sm90(tmp_path, flat):
-    """The stream-K row kernel (kernels/decode_rows_streamk.py), segment by segment or with FLAT's one key loop
-    across two units (FLASHTILE_DECODE_ROWS_STREAMK_FLAT=1): it builds, fits sm_90's shared memory, and its key
+def test_stream_k_row_decode_compiles_for_sm90(tmp_path):
+    """The stream-K row kernel (kernels/decode_rows_streamk.py) builds, fits sm_90's shared memory, and its key
     loops copy their tiles by 16-byte cp.async (pipelined)."""
     cx = dict(HEADS=8, GROUPS=1, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=16, UNITS_P2=32, SEGS=8, LSE_ROWS=32,
-              HAS_SEQLENS=True, USE_PDL=True, FLAT=flat)
+              HAS_SEQLENS=True, USE_PDL=True)
     types = {"O_PART": "*fp32", "LSE_PART": "*fp32", "COUNTS": "*i32", "SEQLENS": "*i32", "STAMPS": "*i64"}
     fields = {}
     _compile(tmp_path, "_rows_streamk_kernel", "flashtile.kernels.decode_rows_streamk", cx, types, 8, 3,

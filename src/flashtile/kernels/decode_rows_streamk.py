@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.decode_rows import _rows_range, _rows_tile, _stamp
+from flashtile.kernels.decode_rows import _rows_range, _stamp
 
 
 @triton.jit
@@ -74,15 +74,6 @@ def _segment_index(p, p_lo, u_start, total, programs):
 
 
 @triton.jit
-def _unit_bounds(u, ru, tiles, ends, lens, n_units, total):
-    """Unit u's first tile and end tile in the order of all units' tiles, and its keys (int32 scalars; a unit past
-    the last starts and ends at the last tile's end, without keys)."""
-    here = ru == u
-    end = tl.where(u < n_units, tl.sum(tl.where(here, ends, 0), 0), total)
-    return end - tl.sum(tl.where(here, tiles, 0), 0), end, tl.sum(tl.where(here, lens, 0), 0)
-
-
-@triton.jit
 def _load_unit_q(Q, u, head_row, row_ok, offs_d, group, stride_qb, stride_qh, GROUPS: tl.constexpr,
                  HEADS: tl.constexpr):
     """Unit u's query heads, [HEADS, BLOCK_M, HEAD_DIM] (rows past the group zero)."""
@@ -113,62 +104,6 @@ def _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, slot, segments, h
 
 
 @triton.jit
-def _streamk_flat(Q, K, V, O_PART, LSE_PART, COUNTS, pid, t0, t1, u0, b0, b1, total, programs, n_units,
-                  qk_scale, group, stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                  stride_vh, stride_ops, stride_oph, stride_lps, HEADS: tl.constexpr, GROUPS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGS: tl.constexpr,
-                  LSE_ROWS: tl.constexpr):
-    """The program's tiles [t0, t1) in ONE pipelined key loop across units u0 and u0 + 1 (b0, b1: each one's
-    (first tile, end tile, keys)): a tile's unit, row and key offset are pure functions of its index, so the
-    pipeliner keeps copies in flight across the unit's end, where the segment is stored and the softmax state reset
-    (the segment loop drains its pipeline and starts again there)."""
-    s0, e0, n0 = b0
-    s1, e1, n1 = b1
-    offs_h = tl.arange(0, HEADS)[:, None, None]
-    offs_m = tl.arange(0, BLOCK_M)[None, :, None]
-    offs_n = tl.arange(0, BLOCK_N)[None, :, None]
-    offs_d = tl.arange(0, HEAD_DIM)[None, None, :]
-    head_row = offs_h * group + offs_m
-    row_ok = offs_m < group
-    lse_row = tl.arange(0, HEADS)[:, None] * group + tl.arange(0, BLOCK_M)[None, :]
-    lse_ok = tl.arange(0, BLOCK_M)[None, :] < group
-    # a tile's pointers: a scalar base (its row, kv heads and first key) plus these loop-invariant offsets
-    k_off = offs_h * stride_kh + offs_n * stride_kn + offs_d
-    v_off = offs_h * stride_vh + offs_n * stride_vn + offs_d
-    # (u0: the unit of tile t0; past the last unit when this program has no tiles)
-    q = _load_unit_q(Q, tl.minimum(u0, n_units - 1), head_row, row_ok, offs_d, group, stride_qb, stride_qh, GROUPS,
-                     HEADS)
-    # both segments' slots and counts ahead of the loop (their 64-bit divisions kept out of it)
-    slot0, segs0 = _segment_slot(pid, u0, s0.to(tl.int64), e0.to(tl.int64), total, programs, n_units, SEGS)
-    slot1, segs1 = _segment_slot(pid, u0 + 1, s1.to(tl.int64), e1.to(tl.int64), total, programs, n_units, SEGS)
-    m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-    acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-    for t in range(t0, t1):
-        second = t >= e0
-        u = u0 + second.to(tl.int32)
-        first = tl.where(second, s1, s0)
-        b = (u // GROUPS).to(tl.int64)
-        kv0 = (u % GROUPS) * HEADS
-        start = (t - first) * BLOCK_N
-        key = start.to(tl.int64)
-        k_ptrs = K + (b * stride_kb + kv0 * stride_kh + key * stride_kn) + k_off
-        v_ptrs = V + (b * stride_vb + kv0 * stride_vh + key * stride_vn) + v_off
-        m_i, l_i, acc = _rows_tile(q, m_i, l_i, acc, k_ptrs, v_ptrs, start, tl.where(second, n1, n0), qk_scale,
-                                   offs_n, MASKED=True)
-        end = tl.where(second, e1, e0)
-        if (t + 1 == end) | (t + 1 == t1):  # the segment's last tile: store it, start the next unit's
-            _write_segment(O_PART, LSE_PART, COUNTS, m_i, l_i, acc, u, tl.where(second, slot1, slot0),
-                           tl.where(second, segs1, segs0), first >= t0, head_row, row_ok, offs_d, lse_row, lse_ok,
-                           stride_ops, stride_oph, stride_lps, HEADS * group, SEGS, LSE_ROWS)
-            m_i = tl.full([HEADS, BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-            acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-            q = _load_unit_q(Q, tl.minimum(u0 + 1, n_units - 1), head_row, row_ok, offs_d, group, stride_qb,
-                             stride_qh, GROUPS, HEADS)  # (only u0's segment ends before the program's last tile)
-
-
-@triton.jit
 def _rows_streamk_kernel(
     Q, K, V, O_PART, LSE_PART, COUNTS, SEQLENS, qk_scale, cache_len_const, s_new, capacity, group, n_units, programs,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
@@ -176,16 +111,13 @@ def _rows_streamk_kernel(
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr, SEGS: tl.constexpr, LSE_ROWS: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False, STAMPS=None, STAMP: tl.constexpr = False,
-    FLAT: tl.constexpr = False,
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache; unit u = batch row u // GROUPS, kv heads
     (u % GROUPS) * HEADS onwards, its HEADS * group query heads (LSE_ROWS, a power of two, at least). Writes each of
     its segments' normalized output O_PART[slot, unit query head, :] (fp32) and lse LSE_PART[slot, unit query head]
     (natural log) at the slot the module docstring gives, and COUNTS and the unused slots' -inf lse for the units
     whose first tile it holds (or, for a unit without tiles, program u % P). STAMP: the diagnostic
-    (decode_rows._stamp): the program's start, the end of its segments and its end, and its SM. FLAT: a program
-    whose tiles lie in at most two units runs them in one key loop (_streamk_flat); the others, segment by
-    segment."""
+    (decode_rows._stamp): the program's start, the end of its segments and its end, and its SM."""
     if USE_PDL:
         gdc_wait()
     pid = tl.program_id(0).to(tl.int64)
@@ -197,17 +129,6 @@ def _rows_streamk_kernel(
     t = pid * total // programs
     t_stop = (pid + 1) * total // programs
     u = tl.sum((ends <= t).to(tl.int32), 0)  # the first unit that ends past this program's first tile
-    if FLAT:
-        tiles_in_all = total.to(tl.int32)
-        b0 = _unit_bounds(u, ru, tiles, ends, lens, n_units, tiles_in_all)
-        b1 = _unit_bounds(u + 1, ru, tiles, ends, lens, n_units, tiles_in_all)
-        if t_stop <= b1[1]:  # this program's tiles lie in units u and u + 1
-            _streamk_flat(Q, K, V, O_PART, LSE_PART, COUNTS, pid, t.to(tl.int32), t_stop.to(tl.int32), u, b0, b1,
-                          total, programs, n_units, qk_scale, group, stride_qb, stride_qh, stride_kb, stride_kn,
-                          stride_kh, stride_vb, stride_vn, stride_vh, stride_ops, stride_oph, stride_lps, HEADS,
-                          GROUPS, HEAD_DIM, BLOCK_M, BLOCK_N, SEGS, LSE_ROWS)
-            t = t_stop
-
     offs_h = tl.arange(0, HEADS)[:, None, None]
     offs_m = tl.arange(0, BLOCK_M)[None, :, None]
     offs_n = tl.arange(0, BLOCK_N)[None, :, None]

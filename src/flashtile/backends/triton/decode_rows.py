@@ -18,8 +18,8 @@ rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_
 the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
 kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
 program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, sessions
-24-25), and with ``FLASHTILE_DECODE_ROWS_STREAMK_FLAT=1`` runs a program's tiles in one key loop across units
-(session 26; not yet measured on a GPU). ``STAMPS`` is the row kernels' per-program timing diagnostic.
+24-25; a variant with one key loop across a program's units, session 26, was 4%-5% slower still and is removed).
+``STAMPS`` is the row kernels' per-program timing diagnostic.
 New keys are appended by the separate append kernel first (through the block table on a paged cache).
 """
 
@@ -270,7 +270,6 @@ def _streamk(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, l
             HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2, SEGS=segs,
             LSE_ROWS=max(2, next_pow2(unit_heads)), HAS_SEQLENS=cache_seqlens is not None, num_warps=warps,
             num_stages=stages, **extra, **_stamps(),
-            **({"FLAT": True} if env.switch("FLASHTILE_DECODE_ROWS_STREAMK_FLAT") else {}),
         )
         # the overflow loop's chunk: a unit past SEGS segments is a long row among short ones, over many programs
         block_s = 8
