@@ -128,10 +128,13 @@ def main():
         w2 = w1 * (t_by.mean() / t_by)
         by_sm2 = bounds_from(w2, n_tiles)
         t_by2, distinct2, lane2 = per_sm_times(k16, v16, out, by_sm2, sms, True, sms)
+        # 128 programs: which 4 SMs the hardware leaves idle, and how the others of their group answer (NaN: idle)
+        t_128, _, _ = per_sm_times(k16, v16, out, even128, 128, False, sms)
         row = {"gib": gib, "tiles": n_tiles,
                "coverage_ok": bool(torch.equal(lane1, lane_even) and torch.equal(lane2, lane_even)),
                "distinct_sms": bool(distinct1 and distinct2),
-               "per_sm_us": {"even": t_even.tolist(), "by_sm": t_by.tolist(), "by_sm2": t_by2.tolist()},
+               "per_sm_us": {"even": t_even.tolist(), "by_sm": t_by.tolist(), "by_sm2": t_by2.tolist(),
+                             "even_P128": t_128.tolist()},
                "spread_us": {n: [t.min().item(), t.median().item(), t.max().item()]
                              for n, t in (("even", t_even), ("by_sm", t_by), ("by_sm2", t_by2))},
                "rounds_us": {}}
