@@ -18,7 +18,7 @@ rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_
 the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
 kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
 program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, sessions
-24-25; a variant with one key loop across a program's units, session 26, was 4%-5% slower still and is removed).
+24-25; a variant with one key loop across a program's units, session 26, was 3%-4.5% slower still and is removed).
 ``STAMPS`` is the row kernels' per-program timing diagnostic.
 New keys are appended by the separate append kernel first (through the block table on a paged cache).
 """
