@@ -25,6 +25,8 @@
 #                 nvidia-smi clock / power log (scripts/probe_read_ceiling.py; CEILING_SEQLENS, default "8192 16384 65536 131072")
 #   probe-streamk  the split and stream-K whole-row kernels on one board (scripts/probe_streamk.py): timings beside the
 #                 flat reads on 128 / 132 programs and cuDNN, then both kernels' per-program stamps (b = 32 / 64)
+#   probe-sm-balance  a plain read split evenly against split by each SM's measured speed (%smid-indexed ranges), with
+#                 the per-SM times of 132- and 128-program reads (scripts/probe_sm_balance.py; BALANCE_GIB, default "8 2 1")
 #   probe-paged-rows  paged caches (16 / 256-token pages) on the whole-row kernel against the per-head paged kernel and
 #                 the contiguous cache, in 8-layer graphs (scripts/probe_paged_rows.py)
 #   probe-decode-stamps  per-program %globaltimer stamps of the Gluon decode kernel and the per-head read (--stamps)
@@ -327,6 +329,10 @@ for step in "${steps[@]}"; do
         --rounds 2 >> "$summary" 2> "$WORK/read_ceiling.log"
       kill "$smi" 2> /dev/null
       python3 scripts/clock_log_by_timing.py "$WORK/read_ceiling.json" "$WORK/clocks_read_ceiling.csv" >> "$summary" ;;
+    probe-sm-balance)
+      # per-SM read times (132 and 128 programs: a board's fingerprint) and reads weighted by each SM's speed
+      python3 scripts/probe_sm_balance.py --out "$WORK/sm_balance.json" --gib ${BALANCE_GIB:-8 2 1} \
+        >> "$summary" 2> "$WORK/sm_balance.log" ;;
     probe-streamk)
       # the split and stream-K row kernels on one board: timings beside the flat reads (128 / 132 programs: the
       # board's class) and cuDNN, with a clock log, then both kernels' per-program stamps (session 25)
