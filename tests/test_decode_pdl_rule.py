@@ -59,6 +59,42 @@ def test_never_without_griddepcontrol(sm90):
     assert not decode.use_pdl(CUDA, SMALL)
 
 
+@pytest.mark.parametrize("env,small,large", [("", True, False), ("1", True, True), ("0", False, False)])
+def test_append_follows_the_decode_rule_unless_switched(sm90, env, small, large):
+    """The append kernel launches as a programmatic dependent where the decode kernels do (append_pdl: use_pdl's
+    size rule, FLASHTILE_DECODE_PDL included); FLASHTILE_DECODE_APPEND_PDL=0 / 1 forces it either way."""
+    k = torch.empty(0, device="meta")
+    sm90.setattr(decode, "pdl_capable", lambda device: True)
+    sm90.setenv("FLASHTILE_DECODE_APPEND_PDL", env)
+    assert decode.append_pdl(k, SMALL, False) is small
+    assert decode.append_pdl(k, LARGE, False) is large
+    if env == "":
+        assert not decode.append_pdl(k, SMALL, True)  # fp8 caches: as use_pdl, only when forced
+        sm90.setenv("FLASHTILE_DECODE_PDL", "0")
+        assert not decode.append_pdl(k, SMALL, False)
+    sm90.setattr(decode, "pdl_capable", lambda device: False)
+    assert not decode.append_pdl(k, SMALL, False)  # never without griddepcontrol, even when forced
+    sm90.setenv("FLASHTILE_DECODE_APPEND_PDL", "x")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_APPEND_PDL"):
+        decode.append_pdl(k, SMALL, False)
+
+
+def test_kv_append_passes_its_cache_bytes(monkeypatch):
+    """kv_append's wiring, launch recorded, not run: the bytes it asks about are the whole cache's K and V at
+    capacity (contiguous or paged), and a yes adds USE_PDL and launch_pdl to the launch."""
+    asked, launches = [], []
+    monkeypatch.setattr(decode, "append_pdl", lambda k, kv_bytes, fp8: asked.append(kv_bytes) or True)
+    monkeypatch.setattr(decode, "run_kernel", lambda kernel, grid, *a, **meta: launches.append(meta))
+    k = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
+    cache = torch.zeros(2, 1000, 8, 128, dtype=torch.float16)
+    decode.kv_append(cache, cache, k, k, None, 5, None, None, None, None, False)
+    pool = torch.zeros(12, 16, 8, 128, dtype=torch.float16)
+    table = torch.zeros(2, 6, dtype=torch.int32)
+    decode.kv_append(pool, pool, k, k, None, 5, None, table, None, None, False)
+    assert asked == [2 * 2 * 1000 * 8 * 128 * 2, 2 * 2 * 6 * 16 * 8 * 128 * 2]
+    assert all(m["USE_PDL"] and m["launch_pdl"] for m in launches)
+
+
 # FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of
 # at least LONG_PROGRAM_BLOCKS key blocks take 8 warps (measured on the H200); 0 keeps the table's, 4 / 8
 # force a count on the long programs of any GPU.

@@ -57,9 +57,9 @@ def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
     """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the
     previous layer's output (so a kernel that read before its wait would see a stale input),
     replayed with new lengths, against the same chain launched ordinarily: outputs and appended
-    caches bit for bit. The append runs as its own kernel (the default: an ordinary launch between
-    a layer's merge and the next layer's decode) or inside the decode kernel (PDL decode right after
-    a PDL merge)."""
+    caches bit for bit. The append runs as its own kernel (the default; since session 27 a programmatic
+    dependent too, between a layer's merge and the next layer's decode) or inside the decode kernel (PDL
+    decode right after a PDL merge)."""
     monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")

@@ -8,6 +8,7 @@ token. ``_rotary_rows`` is shared with the decode kernel, which rotates the quer
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -58,7 +59,14 @@ def _kv_append_kernel(
     # constexprs
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr, ROTARY_DIM: tl.constexpr, INTERLEAVED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    # USE_PDL: launched as a programmatic dependent of the kernel before it (a layer's last decode kernel, in a
+    # step of layers), it waits for that kernel's end and writes before reading anything, then lets the decode
+    # kernel after it start launching (that one waits for this grid's end before its first read)
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     # flat grid (axis 0, up to 2^31 - 1 programs; axis 1 would cap the batch at 65535): pid = b * s_new + t
     pid = tl.program_id(0)
     t = pid % s_new

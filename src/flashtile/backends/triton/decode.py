@@ -338,7 +338,8 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     b, s_new, h_k, d = k.shape
     if b == 0 or s_new == 0:
         return
-    if k.dtype == FP8_DTYPE:  # appending e4m3 values is a byte copy (fp8 takes no rotary)
+    is_fp8 = k.dtype == FP8_DTYPE
+    if is_fp8:  # appending e4m3 values is a byte copy (fp8 takes no rotary)
         k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
     paged = block_table is not None
     page_size = k_cache.shape[1]
@@ -360,7 +361,23 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
             HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
             ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
             num_warps=4 if h_k * d >= 1024 else 1,
+            **(dict(USE_PDL=True, launch_pdl=True) if append_pdl(k, b * capacity * h_k * d * 2 * k_cache.element_size(),
+                                                                 is_fp8) else {}),
         )
+
+
+def append_pdl(k: torch.Tensor, kv_bytes: int, fp8: bool) -> bool:
+    """Launch the append kernel as a programmatic dependent of the kernel before it? As the decode kernels do
+    (use_pdl: caches of at most PDL_MAX_KV_BYTES, or FLASHTILE_DECODE_PDL), unless FLASHTILE_DECODE_APPEND_PDL=0 / 1
+    says. Session 27, 8-layer graphs of serving steps that append a key a row (bench decode --new-tokens 1):
+    forced on (lease F27, append_pdl_ab_leaseF27_h200_2026-12-02_session27.json) b = 1 6.3%-6.5% faster at 8k / 16k,
+    3.8% at 32k, 2.1% at 64k, b = 8 0.9% at 8k, but 0.7%-1.2% slower at b = 32 from 64k (the whole-row kernel), as the
+    decode kernels' own PDL costs about 1% on large caches; by this rule (G27, append_pdl_rule_leaseG27_...json) b = 1
+    5.9% / 5.9% / 3.7% / 2.3% faster at 8k-64k, b = 8 0.7% at 8k, every other row within 0.1%."""
+    forced = env.switch("FLASHTILE_DECODE_APPEND_PDL")
+    if forced is not None:
+        return forced and pdl_capable(k.device)
+    return use_pdl(k.device, kv_bytes, fp8)
 
 
 def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
