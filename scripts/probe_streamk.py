@@ -119,6 +119,21 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
     return result
 
 
+# The flat read's 128- against 132-program time in these graphs: 1.0186 on E26 (J24's kind, where the split row
+# kernel trails cuDNN by 1.4% at b = 32 from 64k) and 0.9999-1.0004 on session 27's normal boards (A27-E27).
+J24_LIKE_RATIO = 1.01
+
+
+def board_class_line(us: dict) -> str:
+    """One line naming the board's kind from the flat reads' times (us a call by variant name)."""
+    p128, p132 = us.get("flat_P128_b16384_w8_s3"), us.get("flat_P132_b16384_w8_s3")
+    if not p128 or not p132:
+        return "board class: not measured (a flat read failed)"
+    ratio = p128 / p132
+    kind = "J24 / E26-like: 128 programs read slower" if ratio > J24_LIKE_RATIO else "normal"
+    return f"board class: flat read P128 / P132 = {ratio:.4f} ({kind}; J24-like above {J24_LIKE_RATIO})"
+
+
 def main():
     ap = row_parser([65536, 131072])
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: more flashtile settings")
@@ -159,6 +174,7 @@ def main():
             for name, table in row["kernel_us"].items():
                 print(f"  kernels {name}: {table}", flush=True)
             print_and_save(row, args.out, meta, rows)
+            print(board_class_line(row["us"]), flush=True)
     finally:
         if log is not None:
             log.terminate()
