@@ -348,6 +348,8 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     cos = rotary_cos if rotary_cos is not None else k
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
+    # K and V at the cache's capacity: the bytes use_pdl's rule is keyed on, as for the decode kernel after this one
+    pdl = append_pdl(k, 2 * b * capacity * h_k * d * k_cache.element_size(), is_fp8)
     with device_guard(k):
         run_kernel(_kv_append_kernel, (s_new * b,),  # flat grid: axis 1 would cap the batch at 65535
             k, v, k_cache, v_cache,
@@ -360,9 +362,7 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
             HEAD_DIM=d, BLOCK_H=next_pow2(h_k), BLOCK_D=max(16, next_pow2(d)),
             HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None, PAGED=paged,
             ROTARY_DIM=rotary_dim, INTERLEAVED=bool(rotary_interleaved),
-            num_warps=4 if h_k * d >= 1024 else 1,
-            **(dict(USE_PDL=True, launch_pdl=True) if append_pdl(k, b * capacity * h_k * d * 2 * k_cache.element_size(),
-                                                                 is_fp8) else {}),
+            num_warps=4 if h_k * d >= 1024 else 1, **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}),
         )
 
 
