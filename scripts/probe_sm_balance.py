@@ -10,7 +10,10 @@ uneven split is worth, on a plain read (no attention), one program an SM (a 3-st
 - ``even``: 132 programs, equal tile ranges by program id (the flat read of probe_read_ceiling);
 - ``by_sm``: each program reads its SM id (%smid) and takes the range of a table indexed by it, weighted by
   1 / (the SM's loop time in ``even``): faster SMs read more;
-- ``by_sm2``: the table refined once more from ``by_sm``'s own per-SM times.
+- ``by_sm2``: the table refined once more from ``by_sm``'s own per-SM times;
+- ``idle_hw_four`` / ``idle_fastest_four``: 132 programs by SM id with 4 empty ranges, on the SMs a 128-program read
+  leaves idle or on the 4 fastest, the rest even (added after session 27's runs, for boards like E26 where 128
+  programs read 1.9% slower: does it matter which SMs idle?).
 Every variant's lane-wise XOR over all programs must equal ``even``'s (each tile read once, whatever the split), and
 the SM ids of a launch must be distinct (one program an SM), or the table would read a range twice; both are
 checked. Timings are CUDA-graph replays of 4 chained reads, the variants alternating in rounds.
@@ -130,16 +133,23 @@ def main():
         t_by2, distinct2, lane2 = per_sm_times(k16, v16, out, by_sm2, sms, True, sms)
         # 128 programs: which 4 SMs the hardware leaves idle, and how the others of their group answer (NaN: idle)
         t_128, _, _ = per_sm_times(k16, v16, out, even128, 128, False, sms)
+        # 4 SMs idle by choice (132 programs, 4 empty ranges): the hardware's idle four (is a 128-program read's time
+        # about which SMs idle?) and the 4 fastest (idle SMs where bandwidth is left over): for boards like E26
+        idle_hw = bounds_from(torch.where(torch.isnan(t_128), 0.0, 1.0), n_tiles)
+        idle_fast = bounds_from(torch.ones(sms).index_fill_(0, torch.argsort(t_even)[:sms - 128], 0.0), n_tiles)
+        _, distinct3, lane3 = per_sm_times(k16, v16, out, idle_hw, sms, True, sms)
+        _, distinct4, lane4 = per_sm_times(k16, v16, out, idle_fast, sms, True, sms)
         row = {"gib": gib, "tiles": n_tiles,
-               "coverage_ok": bool(torch.equal(lane1, lane_even) and torch.equal(lane2, lane_even)),
-               "distinct_sms": bool(distinct1 and distinct2),
+               "coverage_ok": all(torch.equal(x, lane_even) for x in (lane1, lane2, lane3, lane4)),
+               "distinct_sms": bool(distinct1 and distinct2 and distinct3 and distinct4),
                "per_sm_us": {"even": t_even.tolist(), "by_sm": t_by.tolist(), "by_sm2": t_by2.tolist(),
                              "even_P128": t_128.tolist()},
                "spread_us": {n: [t.min().item(), t.median().item(), t.max().item()]
                              for n, t in (("even", t_even), ("by_sm", t_by), ("by_sm2", t_by2))},
                "rounds_us": {}}
         variants = {"even_P132": (even, sms, False), "even_P128": (even128, 128, False),
-                    "by_sm": (by_sm, sms, True), "by_sm2": (by_sm2, sms, True)}
+                    "by_sm": (by_sm, sms, True), "by_sm2": (by_sm2, sms, True), "idle_hw_four": (idle_hw, sms, True),
+                    "idle_fastest_four": (idle_fast, sms, True)}
         for r in range(args.rounds):
             names = list(variants)
             names = names[r % len(names):] + names[:r % len(names)]
