@@ -195,6 +195,16 @@ PDL_OVERRIDE: bool | None = None
 PDL_MAX_KV_BYTES = 256 << 20
 
 
+def capacity_of(k_cache, block_table) -> int:
+    """Keys a row can hold: the cache's second dimension, or a paged row's pages x the page size."""
+    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+
+
+def cache_bytes(b: int, capacity: int, k_cache) -> int:
+    """The K and V bytes of ``b`` rows of ``capacity`` keys in ``k_cache``'s dtype (what use_pdl's rule is keyed on)."""
+    return 2 * b * capacity * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+
+
 def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
     """Launch this call's decode (and merge) kernels as programmatic dependents? ``kv_bytes``: the K
     and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize);
@@ -343,13 +353,12 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
         k_cache, v_cache, k, v = (x.view(torch.uint8) for x in (k_cache, v_cache, k, v))
     paged = block_table is not None
     page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    capacity = capacity_of(k_cache, block_table)
     rotary_dim = 0 if rotary_cos is None else 2 * rotary_cos.shape[1]
     cos = rotary_cos if rotary_cos is not None else k
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
-    # K and V at the cache's capacity: the bytes use_pdl's rule is keyed on, as for the decode kernel after this one
-    pdl = append_pdl(k, 2 * b * capacity * h_k * d * k_cache.element_size(), is_fp8)
+    pdl = append_pdl(k, cache_bytes(b, capacity, k_cache), is_fp8)  # the bytes the decode kernel after it reads
     with device_guard(k):
         run_kernel(_kv_append_kernel, (s_new * b,),  # flat grid: axis 1 would cap the batch at 65535
             k, v, k_cache, v_cache,
@@ -395,7 +404,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     group = h // h_k
     paged = block_table is not None
     page_size = k_cache.shape[1]
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+    capacity = capacity_of(k_cache, block_table)
     block_d = max(16, next_pow2(d))
     block_m = _block_m(sq * group)
     m_blocks = cdiv(sq * group, block_m)
@@ -451,8 +460,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * programs,)
-    kv_bytes = 2 * b * capacity * h_k * d * k_cache.element_size()
-    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, kv_bytes, is_fp8) else {}
+    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, cache_bytes(b, capacity, k_cache), is_fp8) else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
@@ -619,7 +627,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     sms = num_sms(q.device)
     if rows is None and plain_or_paged:
         rows = decode_rows.by_rule(arch=_arch(q.device), b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
-                                   capacity=decode_rows.capacity_of(k_cache, block_table), num_splits=num_splits,
+                                   capacity=capacity_of(k_cache, block_table), num_splits=num_splits,
                                    sms=sms, page_size=0 if block_table is None else k_cache.shape[1])
     if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table)

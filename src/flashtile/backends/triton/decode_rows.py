@@ -166,17 +166,12 @@ def covers(q, k_cache, v_cache, heads: int, block_table=None) -> bool:
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 
 
-def capacity_of(k_cache, block_table) -> int:
-    """Keys a row can hold: the cache's second dimension, or a paged row's pages x the page size."""
-    return k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-
-
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms,
                 block_table=None):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1). With ``block_table`` (b, pages a row), int32, the
     caches are (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists."""
-    from flashtile.backends.triton.decode import pdl_capable
+    from flashtile.backends.triton.decode import capacity_of, pdl_capable
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
@@ -209,7 +204,7 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
            s_new, splits, block_table=None):
     """The split launch: b * groups * splits programs, then the combine kernel (or, FLASHTILE_DECODE_ROWS_FUSED=1,
     the in-kernel merge). ``block_table``: a paged cache (rows_decode)."""
-    from flashtile.backends.triton.decode import _merge_counters, combine, split_partials
+    from flashtile.backends.triton.decode import _merge_counters, capacity_of, combine, split_partials
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
