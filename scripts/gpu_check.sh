@@ -44,6 +44,11 @@
 #   tests-decode-rows / bench-decode-rows  the row-stream decode experiment (programs of adjacent kv heads)
 #   bench-decode-fused-append  the Triton kernel's in-kernel append against the separate append kernel, b = 1 / 8
 #   bench-decode-layers-append  the 8-layer table with one appended key a call (--new-tokens 1), beside cuDNN
+#   bench-decode-pdl-append  serving steps (--new-tokens 1) at b = 1-8, 32k-128k: the PDL rule, the decode and append
+#                 kernels forced on, the decode kernels alone forced on; then b = 1-4 without an append, rule / forced
+#                 (each alternated twice; session 28)
+#   bench-decode-pdl-append-rule  serving steps at b = 1 / 2, 64k-256k, contiguous and paged: the rule (session 28's,
+#                 PDL for appends on at most 16 row-kv-head pairs) against FLASHTILE_DECODE_PDL=0, twice
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
 #   (the A/Bs of Triton-kernel settings below pin FLASHTILE_DECODE_GLUON_WARP_KEYS=0, so that both arms run it)
 #   bench-decode-long-warps  long decode programs at 8 warps (the rule) against the table's 4, alternated twice
@@ -675,6 +680,16 @@ for step in "${steps[@]}"; do
       # peers append nothing), contiguous and paged, beside cuDNN
       python3 -m flashtile.bench decode --cuda-graph --layers 8 --new-tokens 1 --peers cudnn ${LAYERS_BENCH_ARGS:-} \
         --out "$WORK/decode_graph_layers8_append.json" 2> "$WORK/bench_decode_layers_append.log" >> "$summary" ;;
+    bench-decode-pdl-append)
+      # does a call that appends want its decode kernels launched as programmatic dependents on larger caches?
+      # (session 27's lead: b = 1, 128k faster with them, b = 8 from 16k slower)
+      decode_runs pdl_append "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1|FLASHTILE_DECODE_PDL=1 FLASHTILE_DECODE_APPEND_PDL=0|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1|FLASHTILE_DECODE_PDL=1 FLASHTILE_DECODE_APPEND_PDL=0" \
+        --cuda-graph --layers 8 --new-tokens 1 --pages --peers --batch 1 2 4 8 --seqlens 32768 65536 131072
+      decode_runs pdl_noappend "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1" \
+        --cuda-graph --layers 8 --pages --peers --batch 1 2 4 --seqlens 65536 131072 ;;
+    bench-decode-pdl-append-rule)
+      decode_runs pdl_append_rule "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0" \
+        --cuda-graph --layers 8 --new-tokens 1 --pages 16 256 --peers --batch 1 2 --seqlens 65536 131072 262144 ;;
     bench-decode-b32-tma)
       # the descriptor-load rule was measured at 3 stages (session 10); b = 32 runs at 2 since session 12
       FLASHTILE_DECODE_GLUON_WARP_KEYS=0 decode_ab - decode_b32_tma FLASHTILE_DECODE_TMA "0 1 0 1" --cuda-graph --layers 8 --batch 32 \

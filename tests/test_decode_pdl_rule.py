@@ -28,6 +28,20 @@ def test_default_follows_the_measured_size(sm90):
     assert not decode.use_pdl(CUDA, LARGE)
 
 
+def test_serving_steps_on_few_rows(sm90):
+    """A call whose new keys the separate append kernel writes first takes it at any size on at most
+    PDL_APPEND_MAX_ROWS (batch row, kv head) pairs (b = 1 and 2 with 8 kv heads), not on more, not without
+    an append, and an fp8 cache still only when forced."""
+    few, many = decode.PDL_APPEND_MAX_ROWS, decode.PDL_APPEND_MAX_ROWS + 1
+    assert decode.use_pdl(CUDA, LARGE, appended_rows=few)
+    assert decode.use_pdl(CUDA, 64 * LARGE, appended_rows=1)
+    assert not decode.use_pdl(CUDA, LARGE, appended_rows=many)
+    assert not decode.use_pdl(CUDA, LARGE, appended_rows=0)
+    assert not decode.use_pdl(CUDA, LARGE, fp8=True, appended_rows=few)
+    sm90.setenv("FLASHTILE_DECODE_PDL", "0")
+    assert not decode.use_pdl(CUDA, SMALL, appended_rows=few)
+
+
 @pytest.mark.parametrize("env,small,large", [("1", True, True), ("0", False, False), ("", True, False)])
 def test_switch(sm90, env, small, large):
     sm90.setenv("FLASHTILE_DECODE_PDL", env)
@@ -66,24 +80,27 @@ def test_append_follows_the_decode_rule_unless_switched(sm90, env, small, large)
     k = torch.empty(0, device="meta")
     sm90.setattr(decode, "pdl_capable", lambda device: True)
     sm90.setenv("FLASHTILE_DECODE_APPEND_PDL", env)
-    assert decode.append_pdl(k, SMALL, False) is small
-    assert decode.append_pdl(k, LARGE, False) is large
+    many = decode.PDL_APPEND_MAX_ROWS + 1
+    assert decode.append_pdl(k, SMALL, False, many) is small
+    assert decode.append_pdl(k, LARGE, False, many) is large
     if env == "":
-        assert not decode.append_pdl(k, SMALL, True)  # fp8 caches: as use_pdl, only when forced
+        assert decode.append_pdl(k, LARGE, False, decode.PDL_APPEND_MAX_ROWS)  # a serving step on few rows
+        assert not decode.append_pdl(k, SMALL, True, many)  # fp8 caches: as use_pdl, only when forced
         sm90.setenv("FLASHTILE_DECODE_PDL", "0")
-        assert not decode.append_pdl(k, SMALL, False)
+        assert not decode.append_pdl(k, SMALL, False, many)
     sm90.setattr(decode, "pdl_capable", lambda device: False)
-    assert not decode.append_pdl(k, SMALL, False)  # never without griddepcontrol, even when forced
+    assert not decode.append_pdl(k, SMALL, False, many)  # never without griddepcontrol, even when forced
     sm90.setenv("FLASHTILE_DECODE_APPEND_PDL", "x")
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_APPEND_PDL"):
-        decode.append_pdl(k, SMALL, False)
+        decode.append_pdl(k, SMALL, False, many)
 
 
 def test_kv_append_passes_its_cache_bytes(monkeypatch):
     """kv_append's wiring, launch recorded, not run: the bytes it asks about are the whole cache's K and V at
-    capacity (contiguous or paged), and a yes adds USE_PDL and launch_pdl to the launch."""
+    capacity (contiguous or paged), the rows batch x kv heads, and a yes adds USE_PDL and launch_pdl to the
+    launch."""
     asked, launches = [], []
-    monkeypatch.setattr(decode, "append_pdl", lambda k, kv_bytes, fp8: asked.append(kv_bytes) or True)
+    monkeypatch.setattr(decode, "append_pdl", lambda k, kv_bytes, fp8, rows: asked.append((kv_bytes, rows)) or True)
     monkeypatch.setattr(decode, "run_kernel", lambda kernel, grid, *a, **meta: launches.append(meta))
     k = torch.zeros(2, 1, 8, 128, dtype=torch.float16)
     cache = torch.zeros(2, 1000, 8, 128, dtype=torch.float16)
@@ -91,8 +108,34 @@ def test_kv_append_passes_its_cache_bytes(monkeypatch):
     pool = torch.zeros(12, 16, 8, 128, dtype=torch.float16)
     table = torch.zeros(2, 6, dtype=torch.int32)
     decode.kv_append(pool, pool, k, k, None, 5, None, table, None, None, False)
-    assert asked == [2 * 2 * 1000 * 8 * 128 * 2, 2 * 2 * 6 * 16 * 8 * 128 * 2]
+    assert asked == [(2 * 2 * 1000 * 8 * 128 * 2, 16), (2 * 2 * 6 * 16 * 8 * 128 * 2, 16)]
     assert all(m["USE_PDL"] and m["launch_pdl"] for m in launches)
+
+
+@pytest.mark.parametrize("b,appends,expected", [(1, True, True), (2, True, True), (4, True, False),
+                                                 (1, False, False)])
+def test_serving_step_wiring(sm90, b, appends, expected):
+    """kvcache_fwd's wiring, launches recorded, not run, every cache counted as large (PDL_MAX_KV_BYTES = 0): a
+    call that appends through the separate kernel on b x 8 kv heads <= PDL_APPEND_MAX_ROWS launches the append,
+    split and merge kernels as programmatic dependents; more rows, or no new keys, none of them."""
+    sm90.setattr(decode, "PDL_MAX_KV_BYTES", 0)
+    sm90.setattr(decode, "_arch", lambda device: "sm90")
+    sm90.setattr(decode, "num_sms", lambda device: 132)
+    sm90.setattr(decode, "pdl_capable", lambda device: True)
+    sm90.setattr(decode, "TMA_OVERRIDE", False)
+    for knob in ("FLASHTILE_DECODE_APPEND_PDL", "FLASHTILE_DECODE_ROWS", "FLASHTILE_DECODE_GLUON_WARP_KEYS"):
+        sm90.delenv(knob, raising=False)
+    launches = []
+    record = lambda kernel, grid, *a, **meta: launches.append(bool(meta.get("launch_pdl")))  # noqa: E731
+    sm90.setattr(decode, "launch", record)
+    sm90.setattr(decode, "run_kernel", record)
+    q = torch.zeros(b, 1, 32, 128, dtype=torch.float16)
+    cache = torch.zeros(b, 4096, 8, 128, dtype=torch.float16)
+    new = torch.zeros(b, 1, 8, 128, dtype=torch.float16) if appends else None
+    decode.kvcache_fwd(q, cache, cache.clone(), new, new, None, None, None, 4000, None, None, None, 0.1, True,
+                       -1, 0, 0.0, False, None, 0)
+    assert len(launches) == (3 if appends else 2)  # [append,] split, merge
+    assert launches == [expected] * len(launches)
 
 
 # FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of

@@ -1,7 +1,8 @@
 """GPU tests of programmatic dependent launch for the decode kernels (FLASHTILE_DECODE_PDL,
 backends/triton/decode.py PDL_OVERRIDE): results bitwise equal to ordinary launches, eager and in a
-CUDA graph of several calls (the way a serving step runs its layers). Passed 17 of 17 on the H200 in
-session 7, after which it became the default for small calls; run alone: gpu_check.sh tests-decode-pdl."""
+CUDA graph of several calls (the way a serving step runs its layers), and the default rule for serving
+steps. Passed 17 of 17 on the H200 in session 7, after which it became the default for small calls; run
+alone: gpu_check.sh tests-decode-pdl."""
 
 import pytest
 import torch
@@ -50,6 +51,30 @@ def test_pdl_matches_ordinary_launch(monkeypatch, page, b, num_splits, s_new):
     assert calls and calls[-1] is True and calls[0] is False
     for a, c in zip(*results):
         assert torch.equal(a, c)  # same kernels, same order of work: bit for bit
+
+
+@pytest.mark.parametrize("b,expected", [(1, True), (2, True), (4, False)])
+def test_serving_step_rule(monkeypatch, b, expected):
+    """By default (no override) a call that appends through the separate kernel on at most PDL_APPEND_MAX_ROWS
+    (row, kv head) pairs takes programmatic dependent launch whatever the cache's size (here every cache counts
+    as large: PDL_MAX_KV_BYTES = 0), more pairs do not; results bit for bit those of ordinary launches."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    monkeypatch.setattr(launcher, "PDL_MAX_KV_BYTES", 0)
+    for knob in ("FLASHTILE_DECODE_PDL", "FLASHTILE_DECODE_APPEND_PDL"):
+        monkeypatch.delenv(knob, raising=False)
+    calls = _launches(monkeypatch)
+    results = []
+    for override in (None, False):
+        monkeypatch.setattr(launcher, "PDL_OVERRIDE", override)
+        q, kc, vc, kw = _inputs(b, 1, 1, 32, 8, 128, 8192, torch.bfloat16, rotary=True)
+        out, lse = flash_attn_with_kvcache(q, kc, vc, causal=True, return_softmax_lse=True, **kw)
+        torch.cuda.synchronize()
+        results.append((out, lse, kc, vc))
+        if override is None:
+            assert calls and all(c is expected for c in calls), calls
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
 
 
 @pytest.mark.parametrize("fused_append", [False, True])

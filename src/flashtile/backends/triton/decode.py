@@ -193,6 +193,14 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
 # take it only when forced. FLASHTILE_DECODE_PDL=1 / 0 forces it on / off; tests pin PDL_OVERRIDE.
 PDL_OVERRIDE: bool | None = None
 PDL_MAX_KV_BYTES = 256 << 20
+# Calls whose new keys the separate append kernel wrote just before (a serving step) on at most this many
+# (batch row, kv head) pairs take it at any size: the append and decode kernels then both launch as dependents.
+# Session 28, 8-layer graphs of serving steps (bench decode --new-tokens 1), lease A28, the rule then / both forced
+# (pdl_append_leaseA28_h200_2026-12-02_session28.json, twice each): b = 1, 128k 128.6 / 126.5 us (H27 too: 128.4 /
+# 126.5), b = 2, 64k 128.1 / 126.7-126.8, b = 2, 128k even (245.9 / 245.8); but b = 4 (32 pairs) 245.9 / 249.0 at
+# 64k and 479.3 / 488.2-488.7 at 128k, b = 8 1.2%-2% slower from 32k. The decode kernels alone forced gained
+# nothing (b = 1, 128k 128.2), nor did the append alone (F27).
+PDL_APPEND_MAX_ROWS = 16
 
 
 def capacity_of(k_cache, block_table) -> int:
@@ -205,15 +213,18 @@ def cache_bytes(b: int, capacity: int, k_cache) -> int:
     return 2 * b * capacity * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
 
 
-def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False) -> bool:
+def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False, appended_rows: int = 0) -> bool:
     """Launch this call's decode (and merge) kernels as programmatic dependents? ``kv_bytes``: the K
     and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize);
-    ``fp8``: an e4m3 cache (not measured with it: only when forced)."""
+    ``fp8``: an e4m3 cache (not measured with it: only when forced); ``appended_rows``: batch x kv heads
+    of a call whose new keys the separate append kernel writes first (0: no such append), which takes
+    it at any size on at most PDL_APPEND_MAX_ROWS of them."""
     if PDL_OVERRIDE is not None:
         on = PDL_OVERRIDE
     else:
         setting = env.get("FLASHTILE_DECODE_PDL", "")
-        on = (kv_bytes <= PDL_MAX_KV_BYTES and not fp8) if setting == "" else setting != "0"
+        by_rule = kv_bytes <= PDL_MAX_KV_BYTES or 0 < appended_rows <= PDL_APPEND_MAX_ROWS
+        on = (by_rule and not fp8) if setting == "" else setting != "0"
     return bool(on) and pdl_capable(device)
 
 
@@ -358,7 +369,8 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
     cos = rotary_cos if rotary_cos is not None else k
     sin = rotary_sin if rotary_sin is not None else k
     dummy = k
-    pdl = append_pdl(k, cache_bytes(b, capacity, k_cache), is_fp8)  # the bytes the decode kernel after it reads
+    # the bytes the decode kernel after it reads, and its (row, kv head) pairs: the append comes first
+    pdl = append_pdl(k, cache_bytes(b, capacity, k_cache), is_fp8, b * h_k)
     with device_guard(k):
         run_kernel(_kv_append_kernel, (s_new * b,),  # flat grid: axis 1 would cap the batch at 65535
             k, v, k_cache, v_cache,
@@ -375,10 +387,11 @@ def kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batc
         )
 
 
-def append_pdl(k: torch.Tensor, kv_bytes: int, fp8: bool) -> bool:
+def append_pdl(k: torch.Tensor, kv_bytes: int, fp8: bool, rows: int) -> bool:
     """Launch the append kernel as a programmatic dependent of the kernel before it? As the decode kernels do
-    (use_pdl: caches of at most PDL_MAX_KV_BYTES, or FLASHTILE_DECODE_PDL), unless FLASHTILE_DECODE_APPEND_PDL=0 / 1
-    says. Session 27, 8-layer graphs of serving steps that append a key a row (bench decode --new-tokens 1):
+    (use_pdl: caches of at most PDL_MAX_KV_BYTES or appends on at most PDL_APPEND_MAX_ROWS ``rows``, batch x kv
+    heads; or FLASHTILE_DECODE_PDL), unless FLASHTILE_DECODE_APPEND_PDL=0 / 1 says. Session 27, 8-layer graphs of
+    serving steps that append a key a row (bench decode --new-tokens 1):
     forced on (lease F27, append_pdl_ab_leaseF27_h200_2026-12-02_session27.json) b = 1 6.3%-6.5% faster at 8k / 16k,
     3.8% at 32k, 2.1% at 64k, b = 8 0.9% at 8k, but 0.7%-1.2% slower at b = 32 from 64k (the whole-row kernel), as the
     decode kernels' own PDL costs about 1% on large caches; by this rule (G27, append_pdl_rule_leaseG27_...json) b = 1
@@ -386,18 +399,19 @@ def append_pdl(k: torch.Tensor, kv_bytes: int, fp8: bool) -> bool:
     forced = env.switch("FLASHTILE_DECODE_APPEND_PDL")
     if forced is not None:
         return forced and pdl_capable(k.device)
-    return use_pdl(k.device, kv_bytes, fp8)
+    return use_pdl(k.device, kv_bytes, fp8, appended_rows=rows)
 
 
 def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx, cache_leftpad,
                 block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
                 window_left, window_right, softcap, alibi_slopes, num_splits, descales=(None, None, None),
-                k_new=None, v_new=None):
+                k_new=None, v_new=None, appended=False):
     """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq).
 
     fp8 (e4m3) q and caches take ``descales`` = (q, k, v) fp32 (b, h_k) tensors or None (= 1); the
     output is then bf16. ``k_new``/``v_new`` (b, s_new, h_k, d): this call's new keys/values, appended
-    by the kernel itself (the cache then is not yet updated when this is called).
+    by the kernel itself (the cache then is not yet updated when this is called). ``appended``: the separate
+    append kernel wrote this call's new keys just before (use_pdl's rule for serving steps).
     """
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
@@ -460,7 +474,8 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     page_aligned = paged and page_size % block_n == 0 and cache_leftpad is None
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * programs,)
-    pdl = dict(USE_PDL=True, launch_pdl=True) if use_pdl(q.device, cache_bytes(b, capacity, k_cache), is_fp8) else {}
+    pdl_on = use_pdl(q.device, cache_bytes(b, capacity, k_cache), is_fp8, appended_rows=b * h_k if appended else 0)
+    pdl = dict(USE_PDL=True, launch_pdl=True) if pdl_on else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
@@ -653,7 +668,8 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # that other programs still read as new keys (the separate kernel reads and writes each slot in one program).
     fused = (FUSED_APPEND and s_new > 0 and q.numel() > 0
              and not _aliases_cache((k, v), (k_cache, v_cache)))
-    if k is not None and not fused:
+    appended = k is not None and not fused
+    if appended:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved)
     rotary_per_token = causal or window_left >= 0 or window_right >= 0
@@ -664,4 +680,5 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                        rotary_per_token=rotary_per_token, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap,
                        alibi_slopes=alibi_slopes, num_splits=num_splits, descales=descales,
-                       k_new=k if fused else None, v_new=v if fused else None)
+                       k_new=k if fused else None, v_new=v if fused else None,
+                       appended=appended and s_new > 0)
