@@ -29,12 +29,14 @@ def test_default_follows_the_measured_size(sm90):
 
 
 def test_serving_steps_on_few_rows(sm90):
-    """A call whose new keys the separate append kernel writes first takes it at any size on at most
-    PDL_APPEND_MAX_ROWS (batch row, kv head) pairs (b = 1 and 2 with 8 kv heads), not on more, not without
-    an append, and an fp8 cache still only when forced."""
+    """A call whose new keys the separate append kernel writes first takes it on at most PDL_APPEND_MAX_ROWS
+    (batch row, kv head) pairs (b = 1 and 2 with 8 kv heads) up to PDL_APPEND_MAX_KV_BYTES (b = 1 at 256k keys,
+    b = 2 at 128k), not on more pairs or bytes, not without an append, and an fp8 cache still only when forced."""
     few, many = decode.PDL_APPEND_MAX_ROWS, decode.PDL_APPEND_MAX_ROWS + 1
+    assert 2 * 1 * 262144 * 8 * 128 * 2 == decode.PDL_APPEND_MAX_KV_BYTES
     assert decode.use_pdl(CUDA, LARGE, appended_rows=few)
-    assert decode.use_pdl(CUDA, 64 * LARGE, appended_rows=1)
+    assert decode.use_pdl(CUDA, decode.PDL_APPEND_MAX_KV_BYTES, appended_rows=1)
+    assert not decode.use_pdl(CUDA, decode.PDL_APPEND_MAX_KV_BYTES + 1, appended_rows=1)
     assert not decode.use_pdl(CUDA, LARGE, appended_rows=many)
     assert not decode.use_pdl(CUDA, LARGE, appended_rows=0)
     assert not decode.use_pdl(CUDA, LARGE, fp8=True, appended_rows=few)

@@ -193,14 +193,19 @@ def grid_full_stages(programs: int, sms: int, num_splits: int, paged: bool, num_
 # take it only when forced. FLASHTILE_DECODE_PDL=1 / 0 forces it on / off; tests pin PDL_OVERRIDE.
 PDL_OVERRIDE: bool | None = None
 PDL_MAX_KV_BYTES = 256 << 20
-# Calls whose new keys the separate append kernel wrote just before (a serving step) on at most this many
-# (batch row, kv head) pairs take it at any size: the append and decode kernels then both launch as dependents.
-# Session 28, 8-layer graphs of serving steps (bench decode --new-tokens 1), lease A28, the rule then / both forced
-# (pdl_append_leaseA28_h200_2026-12-02_session28.json, twice each): b = 1, 128k 128.6 / 126.5 us (H27 too: 128.4 /
-# 126.5), b = 2, 64k 128.1 / 126.7-126.8, b = 2, 128k even (245.9 / 245.8); but b = 4 (32 pairs) 245.9 / 249.0 at
-# 64k and 479.3 / 488.2-488.7 at 128k, b = 8 1.2%-2% slower from 32k. The decode kernels alone forced gained
-# nothing (b = 1, 128k 128.2), nor did the append alone (F27).
+# Calls whose new keys the separate append kernel wrote just before (a serving step) on at most PDL_APPEND_MAX_ROWS
+# (batch row, kv head) pairs take it up to PDL_APPEND_MAX_KV_BYTES: the append and decode kernels then both launch as
+# dependents. Session 28, 8-layer graphs of serving steps (bench decode --new-tokens 1), us a call:
+# - lease A28 (pdl_append_leaseA28_h200_2026-12-02_session28.json), the rule before / both forced, twice: b = 1, 128k
+#   128.6 / 126.5 (H27 too: 128.4 / 126.5); b = 2, 64k 128.1 / 126.7-126.8, 128k even (245.9 / 245.8); but b = 4
+#   (32 pairs) 245.9 / 249.0 at 64k and 479.3 / 488.2-488.7 at 128k, and b = 8 1.2%-2% slower from 32k. The decode
+#   kernels alone forced gained nothing (b = 1, 128k 128.2), nor did the append alone (F27).
+# - lease B28 (pdl_append_rule_leaseB28_...json), this rule without the byte bound / FLASHTILE_DECODE_PDL=0, twice,
+#   contiguous and 16- / 256-key pages: b = 1 126.3-126.4 / 128.4-128.5 at 128k (pages 129.9-130.1 / 131.9-132.0 and
+#   127.9-128.0 / 129.8-129.9), 244.0-244.1 / 246.1 at 256k; b = 2 126.8-126.9 / 128.0-128.1 at 64k, even at 128k
+#   (1 GB), but 482.7-482.9 / 479.7-479.8 at 256k (2 GB; pages 0.4%-0.7% slower too), hence the bound.
 PDL_APPEND_MAX_ROWS = 16
+PDL_APPEND_MAX_KV_BYTES = 1 << 30
 
 
 def capacity_of(k_cache, block_table) -> int:
@@ -218,12 +223,13 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False, appended_row
     and V bytes of the cache the call may read (batch x capacity x kv heads x head dim x 2 x itemsize);
     ``fp8``: an e4m3 cache (not measured with it: only when forced); ``appended_rows``: batch x kv heads
     of a call whose new keys the separate append kernel writes first (0: no such append), which takes
-    it at any size on at most PDL_APPEND_MAX_ROWS of them."""
+    it on at most PDL_APPEND_MAX_ROWS of them up to PDL_APPEND_MAX_KV_BYTES."""
     if PDL_OVERRIDE is not None:
         on = PDL_OVERRIDE
     else:
         setting = env.get("FLASHTILE_DECODE_PDL", "")
-        by_rule = kv_bytes <= PDL_MAX_KV_BYTES or 0 < appended_rows <= PDL_APPEND_MAX_ROWS
+        serving_step = 0 < appended_rows <= PDL_APPEND_MAX_ROWS and kv_bytes <= PDL_APPEND_MAX_KV_BYTES
+        by_rule = kv_bytes <= PDL_MAX_KV_BYTES or serving_step
         on = (by_rule and not fp8) if setting == "" else setting != "0"
     return bool(on) and pdl_capable(device)
 
