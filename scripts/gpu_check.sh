@@ -47,6 +47,11 @@
 #   bench-decode-pdl-append  serving steps (--new-tokens 1) at b = 1-8, 32k-128k: the PDL rule, the decode and append
 #                 kernels forced on, the decode kernels alone forced on; then b = 1-4 without an append, rule / forced
 #                 (each alternated twice; session 28)
+#   bench-decode-rows-nomerge  b = 32 at 64k / 128k: the rule's 8 heads a program with 4 splits and a merge against
+#                 2 heads a program unsplit (no merge; 512-byte pieces) and 4 heads with 2 splits, twice (session 28)
+#   bench-decode-rows4  b = 32 at 64k / 128k and b = 64 at 8k / 16k: the rule's 8 heads a program against 4 heads
+#                 on 32-key tiles (one program an SM: 2 splits at b = 32, none at b = 64) at 4 and 8 warps, twice
+#                 (session 28)
 #   bench-decode-pdl-append-rule  serving steps at b = 1 / 2, 64k-256k, contiguous and paged: the rule (session 28's,
 #                 PDL for appends on at most 16 row-kv-head pairs) against FLASHTILE_DECODE_PDL=0, twice
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
@@ -687,6 +692,16 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --new-tokens 1 --pages --peers --batch 1 2 4 8 --seqlens 32768 65536 131072
       decode_runs pdl_noappend "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1" \
         --cuda-graph --layers 8 --pages --peers --batch 1 2 4 --seqlens 65536 131072 ;;
+    bench-decode-rows-nomerge)
+      # the split merge costs 2.4-3.6 us a call at b = 32 (session 24): do narrower programs that need none pay less?
+      decode_runs rows_nomerge "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=2 FLASHTILE_DECODE_ROWS_SPLITS=1 FLASHTILE_DECODE_ROWS_CFG=64,4,3|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_SPLITS=2 FLASHTILE_DECODE_ROWS_CFG=32,4,3|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=2 FLASHTILE_DECODE_ROWS_SPLITS=1 FLASHTILE_DECODE_ROWS_CFG=64,4,3|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_SPLITS=2 FLASHTILE_DECODE_ROWS_CFG=32,4,3" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch 32 --seqlens 65536 131072 ;;
+    bench-decode-rows4)
+      decode_runs rows4 "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,8,3|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,8,3" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch 32 --seqlens 65536 131072
+      decode_runs rows4_b64 "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch 64 --seqlens 8192 16384
+      ;;
     bench-decode-pdl-append-rule)
       decode_runs pdl_append_rule "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0" \
         --cuda-graph --layers 8 --new-tokens 1 --pages 16 256 --peers --batch 1 2 --seqlens 65536 131072 262144 ;;

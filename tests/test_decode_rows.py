@@ -152,12 +152,16 @@ def test_knobs_are_checked(monkeypatch):
 
 def test_rule_takes_long_caches_on_large_batches():
     rule = dict(arch="sm90", h_k=8, d=128, num_splits=0, sms=132)
-    assert decode_rows.by_rule(b=32, capacity=65536, **rule) == 8
-    assert decode_rows.by_rule(b=32, capacity=131072, **rule) == 8
+    # contiguous caches: 4 heads a program where those programs fill the SMs once (b = 32: 64 units x 2 splits;
+    # b = 64: 128 units unsplit), the whole row elsewhere
+    assert decode_rows.by_rule(b=32, capacity=65536, **rule) == 4
+    assert decode_rows.by_rule(b=32, capacity=131072, **rule) == 4
     assert decode_rows.by_rule(b=32, capacity=32768, **rule) == 0  # the per-head kernel was faster there
-    assert decode_rows.by_rule(b=64, capacity=8192, **rule) == 8
+    assert decode_rows.by_rule(b=64, capacity=8192, **rule) == 4
     assert decode_rows.by_rule(b=64, capacity=4096, **rule) == 0  # unmeasured
-    assert decode_rows.by_rule(b=128, capacity=8192, **rule) == 8
+    assert decode_rows.by_rule(b=128, capacity=8192, **rule) == 8  # 256 narrow programs: two waves
+    assert decode_rows.by_rule(b=48, capacity=65536, **rule) == 8  # 96 narrow programs: 36 SMs idle
+    assert decode_rows.by_rule(b=40, capacity=65536, **rule) == 8  # 80 units x 2 splits: 160 programs
     assert decode_rows.by_rule(b=16, capacity=131072, **rule) == 0  # 8 splits lost at b = 16
     # only the measured shape: Hopper, 8 kv heads of d = 128, the heuristic's split count
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="default")) == 0
@@ -166,7 +170,7 @@ def test_rule_takes_long_caches_on_large_batches():
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, d=64)) == 0
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, num_splits=1)) == 0
     # fewer SMs: the same batch is more programs an SM
-    assert decode_rows.by_rule(b=16, capacity=65536, **dict(rule, sms=66)) == 8
+    assert decode_rows.by_rule(b=16, capacity=65536, **dict(rule, sms=66)) == 4  # 32 units x 2 splits on 66 SMs
     # paged caches (against the per-head paged kernel): from 8k keys at b = 32, at b = 16 on 16-key pages only, never
     # at b = 8
     for page in (16, 64, 256):
@@ -186,13 +190,14 @@ def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
     assert rows_calls == []  # the interpreter is not Hopper: the rule keeps the default kernels
     monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
     _run_and_check(q, kc, vc, args)
-    assert rows_calls == [8]
+    assert rows_calls == [4]  # a contiguous cache whose 4-head programs fill the SMs once (split 33 ways here)
     # an explicit split count keeps the default kernels
     _run_and_check(q, kc, vc, args, num_splits=2)
-    assert rows_calls == [8]
-    # paged caches too, with pages of whole tiles (the CPU tests' 16-key tiles); smaller pages keep the default
+    assert rows_calls == [4]
+    # paged caches too, whole rows, with pages of whole tiles (the CPU tests' 16-key tiles); smaller pages keep the
+    # default
     monkeypatch.setattr(decode_rows, "SMALL_PAGE_RULE_BOUNDS", ((0.0, 0),))
-    for page, taken in ((16, [8, 8]), (8, [8, 8])):
+    for page, taken in ((16, [4, 8]), (8, [4, 8])):
         q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, page=page)
         _run_and_check(q, kc, vc, args)
         assert rows_calls == taken
@@ -203,7 +208,8 @@ def test_paged_launches_keep_three_buffers(monkeypatch):
     assert decode_rows.config(8) == (16, 8, 3)
     assert decode_rows.config(8, paged=True) == (16, 8, 4)  # a third buffer of K and V: faster on pages only
     assert decode_rows.launch_stages(4, paged=True) == 7 and decode_rows.launch_stages(4, paged=False) == 4
-    assert decode_rows.config(4, paged=True) == decode_rows.config(4)  # unmeasured: as on a contiguous cache
+    assert decode_rows.config(4) == (32, 4, 3)  # one program an SM (session 28)
+    assert decode_rows.config(4, paged=True) == (16, 4, 3)  # pages of 16 keys stay whole tiles
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "32,4,2")
     assert decode_rows.config(8, paged=True) == (32, 4, 2)
 

@@ -35,14 +35,19 @@ from flashtile.kernels.decode_rows import _decode_rows_kernel
 from flashtile.kernels.decode_rows_streamk import _rows_streamk_combine, _rows_streamk_kernel
 
 # (BLOCK_N, num_warps, num_stages) by heads a program: a stage of K and V is 2 * H * BLOCK_N * d * 2 bytes
-# (32 KB at H = 2 / 32 keys and H = 4 / 16 keys, two programs an SM at d = 128; 64 KB at H = 8, one)
-CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (16, 4, 3), 8: (16, 8, 3)}
+# (32 KB at H = 2 / 32 keys, two programs an SM at d = 128; 64 KB at H = 4 / 32 keys and H = 8 / 16 keys, one).
+# H = 4 on 32-key tiles (session 28; 16-key tiles, two programs an SM, lost in session 27): in 8-layer graphs on lease
+# E28 (rows4_leaseE28_h200_2026-12-02_session28.json, twice each) b = 32 1874.5-1874.7 against the 8-head rule's
+# 1877.5-1877.7 us at 64k (2 splits against 4: half the merge), 3739.5-3740.7 against 3739.2-3739.7 at 128k; b = 64
+# 476.9 against 479.9 at 8k, 943.2-944.1 against 946.1-946.3 at 16k (no split); at 8 warps 0.5%-0.8% slower.
+CONFIGS = {1: (64, 4, 3), 2: (32, 4, 3), 4: (32, 4, 3), 8: (16, 8, 3)}
 # Paged caches at 8 heads: a third buffer of K and V (4 stages, launched as 7: launch_stages). On lease C26, in 8-layer
 # graphs (row_stages_b{32,64}_leaseC26_h200_2026-12-02_session26.json), 16-key pages: b = 32 1898.3 against 1903.2 us
 # at 64k, 3772.2 against 3783.0 at 128k, 482.9 against 484.0 at 16k; b = 64 483.5 against 484.9 at 8k, 1899.1 against
 # 1905.7 at 32k; 256-key pages 1881.6 / 3744.9 against 1883.0 / 3749.2 at b = 32 (64k / 128k). On the contiguous cache
 # the same third buffer changed nothing (1877.8 against 1877.5 at b = 32, 64k; 3744.6 against 3743.9 at 128k).
-PAGED_CONFIGS = {8: (16, 8, 4)}
+# Paged caches at 4 heads keep 16-key tiles (pages of 16 keys; not measured on 32).
+PAGED_CONFIGS = {8: (16, 8, 4), 4: (16, 4, 3)}
 # Paged caches: each tile's block-table load feeds its K / V addresses, and Triton's pipeliner splits the stages
 # between that chain's two loads: a paged build at s stages keeps (s - 1) // 2 buffers of K and V in shared memory,
 # a contiguous one s - 1. So a paged launch takes 2 s - 1 stages for the contiguous launch's s (sm_90 builds at
@@ -96,6 +101,11 @@ PAGED_RULE_BOUNDS = ((1.9, 8192),)
 SMALL_PAGE_RULE_BOUNDS = ((0.95, 8192),)  # pages of one 16-key tile
 RULE_KV_HEADS = 8
 RULE_HEAD_DIM = 128
+# Contiguous caches take 4 heads a program (half a kv-head row, CONFIGS[4]) where those programs fill the SMs in one
+# wave (one_wave: b = 32 and 64 measured, session 28); other grids (b = 128: two waves; b = 48: 96 programs) and paged
+# caches keep the whole row.
+RULE_NARROW_HEADS = 4
+ONE_WAVE_SLACK = 8
 
 
 def requested() -> int | None:
@@ -119,7 +129,18 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
         return 0
     per_sm = b * h_k / sms
     bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
-    return h_k if any(per_sm >= least and capacity >= shortest for least, shortest in bounds) else 0
+    if not any(per_sm >= least and capacity >= shortest for least, shortest in bounds):
+        return 0
+    return RULE_NARROW_HEADS if page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms) else h_k
+
+
+def one_wave(units: int, sms: int) -> bool:
+    """Do ``units`` programs of RULE_NARROW_HEADS heads, split by ``num_splits``'s count, fill the SMs once, within
+    ONE_WAVE_SLACK idle SMs (b = 32 and 64 with 8 kv heads on 132 SMs: 128 programs)?"""
+    block_n, _, stages = CONFIGS[RULE_NARROW_HEADS]
+    per_sm = programs_per_sm(2 * RULE_NARROW_HEADS * block_n * RULE_HEAD_DIM * 2, stages)
+    programs = units * max(1, round(per_sm * sms / max(1, units)))
+    return sms - ONE_WAVE_SLACK <= programs <= per_sm * sms
 
 
 def config(heads: int, paged: bool = False) -> tuple[int, int, int]:
