@@ -52,6 +52,8 @@
 #   bench-decode-rows4  b = 32 at 64k / 128k and b = 64 at 8k / 16k: the rule's 8 heads a program against 4 heads
 #                 on 32-key tiles (one program an SM: 2 splits at b = 32, none at b = 64) at 4 and 8 warps, twice
 #                 (session 28)
+#   bench-decode-rows4-rule  b = 32 at 64k / 128k beside cuDNN: the rule (4 heads a program since session 28) against
+#                 FLASHTILE_DECODE_ROWS=8 (the rule before), twice
 #   bench-decode-pdl-append-rule  serving steps at b = 1 / 2, 64k-256k, contiguous and paged: the rule (session 28's,
 #                 PDL for appends on at most 16 row-kv-head pairs) against FLASHTILE_DECODE_PDL=0, twice
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
@@ -702,6 +704,9 @@ for step in "${steps[@]}"; do
       decode_runs rows4_b64 "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4 FLASHTILE_DECODE_ROWS_CFG=32,4,3" \
         --cuda-graph --layers 8 --pages --peers cudnn --batch 64 --seqlens 8192 16384
       ;;
+    bench-decode-rows4-rule)
+      decode_runs rows4_rule "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=8|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=8" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch 32 --seqlens 65536 131072 ;;
     bench-decode-pdl-append-rule)
       decode_runs pdl_append_rule "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0" \
         --cuda-graph --layers 8 --new-tokens 1 --pages 16 256 --peers --batch 1 2 --seqlens 65536 131072 262144 ;;
