@@ -81,11 +81,12 @@ def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     b, h, h_k, d, cap, s_new = shape
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + b)
     _check(q, kc, vc, kw, causal=True)
-    assert calls == [8], "the rule did not take the call"
+    # 4 heads a program: their programs fill the SMs once at b = 32 and 64 (decode_rows.one_wave, since session 28)
+    assert calls == [4], "the rule did not take the call"
     _check(q, kc, vc, kw, causal=True, num_splits=1)  # an explicit split count keeps the default kernels
-    assert calls == [8]
+    assert calls == [4]
     _check(q, kc, vc, dict(kw, cache_seqlens=cap // 2 - s_new))  # an int length
-    assert calls == [8, 8]
+    assert calls == [4, 4]
 
 
 @pytest.mark.parametrize("b, page, taken", [(32, 16, True), (32, 256, True), (32, 8, False), (16, 16, True),
@@ -128,7 +129,7 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
         return x
 
     want = step().clone()
-    assert calls == [8] * 4
+    assert calls == [4] * 4
     graph, got = _capture(step)
     for _ in range(3):
         got.zero_()
@@ -163,7 +164,7 @@ def test_paged_rule_in_a_graph_of_layers(monkeypatch):
         return x
 
     want = step().clone()
-    assert calls == [8] * 4
+    assert calls == [4] * 4
     graph, got = _capture(step, before_capture=lambda: [p.copy_(s) for p, s in zip(pools, start)])
     for _ in range(2):
         for p, s in zip(pools, start):
