@@ -3,7 +3,8 @@ group of H adjacent kv heads, key split), batched dots, the splits merged by the
 
 The rule (``by_rule``, since session 24): on Hopper, calls of the plain kind (``kvcache_fwd``'s ``_plain_call``:
 one query token, no left window edge, softcap, ALiBi, rotary, batch index or left padding), d = 128 and 8 kv heads
-(whole 2 KB key rows a program), the heuristic's split count (num_splits = 0), and a long cache on a large batch
+(whole 2 KB key rows a program; since session 28 half rows, 4 heads, on contiguous caches where those programs fill
+the SMs once: ``one_wave``), the heuristic's split count (num_splits = 0), and a long cache on a large batch
 (``RULE_BOUNDS``); since session 26 paged caches too, with pages of whole tiles, by their own bounds
 (``PAGED_RULE_BOUNDS``, ``SMALL_PAGE_RULE_BOUNDS``). Both kernels launch as programmatic dependents
 (``FLASHTILE_DECODE_ROWS_PDL=0`` turns that off).
