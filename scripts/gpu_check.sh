@@ -57,6 +57,9 @@
 #   bench-decode-rows4-small  b = 8 / 16 / 32 at 8k / 32k / 128k beside cuDNN: the default against the half-row
 #                 kernel everywhere (FLASHTILE_DECODE_ROWS=4: 32-key tiles, one program an SM; 8 / 4 / 2 splits), twice
 #                 (queued in session 28, not yet run; b = 32 at 128k is the rule's already)
+#   probe-append-pdl-idle  b = 32, 64k serving steps (one appended key a call) with the split row kernel's stamps:
+#                 the append launched ordinarily (the rule there) against as a programmatic dependent
+#                 (FLASHTILE_DECODE_APPEND_PDL=1: 0.7%-1.2% slower, F27): which SMs sit idle? (queued in session 28)
 #   bench-decode-pdl-append-rule  serving steps at b = 1 / 2, 64k-256k, contiguous and paged: the rule (session 28's,
 #                 PDL for appends on at most 16 row-kv-head pairs) against FLASHTILE_DECODE_PDL=0, twice
 #                 (probe-decode-ncu's ft_b32_8k_append_triton / _gluon cases profile the two kernels' appends)
@@ -714,6 +717,10 @@ for step in "${steps[@]}"; do
       # session 27's 4-head grid (16-key tiles, two programs an SM) lost at b = 8; does session 28's tile win there?
       decode_runs rows4_small "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4" \
         --cuda-graph --layers 8 --pages --peers cudnn --batch 8 16 32 --seqlens 8192 32768 131072 ;;
+    probe-append-pdl-idle)
+      python3 scripts/probe_streamk.py --stamps --new-tokens 1 --seqlens 65536 \
+        --settings append_pdl=FLASHTILE_DECODE_ROWS_STREAMK=0,FLASHTILE_DECODE_APPEND_PDL=1 \
+        --out "$WORK/append_pdl_idle_stamps.json" >> "$summary" 2> "$WORK/append_pdl_idle.log" ;;
     bench-decode-pdl-append-rule)
       decode_runs pdl_append_rule "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=0" \
         --cuda-graph --layers 8 --new-tokens 1 --pages 16 256 --peers --batch 1 2 --seqlens 65536 131072 262144 ;;

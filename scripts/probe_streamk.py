@@ -16,7 +16,9 @@ then each setting's kernels one by one (torch.profiler, eager calls: with progra
 span can include its wait for the one before), and an nvidia-smi clock / power / throttle log sampled beside the whole
 run. ``--stamps``: instead, per setting, one graph of the layers replayed with the row kernels' STAMP diagnostic
 (backends/triton/decode_rows.STAMPS): each program's start, end of its key loop(s), end and SM; per layer the
-kernel's span, the spread of the loop ends and of the ends, and the gap to the next layer's first start.
+kernel's span, the spread of the loop ends and of the ends, the SMs left idle, and the gap to the next layer's first
+start; ``--new-tokens N`` makes every call append N keys first (session 28: does launching the append as a
+programmatic dependent change which SMs the row kernel leaves idle?).
 """
 
 import json
@@ -72,9 +74,9 @@ def kernel_times(b: int, sk: int, settings: dict, calls: int = 20) -> dict:
     return out
 
 
-def _layer_summary(stamps: torch.Tensor) -> dict:
+def _layer_summary(stamps: torch.Tensor, sms: int) -> dict:
     """One layer's stamps (programs, 4: start, loop end, end in ns, SM id) as spans in microseconds, the slowest
-    loops with their SMs, and the stamps themselves."""
+    loops with their SMs, the SMs of the device's ``sms`` that ran none of its programs, and the stamps themselves."""
     live = stamps.double()
     t0, t1, t2, sm = live[:, 0], live[:, 1], live[:, 2], live[:, 3]
     origin = t0.min()
@@ -90,24 +92,31 @@ def _layer_summary(stamps: torch.Tensor) -> dict:
         "loop_us_min_med_max": [(loop.min() / 1e3).item(), (loop.median() / 1e3).item(), (loop.max() / 1e3).item()],
         "slowest_loops": [[int(sm[j].item()), round(loop[j].item() / 1e3, 2)] for j in slow],
         "sms_used": int(torch.unique(sm).numel()),
+        "idle_sms": sorted(set(range(sms)) - {int(x) for x in sm.tolist()}),
         "raw_start_loopend_end_sm": stamps.tolist(),
     }
 
 
-def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
+def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5, new_tokens: int = 0) -> dict:
     """--stamps: per setting, the row kernels' per-program stamps (start, loop end, end: ns; SM id) in the last of
-    ``replays`` replays of a graph of the layers, summarized per layer."""
+    ``replays`` replays of a graph of the layers, summarized per layer. ``new_tokens`` N: every call appends N keys
+    first (the append kernel, as a serving step; lengths N shorter), so the append's launch is in the chain."""
     from flashtile.backends.triton import decode_rows
 
     _, layers, q, lens, caches = layer_inputs(b, sk)
     stamps = torch.full((layers, 1024, 4), -1, dtype=torch.int64, device="cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    new = None
+    if new_tokens:
+        lens = lens - new_tokens
+        new = torch.randn(b, new_tokens, *caches[0][0].shape[2:], device="cuda", dtype=caches[0][0].dtype)
     result = {}
     for name, env in settings.items():
         def step():
             for i, (kc, vc) in enumerate(caches):
                 decode_rows.STAMPS = stamps[i]
                 try:
-                    flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+                    flash_attn_with_kvcache(q, kc, vc, k=new, v=new, cache_seqlens=lens)
                 finally:
                     decode_rows.STAMPS = None
 
@@ -115,7 +124,7 @@ def stamp_layers(b: int, sk: int, settings: dict, replays: int = 5) -> dict:
             replay_stamped(step, stamps, replays)
         st = stamps.cpu()
         live = [st[i][st[i, :, 0] > 0] for i in range(layers)]  # (programs that ran)
-        result[name] = {"per_layer": [_layer_summary(x) for x in live], **layer_gaps(live)}
+        result[name] = {"per_layer": [_layer_summary(x, sms) for x in live], **layer_gaps(live)}
     return result
 
 
@@ -139,6 +148,7 @@ def main():
     ap.add_argument("--settings", nargs="*", default=[], help="NAME=VAR=VALUE,VAR=VALUE: more flashtile settings")
     ap.add_argument("--clock-log", default=None, help="nvidia-smi clock log CSV written beside the run")
     ap.add_argument("--stamps", action="store_true", help="the row kernels' per-program stamps instead of timings")
+    ap.add_argument("--new-tokens", type=int, default=0, help="--stamps: keys each call appends first (serving)")
     args = ap.parse_args()
     meta = collect_meta(sys.argv, "cuda")
     meta["command"] = "PYTHONPATH=src python scripts/probe_streamk.py " + " ".join(sys.argv[1:])
@@ -154,7 +164,8 @@ def main():
     rows = []
     if args.stamps:
         for sk in args.seqlens:
-            row = {"b": args.batch, "seqlen_k": sk, "stamps": stamp_layers(args.batch, sk, settings)}
+            row = {"b": args.batch, "seqlen_k": sk, "new_tokens": args.new_tokens,
+                   "stamps": stamp_layers(args.batch, sk, settings, new_tokens=args.new_tokens)}
             rows.append(row)
             for name, res in row["stamps"].items():
                 print(f"b={args.batch} s={sk} {name}: per call {res['first_start_to_last_end_per_call_us']:.1f} us, "
