@@ -674,7 +674,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # that other programs still read as new keys (the separate kernel reads and writes each slot in one program).
     fused = (FUSED_APPEND and s_new > 0 and q.numel() > 0
              and not _aliases_cache((k, v), (k_cache, v_cache)))
-    appended = k is not None and not fused
+    appended = k is not None and s_new > 0 and not fused  # the separate append kernel writes the new keys first
     if appended:
         kv_append(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, cache_batch_idx, block_table,
                   rotary_cos, rotary_sin, rotary_interleaved)
@@ -686,5 +686,4 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                        rotary_per_token=rotary_per_token, softmax_scale=softmax_scale,
                        window_left=window_left, window_right=window_right, softcap=softcap,
                        alibi_slopes=alibi_slopes, num_splits=num_splits, descales=descales,
-                       k_new=k if fused else None, v_new=v if fused else None,
-                       appended=appended and s_new > 0)
+                       k_new=k if fused else None, v_new=v if fused else None, appended=appended)

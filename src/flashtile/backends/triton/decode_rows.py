@@ -139,8 +139,8 @@ def one_wave(units: int, sms: int) -> bool:
     """Do ``units`` programs of RULE_NARROW_HEADS heads, split by ``num_splits``'s count, fill the SMs once, within
     ONE_WAVE_SLACK idle SMs (b = 32 and 64 with 8 kv heads on 132 SMs: 128 programs)?"""
     block_n, _, stages = CONFIGS[RULE_NARROW_HEADS]
-    per_sm = programs_per_sm(2 * RULE_NARROW_HEADS * block_n * RULE_HEAD_DIM * 2, stages)
-    programs = units * max(1, round(per_sm * sms / max(1, units)))
+    per_sm = programs_per_sm(stage_bytes(RULE_NARROW_HEADS, block_n, RULE_HEAD_DIM, 2), stages)
+    programs = units * filling_splits(units, per_sm, sms)
     return sms - ONE_WAVE_SLACK <= programs <= per_sm * sms
 
 
@@ -160,20 +160,31 @@ def config(heads: int, paged: bool = False) -> tuple[int, int, int]:
     return block_n, warps, stages
 
 
-def num_splits(programs: int, stage_bytes: int, stages: int, sms: int, key_blocks: int) -> int:
+def num_splits(programs: int, per_stage: int, stages: int, sms: int, key_blocks: int) -> int:
     """Splits that fill every SM's program slots once (slots from the shared memory the stages take), at most one
     a key block and MAX_SPLITS."""
     from flashtile.backends.triton.decode import MAX_SPLITS
 
     splits = env.count("FLASHTILE_DECODE_ROWS_SPLITS")
     if splits is None:
-        splits = round(programs_per_sm(stage_bytes, stages) * sms / max(1, programs))
+        splits = filling_splits(programs, programs_per_sm(per_stage, stages), sms)
     return max(1, min(splits, MAX_SPLITS, key_blocks))
 
 
-def programs_per_sm(stage_bytes: int, stages: int) -> int:
-    """The programs an SM holds at once, from the shared memory their stages of K and V take."""
-    return max(1, SM90_SHARED_PER_SM // max(1, stage_bytes * stages))
+def filling_splits(programs: int, per_sm: int, sms: int) -> int:
+    """The split count that gives ``sms`` SMs ``per_sm`` programs each, nearest, for ``programs`` unsplit ones."""
+    return max(1, round(per_sm * sms / max(1, programs)))
+
+
+def stage_bytes(heads: int, block_n: int, d: int, itemsize: int) -> int:
+    """Shared memory of one pipeline stage: a K and a V tile of ``heads`` kv heads x ``block_n`` keys x ``d``."""
+    return 2 * heads * block_n * d * itemsize
+
+
+def programs_per_sm(per_stage: int, stages: int) -> int:
+    """The programs an SM holds at once, from the shared memory their stages of K and V take (``per_stage`` bytes
+    each)."""
+    return max(1, SM90_SHARED_PER_SM // max(1, per_stage * stages))
 
 
 def covers(q, k_cache, v_cache, heads: int, block_table=None) -> bool:
@@ -203,7 +214,7 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     cfg = block_n, _, stages = config(heads, paged=block_table is not None)
     groups = h_k // heads
     units = b * groups
-    stage_bytes = 2 * heads * block_n * d * k_cache.element_size()
+    stage = stage_bytes(heads, block_n, d, k_cache.element_size())
     capacity = capacity_of(k_cache, block_table)
     key_blocks = cdiv(max(capacity, 1), block_n)
     # on unless FLASHTILE_DECODE_ROWS_PDL=0: 2.1-3.6 us a call faster than without at b = 32 (leases C24, D24)
@@ -211,15 +222,15 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
     args = (q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
             s_new)
     if block_table is not None:  # paged: the split kernel (stream-K reads contiguous caches only)
-        return _split(*args, num_splits(units, stage_bytes, stages, sms, key_blocks), block_table=block_table)
+        return _split(*args, num_splits(units, stage, stages, sms, key_blocks), block_table=block_table)
     # stream-K: FLASHTILE_DECODE_ROWS_STREAMK=1 (off by default: slower on every board measured, session 25)
     if env.switch("FLASHTILE_DECODE_ROWS_STREAMK") and units <= STREAMK_MAX_UNITS:
         # one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests:
         # programs that span several units, units several programs)
         programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(
-            programs_per_sm(stage_bytes, stages) * sms, units * key_blocks)
+            programs_per_sm(stage, stages) * sms, units * key_blocks)
         return _streamk(*args, programs)
-    return _split(*args, num_splits(units, stage_bytes, stages, sms, key_blocks))
+    return _split(*args, num_splits(units, stage, stages, sms, key_blocks))
 
 
 def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
