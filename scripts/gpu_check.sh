@@ -57,6 +57,12 @@
 #   bench-decode-rows4-small  b = 8 / 16 / 32 at 8k / 32k / 128k beside cuDNN: the default against the half-row
 #                 kernel everywhere (FLASHTILE_DECODE_ROWS=4: 32-key tiles, one program an SM; 8 / 4 / 2 splits), twice
 #                 (queued in session 28, not yet run; b = 32 at 128k is the rule's already)
+#   tests-decode-board  the board class's measurement and the full-grid rule's routes against the reference
+#   probe-board-ratio  the board class's P128 / P132 measurement repeated at 256 and 1024 MiB (its steadiness)
+#   bench-decode-board  b = 1, 2, 8, 16, 32 at 32k-128k beside cuDNN with FLASHTILE_DECODE_BOARD=normal / full-grid
+#                 (each board class's rule forced), twice
+#   bench-decode-rows-b16  b = 16 at 64k / 128k beside cuDNN: the rule (half rows from 128k since session 29) against
+#                 the per-head kernel (FLASHTILE_DECODE_ROWS=0), twice
 #   probe-append-pdl-idle  b = 32, 64k serving steps (one appended key a call) with the split row kernel's stamps:
 #                 the append launched ordinarily (the rule there) against as a programmatic dependent
 #                 (FLASHTILE_DECODE_APPEND_PDL=1: 0.7%-1.2% slower, F27): which SMs sit idle? (queued in session 28)
@@ -241,7 +247,7 @@ for step in "${steps[@]}"; do
         tests) files=(tests) ;;
         tests-fwd) files=(tests/test_gpu_fwd.py) ;;
         tests-bwd) files=(tests/test_gpu_bwd.py) ;;
-        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_long_warps.py tests/test_gpu_decode_page_gather.py
+        tests-kv) files=(tests/test_gpu_kvcache.py tests/test_gpu_decode_board.py tests/test_gpu_decode_long_warps.py tests/test_gpu_decode_page_gather.py
           tests/test_gpu_decode_grid_full_stages.py) ;;
         tests-rest) files=(tests/test_gpu_layers.py tests/test_gpu_compile.py tests/test_gpu_fp8.py tests/test_gpu_heavy_first.py) ;;
       esac
@@ -717,6 +723,22 @@ for step in "${steps[@]}"; do
       # session 27's 4-head grid (16-key tiles, two programs an SM) lost at b = 8; does session 28's tile win there?
       decode_runs rows4_small "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4" \
         --cuda-graph --layers 8 --pages --peers cudnn --batch 8 16 32 --seqlens 8192 32768 131072 ;;
+    tests-decode-board)
+      # the board class's measurement and the full-grid boards' decode rule against the reference (session 29)
+      timed_tests decode_board tests/test_gpu_decode_board.py ;;
+    probe-board-ratio)
+      # how steady is the board class's measurement (P128 / P132, 5 repeats at 256 MiB and at its 1 GiB)?
+      python3 scripts/probe_board_ratio.py --out "$WORK/board_ratio.json" >> "$summary" 2> "$WORK/board_ratio.log" ;;
+    bench-decode-board)
+      # the bar's rows with each board class's rule forced (FLASHTILE_DECODE_BOARD=normal / full-grid, alternated
+      # twice): on a normal board what a wrong class costs, on a full-grid board what the rule gains
+      decode_runs decode_board "FLASHTILE_DECODE_BOARD=normal|FLASHTILE_DECODE_BOARD=full-grid|FLASHTILE_DECODE_BOARD=normal|FLASHTILE_DECODE_BOARD=full-grid" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch ${BOARD_BATCH:-1 2 8 16 32} --seqlens ${BOARD_SEQLENS:-32768 65536 131072} ;;
+    bench-decode-rows-b16)
+      # b = 16 from 128k takes half rows since session 29 (NARROW_RULE_BOUNDS): the rule against the per-head kernel
+      # (FLASHTILE_DECODE_ROWS=0) at 64k / 128k beside cuDNN, twice
+      decode_runs rows_b16_rule "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0" \
+        --cuda-graph --layers 8 --pages --peers cudnn --batch 16 --seqlens 65536 131072 ;;
     probe-append-pdl-idle)
       python3 scripts/probe_streamk.py --stamps --new-tokens 1 --seqlens 65536 \
         --settings append_pdl=FLASHTILE_DECODE_ROWS_STREAMK=0,FLASHTILE_DECODE_APPEND_PDL=1 \

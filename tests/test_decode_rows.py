@@ -162,7 +162,13 @@ def test_rule_takes_long_caches_on_large_batches():
     assert decode_rows.by_rule(b=128, capacity=8192, **rule) == 8  # 256 narrow programs: two waves
     assert decode_rows.by_rule(b=48, capacity=65536, **rule) == 8  # 96 narrow programs: 36 SMs idle
     assert decode_rows.by_rule(b=40, capacity=65536, **rule) == 8  # 80 units x 2 splits: 160 programs
-    assert decode_rows.by_rule(b=16, capacity=131072, **rule) == 0  # 8 splits lost at b = 16
+    # b = 16: whole rows (8 splits) lost at every length; half rows (32 units x 4 splits) win from 128k only
+    assert decode_rows.by_rule(b=16, capacity=131072, **rule) == 4
+    assert decode_rows.by_rule(b=16, capacity=262144, **rule) == 4
+    assert decode_rows.by_rule(b=16, capacity=65536, **rule) == 0
+    assert decode_rows.by_rule(b=8, capacity=131072, **rule) == 0  # 16 units x 8 splits: unmeasured as a rule
+    assert decode_rows.by_rule(b=20, capacity=131072, **rule) == 0  # 40 units x 3 splits: 120 programs, 12 SMs idle
+    assert decode_rows.by_rule(b=24, capacity=131072, **rule) == 0  # 48 units x 3 splits: 144 programs, two waves
     # only the measured shape: Hopper, 8 kv heads of d = 128, the heuristic's split count
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="default")) == 0
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="interpret")) == 0

@@ -67,7 +67,7 @@ def test_paged_matches_reference(monkeypatch, heads, shape):
 
 
 # the rule's grids (decode_rows.RULE_BOUNDS) at their shortest caches; MHA keeps the reference small
-RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0)]
+RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0), (16, 8, 8, 128, 131072, 1)]
 
 
 # the tests of 4-32 GiB caches share one xdist worker (--dist loadgroup): side by side they ran the GPU out of memory
@@ -82,6 +82,7 @@ def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + b)
     _check(q, kc, vc, kw, causal=True)
     # 4 heads a program: their programs fill the SMs once at b = 32 and 64 (decode_rows.one_wave, since session 28)
+    # and b = 16 from 128k (NARROW_RULE_BOUNDS, session 29)
     assert calls == [4], "the rule did not take the call"
     _check(q, kc, vc, kw, causal=True, num_splits=1)  # an explicit split count keeps the default kernels
     assert calls == [4]

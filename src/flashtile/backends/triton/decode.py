@@ -11,7 +11,7 @@ import functools
 import torch
 
 from flashtile import env
-from flashtile.backends.triton import decode_gluon, decode_gluon_rows, decode_rows
+from flashtile.backends.triton import board, decode_gluon, decode_gluon_rows, decode_rows
 from flashtile.backends.triton.attn_fwd import _tma_ok
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.fp8 import FP8_DTYPE
@@ -646,15 +646,23 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     plain = plain_or_paged and block_table is None
     rows = decode_rows.requested()
     sms = num_sms(q.device)
+    streamk = False
     if rows is None and plain_or_paged:
-        rows = decode_rows.by_rule(arch=_arch(q.device), b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
-                                   capacity=capacity_of(k_cache, block_table), num_splits=num_splits,
-                                   sms=sms, page_size=0 if block_table is None else k_cache.shape[1])
+        arch = _arch(q.device)
+        rule = dict(arch=arch, b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
+                    capacity=capacity_of(k_cache, block_table), num_splits=num_splits, sms=sms,
+                    page_size=0 if block_table is None else k_cache.shape[1])
+        # boards where grids that leave SMs idle read slower take their own rule (measured once: board.py)
+        if plain and decode_rows.measured_shape(arch, rule["h_k"], rule["d"], num_splits) \
+                and board.full_grid_board(q.device):
+            rows, streamk = decode_rows.full_grid_rule(**rule)
+        else:
+            rows = decode_rows.by_rule(**rule)
     if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                        cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
-                                       heads=rows, sms=sms, block_table=block_table)
+                                       heads=rows, sms=sms, block_table=block_table, streamk=streamk)
     # FLASHTILE_DECODE_GLUON_ROWS=1: the whole-row Gluon kernels, an experiment (off by default)
     if decode_gluon_rows.requested() and plain \
             and decode_gluon_rows.refusal(q, k_cache, v_cache, _arch(q.device)) is None:

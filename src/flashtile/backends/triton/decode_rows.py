@@ -82,7 +82,8 @@ STAMPS = None
 # - b = 32 (1.9): 0.2% faster at 64k, 0.8% at 128k, 0.2% slower at 32k (D24); leases B24, C24 and D24
 #   (row_pipeline_*_session24.json) agree: 0.3%-0.5% faster at 64k (a tie on B24 without PDL), 0.9%-1.0% at
 #   128k, 0.7%-1.3% slower at 16k; on F24 even at 64k and 128k (row_pipeline_diag_leaseF24_...json);
-# - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never. Below 8k keys unmeasured.
+# - b = 16 (0.97): 0.3%-1.6% slower (8 splits), so never whole rows (half rows from 128k: NARROW_RULE_BOUNDS).
+#   Below 8k keys unmeasured.
 RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 # Paged caches (pages of whole tiles: 16 keys and up): against the per-head paged kernel, in 8-layer graphs on lease
 # A26 (paged_rows{,_b16,_b128}_leaseA26_h200_2026-12-01_session26.json; 8k / 32k / 128k keys, per call, us):
@@ -107,6 +108,13 @@ RULE_HEAD_DIM = 128
 # caches keep the whole row.
 RULE_NARROW_HEADS = 4
 ONE_WAVE_SLACK = 8
+# Calls that only half rows win, where they fill the SMs once: b = 16 (0.97 an SM; 32 units x 4 splits) from 128k
+# keys. In 8-layer graphs on lease A29 (rows4_small_leaseA29_... and rows_b16_leaseA29_h200_2026-12-02_session29.json,
+# two runs each, us a call), half rows / the per-head default: 1881.2-1883.5 / 1890.9-1895.1 at 128k (cuDNN
+# 1878.7-1881.5); but 949.2-949.6 / 946.8 at 64k, 479.0-479.9 / 475.5-475.7 at 32k and 125.8-126.0 / 123.9 at 8k,
+# where the per-head kernel (one program a row and head, no merge) stays. Whole
+# rows at b = 16 (8 splits) lost at every length (sessions 24 and 29).
+NARROW_RULE_BOUNDS = ((0.95, 131072),)
 
 
 def requested() -> int | None:
@@ -126,13 +134,54 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
     8 kv heads of d = 128 (whole rows), the split heuristic's call (an explicit num_splits keeps its kernel), and
     a grid and cache in RULE_BOUNDS (a paged cache, ``page_size`` > 0: SMALL_PAGE_RULE_BOUNDS for 16-key pages,
     PAGED_RULE_BOUNDS for larger ones). The capacity stands for the lengths, which live on the GPU."""
-    if arch != "sm90" or h_k != RULE_KV_HEADS or d != RULE_HEAD_DIM or num_splits != 0:
+    if not measured_shape(arch, h_k, d, num_splits):
         return 0
     per_sm = b * h_k / sms
+    narrow = page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms)
     bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
-    if not any(per_sm >= least and capacity >= shortest for least, shortest in bounds):
-        return 0
-    return RULE_NARROW_HEADS if page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms) else h_k
+    if any(per_sm >= least and capacity >= shortest for least, shortest in bounds):
+        return RULE_NARROW_HEADS if narrow else h_k
+    if narrow and any(per_sm >= least and capacity >= shortest for least, shortest in NARROW_RULE_BOUNDS):
+        return RULE_NARROW_HEADS
+    return 0
+
+
+# Boards where a grid that leaves SMs idle reads slower (board.full_grid_board: leases J24, E26, C29). In 8-layer
+# graphs on C29 (full_grid_leaseC29_h200_2026-12-02_session29.json, one run each, us a call, cuDNN in brackets):
+# - the calls the rule above takes, as whole rows on stream-K (one program an SM, every SM): b = 32 1884.5 at 64k
+#   (1888.8), 3747.0 at 128k (3768.3), against the rule's 1915.2 / 3819.3 there (1888.5 / 3770.7); b = 16 1886.6
+#   at 128k (1894.1) against half rows' 1913.9; b = 64, 32k 1887.3 against 1915.6 (1919.6; probe_streamk);
+# - b = 16 at 64k, the same: 955.2 (952.1) against the per-head kernel's 966.7 (952.9);
+# - b = 1, 2 and 8, half rows (4 heads a program, split: 2 x 66, 4 x 33 and 16 x 8 programs): b = 1 126.6 at 128k
+#   (128.3) against 128.2 (128.1); b = 2 126.4 / 243.0 at 64k / 128k (127.8 / 245.2) against 127.5 / 247.9; b = 8
+#   245.6 / 481.8 / 957.6 at 32k / 64k / 128k (245.0 / 483.0 / 953.0) against 247.9 / 487.6 / 969.9 (still behind
+#   at 128k: nothing measured reaches cuDNN there on these boards).
+# Shorter caches keep the normal rule (b = 1 at 64k: half rows 67.5 against 66.8; b = 2 at 32k 67.4 against 66.4).
+# FULL_GRID_CALLS: batch -> (shortest capacity, heads a program, stream-K), at 8 kv heads (by_rule's shape).
+FULL_GRID_CALLS = {1: (131072, 4, False), 2: (65536, 4, False), 8: (32768, 4, False), 16: (65536, 8, True)}
+# Stream-K for the rule's own calls up to b = 64 at 8 kv heads (3.9 an SM); b = 128 unmeasured on these boards.
+FULL_GRID_STREAMK_MAX_PER_SM = 4.0
+
+
+def full_grid_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int,
+                   page_size: int = 0) -> tuple[int, bool]:
+    """(heads a program, stream-K) on a board where grids that leave SMs idle read slower (board.full_grid_board);
+    heads 0: another kernel. Contiguous caches only (paged ones keep by_rule: unmeasured on such boards)."""
+    heads = by_rule(arch=arch, b=b, h_k=h_k, d=d, capacity=capacity, num_splits=num_splits, sms=sms,
+                    page_size=page_size)
+    if page_size > 0 or not measured_shape(arch, h_k, d, num_splits):
+        return heads, False
+    if heads and b * h_k / sms < FULL_GRID_STREAMK_MAX_PER_SM:
+        return RULE_KV_HEADS, True
+    shortest, narrow_heads, streamk = FULL_GRID_CALLS.get(b, (0, 0, False))
+    if narrow_heads and capacity >= shortest:
+        return narrow_heads, streamk
+    return heads, False
+
+
+def measured_shape(arch: str, h_k: int, d: int, num_splits: int) -> bool:
+    """The shape the rules were measured on: Hopper, 8 kv heads of d = 128, the split heuristic's call."""
+    return arch == "sm90" and h_k == RULE_KV_HEADS and d == RULE_HEAD_DIM and num_splits == 0
 
 
 def one_wave(units: int, sms: int) -> bool:
@@ -200,10 +249,11 @@ def covers(q, k_cache, v_cache, heads: int, block_table=None) -> bool:
 
 
 def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, heads, sms,
-                block_table=None):
+                block_table=None, streamk=False):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or
     cache_len_const) keys a row: out (b, 1, h, d), lse (b, h, 1). With ``block_table`` (b, pages a row), int32, the
-    caches are (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists."""
+    caches are (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists.
+    ``streamk``: the stream-K launch (contiguous caches; FLASHTILE_DECODE_ROWS_STREAMK=0 / 1 overrides it)."""
     from flashtile.backends.triton.decode import capacity_of, pdl_capable
 
     b, _, h, d = q.shape
@@ -223,8 +273,10 @@ def rows_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, s
             s_new)
     if block_table is not None:  # paged: the split kernel (stream-K reads contiguous caches only)
         return _split(*args, num_splits(units, stage, stages, sms, key_blocks), block_table=block_table)
-    # stream-K: FLASHTILE_DECODE_ROWS_STREAMK=1 (off by default: slower on every board measured, session 25)
-    if env.switch("FLASHTILE_DECODE_ROWS_STREAMK") and units <= STREAMK_MAX_UNITS:
+    # stream-K: on full-grid boards by the caller's rule (full_grid_rule), or FLASHTILE_DECODE_ROWS_STREAMK=1 (slower
+    # where 128 programs read as fast as 132, session 25)
+    forced = env.switch("FLASHTILE_DECODE_ROWS_STREAMK")
+    if (streamk if forced is None else forced) and units <= STREAMK_MAX_UNITS:
         # one program a slot, never more than the key tiles; FLASHTILE_DECODE_ROWS_PROGRAMS=n forces n (tests:
         # programs that span several units, units several programs)
         programs = env.count("FLASHTILE_DECODE_ROWS_PROGRAMS") or min(

@@ -1,0 +1,118 @@
+"""Which kind of H200 is this? Some boards read memory slower when a grid leaves a few SMs idle.
+
+On most H200 boards a streaming read on 128 programs (one an SM, 4 of the 132 SMs idle) takes what 132 programs take
+(within 0.2%-0.3%). On some (leases J24, E26, C29) it takes 1.9%-2.5% longer, and every decode grid of 128 programs
+(b = 1, 8 and 32 at 8 kv heads) loses that much: those boards want kernels that use every SM (the stream-K row
+kernel, half-row programs in 132-program grids). Nothing static tells the two kinds apart (same clocks, power limits
+and SM count), so ``full_grid_board`` times it: a 1 GiB read (kernels/grid_read.py, probe_sm_balance.py's even read)
+on 132 and on 128 programs, each as CUDA-graph replays of 4 chained reads, alternated over rounds, the median of
+each. With that read at 1 GiB, P128 / P132 was 1.0024-1.0033 on six normal boards (sm_balance_lease{A,B,C,D,E}28,
+_leaseC27_...json) and 1.0199 on C29 (sm_balance_leaseC29_h200_2026-12-02_session29.json): FULL_GRID_RATIO sits
+between them.
+
+When: on a device's first decode call that asks (kvcache_fwd, only for the shapes whose rule depends on the board),
+outside CUDA-graph capture. It compiles one small kernel, allocates 1 GiB for a moment (it goes back to PyTorch's
+caching allocator) and synchronizes the device once: about a second with the compile, some 0.15 s without. A call
+captured into a graph before any eager call cannot measure: it takes the normal boards' kernels and measures
+nothing, so a later eager call may pick others.
+``FLASHTILE_DECODE_BOARD`` skips the measurement: ``normal``, ``full-grid``, or unset / ``auto`` (measure).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from flashtile import env
+
+# P128 / P132 above this: a board whose idle SMs cost bandwidth (normal boards 1.002-1.003, C29 1.020 at 1 GiB)
+FULL_GRID_RATIO = 1.01
+READ_BYTES = 1 << 30  # both buffers together
+BLOCK = 16384  # int16 words a tile: 32 KB
+STAGES = 3
+ROUNDS = 3
+REPLAYS = 20  # a variant's replays a round (4 reads of 1 GiB each: about 1 ms a replay)
+CHAINED = 4
+SETTINGS = ("", "auto", "normal", "full-grid")
+
+_KNOWN: dict[int, bool] = {}  # device index -> full-grid board
+_RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diagnostics, tests)
+
+
+def setting() -> str:
+    """FLASHTILE_DECODE_BOARD, checked: '' / 'auto' measure, 'normal' / 'full-grid' decide."""
+    value = env.get("FLASHTILE_DECODE_BOARD", "") or ""
+    if value not in SETTINGS:
+        raise ValueError(f"FLASHTILE_DECODE_BOARD must be normal, full-grid, auto or unset, got {value!r}")
+    return value
+
+
+def full_grid_board(device: torch.device) -> bool:
+    """True on a board where 128 programs read measurably slower than 132 (measured once per device, see the module
+    docstring); False on normal boards, off CUDA, and inside a graph capture before any measurement."""
+    value = setting()
+    if value in ("normal", "full-grid"):
+        return value == "full-grid"
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _KNOWN.get(index)
+    if known is not None:
+        return known
+    if torch.cuda.is_current_stream_capturing():
+        return False  # no timing inside a capture: the normal kernels, measured at the next eager call
+    ratio = measure_ratio(torch.device("cuda", index))
+    _RATIOS[index] = ratio
+    _KNOWN[index] = ratio > FULL_GRID_RATIO
+    return _KNOWN[index]
+
+
+def measure_ratio(device: torch.device, read_bytes: int = READ_BYTES) -> float:
+    """P128 / P132: the median time of a read split evenly among 128 programs over the median on 132."""
+    words = read_bytes // 4  # int16 words a buffer (two buffers)
+    with torch.cuda.device(device):
+        a = torch.empty(words // BLOCK * BLOCK, device=device, dtype=torch.int16)
+        b = torch.empty_like(a)
+        out = torch.empty(132 * BLOCK, device=device, dtype=torch.int16)
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            times = _replay_times(a, b, out, stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return statistics.median(times[128]) / statistics.median(times[132])
+
+
+def _replay_times(a, b, out, stream) -> dict[int, list[float]]:
+    """ms of each replay of CHAINED reads on 132 and on 128 programs, the two alternated over ROUNDS."""
+    from flashtile.kernels.grid_read import _grid_read_kernel
+
+    tiles = a.numel() // BLOCK
+    graphs = {}
+    for programs in (132, 128):
+        def reads(p=programs):
+            for _ in range(CHAINED):
+                _grid_read_kernel[(p,)](a, b, out, tiles, BLOCK=BLOCK, STAGES=STAGES, num_warps=8, num_stages=1)
+        reads()  # compile and warm outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            reads()
+        graphs[programs] = graph
+    times = {p: [] for p in graphs}
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
+    for _ in range(ROUNDS):
+        for programs, graph in graphs.items():
+            graph.replay()  # a warm replay first
+            for start, end in events:
+                start.record(stream)
+                graph.replay()
+                end.record(stream)
+            events[-1][1].synchronize()
+            times[programs] += [start.elapsed_time(end) for start, end in events]
+    return times
+
+
+def forget() -> None:
+    """Drop the measured classes (tests; a process that wants to measure again)."""
+    _KNOWN.clear()
+    _RATIOS.clear()

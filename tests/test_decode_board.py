@@ -1,0 +1,107 @@
+"""The board class (backends/triton/board.py) and the full-grid boards' decode rule (decode_rows.full_grid_rule):
+the setting is checked by name, CPU tensors never measure, the rule's table, and kvcache_fwd's wiring (the rule
+consulted only for its shape, its heads and stream-K reaching the row kernel). GPU: tests/test_gpu_decode_board.py."""
+
+import pytest
+import torch
+
+from flashtile.backends.triton import board, decode_rows
+from test_kvcache import _run_and_check, make_case
+
+RULE = dict(arch="sm90", h_k=8, d=128, num_splits=0, sms=132)
+
+
+def test_setting_is_checked_by_name(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "fullgrid")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_BOARD"):
+        board.full_grid_board(torch.device("cpu"))
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
+    assert board.full_grid_board(torch.device("cpu"))
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "normal")
+    assert not board.full_grid_board(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("value", ["", "auto"])
+def test_cpu_tensors_never_measure(monkeypatch, value):
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", value)
+    monkeypatch.setattr(board, "measure_ratio", lambda *a, **k: pytest.fail("measured on a CPU tensor"))
+    assert not board.full_grid_board(torch.device("cpu"))
+
+
+def test_full_grid_rule():
+    rule = decode_rows.full_grid_rule
+    # the normal rule's calls up to b = 64: whole rows on stream-K
+    assert rule(b=32, capacity=65536, **RULE) == (8, True)
+    assert rule(b=64, capacity=8192, **RULE) == (8, True)
+    assert rule(b=16, capacity=131072, **RULE) == (8, True)
+    assert rule(b=128, capacity=8192, **RULE) == (8, False)  # unmeasured on these boards: the normal rule
+    # the table: b = 16 from 64k on stream-K, half rows at b = 1 / 2 / 8 from 128k / 64k / 32k
+    assert rule(b=16, capacity=65536, **RULE) == (8, True)
+    assert rule(b=1, capacity=131072, **RULE) == (4, False)
+    assert rule(b=1, capacity=65536, **RULE) == (0, False)
+    assert rule(b=2, capacity=65536, **RULE) == (4, False)
+    assert rule(b=2, capacity=32768, **RULE) == (0, False)
+    assert rule(b=8, capacity=32768, **RULE) == (4, False)
+    assert rule(b=8, capacity=16384, **RULE) == (0, False)
+    assert rule(b=4, capacity=131072, **RULE) == (0, False)  # unmeasured
+    assert rule(b=32, capacity=32768, **RULE) == (0, False)  # the per-head kernel is ahead there already
+    # only the measured shape, and contiguous caches
+    assert rule(b=1, capacity=131072, **dict(RULE, arch="default")) == (0, False)
+    assert rule(b=1, capacity=131072, **dict(RULE, h_k=4)) == (0, False)
+    assert rule(b=1, capacity=131072, **dict(RULE, num_splits=2)) == (0, False)
+    assert rule(b=32, capacity=65536, page_size=16, **RULE) == (decode_rows.by_rule(
+        b=32, capacity=65536, page_size=16, **RULE), False)
+    assert rule(b=8, capacity=131072, page_size=256, **RULE) == (0, False)
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The interpreter posing as Hopper on 16-key tiles; a list of (heads, streamk) of every row-kernel call, and
+    the board class asked for through a counter."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS_CFG", "16,4,2")
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS_STREAMK", raising=False)
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    calls, asked = [], []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode",
+                        lambda *a, **k: (calls.append((k["heads"], k["streamk"])), real(*a, **k))[1])
+    real_board = board.full_grid_board
+    monkeypatch.setattr(board, "full_grid_board", lambda device: (asked.append(1), real_board(device))[1])
+    return calls, asked
+
+
+def test_full_grid_boards_take_their_rule(routes, monkeypatch):
+    calls, asked = routes
+    monkeypatch.setattr(decode_rows, "FULL_GRID_CALLS", {2: (0, 4, False)})  # b = 2 at any capacity: half rows
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, b=2)
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
+    _run_and_check(q, kc, vc, args)
+    assert calls == [(4, False)] and asked == [1]
+    # the normal rule's calls go to stream-K, whole rows
+    monkeypatch.setattr(decode_rows, "RULE_BOUNDS", ((0.0, 0),))
+    _run_and_check(q, kc, vc, args)
+    assert calls[1:] == [(8, True)]
+    # a normal board: the normal rule (4 heads: the interpreter's 2 x 2 units split to fill its SMs)
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "normal")
+    _run_and_check(q, kc, vc, args)
+    assert calls[2:] == [(4, False)]
+
+
+def test_the_board_is_asked_only_for_the_rules_shape(routes, monkeypatch):
+    calls, asked = routes
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
+    for kw in (dict(h_k=4, d=128), dict(h_k=8, d=64)):
+        q, kc, vc, args = make_case(dtype=torch.float16, h=16, s_new=1, cap=40, **kw)
+        _run_and_check(q, kc, vc, args)
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1)
+    _run_and_check(q, kc, vc, args, num_splits=2)  # an explicit split count
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=64, s_new=1, page=16)
+    _run_and_check(q, kc, vc, args)  # a paged cache
+    monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "0")
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1)
+    _run_and_check(q, kc, vc, args)  # the row kernel set by hand
+    assert asked == [] and calls == []

@@ -1,0 +1,66 @@
+"""The board class on the H200 (backends/triton/board.py) and the full-grid boards' decode rule: the measurement runs
+and is kept per device, never inside a graph capture, and every call the full-grid rule routes matches the PyTorch
+reference (FlashAttention's tolerance rule) on whatever board runs the tests (FLASHTILE_DECODE_BOARD=full-grid)."""
+
+import math
+
+import pytest
+import torch
+
+from flashtile import flash_attn_with_kvcache
+from flashtile.backends.triton import board, decode_rows
+from test_gpu_kvcache import _check, _inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def test_the_measurement_is_kept_per_device(monkeypatch):
+    monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
+    board.forget()
+    device = torch.device("cuda")
+    full = board.full_grid_board(device)
+    ratio = board._RATIOS[torch.cuda.current_device()]
+    # a 128-program read is never faster than a 132-program one by much, nor 10% slower (C29: 1.0195)
+    assert math.isfinite(ratio) and 0.97 < ratio < 1.10, ratio
+    assert full == (ratio > board.FULL_GRID_RATIO)
+    monkeypatch.setattr(board, "measure_ratio", lambda *a, **k: pytest.fail("measured twice"))
+    assert board.full_grid_board(device) == full
+
+
+def test_a_capture_never_measures(monkeypatch):
+    from test_gpu_kvcache import _capture
+
+    monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
+    q, kc, vc, kw = _inputs(1, 1, 0, 32, 8, 128, 4096, torch.bfloat16, seed=3)  # a shape whose rule asks the board
+
+    def forget_and_forbid():
+        board.forget()
+        monkeypatch.setattr(board, "measure_ratio", lambda *a, **k: pytest.fail("measured inside a capture"))
+
+    graph, out = _capture(lambda: flash_attn_with_kvcache(q, kc, vc, **kw), before_capture=forget_and_forbid)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert board._KNOWN == {} and torch.isfinite(out).all()
+
+
+# (b, h, cap, heads, stream-K): every kind of call the full-grid rule makes (half rows at b = 1, 2, 8; whole rows on
+# stream-K at b = 16 and for the normal rule's b = 32), at its shortest cache; MHA at b = 32 keeps the reference
+# small (GQA 4:1 there asked it for 32 GiB)
+FULL_GRID_SHAPES = [(1, 32, 131072, 4, False), (2, 32, 65536, 4, False), (8, 32, 32768, 4, False),
+                    (16, 32, 65536, 8, True), (32, 8, 65536, 8, True)]
+
+
+@pytest.mark.xdist_group("big_caches")
+@pytest.mark.parametrize("shape", FULL_GRID_SHAPES, ids=[f"b{s[0]}h{s[1]}c{s[2]}" for s in FULL_GRID_SHAPES])
+def test_full_grid_rule_matches_reference(monkeypatch, shape):
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS_STREAMK", raising=False)
+    calls = []
+    real = decode_rows.rows_decode
+    monkeypatch.setattr(decode_rows, "rows_decode",
+                        lambda *a, **k: (calls.append((k["heads"], k["streamk"])), real(*a, **k))[1])
+    b, h, cap, heads, streamk = shape
+    q, kc, vc, kw = _inputs(b, 1, 1, h, 8, 128, cap, torch.bfloat16, seed=cap + b)
+    _check(q, kc, vc, kw, causal=True)
+    assert calls == [(heads, streamk)], "the full-grid rule did not route the call as its table says"
