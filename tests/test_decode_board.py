@@ -104,4 +104,30 @@ def test_the_board_is_asked_only_for_the_rules_shape(routes, monkeypatch):
     monkeypatch.setenv("FLASHTILE_DECODE_ROWS", "0")
     q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1)
     _run_and_check(q, kc, vc, args)  # the row kernel set by hand
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS")
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "num_sms", lambda device: 114)
+    _run_and_check(q, kc, vc, args)  # a GPU of another SM count (the rule's tables are for 132)
     assert asked == [] and calls == []
+
+
+def test_no_memory_to_measure_means_the_normal_rule(monkeypatch):
+    """A process whose caches took the GPU's memory: one warning, the normal class, kept (no second attempt)."""
+    monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    attempts = []
+
+    def out_of_memory(*a, **k):
+        attempts.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(board, "measure_ratio", out_of_memory)
+    board.forget()
+    try:
+        with pytest.warns(UserWarning, match="FLASHTILE_DECODE_BOARD"):
+            assert not board.full_grid_board(torch.device("cuda", 0))
+        assert not board.full_grid_board(torch.device("cuda", 0))
+        assert attempts == [1]
+    finally:
+        board.forget()

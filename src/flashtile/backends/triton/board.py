@@ -14,18 +14,21 @@ When: on a device's first decode call that asks (kvcache_fwd, only for the shape
 outside CUDA-graph capture. It compiles one small kernel, allocates 1 GiB for a moment (it goes back to PyTorch's
 caching allocator) and synchronizes the device once: about a second with the compile, some 0.15 s without. A call
 captured into a graph before any eager call cannot measure: it takes the normal boards' kernels and measures
-nothing, so a later eager call may pick others.
+nothing, so a later eager call may pick others. Without 1 GiB free it warns once and takes the normal boards' rule.
 ``FLASHTILE_DECODE_BOARD`` skips the measurement: ``normal``, ``full-grid``, or unset / ``auto`` (measure).
 """
 
 from __future__ import annotations
 
 import statistics
+import warnings
 
 import torch
 
 from flashtile import env
 
+# The measurement and the full-grid rule are for GPUs of this many SMs (H200 / H100 SXM); others never ask
+MEASURED_SMS = 132
 # P128 / P132 above this: a board whose idle SMs cost bandwidth (normal boards 1.002-1.003, C29 1.020 at 1 GiB)
 FULL_GRID_RATIO = 1.01
 READ_BYTES = 1 << 30  # both buffers together
@@ -62,7 +65,15 @@ def full_grid_board(device: torch.device) -> bool:
         return known
     if torch.cuda.is_current_stream_capturing():
         return False  # no timing inside a capture: the normal kernels, measured at the next eager call
-    ratio = measure_ratio(torch.device("cuda", index))
+    try:
+        ratio = measure_ratio(torch.device("cuda", index))
+    except torch.OutOfMemoryError:
+        # a serving process that took the GPU's memory for its caches: decode on, with the normal boards' rule
+        warnings.warn(f"flashtile: no {READ_BYTES >> 20} MiB free on cuda:{index} to tell the board's class; decoding "
+                      "with the normal boards' kernels (FLASHTILE_DECODE_BOARD=normal or full-grid sets it)",
+                      stacklevel=2)
+        _KNOWN[index] = False
+        return False
     _RATIOS[index] = ratio
     _KNOWN[index] = ratio > FULL_GRID_RATIO
     return _KNOWN[index]

@@ -653,8 +653,8 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
                     capacity=capacity_of(k_cache, block_table), num_splits=num_splits, sms=sms,
                     page_size=0 if block_table is None else k_cache.shape[1])
         # boards where grids that leave SMs idle read slower take their own rule (measured once: board.py)
-        if plain and decode_rows.measured_shape(arch, rule["h_k"], rule["d"], num_splits) \
-                and board.full_grid_board(q.device):
+        covered = decode_rows.measured_shape(arch, rule["h_k"], rule["d"], num_splits)
+        if plain and covered and sms == board.MEASURED_SMS and board.full_grid_board(q.device):
             rows, streamk = decode_rows.full_grid_rule(**rule)
         else:
             rows = decode_rows.by_rule(**rule)
