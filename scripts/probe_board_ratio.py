@@ -1,6 +1,6 @@
 """How steady is the board class's measurement? (session 29)
 
-Usage: PYTHONPATH=src python scripts/probe_board_ratio.py --out board_ratio.json [--mib 64 256 1024] [--repeats 5]
+Usage: PYTHONPATH=src python scripts/probe_board_ratio.py --out board_ratio.json [--mib 256 1024] [--repeats 5]
 
 Runs backends/triton/board.py's measure_ratio (P128 / P132 of a plain read, CUDA-graph replays) several times at
 each buffer size and prints each ratio, with the class the default threshold (board.FULL_GRID_RATIO) would give.

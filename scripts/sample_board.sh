@@ -14,6 +14,8 @@ nvidia-smi --query-gpu=serial --format=csv,noheader > "$OUT/serial.txt"
 BALANCE_GIB=8 bash scripts/gpu_check.sh probe-sm-balance probe-board-ratio > /dev/null 2>&1
 cp "$OUT/summary.txt" "$OUT/summary_balance.txt"
 read -r p132 p128 <<< "$(awk '/even_P132/{a=$2} /even_P128/{b=$2} END{print a, b}' "$OUT/summary_balance.txt")"
+# this script's own class, from the 8 GiB probe (normal boards 1.0011-1.0024 there, C29 1.0249); the library decides
+# by its own 1 GiB measurement (backends/triton/board.py), which probe-board-ratio prints
 kind=$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print('full-grid' if b / a > 1.006 else 'fast' if a < 1850 else 'normal')" \
   "$p132" "$p128")
 echo "board $(cat "$OUT/serial.txt"): even_P132 $p132 us, even_P128 $p128 us: $kind"

@@ -29,7 +29,9 @@ def test_cpu_tensors_never_measure(monkeypatch, value):
 
 
 def test_full_grid_rule():
-    rule = decode_rows.full_grid_rule
+    def rule(**kw):
+        return decode_rows.full_grid_rule(normal=decode_rows.by_rule(**kw), **kw)
+
     # the normal rule's calls up to b = 64: whole rows on stream-K
     assert rule(b=32, capacity=65536, **RULE) == (8, True)
     assert rule(b=64, capacity=8192, **RULE) == (8, True)
@@ -91,9 +93,11 @@ def test_full_grid_boards_take_their_rule(routes, monkeypatch):
     assert calls[2:] == [(4, False)]
 
 
-def test_the_board_is_asked_only_for_the_rules_shape(routes, monkeypatch):
+def test_the_board_is_asked_only_where_it_changes_the_kernel(routes, monkeypatch):
     calls, asked = routes
     monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1)
+    _run_and_check(q, kc, vc, args)  # the rule's shape, but both rules pick the per-head kernel (b = 3, 40 keys)
     for kw in (dict(h_k=4, d=128), dict(h_k=8, d=64)):
         q, kc, vc, args = make_case(dtype=torch.float16, h=16, s_new=1, cap=40, **kw)
         _run_and_check(q, kc, vc, args)
@@ -113,21 +117,80 @@ def test_the_board_is_asked_only_for_the_rules_shape(routes, monkeypatch):
 
 
 def test_no_memory_to_measure_means_the_normal_rule(monkeypatch):
-    """A process whose caches took the GPU's memory: one warning, the normal class, kept (no second attempt)."""
-    monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    """A process whose caches took the GPU's memory, or a measurement that fails: one warning, the normal class,
+    kept (no second attempt)."""
+    free = _fake_cuda(monkeypatch)
     attempts = []
 
-    def out_of_memory(*a, **k):
+    def failing(*a, **k):
         attempts.append(1)
-        raise torch.OutOfMemoryError("CUDA out of memory")
+        raise RuntimeError("the probe met something")
 
-    monkeypatch.setattr(board, "measure_ratio", out_of_memory)
-    board.forget()
-    try:
-        with pytest.warns(UserWarning, match="FLASHTILE_DECODE_BOARD"):
-            assert not board.full_grid_board(torch.device("cuda", 0))
+    monkeypatch.setattr(board, "measure_ratio", failing)
+    free[0] = board.READ_BYTES  # less than the read and its margin: never tried
+    with pytest.warns(UserWarning, match="no 1024 MiB free.*FLASHTILE_DECODE_BOARD"):
         assert not board.full_grid_board(torch.device("cuda", 0))
-        assert attempts == [1]
-    finally:
-        board.forget()
+    assert not board.full_grid_board(torch.device("cuda", 0))
+    assert attempts == []
+    free[0] = 80 << 30
+    with pytest.warns(UserWarning, match="RuntimeError: the probe met something"):
+        assert not board.full_grid_board(torch.device("cuda", 1))
+    assert not board.full_grid_board(torch.device("cuda", 1))
+    assert attempts == [1]
+
+
+def _fake_cuda(monkeypatch, capturing=False):
+    """torch.cuda's calls that full_grid_board makes, answered on a CPU-only machine; returns the free-memory cell."""
+    import contextlib
+
+    monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
+    free = [80 << 30]
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 141 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0)
+    board.forget()
+    monkeypatch.setattr(board, "_KNOWN", {})
+    monkeypatch.setattr(board, "_RATIOS", {})
+    return free
+
+
+def test_measured_once_a_device_by_the_threshold(monkeypatch, caplog):
+    _fake_cuda(monkeypatch)
+    ratios = {0: 1.0199, 1: 1.0033}  # C29 and a normal board at 1 GiB
+    measured = []
+    monkeypatch.setattr(board, "measure_ratio", lambda device: (measured.append(device.index), ratios[device.index])[1])
+    with caplog.at_level("INFO", logger="flashtile"):
+        assert board.full_grid_board(torch.device("cuda", 0))
+        assert not board.full_grid_board(torch.device("cuda", 1))
+        assert board.full_grid_board(torch.device("cuda", 0))
+    assert measured == [0, 1] and board._RATIOS == ratios
+    assert "full-grid board" in caplog.text and "a normal board" in caplog.text
+
+
+def test_a_capture_measures_nothing_and_remembers_nothing(monkeypatch):
+    _fake_cuda(monkeypatch, capturing=True)
+    monkeypatch.setattr(board, "measure_ratio", lambda device: pytest.fail("measured inside a capture"))
+    assert not board.full_grid_board(torch.device("cuda", 0))
+    assert board._KNOWN == {}
+
+
+@pytest.mark.parametrize("programs, tiles", [(132, 300), (128, 300), (7, 5)])
+def test_the_grid_read_reads_every_tile_once(monkeypatch, programs, tiles):
+    """kernels/grid_read.py through the interpreter: the programs' XORs together are every tile's of both buffers
+    (a tile read twice or skipped would change them)."""
+    from flashtile.kernels.grid_read import _grid_read_kernel
+
+    block = 16
+    a = torch.randint(-(2 ** 15), 2 ** 15, (tiles * block,), dtype=torch.int16)
+    b = torch.randint(-(2 ** 15), 2 ** 15, (tiles * block,), dtype=torch.int16)
+    out = torch.zeros(programs * block, dtype=torch.int16)
+    _grid_read_kernel[(programs,)](a, b, out, tiles, BLOCK=block, STAGES=1)
+    want = torch.zeros(block, dtype=torch.int16)
+    for t in torch.cat([a, b]).view(-1, block):
+        want ^= t
+    got = torch.zeros(block, dtype=torch.int16)
+    for t in out.view(programs, block):
+        got ^= t
+    assert torch.equal(got, want)

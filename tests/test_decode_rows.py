@@ -169,6 +169,8 @@ def test_rule_takes_long_caches_on_large_batches():
     assert decode_rows.by_rule(b=8, capacity=131072, **rule) == 0  # 16 units x 8 splits: unmeasured as a rule
     assert decode_rows.by_rule(b=20, capacity=131072, **rule) == 0  # 40 units x 3 splits: 120 programs, 12 SMs idle
     assert decode_rows.by_rule(b=24, capacity=131072, **rule) == 0  # 48 units x 3 splits: 144 programs, two waves
+    for b in (21, 22, 31):  # their half rows fill the SMs once too, but unmeasured: NARROW_RULE_BOUNDS stops below 1.0
+        assert decode_rows.by_rule(b=b, capacity=131072, **rule) == 0
     # only the measured shape: Hopper, 8 kv heads of d = 128, the heuristic's split count
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="default")) == 0
     assert decode_rows.by_rule(b=32, capacity=65536, **dict(rule, arch="interpret")) == 0

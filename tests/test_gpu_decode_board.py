@@ -3,6 +3,7 @@ and is kept per device, never inside a graph capture, and every call the full-gr
 reference (FlashAttention's tolerance rule) on whatever board runs the tests (FLASHTILE_DECODE_BOARD=full-grid)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -18,28 +19,44 @@ def test_the_measurement_is_kept_per_device(monkeypatch):
     monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
     board.forget()
     device = torch.device("cuda")
-    full = board.full_grid_board(device)
-    ratio = board._RATIOS[torch.cuda.current_device()]
-    # a 128-program read is never faster than a 132-program one by much, nor 10% slower (C29: 1.0195)
-    assert math.isfinite(ratio) and 0.97 < ratio < 1.10, ratio
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = board.full_grid_board(device)
+    said = " ".join(str(w.message) for w in caught)
+    assert "measurement failed" not in said, said
+    index = torch.cuda.current_device()
+    if index not in board._RATIOS:
+        pytest.skip(f"the measurement did not run: {said}")  # no 1 GiB free beside the other test workers
+    ratio = board._RATIOS[index]
+    # a 128-program read is never much faster than a 132-program one, nor 15% slower (C29: 1.0199); loose, since
+    # other test workers may share the GPU while it measures
+    assert math.isfinite(ratio) and 0.9 < ratio < 1.15, ratio
     assert full == (ratio > board.FULL_GRID_RATIO)
     monkeypatch.setattr(board, "measure_ratio", lambda *a, **k: pytest.fail("measured twice"))
     assert board.full_grid_board(device) == full
+    assert board.full_grid_board(torch.device("cuda", index)) == full
 
 
 def test_a_capture_never_measures(monkeypatch):
     from test_gpu_kvcache import _capture
 
+    if torch.cuda.get_device_properties(0).multi_processor_count != board.MEASURED_SMS:
+        pytest.skip("the board is asked on GPUs of 132 SMs only")
     monkeypatch.delenv("FLASHTILE_DECODE_BOARD", raising=False)
-    q, kc, vc, kw = _inputs(1, 1, 0, 32, 8, 128, 4096, torch.bfloat16, seed=3)  # a shape whose rule asks the board
+    # b = 2 at 64k keys: the full-grid rule (half rows) and the normal one (per-head) differ, so the call asks
+    q, kc, vc, kw = _inputs(2, 1, 0, 8, 8, 128, 65536, torch.bfloat16, seed=3)
+    asked = []
+    real = board.full_grid_board
 
     def forget_and_forbid():
         board.forget()
         monkeypatch.setattr(board, "measure_ratio", lambda *a, **k: pytest.fail("measured inside a capture"))
+        monkeypatch.setattr(board, "full_grid_board", lambda device: (asked.append(1), real(device))[1])
 
     graph, out = _capture(lambda: flash_attn_with_kvcache(q, kc, vc, **kw), before_capture=forget_and_forbid)
     graph.replay()
     torch.cuda.synchronize()
+    assert asked, "the captured call did not ask the board"
     assert board._KNOWN == {} and torch.isfinite(out).all()
 
 

@@ -8,19 +8,24 @@ and SM count), so ``full_grid_board`` times it: a 1 GiB read (kernels/grid_read.
 on 132 and on 128 programs, each as CUDA-graph replays of 4 chained reads, alternated over rounds, the median of
 each. With that read at 1 GiB, P128 / P132 was 1.0024-1.0033 on six normal boards (sm_balance_lease{A,B,C,D,E}28,
 _leaseC27_...json) and 1.0199 on C29 (sm_balance_leaseC29_h200_2026-12-02_session29.json): FULL_GRID_RATIO sits
-between them.
+between them. The numbers are the H200's; an H100 SXM (also 132 SMs) is measured the same way, unvalidated.
 
-When: on a device's first decode call that asks (kvcache_fwd, only for the shapes whose rule depends on the board),
-outside CUDA-graph capture. It compiles one small kernel, allocates 1 GiB for a moment (it goes back to PyTorch's
-caching allocator) and synchronizes the device once: about a second with the compile, some 0.15 s without. A call
+When: on a device's first decode call whose kernel the class changes (kvcache_fwd: the full-grid rule and the normal
+one differ), outside CUDA-graph capture; or when called (``full_grid_board(device)`` before capturing decode graphs
+makes them take the board's kernels). It compiles one small kernel, needs 1 GiB for a moment (left in PyTorch's
+caching allocator for the process's tensors) and waits for the device: about a second with the compile, some 0.15 s
+without. The captures it times are its own stream's (thread-local mode: other threads' CUDA calls go on). A call
 captured into a graph before any eager call cannot measure: it takes the normal boards' kernels and measures
-nothing, so a later eager call may pick others. Without 1 GiB free it warns once and takes the normal boards' rule.
+nothing, so a later eager call may pick others. Without 1 GiB free, or if the measurement fails, one warning and the
+normal boards' rule. The class found is logged (logger ``flashtile``, INFO).
 ``FLASHTILE_DECODE_BOARD`` skips the measurement: ``normal``, ``full-grid``, or unset / ``auto`` (measure).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
+import threading
 import warnings
 
 import torch
@@ -29,7 +34,7 @@ from flashtile import env
 
 # The measurement and the full-grid rule are for GPUs of this many SMs (H200 / H100 SXM); others never ask
 MEASURED_SMS = 132
-# P128 / P132 above this: a board whose idle SMs cost bandwidth (normal boards 1.002-1.003, C29 1.020 at 1 GiB)
+# P128 / P132 above this: a board whose idle SMs cost bandwidth (normal boards 1.002-1.0035, C29 1.020 at 1 GiB)
 FULL_GRID_RATIO = 1.01
 READ_BYTES = 1 << 30  # both buffers together
 BLOCK = 16384  # int16 words a tile: 32 KB
@@ -41,6 +46,8 @@ SETTINGS = ("", "auto", "normal", "full-grid")
 
 _KNOWN: dict[int, bool] = {}  # device index -> full-grid board
 _RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diagnostics, tests)
+_LOCK = threading.Lock()  # one measurement at a time: two would share the bandwidth they time
+_LOG = logging.getLogger("flashtile")
 
 
 def setting() -> str:
@@ -63,20 +70,37 @@ def full_grid_board(device: torch.device) -> bool:
     known = _KNOWN.get(index)
     if known is not None:
         return known
-    if torch.cuda.is_current_stream_capturing():
-        return False  # no timing inside a capture: the normal kernels, measured at the next eager call
-    try:
-        ratio = measure_ratio(torch.device("cuda", index))
-    except torch.OutOfMemoryError:
-        # a serving process that took the GPU's memory for its caches: decode on, with the normal boards' rule
-        warnings.warn(f"flashtile: no {READ_BYTES >> 20} MiB free on cuda:{index} to tell the board's class; decoding "
-                      "with the normal boards' kernels (FLASHTILE_DECODE_BOARD=normal or full-grid sets it)",
-                      stacklevel=2)
-        _KNOWN[index] = False
-        return False
-    _RATIOS[index] = ratio
-    _KNOWN[index] = ratio > FULL_GRID_RATIO
+    with _LOCK:
+        if index in _KNOWN:  # another thread measured it meanwhile
+            return _KNOWN[index]
+        with torch.cuda.device(index):
+            if torch.cuda.is_current_stream_capturing():
+                return False  # no timing inside a capture: the normal kernels, measured at the next eager call
+            _KNOWN[index] = _measure_class(index)
     return _KNOWN[index]
+
+
+def _measure_class(index: int) -> bool:
+    """The measured class of cuda:index; the normal class, with a warning, when it cannot be measured."""
+    device = torch.device("cuda", index)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    problem = None
+    if free + cached < READ_BYTES + (64 << 20):
+        problem = f"no {READ_BYTES >> 20} MiB free"  # a serving process whose caches hold the GPU's memory
+    else:
+        try:
+            _RATIOS[index] = measure_ratio(device)
+        except Exception as e:  # noqa: BLE001 - decoding must go on whatever the probe met; the warning says what
+            problem = f"the measurement failed ({type(e).__name__}: {e})"
+    if problem is not None:
+        warnings.warn(f"flashtile: {problem} on cuda:{index} to tell the board's class; decoding with the normal "
+                      "boards' kernels (FLASHTILE_DECODE_BOARD=normal or full-grid sets the class)", stacklevel=3)
+        return False
+    full = _RATIOS[index] > FULL_GRID_RATIO
+    _LOG.info("flashtile: cuda:%d reads %.4fx as long on 128 programs as on 132: %s board", index, _RATIOS[index],
+              "a full-grid" if full else "a normal")
+    return full
 
 
 def measure_ratio(device: torch.device, read_bytes: int = READ_BYTES) -> float:
@@ -95,7 +119,8 @@ def measure_ratio(device: torch.device, read_bytes: int = READ_BYTES) -> float:
 
 
 def _replay_times(a, b, out, stream) -> dict[int, list[float]]:
-    """ms of each replay of CHAINED reads on 132 and on 128 programs, the two alternated over ROUNDS."""
+    """ms of each replay of CHAINED reads on 132 and on 128 programs, the two alternated over ROUNDS (each first in
+    every other round)."""
     from flashtile.kernels.grid_read import _grid_read_kernel
 
     tiles = a.numel() // BLOCK
@@ -105,14 +130,21 @@ def _replay_times(a, b, out, stream) -> dict[int, list[float]]:
             for _ in range(CHAINED):
                 _grid_read_kernel[(p,)](a, b, out, tiles, BLOCK=BLOCK, STAGES=STAGES, num_warps=8, num_stages=1)
         reads()  # compile and warm outside the capture
+        stream.synchronize()
+        # captured by hand, not with torch.cuda.graph, whose entry synchronizes the device and empties the caching
+        # allocator; thread-local mode leaves other threads' CUDA calls alone
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
             reads()
+        finally:
+            graph.capture_end()
         graphs[programs] = graph
     times = {p: [] for p in graphs}
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(REPLAYS)]
-    for _ in range(ROUNDS):
-        for programs, graph in graphs.items():
+    for round_ in range(ROUNDS):
+        for programs in (132, 128) if round_ % 2 == 0 else (128, 132):
+            graph = graphs[programs]
             graph.replay()  # a warm replay first
             for start, end in events:
                 start.record(stream)
@@ -125,5 +157,6 @@ def _replay_times(a, b, out, stream) -> dict[int, list[float]]:
 
 def forget() -> None:
     """Drop the measured classes (tests; a process that wants to measure again)."""
-    _KNOWN.clear()
-    _RATIOS.clear()
+    with _LOCK:
+        _KNOWN.clear()
+        _RATIOS.clear()

@@ -652,12 +652,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         rule = dict(arch=arch, b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
                     capacity=capacity_of(k_cache, block_table), num_splits=num_splits, sms=sms,
                     page_size=0 if block_table is None else k_cache.shape[1])
-        # boards where grids that leave SMs idle read slower take their own rule (measured once: board.py)
-        covered = decode_rows.measured_shape(arch, rule["h_k"], rule["d"], num_splits)
-        if plain and covered and sms == board.MEASURED_SMS and board.full_grid_board(q.device):
-            rows, streamk = decode_rows.full_grid_rule(**rule)
-        else:
-            rows = decode_rows.by_rule(**rule)
+        rows = decode_rows.by_rule(**rule)
+        # boards where grids that leave SMs idle read slower take their own rule; the board is measured (once,
+        # board.py) only for calls whose kernel it changes
+        if plain and sms == board.MEASURED_SMS:
+            full = decode_rows.full_grid_rule(normal=rows, **rule)
+            if full != (rows, False) and board.full_grid_board(q.device):
+                rows, streamk = full
     if rows and plain_or_paged and decode_rows.covers(q, k_cache, v_cache, rows, block_table):
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table)
         return decode_rows.rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,

@@ -17,9 +17,10 @@ one reads whole rows, the order of the fastest plain read (docs/decode_tuning_lo
 query heads a kv head, H dividing h_k) to programs of H kv heads, whatever its split count; ``0`` none; unset the
 rule. Knobs: ``FLASHTILE_DECODE_ROWS_CFG=BLOCK_N,warps,stages`` and ``FLASHTILE_DECODE_ROWS_SPLITS=n`` override
 the launch; ``FLASHTILE_DECODE_ROWS_FUSED=1`` merges the splits in the kernel's last split instead of the combine
-kernel (no faster in session 24); ``FLASHTILE_DECODE_ROWS_STREAMK=1`` shares the work stream-K style among one
-program a slot (kernels/decode_rows_streamk.py; off: slower where 128 programs stream as fast as 132, sessions
-24-25; a variant with one key loop across a program's units, session 26, was 3%-4.5% slower still and is removed).
+kernel (no faster in session 24); stream-K shares the work among one program a slot
+(kernels/decode_rows_streamk.py): on full-grid boards by ``full_grid_rule`` (board.py), elsewhere only when
+``FLASHTILE_DECODE_ROWS_STREAMK=1`` forces it (slower where 128 programs stream as fast as 132, sessions 24-25; a
+variant with one key loop across a program's units, session 26, was 3%-4.5% slower still and is removed).
 ``STAMPS`` is the row kernels' per-program timing diagnostic.
 New keys are appended by the separate append kernel first (through the block table on a paged cache).
 """
@@ -63,12 +64,12 @@ def launch_stages(stages: int, paged: bool) -> int:
 FUSED_MAX_SPLITS = 8
 # Stream-K (kernels/decode_rows_streamk.py): every program loads every unit's length, so at most this many units.
 STREAMK_MAX_UNITS = 4096
-# Stream-K is off unless FLASHTILE_DECODE_ROWS_STREAMK=1: in 8-layer graphs it was 0.3%-0.5% slower than the split
-# kernel at b = 32, 64k-128k and 1%-2% at b = 64 on the boards where 128 programs read as fast as 132 (leases
-# A25-F25), and 1.3%-1.4% faster at b = 32 on one where they do not (E26, row_streamk_b32_leaseE26_h200_2026-12-02_
-# session26.json). Timing both kernels on a call's first eager use was tried and reverted: eager launches rank them
-# the other way round (docs/decode_tuning_log.md, session 25); a 128- against 132-program read tells the boards apart
-# by about 1%, within its noise (session 26).
+# Stream-K runs on full-grid boards (full_grid_rule, board.py) and where FLASHTILE_DECODE_ROWS_STREAMK=1 forces it
+# (=0 keeps it off, on the heads the rule picked). In 8-layer graphs it was 0.3%-0.5% slower than the split kernel at
+# b = 32, 64k-128k and 1%-2% at b = 64 on the boards where 128 programs read as fast as 132 (leases A25-F25), and
+# 1.3%-1.4% faster at b = 32 on one where they do not (E26, row_streamk_b32_leaseE26_h200_2026-12-02_session26.json;
+# C29: full_grid_rule's comment). Timing both kernels on a call's first eager use was tried and reverted: eager
+# launches rank them the other way round (docs/decode_tuning_log.md, session 25); board.py times a plain read instead.
 # The STAMP diagnostic (scripts/probe_streamk.py --stamps): an int64 (programs, 4) tensor that the row kernels (split
 # and stream-K) fill with each program's %globaltimer at its start, loop end and end, and its SM id; None: off.
 STAMPS = None
@@ -113,8 +114,9 @@ ONE_WAVE_SLACK = 8
 # two runs each, us a call), half rows / the per-head default: 1881.2-1883.5 / 1890.9-1895.1 at 128k (cuDNN
 # 1878.7-1881.5); but 949.2-949.6 / 946.8 at 64k, 479.0-479.9 / 475.5-475.7 at 32k and 125.8-126.0 / 123.9 at 8k,
 # where the per-head kernel (one program a row and head, no merge) stays. Whole
-# rows at b = 16 (8 splits) lost at every length (sessions 24 and 29).
-NARROW_RULE_BOUNDS = ((0.95, 131072),)
+# rows at b = 16 (8 splits) lost at every length (sessions 24 and 29). (Programs an SM at least, below, capacity at
+# least): b = 16 alone on 132 SMs; b = 21, 22 and 31 also fill the SMs once with half rows, unmeasured.
+NARROW_RULE_BOUNDS = ((0.95, 1.0, 131072),)
 
 
 def requested() -> int | None:
@@ -141,7 +143,7 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
     bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
     if any(per_sm >= least and capacity >= shortest for least, shortest in bounds):
         return RULE_NARROW_HEADS if narrow else h_k
-    if narrow and any(per_sm >= least and capacity >= shortest for least, shortest in NARROW_RULE_BOUNDS):
+    if narrow and any(least <= per_sm < most and capacity >= shortest for least, most, shortest in NARROW_RULE_BOUNDS):
         return RULE_NARROW_HEADS
     return 0
 
@@ -163,12 +165,12 @@ FULL_GRID_CALLS = {1: (131072, 4, False), 2: (65536, 4, False), 8: (32768, 4, Fa
 FULL_GRID_STREAMK_MAX_PER_SM = 4.0
 
 
-def full_grid_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int,
+def full_grid_rule(*, normal: int, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: int, sms: int,
                    page_size: int = 0) -> tuple[int, bool]:
-    """(heads a program, stream-K) on a board where grids that leave SMs idle read slower (board.full_grid_board);
-    heads 0: another kernel. Contiguous caches only (paged ones keep by_rule: unmeasured on such boards)."""
-    heads = by_rule(arch=arch, b=b, h_k=h_k, d=d, capacity=capacity, num_splits=num_splits, sms=sms,
-                    page_size=page_size)
+    """(heads a program, stream-K) on a board where grids that leave SMs idle read slower (board.full_grid_board),
+    from ``normal``, by_rule's heads for the same call; heads 0: another kernel. Contiguous caches only (paged ones
+    keep by_rule: unmeasured on such boards)."""
+    heads = normal
     if page_size > 0 or not measured_shape(arch, h_k, d, num_splits):
         return heads, False
     if heads and b * h_k / sms < FULL_GRID_STREAMK_MAX_PER_SM:
