@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One board's class, and on the unusual kinds the KV-cache bar's table with the steps that tell the rules apart.
 # Usage (device): OUT=/some/dir PYTHONPATH=src bash scripts/sample_board.sh      (SAMPLE_TABLE=1: the table anywhere)
-# 1. probe-sm-balance at 8 GiB: an even 132-program read (about 1869 us on the usual H200; fast boards read it in
+# 1. tests-decode-board (the run-time board measurement and the full-grid routes against the reference), then
+#    probe-sm-balance at 8 GiB: an even 132-program read (about 1869 us on the usual H200; fast boards read it in
 #    about 1830) and a 128-program one (J24 / E26 / C29's kind, "full-grid" boards: 128 programs 1.9%-2.5% slower);
 #    probe-board-ratio: the run-time board measurement (backends/triton/board.py) repeated.
 # 2. On a fast or full-grid board (or with SAMPLE_TABLE=1): bench-decode-layers with the bar's rows (b = 1, 8, 32;
@@ -11,7 +12,7 @@
 set -u
 export WORK=${WORK:-/tmp/sample_board_work}  # outside $OUT: only the archive and summaries come back
 nvidia-smi --query-gpu=serial --format=csv,noheader > "$OUT/serial.txt"
-BALANCE_GIB=8 bash scripts/gpu_check.sh probe-sm-balance probe-board-ratio > /dev/null 2>&1
+BALANCE_GIB=8 bash scripts/gpu_check.sh tests-decode-board probe-sm-balance probe-board-ratio > /dev/null 2>&1
 cp "$OUT/summary.txt" "$OUT/summary_balance.txt"
 read -r p132 p128 <<< "$(awk '/even_P132/{a=$2} /even_P128/{b=$2} END{print a, b}' "$OUT/summary_balance.txt")"
 # this script's own class, from the 8 GiB probe (normal boards 1.0011-1.0024 there, C29 1.0249); the library decides
@@ -19,7 +20,7 @@ read -r p132 p128 <<< "$(awk '/even_P132/{a=$2} /even_P128/{b=$2} END{print a, b
 kind=$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print('full-grid' if b / a > 1.006 else 'fast' if a < 1850 else 'normal')" \
   "$p132" "$p128")
 echo "board $(cat "$OUT/serial.txt"): even_P132 $p132 us, even_P128 $p128 us: $kind"
-grep 'MiB: P128' "$OUT/summary_balance.txt"
+grep -E 'MiB: P128|passed|failed' "$OUT/summary_balance.txt"
 steps=()
 [[ $kind != normal || ${SAMPLE_TABLE:-0} == 1 ]] && steps=(bench-decode-layers)
 [[ $kind == full-grid ]] && steps+=(bench-decode-board probe-streamk)

@@ -44,6 +44,8 @@ def test_full_grid_rule():
     assert rule(b=2, capacity=65536, **RULE) == (4, False)
     assert rule(b=2, capacity=32768, **RULE) == (0, False)
     assert rule(b=8, capacity=32768, **RULE) == (4, False)
+    assert rule(b=8, capacity=65536, **RULE) == (4, False)
+    assert rule(b=8, capacity=131072, **RULE) == (8, True)  # from 128k whole rows on stream-K
     assert rule(b=8, capacity=16384, **RULE) == (0, False)
     assert rule(b=4, capacity=131072, **RULE) == (0, False)  # unmeasured
     assert rule(b=32, capacity=32768, **RULE) == (0, False)  # the per-head kernel is ahead there already
@@ -78,7 +80,7 @@ def routes(monkeypatch):
 
 def test_full_grid_boards_take_their_rule(routes, monkeypatch):
     calls, asked = routes
-    monkeypatch.setattr(decode_rows, "FULL_GRID_CALLS", {2: (0, 4, False)})  # b = 2 at any capacity: half rows
+    monkeypatch.setattr(decode_rows, "FULL_GRID_CALLS", {2: ((0, 4, False),)})  # b = 2 at any capacity: half rows
     q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, b=2)
     monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")
     _run_and_check(q, kc, vc, args)

@@ -156,11 +156,15 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
 # - b = 16 at 64k, the same: 955.2 (952.1) against the per-head kernel's 966.7 (952.9);
 # - b = 1, 2 and 8, half rows (4 heads a program, split: 2 x 66, 4 x 33 and 16 x 8 programs): b = 1 126.6 at 128k
 #   (128.3) against 128.2 (128.1); b = 2 126.4 / 243.0 at 64k / 128k (127.8 / 245.2) against 127.5 / 247.9; b = 8
-#   245.6 / 481.8 / 957.6 at 32k / 64k / 128k (245.0 / 483.0 / 953.0) against 247.9 / 487.6 / 969.9 (still behind
-#   at 128k: nothing measured reaches cuDNN there on these boards).
+#   245.6 / 481.8 at 32k / 64k (245.0 / 483.0) against 247.9 / 487.6;
+# - b = 8 from 128k, whole rows on stream-K: 953.7 (952.8) against half rows' 956.4-957.6 and the per-head kernel's
+#   969.9 (on E26 too stream-K was the nearest there: 957.5 against cuDNN's 951.1; nothing measured reaches cuDNN at
+#   b = 8, 128k on these boards).
 # Shorter caches keep the normal rule (b = 1 at 64k: half rows 67.5 against 66.8; b = 2 at 32k 67.4 against 66.4).
-# FULL_GRID_CALLS: batch -> (shortest capacity, heads a program, stream-K), at 8 kv heads (by_rule's shape).
-FULL_GRID_CALLS = {1: (131072, 4, False), 2: (65536, 4, False), 8: (32768, 4, False), 16: (65536, 8, True)}
+# FULL_GRID_CALLS: batch -> ((shortest capacity, heads a program, stream-K), ...) by capacity, at 8 kv heads
+# (by_rule's shape); a call takes the last entry whose capacity it reaches.
+FULL_GRID_CALLS = {1: ((131072, 4, False),), 2: ((65536, 4, False),), 8: ((32768, 4, False), (131072, 8, True)),
+                   16: ((65536, 8, True),)}
 # Stream-K for the rule's own calls up to b = 64 at 8 kv heads (3.9 an SM); b = 128 unmeasured on these boards.
 FULL_GRID_STREAMK_MAX_PER_SM = 4.0
 
@@ -175,10 +179,8 @@ def full_grid_rule(*, normal: int, arch: str, b: int, h_k: int, d: int, capacity
         return heads, False
     if heads and b * h_k / sms < FULL_GRID_STREAMK_MAX_PER_SM:
         return RULE_KV_HEADS, True
-    shortest, narrow_heads, streamk = FULL_GRID_CALLS.get(b, (0, 0, False))
-    if narrow_heads and capacity >= shortest:
-        return narrow_heads, streamk
-    return heads, False
+    reached = [(kind, streamk) for shortest, kind, streamk in FULL_GRID_CALLS.get(b, ()) if capacity >= shortest]
+    return reached[-1] if reached else (heads, False)
 
 
 def measured_shape(arch: str, h_k: int, d: int, num_splits: int) -> bool:
