@@ -177,21 +177,6 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def board_class(device: str) -> dict:
-    """The decode rules' board class as the run used it (backends/triton/board.py): the setting, the class, and the
-    measured P128 / P132 when the run measured one (None: a CPU run, a setting, or no call that asked)."""
-    from flashtile.backends.triton import board
-
-    if torch.device(device).type != "cuda":
-        return {"setting": board.setting(), "class": None, "ratio": None}
-    index = torch.cuda.current_device()
-    known = board._KNOWN.get(index)
-    if board.setting() in ("normal", "full-grid"):
-        known = board.setting() == "full-grid"
-    return {"setting": board.setting(), "class": None if known is None else "full-grid" if known else "normal",
-            "ratio": board._RATIOS.get(index)}
-
-
 def run_row(b: int, sk: int, h: int, h_k: int, d: int, args, device: str, copy_tb_s: float | None) -> dict:
     dtype = DTYPES[args.dtype]
     kv_bytes = 2 * b * sk * h_k * d * torch.empty((), dtype=dtype).element_size()
@@ -370,7 +355,9 @@ def run(args) -> int:
                       f"{'  MISMATCH' if row['mismatch'] else ''}  ({time.perf_counter() - t0:.1f}s)")
         report.write_json(out_path, meta, rows)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    meta["board"] = board_class(device)
+    from flashtile.backends.triton import board
+
+    meta["board"] = board.known(torch.device(device))  # the class the run's calls used (board.py)
     report.write_json(out_path, meta, rows)
     print(format_table(rows, names, meta))
     if meta["board"]["class"] == "full-grid":

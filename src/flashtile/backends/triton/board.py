@@ -58,6 +58,19 @@ def setting() -> str:
     return value
 
 
+def known(device: torch.device) -> dict:
+    """What the decode rules use on ``device`` now, without measuring: the setting, the class ('normal',
+    'full-grid'; None while unmeasured, and off CUDA, where no rule asks) and the measured P128 / P132 (None if
+    none)."""
+    value = setting()
+    if device.type != "cuda":
+        return {"setting": value, "class": None, "ratio": None}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    full = value == "full-grid" if value in ("normal", "full-grid") else _KNOWN.get(index)
+    return {"setting": value, "class": None if full is None else "full-grid" if full else "normal",
+            "ratio": _RATIOS.get(index)}
+
+
 def full_grid_board(device: torch.device) -> bool:
     """True on a board where 128 programs read measurably slower than 132 (measured once per device, see the module
     docstring); False on normal boards, off CUDA, and inside a graph capture before any measurement."""

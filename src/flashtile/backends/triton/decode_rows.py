@@ -139,13 +139,15 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
     if not measured_shape(arch, h_k, d, num_splits):
         return 0
     per_sm = b * h_k / sms
-    narrow = page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms)
     bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
-    if any(per_sm >= least and capacity >= shortest for least, shortest in bounds):
-        return RULE_NARROW_HEADS if narrow else h_k
-    if narrow and any(least <= per_sm < most and capacity >= shortest for least, most, shortest in NARROW_RULE_BOUNDS):
+    whole = any(per_sm >= least and capacity >= shortest for least, shortest in bounds)
+    half_only = page_size <= 0 and any(least <= per_sm < most and capacity >= shortest
+                                       for least, most, shortest in NARROW_RULE_BOUNDS)
+    if not (whole or half_only):
+        return 0  # most calls (short caches, small batches) end here, before one_wave's arithmetic
+    if page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms):
         return RULE_NARROW_HEADS
-    return 0
+    return h_k if whole else 0
 
 
 # Boards where a grid that leaves SMs idle reads slower (board.full_grid_board: leases J24, E26, C29). In 8-layer
