@@ -103,6 +103,8 @@
 #   bench-decode-long-warps-rounds  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
+#   bench-decode-merge-pdl  split calls past use_pdl's bound with the merge alone as a dependent (FLASHTILE_DECODE_MERGE_PDL)
+#                 against ordinary launches, 0 1 0 1 (after tests-decode-pdl; MERGE_PDL_BATCH / _SEQLENS / _PAGES)
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
 #                 tests-decode-pdl; PDL_BENCH_ARGS, e.g. "--batch 1")
 #   tests-decode-fused-graph  the fused split merge inside CUDA graphs (captured, not the merge kernel)
@@ -729,6 +731,12 @@ for step in "${steps[@]}"; do
     probe-board-ratio)
       # how steady is the board class's measurement (P128 / P132, 5 repeats at 256 MiB and at its 1 GiB)?
       python3 scripts/probe_board_ratio.py --out "$WORK/board_ratio.json" >> "$summary" 2> "$WORK/board_ratio.log" ;;
+    bench-decode-merge-pdl)
+      # split calls past use_pdl's bound (b = 1 from 128k, b = 2-8) with the merge alone as a programmatic dependent
+      # (FLASHTILE_DECODE_MERGE_PDL=1) against ordinary launches, beside cuDNN, 0 1 0 1 (session 30; after
+      # tests-decode-pdl, which holds its bitwise test)
+      decode_ab decode_pdl decode_merge_pdl FLASHTILE_DECODE_MERGE_PDL "0 1 0 1" --cuda-graph --layers 8 --peers cudnn \
+        --pages ${MERGE_PDL_PAGES:-} --batch ${MERGE_PDL_BATCH:-1 4 8} --seqlens ${MERGE_PDL_SEQLENS:-16384 65536 131072} ;;
     bench-decode-board)
       # the bar's rows with each board class's rule forced (FLASHTILE_DECODE_BOARD=normal / full-grid, alternated
       # twice): on a normal board what a wrong class costs, on a full-grid board what the rule gains

@@ -140,6 +140,34 @@ def test_serving_step_wiring(sm90, b, appends, expected):
     assert launches == [expected] * len(launches)
 
 
+@pytest.mark.parametrize("env,expected", [("", [(False, False), False]), ("1", [(True, False), True]),
+                                          ("0", [(False, False), False])])
+def test_merge_alone_as_a_dependent(sm90, env, expected):
+    """FLASHTILE_DECODE_MERGE_PDL=1 on a large split call (b = 8, 64k: use_pdl says no): the split kernel is built
+    with USE_PDL (its release after the key loop) but launched in order, and the merge launches as a dependent;
+    unset or 0, both ordinary. Launches recorded, not run."""
+    sm90.setattr(decode, "_arch", lambda device: "sm90")
+    sm90.setattr(decode, "num_sms", lambda device: 132)
+    sm90.setattr(decode, "pdl_capable", lambda device: True)
+    sm90.setattr(decode, "TMA_OVERRIDE", False)
+    for knob in ("FLASHTILE_DECODE_ROWS", "FLASHTILE_DECODE_GLUON_WARP_KEYS"):
+        sm90.delenv(knob, raising=False)
+    sm90.setenv("FLASHTILE_DECODE_MERGE_PDL", env)
+    launches = []
+    sm90.setattr(decode, "launch", lambda kernel, grid, *a, **meta: launches.append(
+        (bool(meta.get("USE_PDL")), bool(meta.get("launch_pdl")))))
+    sm90.setattr(decode, "combine", lambda *a, pdl=False: launches.append(pdl))
+    q = torch.zeros(8, 1, 32, 128, dtype=torch.float16)
+    cache = torch.zeros(8, 65536, 8, 128, dtype=torch.float16, device="meta").expand(8, 65536, 8, 128)
+    decode.decode_attn(q, cache, cache, s_new=0, cache_seqlens=None, cache_len_const=65536, cache_batch_idx=None,
+                       cache_leftpad=None, block_table=None, rotary_cos=None, rotary_sin=None,
+                       rotary_interleaved=False, rotary_per_token=False, softmax_scale=0.1, window_left=-1,
+                       window_right=0, softcap=0.0, alibi_slopes=None, num_splits=0)
+    assert launches == expected
+    assert not decode.merge_pdl(CUDA, False, 1, False)  # unsplit calls have no merge
+    assert decode.merge_pdl(CUDA, True, 1, False)  # calls on PDL keep it whatever the knob
+
+
 # FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of
 # at least LONG_PROGRAM_BLOCKS key blocks take 8 warps (measured on the H200); 0 keeps the table's, 4 / 8
 # force a count on the long programs of any GPU.

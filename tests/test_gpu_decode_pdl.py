@@ -77,6 +77,30 @@ def test_serving_step_rule(monkeypatch, b, expected):
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("b,num_splits", [(8, 0), (3, 5)])
+def test_merge_alone_as_a_dependent(monkeypatch, page, b, num_splits):
+    """FLASHTILE_DECODE_MERGE_PDL=1 on calls use_pdl leaves on ordinary launches (every cache counted as large:
+    PDL_MAX_KV_BYTES = 0): the merge launches as a dependent of the split kernel; bit for bit the ordinary launch."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    monkeypatch.setattr(launcher, "PDL_MAX_KV_BYTES", 0)
+    monkeypatch.setattr(launcher, "PDL_OVERRIDE", None)
+    monkeypatch.delenv("FLASHTILE_DECODE_PDL", raising=False)
+    calls = _launches(monkeypatch)
+    results = []
+    for knob in ("0", "1"):
+        monkeypatch.setenv("FLASHTILE_DECODE_MERGE_PDL", knob)
+        q, kc, vc, kw = _inputs(b, 1, 0, 32, 8, 128, 8192, torch.bfloat16, page=page)
+        out, lse = flash_attn_with_kvcache(q, kc, vc, causal=True, num_splits=num_splits,
+                                           return_softmax_lse=True, **kw)
+        torch.cuda.synchronize()
+        results.append((out, lse))
+    assert calls == [False, False, False, True], calls  # split, merge; then the split in order, the merge early
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.parametrize("fused_append", [False, True])
 def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
     """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the

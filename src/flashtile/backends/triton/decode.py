@@ -206,6 +206,19 @@ PDL_MAX_KV_BYTES = 256 << 20
 #   (1 GB), but 482.7-482.9 / 479.7-479.8 at 256k (2 GB; pages 0.4%-0.7% slower too), hence the bound.
 PDL_APPEND_MAX_ROWS = 16
 PDL_APPEND_MAX_KV_BYTES = 1 << 30
+# FLASHTILE_DECODE_MERGE_PDL=1 (an A/B knob, session 30): a split call that use_pdl leaves on ordinary launches
+# launches its merge alone as a programmatic dependent (the split kernel, built with its release after the key loop
+# but launched in order, lets the merge land while its last tiles drain). Only the merge lands early, so the next
+# call's split grid is placed as usual (the suspected cost of PDL on large grids: session 28).
+
+
+def merge_pdl(device: torch.device, pdl_on: bool, num_splits: int, fused_merge: bool) -> bool:
+    """Launch this call's merge kernel as a programmatic dependent? Where the whole call is (``pdl_on``), and on
+    other split calls merged by the merge kernel (not ``fused_merge``) when FLASHTILE_DECODE_MERGE_PDL=1."""
+    if pdl_on:
+        return True
+    return num_splits > 1 and not fused_merge and bool(env.switch("FLASHTILE_DECODE_MERGE_PDL")) \
+        and pdl_capable(device)
 
 
 def capacity_of(k_cache, block_table) -> int:
@@ -481,7 +494,10 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * programs,)
     pdl_on = use_pdl(q.device, cache_bytes(b, capacity, k_cache), is_fp8, appended_rows=b * h_k if appended else 0)
-    pdl = dict(USE_PDL=True, launch_pdl=True) if pdl_on else {}
+    merge_early = merge_pdl(q.device, pdl_on, num_splits, counters is not None)
+    # a kernel built with USE_PDL but launched in order waits on nothing at its top (griddepcontrol.wait returns at
+    # once) and still releases its merge after its key loop
+    pdl = dict(USE_PDL=True, launch_pdl=True) if pdl_on else dict(USE_PDL=True) if merge_early else {}
     tma = use_decode_tma(k_cache, v_cache, paged, blocks_per_program=blocks_per_program, d_fills_block=block_d == d,
                          page_aligned=page_aligned)
     desc_k, desc_v = ((cache_descriptor(k_cache, block_n, block_d), cache_descriptor(v_cache, block_n, block_d))
@@ -525,7 +541,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}), **edges,
         )
     if num_splits > 1 and counters is None:
-        combine(o_part, lse_part, out, lse, pdl=bool(pdl))
+        combine(o_part, lse_part, out, lse, pdl=merge_early)
     return out, lse
 
 
