@@ -18,6 +18,7 @@ def sm90(monkeypatch):
     monkeypatch.setattr(decode, "capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.delenv("FLASHTILE_DECODE_PDL", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_MERGE_PDL", raising=False)
     return monkeypatch
 
 
@@ -119,7 +120,8 @@ def test_kv_append_passes_its_cache_bytes(monkeypatch):
 def test_serving_step_wiring(sm90, b, appends, expected):
     """kvcache_fwd's wiring, launches recorded, not run, every cache counted as large (PDL_MAX_KV_BYTES = 0): a
     call that appends through the separate kernel on b x 8 kv heads <= PDL_APPEND_MAX_ROWS launches the append,
-    split and merge kernels as programmatic dependents; more rows, or no new keys, none of them."""
+    split and merge kernels as programmatic dependents; more rows, or no new keys, none of them but the merge
+    (merge_pdl)."""
     sm90.setattr(decode, "PDL_MAX_KV_BYTES", 0)
     sm90.setattr(decode, "_arch", lambda device: "sm90")
     sm90.setattr(decode, "num_sms", lambda device: 132)
@@ -137,15 +139,15 @@ def test_serving_step_wiring(sm90, b, appends, expected):
     decode.kvcache_fwd(q, cache, cache.clone(), new, new, None, None, None, 4000, None, None, None, 0.1, True,
                        -1, 0, 0.0, False, None, 0)
     assert len(launches) == (3 if appends else 2)  # [append,] split, merge
-    assert launches == [expected] * len(launches)
+    assert launches == [expected] * (len(launches) - 1) + [True]
 
 
-@pytest.mark.parametrize("env,expected", [("", [(False, False), False]), ("1", [(True, False), True]),
+@pytest.mark.parametrize("env,expected", [("", [(True, False), True]), ("1", [(True, False), True]),
                                           ("0", [(False, False), False])])
 def test_merge_alone_as_a_dependent(sm90, env, expected):
-    """FLASHTILE_DECODE_MERGE_PDL=1 on a large split call (b = 8, 64k: use_pdl says no): the split kernel is built
-    with USE_PDL (its release after the key loop) but launched in order, and the merge launches as a dependent;
-    unset or 0, both ordinary. Launches recorded, not run."""
+    """A large split call (b = 8, 64k: use_pdl says no) by default: the split kernel is built with USE_PDL (its
+    release after the key loop) but launched in order, and the merge launches as a dependent;
+    FLASHTILE_DECODE_MERGE_PDL=0 both ordinary. Launches recorded, not run."""
     sm90.setattr(decode, "_arch", lambda device: "sm90")
     sm90.setattr(decode, "num_sms", lambda device: 132)
     sm90.setattr(decode, "pdl_capable", lambda device: True)
@@ -165,7 +167,11 @@ def test_merge_alone_as_a_dependent(sm90, env, expected):
                        window_right=0, softcap=0.0, alibi_slopes=None, num_splits=0)
     assert launches == expected
     assert not decode.merge_pdl(CUDA, False, 1, False)  # unsplit calls have no merge
+    assert not decode.merge_pdl(CUDA, False, 4, True)  # nor do calls merged in the kernel
     assert decode.merge_pdl(CUDA, True, 1, False)  # calls on PDL keep it whatever the knob
+    assert decode.merge_pdl(CUDA, False, 4, False, fp8=True) is (env == "1")  # fp8: only when forced
+    sm90.setattr(decode, "PDL_OVERRIDE", False)
+    assert not decode.merge_pdl(CUDA, False, 4, False)  # ordinary launches pinned: none
 
 
 # FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of

@@ -71,8 +71,8 @@ def test_serving_step_rule(monkeypatch, b, expected):
         out, lse = flash_attn_with_kvcache(q, kc, vc, causal=True, return_softmax_lse=True, **kw)
         torch.cuda.synchronize()
         results.append((out, lse, kc, vc))
-        if override is None:
-            assert calls and all(c is expected for c in calls), calls
+        if override is None:  # [append,] split, merge: the merge a dependent in any case (merge_pdl)
+            assert calls and all(c is expected for c in calls[:-1]) and calls[-1] is True, calls
     for a, c in zip(*results):
         assert torch.equal(a, c)
 
@@ -101,15 +101,22 @@ def test_merge_alone_as_a_dependent(monkeypatch, page, b, num_splits):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("fused_append", [False, True])
-def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
+@pytest.mark.parametrize("fused_append,merge_only", [(False, False), (True, False), (False, True)])
+def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append, merge_only):
     """Eight decode calls captured in one CUDA graph with PDL on, each layer's query being the
     previous layer's output (so a kernel that read before its wait would see a stale input),
     replayed with new lengths, against the same chain launched ordinarily: outputs and appended
     caches bit for bit. The append runs as its own kernel (the default; since session 27 a programmatic
     dependent too, between a layer's merge and the next layer's decode) or inside the decode kernel (PDL
-    decode right after a PDL merge)."""
+    decode right after a PDL merge). ``merge_only``: the default launches of a large call (every cache counted as
+    large, no serving-step rule): each layer's merge alone a dependent of its split kernel (merge_pdl)."""
     monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
+    on = None if merge_only else True
+    if merge_only:
+        monkeypatch.setattr(launcher, "PDL_MAX_KV_BYTES", 0)
+        monkeypatch.setattr(launcher, "PDL_APPEND_MAX_ROWS", 0)
+        for knob in ("FLASHTILE_DECODE_PDL", "FLASHTILE_DECODE_APPEND_PDL", "FLASHTILE_DECODE_MERGE_PDL"):
+            monkeypatch.delenv(knob, raising=False)
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     layers = [_inputs(1, 1, 1, 32, 8, 128, 8192, torch.bfloat16, page=16, rotary=True, seed=i) for i in range(8)]
@@ -128,7 +135,7 @@ def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
         return outs
 
     graph_caches = [(kc, vc) for _, kc, vc, _ in layers]
-    monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
+    monkeypatch.setattr(launcher, "PDL_OVERRIDE", on)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -149,7 +156,7 @@ def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append):
         ref_caches = [(k0.clone(), v0.clone()) for k0, v0 in saved]
         refs = chain(ref_caches, lens + t)
         torch.cuda.synchronize()
-        monkeypatch.setattr(launcher, "PDL_OVERRIDE", True)
+        monkeypatch.setattr(launcher, "PDL_OVERRIDE", on)
         for out, ref in zip(outs, refs):
             assert torch.equal(out, ref)
         for (kc, vc), (rk, rv) in zip(graph_caches, ref_caches):

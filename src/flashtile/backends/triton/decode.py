@@ -206,19 +206,31 @@ PDL_MAX_KV_BYTES = 256 << 20
 #   (1 GB), but 482.7-482.9 / 479.7-479.8 at 256k (2 GB; pages 0.4%-0.7% slower too), hence the bound.
 PDL_APPEND_MAX_ROWS = 16
 PDL_APPEND_MAX_KV_BYTES = 1 << 30
-# FLASHTILE_DECODE_MERGE_PDL=1 (an A/B knob, session 30): a split call that use_pdl leaves on ordinary launches
-# launches its merge alone as a programmatic dependent (the split kernel, built with its release after the key loop
-# but launched in order, lets the merge land while its last tiles drain). Only the merge lands early, so the next
-# call's split grid is placed as usual (the suspected cost of PDL on large grids: session 28).
+# Split calls that use_pdl leaves on ordinary launches still launch their merge as a programmatic dependent (since
+# session 30): the split kernel, built with its release after the key loop but launched in order, lets the merge land
+# while its last tiles drain. Only the merge lands early, so the next call's split grid is placed as usual (the
+# suspected cost of PDL on large grids, session 28). In 8-layer graphs, against ordinary launches, 0 1 0 1:
+# - lease B30, a normal board (merge_pdl_leaseB30_h200_2026-12-02_session30.json), us a call: b = 1, 128k
+#   126.0 / 126.0 against 125.9 / 125.8; b = 4 243.5 / 243.5 against 243.3 / 243.3 at 64k, 477.0 / 477.1 against
+#   477.0 / 476.7 at 128k; b = 8 125.8 / 125.7 against 125.6 / 125.6 at 16k, 477.2 / 476.8 against 476.8 / 476.8 at
+#   64k; with 16- and 256-key pages (merge_pdl_pages_leaseB30_...json) 0.1-0.6 us faster or even at b = 2 / 8; b = 8,
+#   128k within the run-to-run spread (946.1-967.6 either way; scripts/probe_cache_placement.py found cuDNN's calls
+#   as spread in time: cache_placement_leaseC30_...json);
+# - lease C30, a full-grid board (merge_pdl_leaseC30_...json): b = 4 127.67 / 127.68 against 127.50 / 127.39 at 32k,
+#   489.06 / 488.34 against 488.52 / 487.94 at 128k (b = 1 and 8 run row kernels there, PDL already).
+# fp8 caches were not measured: only when forced. FLASHTILE_DECODE_MERGE_PDL=0 / 1 turns it off / forces it; a
+# PDL_OVERRIDE of False (ordinary launches) turns it off too.
 
 
-def merge_pdl(device: torch.device, pdl_on: bool, num_splits: int, fused_merge: bool) -> bool:
-    """Launch this call's merge kernel as a programmatic dependent? Where the whole call is (``pdl_on``), and on
-    other split calls merged by the merge kernel (not ``fused_merge``) when FLASHTILE_DECODE_MERGE_PDL=1."""
+def merge_pdl(device: torch.device, pdl_on: bool, num_splits: int, fused_merge: bool, fp8: bool = False) -> bool:
+    """Launch this call's merge kernel as a programmatic dependent? Where the whole call is (``pdl_on``); on other
+    split calls merged by the merge kernel (not ``fused_merge``) by default (fp8 caches only when forced)."""
     if pdl_on:
         return True
-    return num_splits > 1 and not fused_merge and bool(env.switch("FLASHTILE_DECODE_MERGE_PDL")) \
-        and pdl_capable(device)
+    if num_splits <= 1 or fused_merge or PDL_OVERRIDE is False:
+        return False
+    forced = env.switch("FLASHTILE_DECODE_MERGE_PDL")
+    return (not fp8 if forced is None else forced) and pdl_capable(device)
 
 
 def capacity_of(k_cache, block_table) -> int:
@@ -494,7 +506,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
     # flat grid: batch * kv heads on axis 1 or 2 would be capped at 65535
     grid = (num_splits * programs,)
     pdl_on = use_pdl(q.device, cache_bytes(b, capacity, k_cache), is_fp8, appended_rows=b * h_k if appended else 0)
-    merge_early = merge_pdl(q.device, pdl_on, num_splits, counters is not None)
+    merge_early = merge_pdl(q.device, pdl_on, num_splits, counters is not None, is_fp8)
     # a kernel built with USE_PDL but launched in order waits on nothing at its top (griddepcontrol.wait returns at
     # once) and still releases its merge after its key loop
     pdl = dict(USE_PDL=True, launch_pdl=True) if pdl_on else dict(USE_PDL=True) if merge_early else {}
