@@ -209,15 +209,15 @@ PDL_APPEND_MAX_KV_BYTES = 1 << 30
 # Split calls that use_pdl leaves on ordinary launches still launch their merge as a programmatic dependent (since
 # session 30): the split kernel, built with its release after the key loop but launched in order, lets the merge land
 # while its last tiles drain. Only the merge lands early, so the next call's split grid is placed as usual (the
-# suspected cost of PDL on large grids, session 28). In 8-layer graphs, against ordinary launches, 0 1 0 1:
-# - lease B30, a normal board (merge_pdl_leaseB30_h200_2026-12-02_session30.json), us a call: b = 1, 128k
-#   126.0 / 126.0 against 125.9 / 125.8; b = 4 243.5 / 243.5 against 243.3 / 243.3 at 64k, 477.0 / 477.1 against
-#   477.0 / 476.7 at 128k; b = 8 125.8 / 125.7 against 125.6 / 125.6 at 16k, 477.2 / 476.8 against 476.8 / 476.8 at
-#   64k; with 16- and 256-key pages (merge_pdl_pages_leaseB30_...json) 0.1-0.6 us faster or even at b = 2 / 8; b = 8,
-#   128k within the run-to-run spread (946.1-967.6 either way; scripts/probe_cache_placement.py found cuDNN's calls
-#   as spread in time: cache_placement_leaseC30_...json);
-# - lease C30, a full-grid board (merge_pdl_leaseC30_...json): b = 4 127.67 / 127.68 against 127.50 / 127.39 at 32k,
-#   489.06 / 488.34 against 488.52 / 487.94 at 128k (b = 1 and 8 run row kernels there, PDL already).
+# suspected cost of PDL on large grids, session 28). In 8-layer graphs, against ordinary launches, 0 1 0 1, the mean
+# of each pair's two runs, us a call:
+# - lease B30, a normal board (merge_pdl{,_pages}_leaseB30_h200_2026-12-02_session30.json): 0.05-0.23 faster on the
+#   contiguous cache (b = 1, 128k; b = 2, 4, 8 at 16k-128k), 0.0-0.8 with 16- / 256-key pages, slower in no row but
+#   b = 8, 128k, which moved within its spread between processes (940.9-967.6 either way; cuDNN spreads as much:
+#   cache_placement_leaseC30_...json);
+# - lease C30, a full-grid board (merge_pdl_leaseC30_...json): b = 4 0.23 / 0.47 faster at 32k / 128k (b = 1 and 8
+#   took PDL there already: row kernels, or b = 1's 128 MB at 32k; their rows moved by up to 0.2, the noise these
+#   gains sit at).
 # fp8 caches were not measured: only when forced. FLASHTILE_DECODE_MERGE_PDL=0 / 1 turns it off / forces it; a
 # PDL_OVERRIDE of False (ordinary launches) turns it off too.
 
