@@ -103,6 +103,7 @@
 #   bench-decode-long-warps-rounds  b = 8 / 32 at 32k / 128k beside cuDNN, --rounds 4, FLASHTILE_DECODE_LONG_WARPS=0
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
+#   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
 #   bench-decode-merge-pdl  split calls past use_pdl's bound with the merge alone as a dependent (FLASHTILE_DECODE_MERGE_PDL)
 #                 against ordinary launches, 0 1 0 1 (after tests-decode-pdl; MERGE_PDL_BATCH / _SEQLENS / _PAGES)
 #   bench-decode-layers-pdl  bench-decode-layers' 8-layer table without, then with FLASHTILE_DECODE_PDL=1 (after
@@ -731,6 +732,17 @@ for step in "${steps[@]}"; do
     probe-board-ratio)
       # how steady is the board class's measurement (P128 / P132, 5 repeats at 256 MiB and at its 1 GiB)?
       python3 scripts/probe_board_ratio.py --out "$WORK/board_ratio.json" >> "$summary" 2> "$WORK/board_ratio.log" ;;
+    bench-decode-fast-rows)
+      # the rows that trail cuDNN by 0.02%-0.07% on fast boards (session 30: A30, D30, E30), each against kernels that
+      # could take them there, beside cuDNN, the default first and last: b = 32 at 8k / 16k (the per-head Gluon kernel)
+      # against the Triton per-head kernel, half rows and whole rows; b = 8 at 64k / 128k (the per-head split kernel,
+      # 128 programs) against cuDNN's grid (4 splits at 2 stages: 256 programs, two an SM), half rows and whole-row
+      # stream-K. Only a fast board's result can change a rule (sample_board.sh runs it there)
+      dflt=FLASHTILE_DECODE_ROWS=
+      decode_runs fast_rows_b32 "$dflt|FLASHTILE_DECODE_GLUON_WARP_KEYS=0|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=8|$dflt" \
+        --cuda-graph --layers 8 --peers cudnn --pages --batch 32 --seqlens 8192 16384
+      decode_runs fast_rows_b8 "$dflt|FLASHTILE_DECODE_STAGES=2 --num-splits 4|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=8 FLASHTILE_DECODE_ROWS_STREAMK=1|$dflt" \
+        --cuda-graph --layers 8 --peers cudnn --pages --batch 8 --seqlens 65536 131072 ;;
     bench-decode-merge-pdl)
       # split calls past use_pdl's bound (b = 1 from 128k, b = 2-8) with the merge alone as a programmatic dependent
       # (FLASHTILE_DECODE_MERGE_PDL=1) against ordinary launches, beside cuDNN, 0 1 0 1 (session 30; after
