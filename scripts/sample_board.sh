@@ -7,7 +7,8 @@
 #    probe-board-ratio: the run-time board measurement (backends/triton/board.py) repeated.
 # 2. On a fast or full-grid board (or with SAMPLE_TABLE=1): bench-decode-layers with the bar's rows (b = 1, 8, 32;
 #    8k-128k; 3 rounds; the default: the board measured at run time), then, on a full-grid board, bench-decode-board
-#    (each class's rule forced) and probe-streamk; on a fast board bench-decode-fast-rows (the rows that trail cuDNN
+#    (each class's rule forced) and bench-decode-full-grid-b4 (b = 4, 1.3%-1.7% behind cuDNN at 128k there, on other
+#    kernels; probe-streamk, its step before session 30, ran on C29); on a fast board bench-decode-fast-rows (the rows that trail cuDNN
 #    there by 0.02%-0.07%, session 30, on other kernels).
 # Results: $OUT/gpu_check.tgz (every step's files), summary_balance.txt and summary.txt, serial.txt.
 set -u
@@ -24,8 +25,8 @@ echo "board $(cat "$OUT/serial.txt"): even_P132 $p132 us, even_P128 $p128 us: $k
 grep -E 'MiB: P128|passed|failed' "$OUT/summary_balance.txt"
 steps=()
 [[ $kind != normal || ${SAMPLE_TABLE:-0} == 1 ]] && steps=(bench-decode-layers)
-[[ $kind == full-grid ]] && steps+=(bench-decode-board probe-streamk)
+[[ $kind == full-grid ]] && steps+=(bench-decode-board bench-decode-full-grid-b4)
 [[ $kind == fast ]] && steps+=(bench-decode-fast-rows)
 [[ ${#steps[@]} -eq 0 ]] && exit 0
-LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" BOARD_BATCH="1 2 8 16 32" bash scripts/gpu_check.sh "${steps[@]}" \
+LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" BOARD_BATCH="1 2 8 32" bash scripts/gpu_check.sh "${steps[@]}" \
   | grep -B2 -A18 'b  seqlen_k' | head -24
