@@ -155,6 +155,7 @@ def _fake_cuda(monkeypatch, capturing=False):
     board.forget()
     monkeypatch.setattr(board, "_KNOWN", {})
     monkeypatch.setattr(board, "_RATIOS", {})
+    monkeypatch.setattr(board, "_RATES", {})
     return free
 
 
@@ -162,13 +163,23 @@ def test_measured_once_a_device_by_the_threshold(monkeypatch, caplog):
     _fake_cuda(monkeypatch)
     ratios = {0: 1.0199, 1: 1.0033}  # C29 and a normal board at 1 GiB
     measured = []
-    monkeypatch.setattr(board, "measure_ratio", lambda device: (measured.append(device.index), ratios[device.index])[1])
+
+    def measure(device):  # as measure_ratio does: the ratio returned, the 132-program read's rate recorded
+        measured.append(device.index)
+        board._RATES[device.index] = 4.6
+        return ratios[device.index]
+
+    monkeypatch.setattr(board, "measure_ratio", measure)
+    assert board.known(torch.device("cuda", 0)) == {"setting": "", "class": None, "ratio": None, "read_tb_s": None}
     with caplog.at_level("INFO", logger="flashtile"):
         assert board.full_grid_board(torch.device("cuda", 0))
         assert not board.full_grid_board(torch.device("cuda", 1))
         assert board.full_grid_board(torch.device("cuda", 0))
     assert measured == [0, 1] and board._RATIOS == ratios
-    assert "full-grid board" in caplog.text and "a normal board" in caplog.text
+    assert "full-grid board" in caplog.text and "a normal board" in caplog.text and "4.60 TB/s" in caplog.text
+    assert board.known(torch.device("cuda", 0)) == {"setting": "", "class": "full-grid", "ratio": 1.0199,
+                                                    "read_tb_s": 4.6}
+    assert board.known(torch.device("cuda", 1))["class"] == "normal"
 
 
 def test_a_capture_measures_nothing_and_remembers_nothing(monkeypatch):

@@ -536,7 +536,7 @@ def test_bench_decode_cpu_smoke(tmp_path):
     data = json.loads(out.read_text())
     assert data["meta"]["mode"] == "decode" and data["rows"]
     # the board class the run used (conftest pins "normal"; a CPU run measures nothing)
-    assert data["meta"]["board"] == {"setting": "normal", "class": None, "ratio": None}
+    assert data["meta"]["board"] == {"setting": "normal", "class": None, "ratio": None, "read_tb_s": None}
     for r in data["rows"]:
         assert r["us"]["flashtile"] is not None, r["errors"]
         assert not r["mismatch"]

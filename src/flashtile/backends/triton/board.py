@@ -46,6 +46,9 @@ SETTINGS = ("", "auto", "normal", "full-grid")
 
 _KNOWN: dict[int, bool] = {}  # device index -> full-grid board
 _RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diagnostics, tests)
+# device index -> the 132-program read's rate in TB/s at the last measurement (diagnostics: bench decode's meta records
+# it; the fast boards of sessions 28-30 read 8 GiB at 4.70 TB/s, the others at 4.59)
+_RATES: dict[int, float] = {}
 _LOCK = threading.Lock()  # one measurement at a time: two would share the bandwidth they time
 _LOG = logging.getLogger("flashtile")
 
@@ -60,15 +63,19 @@ def setting() -> str:
 
 def known(device: torch.device) -> dict:
     """What the decode rules use on ``device`` now, without measuring: the setting, the class ('normal',
-    'full-grid'; None while unmeasured, and off CUDA, where no rule asks) and the measured P128 / P132 (None if
-    none)."""
+    'full-grid'; None while unmeasured, and off CUDA, where no rule asks), the measured P128 / P132 and the
+    132-program read's rate in TB/s (None if not measured)."""
     value = setting()
     if device.type != "cuda":
-        return {"setting": value, "class": None, "ratio": None}
-    index = device.index if device.index is not None else torch.cuda.current_device()
+        return {"setting": value, "class": None, "ratio": None, "read_tb_s": None}
+    index = _index(device)
     full = value == "full-grid" if value in ("normal", "full-grid") else _KNOWN.get(index)
     return {"setting": value, "class": None if full is None else "full-grid" if full else "normal",
-            "ratio": _RATIOS.get(index)}
+            "ratio": _RATIOS.get(index), "read_tb_s": _RATES.get(index)}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def full_grid_board(device: torch.device) -> bool:
@@ -79,7 +86,7 @@ def full_grid_board(device: torch.device) -> bool:
         return value == "full-grid"
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     known = _KNOWN.get(index)
     if known is not None:
         return known
@@ -111,13 +118,14 @@ def _measure_class(index: int) -> bool:
                       "boards' kernels (FLASHTILE_DECODE_BOARD=normal or full-grid sets the class)", stacklevel=3)
         return False
     full = _RATIOS[index] > FULL_GRID_RATIO
-    _LOG.info("flashtile: cuda:%d reads %.4fx as long on 128 programs as on 132: %s board", index, _RATIOS[index],
-              "a full-grid" if full else "a normal")
+    _LOG.info("flashtile: cuda:%d reads %.4fx as long on 128 programs as on 132 (%.2f TB/s on 132): %s board", index,
+              _RATIOS[index], _RATES.get(index, float("nan")), "a full-grid" if full else "a normal")
     return full
 
 
 def measure_ratio(device: torch.device, read_bytes: int = READ_BYTES) -> float:
-    """P128 / P132: the median time of a read split evenly among 128 programs over the median on 132."""
+    """P128 / P132: the median time of a read split evenly among 128 programs over the median on 132. Also records
+    the 132-program read's rate (``known``'s read_tb_s)."""
     words = read_bytes // 4  # int16 words a buffer (two buffers)
     with torch.cuda.device(device):
         a = torch.empty(words // BLOCK * BLOCK, device=device, dtype=torch.int16)
@@ -128,7 +136,9 @@ def measure_ratio(device: torch.device, read_bytes: int = READ_BYTES) -> float:
         with torch.cuda.stream(stream):
             times = _replay_times(a, b, out, stream)
         torch.cuda.current_stream(device).wait_stream(stream)
-    return statistics.median(times[128]) / statistics.median(times[132])
+    p132_ms = statistics.median(times[132])
+    _RATES[_index(device)] = CHAINED * 2 * a.numel() * a.element_size() / (p132_ms * 1e-3) / 1e12
+    return statistics.median(times[128]) / p132_ms
 
 
 def _replay_times(a, b, out, stream) -> dict[int, list[float]]:
@@ -173,3 +183,4 @@ def forget() -> None:
     with _LOCK:
         _KNOWN.clear()
         _RATIOS.clear()
+        _RATES.clear()
