@@ -172,6 +172,11 @@ def test_merge_alone_as_a_dependent(sm90, env, expected):
     assert decode.merge_pdl(CUDA, False, 4, False, fp8=True) is (env == "1")  # fp8: only when forced
     sm90.setattr(decode, "PDL_OVERRIDE", False)
     assert not decode.merge_pdl(CUDA, False, 4, False)  # ordinary launches pinned: none
+    sm90.setattr(decode, "PDL_OVERRIDE", None)
+    sm90.setenv("FLASHTILE_DECODE_PDL", "0")  # no programmatic dependent launch at all, unless this one is forced
+    assert decode.merge_pdl(CUDA, False, 4, False) is (env == "1")
+    sm90.setattr(decode, "pdl_capable", lambda device: False)  # sm_80, ROCm, CPU: never, even forced
+    assert not decode.merge_pdl(CUDA, False, 4, False)  # (pdl_on comes from use_pdl, which checks the same)
 
 
 # FLASHTILE_DECODE_LONG_WARPS (decode.long_program_warps): by default sm_90 contiguous-cache programs of

@@ -61,7 +61,7 @@ def test_serving_step_rule(monkeypatch, b, expected):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     monkeypatch.setattr(launcher, "PDL_MAX_KV_BYTES", 0)
-    for knob in ("FLASHTILE_DECODE_PDL", "FLASHTILE_DECODE_APPEND_PDL"):
+    for knob in ("FLASHTILE_DECODE_PDL", "FLASHTILE_DECODE_APPEND_PDL", "FLASHTILE_DECODE_MERGE_PDL"):
         monkeypatch.delenv(knob, raising=False)
     calls = _launches(monkeypatch)
     results = []
@@ -136,11 +136,15 @@ def test_pdl_in_a_graph_of_layers(monkeypatch, fused_append, merge_only):
 
     graph_caches = [(kc, vc) for _, kc, vc, _ in layers]
     monkeypatch.setattr(launcher, "PDL_OVERRIDE", on)
+    calls = _launches(monkeypatch)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         chain(graph_caches, static_lens)  # compile outside the capture
     torch.cuda.current_stream().wait_stream(s)
+    # each layer: its split launch, then its merge (the separate append is not recorded); merge_only: in order,
+    # then a dependent
+    assert calls == ([False, True] if merge_only else [True, True]) * len(layers), calls
     for (kc, vc), (k0, v0) in zip(graph_caches, saved):
         kc.copy_(k0)
         vc.copy_(v0)

@@ -46,8 +46,10 @@ SETTINGS = ("", "auto", "normal", "full-grid")
 
 _KNOWN: dict[int, bool] = {}  # device index -> full-grid board
 _RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diagnostics, tests)
-# device index -> the 132-program read's rate in TB/s at the last measurement (diagnostics: bench decode's meta records
-# it; the fast boards of sessions 28-30 read 8 GiB at 4.70 TB/s, the others at 4.59)
+# device index -> the 132-program read's rate in TB/s at the last measure_ratio call (diagnostics: bench decode's meta
+# records it; probe_sm_balance.py's 8 GiB read ran at 4.70 TB/s on the fast boards of sessions 28-30 and at 4.59 on the
+# others; this 1 GiB read's rates are not yet measured). A direct measure_ratio call (probe_board_ratio.py, other
+# sizes) overwrites it.
 _RATES: dict[int, float] = {}
 _LOCK = threading.Lock()  # one measurement at a time: two would share the bandwidth they time
 _LOG = logging.getLogger("flashtile")

@@ -218,19 +218,21 @@ PDL_APPEND_MAX_KV_BYTES = 1 << 30
 # - lease C30, a full-grid board (merge_pdl_leaseC30_...json): b = 4 0.23 / 0.47 faster at 32k / 128k (b = 1 and 8
 #   took PDL there already: row kernels, or b = 1's 128 MB at 32k; their rows moved by up to 0.2, the noise these
 #   gains sit at).
-# fp8 caches were not measured: only when forced. FLASHTILE_DECODE_MERGE_PDL=0 / 1 turns it off / forces it; a
-# PDL_OVERRIDE of False (ordinary launches) turns it off too.
+# fp8 caches were not measured: only when forced. FLASHTILE_DECODE_MERGE_PDL=0 / 1 turns it off / forces it; unset,
+# FLASHTILE_DECODE_PDL=0 (no programmatic dependent launch at all) and a PDL_OVERRIDE of False turn it off too.
 
 
 def merge_pdl(device: torch.device, pdl_on: bool, num_splits: int, fused_merge: bool, fp8: bool = False) -> bool:
     """Launch this call's merge kernel as a programmatic dependent? Where the whole call is (``pdl_on``); on other
     split calls merged by the merge kernel (not ``fused_merge``) by default (fp8 caches only when forced)."""
+    forced = env.switch("FLASHTILE_DECODE_MERGE_PDL")  # read on every call: a bad value raises wherever it is set
     if pdl_on:
         return True
     if num_splits <= 1 or fused_merge or PDL_OVERRIDE is False:
         return False
-    forced = env.switch("FLASHTILE_DECODE_MERGE_PDL")
-    return (not fp8 if forced is None else forced) and pdl_capable(device)
+    if forced is None:
+        forced = not fp8 and env.get("FLASHTILE_DECODE_PDL", "") != "0"
+    return forced and pdl_capable(device)
 
 
 def capacity_of(k_cache, block_table) -> int:
