@@ -231,7 +231,7 @@ def merge_pdl(device: torch.device, pdl_on: bool, num_splits: int, fused_merge: 
     if num_splits <= 1 or fused_merge or PDL_OVERRIDE is False:
         return False
     if forced is None:
-        forced = not fp8 and env.get("FLASHTILE_DECODE_PDL", "") != "0"
+        forced = not fp8 and pdl_forced() is not False
     return forced and pdl_capable(device)
 
 
@@ -251,14 +251,19 @@ def use_pdl(device: torch.device, kv_bytes: int, fp8: bool = False, appended_row
     ``fp8``: an e4m3 cache (not measured with it: only when forced); ``appended_rows``: batch x kv heads
     of a call whose new keys the separate append kernel writes first (0: no such append), which takes
     it on at most PDL_APPEND_MAX_ROWS of them up to PDL_APPEND_MAX_KV_BYTES."""
-    if PDL_OVERRIDE is not None:
-        on = PDL_OVERRIDE
-    else:
-        setting = env.get("FLASHTILE_DECODE_PDL", "")
+    on = pdl_forced()
+    if on is None:
         serving_step = 0 < appended_rows <= PDL_APPEND_MAX_ROWS and kv_bytes <= PDL_APPEND_MAX_KV_BYTES
-        by_rule = kv_bytes <= PDL_MAX_KV_BYTES or serving_step
-        on = (by_rule and not fp8) if setting == "" else setting != "0"
+        on = (kv_bytes <= PDL_MAX_KV_BYTES or serving_step) and not fp8
     return bool(on) and pdl_capable(device)
+
+
+def pdl_forced() -> bool | None:
+    """PDL_OVERRIDE, else FLASHTILE_DECODE_PDL (0: off, anything else set: on); None: the measured rules decide."""
+    if PDL_OVERRIDE is not None:
+        return PDL_OVERRIDE
+    setting = env.get("FLASHTILE_DECODE_PDL", "")
+    return None if setting == "" else setting != "0"
 
 
 def pdl_capable(device: torch.device) -> bool:
