@@ -104,6 +104,7 @@
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
+#   bench-decode-b8-pdl  b = 8, 128k with the whole call as programmatic dependents against the default, beside cuDNN
 #   bench-decode-full-grid-b4  b = 4 at 32k / 128k on half rows and stream-K against the default, beside cuDNN (full-grid boards)
 #   bench-decode-merge-pdl  split calls past use_pdl's bound with the merge alone as a dependent (FLASHTILE_DECODE_MERGE_PDL)
 #                 against ordinary launches, 0 1 0 1 (after tests-decode-pdl; MERGE_PDL_BATCH / _SEQLENS / _PAGES)
@@ -744,6 +745,13 @@ for step in "${steps[@]}"; do
         --cuda-graph --layers 8 --peers cudnn --pages --batch 32 --seqlens 8192 16384
       decode_runs fast_rows_b8 "$dflt|FLASHTILE_DECODE_STAGES=2 --num-splits 4|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=8 FLASHTILE_DECODE_ROWS_STREAMK=1|$dflt" \
         --cuda-graph --layers 8 --peers cudnn --pages --batch 8 --seqlens 65536 131072 ;;
+    bench-decode-b8-pdl)
+      # b = 8, 128k trails cuDNN by 0.02%-0.07% on fast boards (session 30; the per-head split kernel, whose merge
+      # alone is a programmatic dependent): the whole call as programmatic dependents (FLASHTILE_DECODE_PDL=1: the
+      # split kernel waits on the previous layer's merge, so its launch overlaps it) against the default, 0 1 0 1
+      # (sample_board.sh runs it on fast boards; full-grid boards' row kernels take PDL already)
+      decode_runs b8_pdl "FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1|FLASHTILE_DECODE_PDL=|FLASHTILE_DECODE_PDL=1" \
+        --cuda-graph --layers 8 --peers cudnn --batch 8 --seqlens 131072 ;;
     bench-decode-full-grid-b4)
       # b = 4 on a full-grid board trails cuDNN by 1.3%-1.7% at 128k (C30: the per-head split kernel, 128 programs; the
       # full-grid rule does not cover b = 4): the default against half rows and whole-row stream-K, beside cuDNN,

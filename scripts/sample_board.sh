@@ -9,7 +9,8 @@
 #    8k-128k; 3 rounds; the default: the board measured at run time), then, on a full-grid board, bench-decode-board
 #    (each class's rule forced) and bench-decode-full-grid-b4 (b = 4, 1.3%-1.7% behind cuDNN at 128k there, on other
 #    kernels; probe-streamk, its step before session 30, ran on C29); on a fast board bench-decode-fast-rows (the rows that trail cuDNN
-#    there by 0.02%-0.07%, session 30, on other kernels).
+#    there by 0.02%-0.07%, session 30, on other kernels) and bench-decode-b8-pdl (b = 8, 128k with the whole call
+#    as programmatic dependents).
 # Results: $OUT/gpu_check.tgz (every step's files), summary_balance.txt and summary.txt, serial.txt.
 set -u
 export WORK=${WORK:-/tmp/sample_board_work}  # outside $OUT: only the archive and summaries come back
@@ -26,7 +27,7 @@ grep -E 'MiB: P128|passed|failed' "$OUT/summary_balance.txt"
 steps=()
 [[ $kind != normal || ${SAMPLE_TABLE:-0} == 1 ]] && steps=(bench-decode-layers)
 [[ $kind == full-grid ]] && steps+=(bench-decode-board bench-decode-full-grid-b4)
-[[ $kind == fast ]] && steps+=(bench-decode-fast-rows)
+[[ $kind == fast ]] && steps+=(bench-decode-fast-rows bench-decode-b8-pdl)
 [[ ${#steps[@]} -eq 0 ]] && exit 0
 LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" BOARD_BATCH="1 2 8 32" bash scripts/gpu_check.sh "${steps[@]}" \
   | grep -B2 -A18 'b  seqlen_k' | head -24

@@ -47,7 +47,8 @@ def test_full_grid_rule():
     assert rule(b=8, capacity=65536, **RULE) == (4, False)
     assert rule(b=8, capacity=131072, **RULE) == (8, True)  # from 128k whole rows on stream-K
     assert rule(b=8, capacity=16384, **RULE) == (0, False)
-    assert rule(b=4, capacity=131072, **RULE) == (0, False)  # unmeasured
+    assert rule(b=4, capacity=131072, **RULE) == (4, False)  # half rows from 128k (A31)
+    assert rule(b=4, capacity=65536, **RULE) == (0, False)  # unmeasured
     assert rule(b=32, capacity=32768, **RULE) == (0, False)  # the per-head kernel is ahead there already
     # only the measured shape, and contiguous caches
     assert rule(b=1, capacity=131072, **dict(RULE, arch="default")) == (0, False)

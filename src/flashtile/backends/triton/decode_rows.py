@@ -163,10 +163,13 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
 #   969.9 (on E26 too stream-K was the nearest there: 957.5 against cuDNN's 951.1; nothing measured reaches cuDNN at
 #   b = 8, 128k on these boards).
 # Shorter caches keep the normal rule (b = 1 at 64k: half rows 67.5 against 66.8; b = 2 at 32k 67.4 against 66.4).
+# - b = 4 from 128k, half rows (lease A31, full_grid_b4_leaseA31_h200_2026-12-02_session31.json): 482.3 (480.2)
+#   against the per-head split kernel's 488.1 / 487.7 before and after it (480.2 / 481.2; C30: 487.9-489.1), stream-K
+#   484.2 on whole rows, 495.0 on half rows; at 32k half rows 127.4 as the per-head kernel (127.4 / 127.5): unchanged.
 # FULL_GRID_CALLS: batch -> ((shortest capacity, heads a program, stream-K), ...) by capacity, at 8 kv heads
 # (by_rule's shape); a call takes the last entry whose capacity it reaches.
-FULL_GRID_CALLS = {1: ((131072, 4, False),), 2: ((65536, 4, False),), 8: ((32768, 4, False), (131072, 8, True)),
-                   16: ((65536, 8, True),)}
+FULL_GRID_CALLS = {1: ((131072, 4, False),), 2: ((65536, 4, False),), 4: ((131072, 4, False),),
+                   8: ((32768, 4, False), (131072, 8, True)), 16: ((65536, 8, True),)}
 # Stream-K for the rule's own calls up to b = 64 at 8 kv heads (3.9 an SM); b = 128 unmeasured on these boards.
 FULL_GRID_STREAMK_MAX_PER_SM = 4.0
 
