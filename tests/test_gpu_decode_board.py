@@ -62,11 +62,12 @@ def test_a_capture_never_measures(monkeypatch):
     assert board._KNOWN == {} and torch.isfinite(out).all()
 
 
-# (b, h, cap, heads, stream-K): every kind of call the full-grid rule makes (half rows at b = 1, 2, 8; whole rows on
+# (b, h, cap, heads, stream-K): every kind of call the full-grid rule makes (half rows at b = 1, 2, 4, 8; whole rows on
 # stream-K at b = 8 from 128k, b = 16 and for the normal rule's b = 32), at its shortest cache; MHA on the largest
 # keeps the reference small (GQA 4:1 at b = 32 asked it for 32 GiB)
-FULL_GRID_SHAPES = [(1, 32, 131072, 4, False), (2, 32, 65536, 4, False), (8, 32, 32768, 4, False),
-                    (8, 8, 131072, 8, True), (16, 32, 65536, 8, True), (32, 8, 65536, 8, True)]
+FULL_GRID_SHAPES = [(1, 32, 131072, 4, False), (2, 32, 65536, 4, False), (4, 32, 131072, 4, False),
+                    (8, 32, 32768, 4, False), (8, 8, 131072, 8, True), (16, 32, 65536, 8, True),
+                    (32, 8, 65536, 8, True)]
 
 
 @pytest.mark.xdist_group("big_caches")
