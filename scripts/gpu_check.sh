@@ -104,6 +104,7 @@
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
+#   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
 #   bench-decode-b8-pdl  b = 8, 128k with the whole call as programmatic dependents against the default, beside cuDNN
 #   bench-decode-full-grid-b4  b = 4 at 32k / 128k on half rows and stream-K against the default, beside cuDNN (full-grid boards)
 #   bench-decode-merge-pdl  split calls past use_pdl's bound with the merge alone as a dependent (FLASHTILE_DECODE_MERGE_PDL)
@@ -626,6 +627,12 @@ for step in "${steps[@]}"; do
     tests-decode-gluon-warp-keys)
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
+    bench-decode-gluon-early)
+      # the per-head Gluon kernel with its ring's first tile copied before the row's length is read
+      # (FLASHTILE_DECODE_GLUON_EARLY, session 31) against the default, 0 1 0 1 0 1, at b = 32 (the calls it takes),
+      # beside cuDNN; after tests-decode-gluon-warp-keys passed in this call
+      decode_ab decode_gluon_warp_keys gluon_early FLASHTILE_DECODE_GLUON_EARLY "0 1 0 1 0 1" --cuda-graph --layers 8 \
+        --peers cudnn --batch 32 --seqlens 8192 16384 32768 ;;
     bench-decode-gluon-warp-keys)
       # b = 32 beside cuDNN in 8-layer graphs (the table's setting), contiguous caches only: the Triton kernel
       # and the Gluon one, each twice, alternated, after tests-decode-gluon-warp-keys passed in this call (session 17

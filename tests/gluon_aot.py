@@ -55,12 +55,14 @@ def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str) -> str:
 def decode_build_summary(got: dict) -> str:
     """The decode build figures the compile tests read, from compile_for_sm90's result: shared memory, registers,
     spill stores, 16-byte cp.async copies and mma.sync instructions in the SASS, and the CTA barriers between the
-    key loop's first copy wait (DEPBAR) and its back edge, and those after the back edge (the epilogue's)."""
+    key loop's first copy wait (the last DEPBAR before the first mma: a prologue may wait on copies too) and its
+    back edge, and those after the back edge (the epilogue's)."""
     import re
 
     log, sass = got["ptxas_log"], got["sass"]
     regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
-    loop = sass[sass.find("DEPBAR"):]
+    first_mma = sass.find("HMMA")
+    loop = sass[sass.rfind("DEPBAR", 0, first_mma if first_mma >= 0 else len(sass)):]
     tail = loop[loop.find("BRA", loop.find("HMMA")):] if "HMMA" in loop else ""
     loop = loop[:loop.find("BRA", loop.find("HMMA"))] if "HMMA" in loop else loop
     return (f"SHARED {got['shared']} REGISTERS {regs.group(1) if regs else -1} "

@@ -30,11 +30,12 @@ def _compile(*args) -> dict:
     return {key: int(val) for key, val in zip(f[::2], f[1::2])}
 
 
-@pytest.mark.parametrize("d, has_seqlens, fused_new, group", [(128, True, False, 4), (64, False, False, 16),
-                                                             (128, True, True, 8)])
-def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group):
+@pytest.mark.parametrize("d, has_seqlens, fused_new, group, early", [
+    (128, True, False, 4, False), (64, False, False, 16, False), (128, True, True, 8, False),
+    (128, True, False, 4, True), (128, True, True, 8, True)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group, early):
     got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new),
-                   decode_gluon.merge_rows(group))
+                   decode_gluon.merge_rows(group), int(early))
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file

@@ -194,3 +194,29 @@ def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
     q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
     _check(q, kc, vc, kw, causal=True)
     assert not gluon_calls
+
+
+# Added in session 31: the ring's first tile copied before the row's length is read (EARLY_TILES)
+@pytest.mark.parametrize("s_new", [0, 1, 3])
+def test_early_tiles_on_short_rows(gluon_calls, monkeypatch, s_new):
+    """Rows shorter than the early tile (0-63 keys before the append), at its edge and past it, with NaN in every
+    slot past a row's keys (after the append): the early copies are drained and redone masked, so the outputs equal
+    the kernel's without them, bit for bit, and the reference's; the appended cache is the reference's."""
+    cap = 256
+    q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, 128, cap, torch.bfloat16, seed=31 + s_new)
+    lens = torch.tensor([0, 1, 5, 62, 63, 64, 65, 127, 128, 129, 200, cap], device=q.device, dtype=torch.int32)
+    kw["cache_seqlens"] = lens.repeat(3)[:32].clamp(max=cap - s_new)
+    past = torch.arange(cap, device=q.device)[None, :] >= (kw["cache_seqlens"] + s_new)[:, None].long()
+    kn, vn = kc.clone(), vc.clone()
+    kn[past], vn[past] = float("nan"), float("nan")
+    results = {}
+    for early in ("0", "1"):
+        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_EARLY", early)
+        k2, v2 = kn.clone(), vn.clone()
+        results[early] = flash_attn_with_kvcache(q, k2, v2, return_softmax_lse=True, causal=True, **kw), k2, v2
+    (out0, lse0), k0, v0 = results["0"]
+    (out1, lse1), k1, v1 = results["1"]
+    assert torch.isfinite(out1).all() and torch.equal(out1, out0) and torch.equal(lse1, lse0)
+    assert torch.equal(k1.nan_to_num(), k0.nan_to_num()) and torch.equal(v1.nan_to_num(), v0.nan_to_num())
+    _check(q, kc, vc, kw, causal=True)  # FLASHTILE_DECODE_GLUON_EARLY=1 still set: against the reference
+    assert len(gluon_calls) == 3

@@ -63,6 +63,16 @@ def _issue_kv(k_slot, v_slot, k_base, v_base, row0, seqlen, stride_kn, stride_vn
 
 
 @gluon.jit
+def _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols,
+                       BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+    """The ring's first NUM_BUFFERS - 1 tiles' copies (tiles at or past ``n`` and keys at or past ``seqlen``
+    zero-filled): two commit groups a tile, as the key loop's wait counts assume."""
+    for i in gl.static_range(NUM_BUFFERS - 1):
+        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
+                  rows, cols, i < n)
+
+
+@gluon.jit
 def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, stride_knt, stride_vnt, stride_kn,
                 stride_vn, HEAD_DIM: gl.constexpr):
     """One (batch row, kv head)'s new keys and values into its cache slots cache_len + t (t < s_new, slots past
@@ -131,6 +141,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
     FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
+    EARLY_TILES: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -138,7 +149,9 @@ def _gluon_decode_warp_keys_kernel(
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
-    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.)"""
+    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.) EARLY_TILES: the ring's first tiles
+    are copied before the row's length is read (one round trip sooner), masked by the capacity only; a row whose
+    cache holds fewer keys than those tiles span drains them and copies them again, masked."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -156,10 +169,21 @@ def _gluon_decode_warp_keys_kernel(
         gl.store(STAMPS + pid * 4, _globaltimer())
     b = pid // num_kv_heads
     kv_head = pid % num_kv_heads
-    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
-    n = gl.cdiv(seqlen, BLOCK_N)
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
+    # key position in a tile of copy row (warp w, row r): w * KW + r
+    w_ids = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, cp_layout)))
+    r_ids = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(2, cp_layout)))
+    rows = gl.expand_dims(w_ids, 1) * KW + gl.expand_dims(r_ids, 0)
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
+    if EARLY_TILES:  # the ring's first tiles before the length is known: slots within the capacity
+        _issue_first_tiles(k_smem, v_smem, k_base, v_base, capacity, capacity, stride_kn, stride_vn, rows, cols,
+                           BLOCK_N, NUM_BUFFERS)
+
+    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
+    n = gl.cdiv(seqlen, BLOCK_N)
     if FUSED_NEW:
         _append_new(K_NEW + b.to(gl.int64) * stride_knb + kv_head * stride_knh,
                     V_NEW + b.to(gl.int64) * stride_vnb + kv_head * stride_vnh, k_base, v_base, cache_len, s_new,
@@ -168,18 +192,16 @@ def _gluon_decode_warp_keys_kernel(
         # for the CTA's threads, and 16-byte cp.async reads it through the generic proxy, as loads do)
         gl.thread_barrier()
 
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
-    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
-
-    # key position in a tile of copy row (warp w, row r): w * KW + r
-    w_ids = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(2, cp_layout)))
-    r_ids = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(2, cp_layout)))
-    rows = gl.expand_dims(w_ids, 1) * KW + gl.expand_dims(r_ids, 0)
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
-    # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top)
-    for i in gl.static_range(NUM_BUFFERS - 1):
-        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
-                  rows, cols, i < n)
+    # the ring's first tiles (the loop issues tile j + NUM_BUFFERS - 1 at its top); copied early, they hold only
+    # keys the cache held before this call when its length reaches past them (the append writes from cache_len on)
+    if EARLY_TILES:
+        if cache_len < (NUM_BUFFERS - 1) * BLOCK_N:  # slots past the keys, or new keys: drain, copy again masked
+            async_copy.wait_group(0)
+            _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols,
+                               BLOCK_N, NUM_BUFFERS)
+    else:
+        _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols, BLOCK_N,
+                           NUM_BUFFERS)
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
     q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))

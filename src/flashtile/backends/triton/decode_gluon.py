@@ -57,10 +57,20 @@ NUM_BUFFERS = 2
 # .json). Against this kernel after the separate append kernel it is unmeasured. False: the separate append kernel
 # first, and the rule's bound without appends.
 FUSED_APPEND = True
+# The ring's first tile copied before the row's length is read (EARLY_TILES; session 31): one round trip off every
+# program's start, unmeasured yet; FLASHTILE_DECODE_GLUON_EARLY=1 turns it on.
+EARLY_TILES = False
 # A diagnostic (session 23): an int64 tensor of (programs, 4) here makes the next launches write each program's
 # start, key-loop end, end and merge end (%globaltimer, ns) into it (scripts/probe_read_ceiling.py --stamps reads
 # them). None: the kernel as always (the stamps are compiled out).
 STAMPS = None
+
+
+def early_tiles() -> bool:
+    """Copy the ring's first tiles before the row's length is known? FLASHTILE_DECODE_GLUON_EARLY (0 / 1), else
+    EARLY_TILES."""
+    forced = env.switch("FLASHTILE_DECODE_GLUON_EARLY")
+    return EARLY_TILES if forced is None else forced
 
 
 def requested() -> bool | None:
@@ -145,5 +155,5 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
             *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), num_warps=4)
+            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=early_tiles(), num_warps=4)
     return out, lse
