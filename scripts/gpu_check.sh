@@ -629,8 +629,8 @@ for step in "${steps[@]}"; do
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
     bench-decode-gluon-early)
       # the per-head Gluon kernel with its ring's first tile copied before the row's length is read
-      # (FLASHTILE_DECODE_GLUON_EARLY, session 31) against the default, 0 1 0 1 0 1, at b = 32 (the calls it takes),
-      # beside cuDNN; after tests-decode-gluon-warp-keys passed in this call
+      # (FLASHTILE_DECODE_GLUON_EARLY=1, the default since session 31) against after it, 0 1 0 1 0 1, at b = 32 (the
+      # calls it takes), beside cuDNN; after tests-decode-gluon-warp-keys passed in this call
       decode_ab decode_gluon_warp_keys gluon_early FLASHTILE_DECODE_GLUON_EARLY "0 1 0 1 0 1" --cuda-graph --layers 8 \
         --peers cudnn --batch 32 --seqlens 8192 16384 32768 ;;
     bench-decode-gluon-warp-keys)

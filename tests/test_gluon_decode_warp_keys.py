@@ -168,3 +168,17 @@ def test_knob_value_checked(monkeypatch):
         decode_gluon.requested()
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
     assert decode_gluon.requested() is False
+
+
+def test_early_tiles_knob(monkeypatch):
+    # the first tile copied before the row's length is read: on by default since session 31, the knob overrides it
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_EARLY", raising=False)
+    assert decode_gluon.early_tiles() is decode_gluon.EARLY_TILES is True
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_EARLY", "0")
+    assert decode_gluon.early_tiles() is False
+    monkeypatch.setattr(decode_gluon, "EARLY_TILES", False)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_EARLY", "1")
+    assert decode_gluon.early_tiles() is True
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_EARLY", "yes")
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_EARLY"):
+        decode_gluon.early_tiles()

@@ -57,9 +57,12 @@ NUM_BUFFERS = 2
 # .json). Against this kernel after the separate append kernel it is unmeasured. False: the separate append kernel
 # first, and the rule's bound without appends.
 FUSED_APPEND = True
-# The ring's first tile copied before the row's length is read (EARLY_TILES; session 31): one round trip off every
-# program's start, unmeasured yet; FLASHTILE_DECODE_GLUON_EARLY=1 turns it on.
-EARLY_TILES = False
+# The ring's first tile copied before the row's length is read (EARLY_TILES; session 31): the copies no longer wait
+# for the length's load, one round trip off every program's start. On lease D31, a fast board, in 8-layer graphs at
+# b = 32, alternated 0 1 0 1 0 1 (gluon_early_leaseD31_h200_2026-12-02_session31.json), us a call: 8k 235.66-235.83
+# against 236.32-236.40 (cuDNN 236.08-236.18), 16k 463.48-464.07 against 464.30-464.47, 32k 921.38-922.14 against
+# 922.06-922.35. FLASHTILE_DECODE_GLUON_EARLY=0 turns it off.
+EARLY_TILES = True
 # A diagnostic (session 23): an int64 tensor of (programs, 4) here makes the next launches write each program's
 # start, key-loop end, end and merge end (%globaltimer, ns) into it (scripts/probe_read_ceiling.py --stamps reads
 # them). None: the kernel as always (the stamps are compiled out).
