@@ -104,6 +104,7 @@
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
+#   bench-decode-seqlens-evict  the split / row kernels' lengths load marked evict_last against the default, 0 1 0 1
 #   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
 #   bench-decode-b8-pdl  b = 8, 128k with the whole call as programmatic dependents against the default, beside cuDNN
 #   bench-decode-full-grid-b4  b = 4 at 32k / 128k on half rows and stream-K against the default, beside cuDNN (full-grid boards)
@@ -627,6 +628,13 @@ for step in "${steps[@]}"; do
     tests-decode-gluon-warp-keys)
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
+    bench-decode-seqlens-evict)
+      # the split and row kernels with their lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST,
+      # session 31, built, unmeasured: a layer's key stream evicts the lengths from L2, and every program of the next
+      # layer's call reads them before its first key) against the default, 0 1 0 1, on the bar's rows those kernels
+      # take; run `FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 bash scripts/gpu_check.sh tests-kv` first
+      decode_ab - seqlens_evict FLASHTILE_DECODE_SEQLENS_EVICT_LAST "0 1 0 1" --cuda-graph --layers 8 --peers cudnn \
+        --batch ${EVICT_BATCH:-1 8} --seqlens ${EVICT_SEQLENS:-8192 32768 131072} ;;
     bench-decode-gluon-early)
       # the per-head Gluon kernel with its ring's first tile copied before the row's length is read
       # (FLASHTILE_DECODE_GLUON_EARLY=1, the default since session 31) against after it, 0 1 0 1 0 1, at b = 32 (the

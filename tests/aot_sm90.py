@@ -94,6 +94,7 @@ def main(module, kernel, constexprs, types, warps, stages):
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
           "LOADS_AFTER_SHFL", ptx.partition("shfl.sync")[2].count("ld.global"),
           "CP_ASYNC_16", len(TILE_COPY.findall(ptx)), "LD_GLOBAL", ptx.count("ld.global"),
+          "EVICT_LAST", ptx.count("evict_last"),
           "PIPELINE_BUFFERS", len(PIPELINE_BUFFER.findall(compiled.asm["ttgir"])),
           "REGISTERS", regs.group(1) if regs else -1, "SPILL_STORES", spill.group(1) if spill else -1,
           "LOOPS", ",".join(map(str, loop_sizes(ptx))) or "-",

@@ -237,3 +237,32 @@ def test_splits_fill_the_program_slots(monkeypatch):
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROWS_SPLITS"):
         decode_rows.num_splits(1, 8 * 1024, 3, 132, key_blocks=5)
 
+
+
+@pytest.mark.parametrize("route", [
+    dict(FLASHTILE_DECODE_ROWS="0"),  # the per-head split kernel
+    dict(FLASHTILE_DECODE_ROWS="2", FLASHTILE_DECODE_ROWS_STREAMK="0"),
+    dict(FLASHTILE_DECODE_ROWS="4", FLASHTILE_DECODE_ROWS_STREAMK="1"),
+], ids=["per_head", "rows", "stream_k"])
+@pytest.mark.parametrize("knob", ["0", "1"])
+def test_lengths_evict_last_knob(rows_calls, monkeypatch, route, knob):
+    """FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 builds each decode kernel with its lengths' load marked evict_last
+    (decode_rows.seqlens_policy; the sm_90 compile test checks the PTX); results equal the oracle's either way, and
+    without the knob (or without a lengths tensor) no launch names the policy."""
+    from flashtile.backends.triton import decode
+
+    for name, value in route.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FLASHTILE_DECODE_SEQLENS_EVICT_LAST", knob)
+    policies = {}
+    for module in (decode, decode_rows):
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda kernel, *a, real=real, **k: (
+            policies.setdefault(kernel.fn.__name__, k.get("SEQLENS_POLICY")), real(kernel, *a, **k))[1])
+    q, kc, vc, args = make_case(dtype=torch.float16, h=8, h_k=4, d=16, cap=40, s_new=1)
+    _run_and_check(q, kc, vc, args)
+    kernels = {"0": "_decode_kernel", "2": "_decode_rows_kernel", "4": "_rows_streamk_kernel"}
+    kernel = kernels[route["FLASHTILE_DECODE_ROWS"]]
+    assert policies[kernel] == ("evict_last" if knob == "1" else None), policies
+    assert all(p is None for name, p in policies.items() if name != kernel), policies  # merges read no lengths first
+    assert decode_rows.seqlens_policy(None) == {}  # no lengths tensor: nothing to keep

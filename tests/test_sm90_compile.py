@@ -333,3 +333,27 @@ def test_stream_k_row_decode_compiles_for_sm90(tmp_path):
     _compile(tmp_path, "_rows_streamk_kernel", "flashtile.kernels.decode_rows_streamk", cx, types, 8, 3,
              gdc=(True, True), fields_out=fields)
     assert fields["CP_ASYNC_16"] > 0 and fields["PIPELINE_BUFFERS"] > 0
+
+
+@pytest.mark.parametrize("kernel, module, cx", [
+    ("_decode_kernel", "flashtile.kernels.decode",
+     dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=4, PAGED=False, PAGE_ALIGNED=False,
+          PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False, HAS_RIGHT=False,
+          HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=False,
+          DOT_PRECISION="tf32", IS_FP8=False, FUSED_NEW=False, FUSED_COMBINE=False)),
+    ("_decode_rows_kernel", "flashtile.kernels.decode_rows",
+     dict(HEADS=4, GROUPS=2, NUM_SPLITS=8, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, HAS_SEQLENS=True,
+          FUSED_COMBINE=False)),
+    ("_rows_streamk_kernel", "flashtile.kernels.decode_rows_streamk",
+     dict(HEADS=8, GROUPS=1, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=32, UNITS_P2=8, SEGS=32, LSE_ROWS=32,
+          HAS_SEQLENS=True)),
+], ids=["split", "rows", "streamk"])
+def test_decode_lengths_load_keeps_its_l2_line(tmp_path, kernel, module, cx):
+    # FLASHTILE_DECODE_SEQLENS_EVICT_LAST (decode_rows.seqlens_policy): the lengths' load marked evict_last, and
+    # only it; the default build carries no such hint
+    types = dict(DECODE_INTS, COUNTS="*i32", STAMPS="*i64")
+    fields = {}
+    _compile(tmp_path, kernel, module, cx, types, 4, 2, fields_out=fields)
+    assert fields["EVICT_LAST"] == 0, fields
+    _compile(tmp_path, kernel, module, dict(cx, SEQLENS_POLICY="evict_last"), types, 4, 2, fields_out=fields)
+    assert fields["EVICT_LAST"] >= 1, fields

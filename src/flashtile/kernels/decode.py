@@ -170,7 +170,7 @@ def _decode_kernel(
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PIPELINE_EDGES: tl.constexpr = False,
+    PIPELINE_EDGES: tl.constexpr = False, SEQLENS_POLICY: tl.constexpr = "",
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -187,8 +187,8 @@ def _decode_kernel(
     b = pid_bk // num_kv_heads
     kv_head = pid_bk % num_kv_heads
 
-    if HAS_SEQLENS:
-        cache_len = tl.load(SEQLENS + b)
+    if HAS_SEQLENS:  # SEQLENS_POLICY "evict_last": kept in L2 for the next layer's call (decode_rows.seqlens_policy)
+        cache_len = tl.load(SEQLENS + b, eviction_policy=SEQLENS_POLICY)
     else:
         cache_len = cache_len_const
     leftpad = cache_len * 0

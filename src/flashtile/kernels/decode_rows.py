@@ -131,7 +131,7 @@ def _decode_rows_kernel(
     HEADS: tl.constexpr, GROUPS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     USE_PDL: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 16, STAMPS=None, STAMP: tl.constexpr = False,
-    PAGE_SIZE: tl.constexpr = 0,
+    PAGE_SIZE: tl.constexpr = 0, SEQLENS_POLICY: tl.constexpr = "",
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache holding cache_seqlens[b] (or cache_len_const) keys a
     row before this call's s_new appended ones; program pid = (b * GROUPS + kv head group) * NUM_SPLITS + split. Writes the split's partial output
@@ -154,8 +154,8 @@ def _decode_rows_kernel(
     bg = pid // NUM_SPLITS
     kv0 = (bg % GROUPS) * HEADS
     b = (bg // GROUPS).to(tl.int64)
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + b)
+    if HAS_SEQLENS:  # SEQLENS_POLICY: see backends/triton/decode_rows.seqlens_policy
+        seqlen = tl.load(SEQLENS + b, eviction_policy=SEQLENS_POLICY)
     else:
         seqlen = cache_len_const
     seqlen = tl.minimum(seqlen + s_new, capacity)

@@ -26,13 +26,13 @@ from flashtile.kernels.decode_rows import _rows_range, _stamp
 
 @triton.jit
 def _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr):
+                UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr, POLICY: tl.constexpr = ""):
     """Every unit's keys (its row's length after this call's appends, at most the capacity) and key tiles, the
     tiles' running end, and the tiles in all: [UNITS_P2] vectors (units past n_units have none) and a scalar."""
     ru = tl.arange(0, UNITS_P2)
     ok = ru < n_units
     if HAS_SEQLENS:
-        lens = tl.load(SEQLENS + ru // GROUPS, mask=ok, other=0)
+        lens = tl.load(SEQLENS + ru // GROUPS, mask=ok, other=0, eviction_policy=POLICY)
     else:
         lens = tl.zeros([UNITS_P2], tl.int32) + cache_len_const
     lens = tl.where(ok, tl.minimum(lens + s_new, capacity), 0)
@@ -111,6 +111,7 @@ def _rows_streamk_kernel(
     HEADS: tl.constexpr, GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UNITS_P2: tl.constexpr, SEGS: tl.constexpr, LSE_ROWS: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False, STAMPS=None, STAMP: tl.constexpr = False,
+    SEQLENS_POLICY: tl.constexpr = "",
 ):
     """q (b, 1, h, d) over a (b, capacity, h_k, d) cache; unit u = batch row u // GROUPS, kv heads
     (u % GROUPS) * HEADS onwards, its HEADS * group query heads (LSE_ROWS, a power of two, at least). Writes each of
@@ -124,7 +125,7 @@ def _rows_streamk_kernel(
     if STAMP:
         _stamp(STAMPS, pid, 0)
     ru, lens, tiles, ends, total = _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS, BLOCK_N,
-                                               UNITS_P2, HAS_SEQLENS)
+                                               UNITS_P2, HAS_SEQLENS, SEQLENS_POLICY)
     total = total.to(tl.int64)
     t = pid * total // programs
     t_stop = (pid + 1) * total // programs

@@ -558,6 +558,7 @@ def decode_attn(q, k_cache, v_cache, *, s_new, cache_seqlens, cache_len_const, c
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8, FUSED_NEW=fused,
             FUSED_COMBINE=counters is not None,
             num_warps=num_warps, num_stages=num_stages, **pdl, **({"USE_TMA": True} if tma else {}), **edges,
+            **decode_rows.seqlens_policy(cache_seqlens),
         )
     if num_splits > 1 and counters is None:
         combine(o_part, lse_part, out, lse, pdl=merge_early)

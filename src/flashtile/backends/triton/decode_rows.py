@@ -322,7 +322,7 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
             HAS_SEQLENS=cache_seqlens is not None, FUSED_COMBINE=counters is not None,
             MERGE_ROWS=max(16, next_pow2(heads * (h // h_k))), num_warps=warps,
             num_stages=launch_stages(stages, block_table is not None),
-            **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(),
+            **(dict(USE_PDL=True, launch_pdl=True) if pdl else {}), **_stamps(), **seqlens_policy(cache_seqlens),
             **({} if block_table is None else dict(PAGE_SIZE=k_cache.shape[1])),
         )
     return (out, lse) if counters is not None else combine(o_part, lse_part, out, lse, pdl=pdl)
@@ -330,6 +330,17 @@ def _split(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse
 
 def _stamps() -> dict:
     return {} if STAMPS is None else dict(STAMPS=STAMPS, STAMP=True)
+
+
+def seqlens_policy(cache_seqlens) -> dict:
+    """The decode kernels' SEQLENS_POLICY for a call's ``cache_seqlens``: {} (the default build) unless
+    FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1, then "evict_last". Every program of a split or stream-K kernel reads the
+    lengths before its first key, so that load's latency opens every call; a layer's multi-GB key stream evicts the
+    lengths from L2, and the next layer's call reads them from HBM. Marked evict_last, they could stay for it (in
+    a model the layers share one ``cache_seqlens``). Session 31: built, not yet measured."""
+    if cache_seqlens is None or not env.switch("FLASHTILE_DECODE_SEQLENS_EVICT_LAST"):
+        return {}
+    return dict(SEQLENS_POLICY="evict_last")
 
 
 def _streamk(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, lse, cache_seqlens, cache_len_const,
@@ -358,7 +369,7 @@ def _streamk(q, k_cache, v_cache, heads, groups, cfg, softmax_scale, pdl, out, l
             lse_part.stride(0),
             HEADS=heads, GROUPS=groups, HEAD_DIM=d, BLOCK_M=16, BLOCK_N=block_n, UNITS_P2=units_p2, SEGS=segs,
             LSE_ROWS=max(2, next_pow2(unit_heads)), HAS_SEQLENS=cache_seqlens is not None, num_warps=warps,
-            num_stages=stages, **extra, **_stamps(),
+            num_stages=stages, **extra, **_stamps(), **seqlens_policy(cache_seqlens),
         )
         # the overflow loop's chunk: a unit past SEGS segments is a long row among short ones, over many programs
         block_s = 8
