@@ -104,6 +104,8 @@
 #                 then 8 (named bench-decode-long-warps until session 18, a duplicate label that never ran)
 #   tests-decode-pdl  the decode kernels with programmatic dependent launch (FLASHTILE_DECODE_PDL), alone
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
+#   tests-decode-gluon-splits  the Gluon decode kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS) against the reference
+#   bench-decode-gluon-splits  b = 4 / 8 on it (4 and 8 splits) against the default, beside cuDNN (after the tests)
 #   bench-decode-seqlens-evict  the split / row kernels' lengths load marked evict_last against the default, 0 1 0 1
 #   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
 #   bench-decode-b8-pdl  b = 8, 128k with the whole call as programmatic dependents against the default, beside cuDNN
@@ -628,6 +630,17 @@ for step in "${steps[@]}"; do
     tests-decode-gluon-warp-keys)
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
+    tests-decode-gluon-splits)
+      # the Gluon kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS, session 31, built, not yet run on a GPU) against
+      # the reference, eager and in a CUDA graph
+      TIMED_XDIST=1 timed_tests decode_gluon_splits -k split tests/test_gpu_decode_gluon_warp_keys.py ;;
+    bench-decode-gluon-splits)
+      # b = 4 and 8 (the split calls of the bar's shape) on the Gluon kernel split 4 / 8 ways (256 / 512 programs at
+      # b = 8: b = 32's grid, where this kernel leads cuDNN, at a quarter of the keys a program) against the default,
+      # beside cuDNN, contiguous caches, the default first and last; after tests-decode-gluon-splits passed
+      gate decode_gluon_splits bench-decode-gluon-splits && decode_runs gluon_splits \
+        "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=8|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=" \
+        --cuda-graph --layers 8 --peers cudnn --pages --batch 4 8 --seqlens 32768 65536 131072 ;;
     bench-decode-seqlens-evict)
       # the split and row kernels with their lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST,
       # session 31, built, unmeasured: a layer's key stream evicts the lengths from L2, and every program of the next

@@ -30,12 +30,13 @@ def _compile(*args) -> dict:
     return {key: int(val) for key, val in zip(f[::2], f[1::2])}
 
 
-@pytest.mark.parametrize("d, has_seqlens, fused_new, group, early", [
-    (128, True, False, 4, False), (64, False, False, 16, False), (128, True, True, 8, False),
-    (128, True, False, 4, True), (128, True, True, 8, True)])
-def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group, early):
+@pytest.mark.parametrize("d, has_seqlens, fused_new, group, early, splits", [
+    (128, True, False, 4, False, 1), (64, False, False, 16, False, 1), (128, True, True, 8, False, 1),
+    (128, True, False, 4, True, 1), (128, True, True, 8, True, 1), (128, True, False, 4, False, 4),
+    (128, False, False, 8, False, 2)])
+def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group, early, splits):
     got = _compile(d, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, int(has_seqlens), int(fused_new),
-                   decode_gluon.merge_rows(group), int(early))
+                   decode_gluon.merge_rows(group), int(early), splits)
     assert 2 * (got["SHARED"] + 1024) <= SM90_SMEM_PER_SM, got
     assert got["SPILL_STORES"] == 0 and 0 < got["REGISTERS"] <= 255, got
     assert 2 * 128 * got["REGISTERS"] <= 65536, got  # two 128-thread programs in one SM's register file
@@ -156,6 +157,33 @@ def test_route_follows_the_rule(fake_sm90_route):
     assert route(64, "alias") is not None and launches[-1]["k_new"] is None and len(appends) == 1
     assert route(64, d=64) is None and route(64, b=16) is None  # unmeasured d; one program an SM
     assert len(launches) == 3
+
+
+def test_split_knob_routes_small_grids(fake_sm90_route, monkeypatch):
+    # FLASHTILE_DECODE_GLUON_SPLITS=N (an experiment): heuristic calls whose unsplit grid would not fill the GPU run
+    # split N ways where the split grid meets the rule; new keys then go through the separate append first
+    route, launches, appends = fake_sm90_route
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "4")
+    assert route(64, b=8) is not None and launches[-1]["splits"] == 4  # 64 pairs x 4: 256 programs
+    assert route(64, "own", b=8) is not None and launches[-1]["k_new"] is None and len(appends) == 1
+    assert route(64, b=32) is not None and launches[-1]["splits"] == 1  # a full grid stays unsplit
+    assert route(64, b=4) is None  # 32 pairs x 4: one program an SM, not the rule's grid
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "8")
+    assert route(64, b=4) is not None and launches[-1]["splits"] == 8
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_SPLITS")
+    assert route(64, b=8) is None  # unset: b = 8 keeps the Triton kernels
+    for bad in ("1", "17", "four"):
+        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", bad)
+        with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_SPLITS"):
+            route(64, b=8)
+
+
+def test_split_launch_refuses_its_own_append():
+    q = torch.zeros(2, 1, 8, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(2, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="append them first"):
+        decode_gluon.gluon_decode(q, kc, kc, cache_seqlens=None, cache_len_const=10, s_new=1, softmax_scale=0.1,
+                                  k_new=kc[:, :1], v_new=kc[:, :1], splits=2)
 
 
 def test_knob_value_checked(monkeypatch):

@@ -220,3 +220,39 @@ def test_early_tiles_on_short_rows(gluon_calls, monkeypatch, s_new):
     assert torch.equal(k1.nan_to_num(), k0.nan_to_num()) and torch.equal(v1.nan_to_num(), v0.nan_to_num())
     _check(q, kc, vc, kw, causal=True)  # FLASHTILE_DECODE_GLUON_EARLY=1 still set: against the reference
     assert len(gluon_calls) == 3
+
+
+# Added in session 31: the kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS, an experiment), merged by the combine
+# kernel; forced onto every covered call (the knob FLASHTILE_DECODE_GLUON_WARP_KEYS=1) so that small caches take it
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(8, 32, 8, 128, 4133, 0), (8, 32, 8, 128, 3000, 1), (4, 32, 8, 128, 777, 0),
+                                   (16, 16, 8, 64, 2049, 1)], ids=["b8c4133", "b8c3000n1", "b4c777", "b16d64"])
+def test_split_launch_matches_reference(monkeypatch, splits, shape):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", str(splits))
+    launched = []
+    real = decode_gluon.gluon_decode
+    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (launched.append(k["splits"]), real(*a, **k))[1])
+    b, h, h_k, d, cap, s_new = shape
+    q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + splits)
+    short = torch.tensor([0, 1, 63, 64, 65], dtype=torch.int32, device=q.device)[: b - 1]
+    kw["cache_seqlens"][1:1 + len(short)] = short  # rows without keys, and splits without keys
+    _check(q, kc, vc, kw, causal=True)  # with new keys: appended first, and the updated cache is the reference's
+    assert launched == [splits]
+
+
+def test_split_launch_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "4")
+    q, kc, vc, kw = _inputs(8, 1, 0, 32, 8, 128, 4096, torch.bfloat16, seed=4)
+    lens = kw.pop("cache_seqlens")
+
+    def step():
+        return flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
+
+    graph, out = _capture(step)
+    for grow in (0, 100, 1000):  # the lengths move on the GPU between replays: the splits follow them
+        lens.add_(grow).clamp_(max=4096)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())  # the same kernels, eager

@@ -63,13 +63,13 @@ def _issue_kv(k_slot, v_slot, k_base, v_base, row0, seqlen, stride_kn, stride_vn
 
 
 @gluon.jit
-def _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols,
+def _issue_first_tiles(k_smem, v_smem, k_base, v_base, first, seqlen, n, stride_kn, stride_vn, rows, cols,
                        BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
-    """The ring's first NUM_BUFFERS - 1 tiles' copies (tiles at or past ``n`` and keys at or past ``seqlen``
-    zero-filled): two commit groups a tile, as the key loop's wait counts assume."""
+    """The ring's first NUM_BUFFERS - 1 tiles' copies, from tile ``first`` on (tiles at or past ``n`` and keys at or
+    past ``seqlen`` zero-filled): two commit groups a tile, as the key loop's wait counts assume."""
     for i in gl.static_range(NUM_BUFFERS - 1):
-        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, i * BLOCK_N, seqlen, stride_kn, stride_vn,
-                  rows, cols, i < n)
+        _issue_kv(k_smem.index(i), v_smem.index(i), k_base, v_base, (first + i) * BLOCK_N, seqlen, stride_kn,
+                  stride_vn, rows, cols, first + i < n)
 
 
 @gluon.jit
@@ -97,7 +97,7 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 @gluon.jit
 def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
                         STAMPS, pid, STAMP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        GROUP_ROWS: gl.constexpr):
+                        GROUP_ROWS: gl.constexpr, EMPTY_LSE: gl.constexpr = float("inf")):
     """Merge the 4 warps' online-softmax states and write O and LSE, with one CTA barrier: every warp stores its
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
@@ -129,8 +129,9 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     ohead = (kv_head * group + orow).to(gl.int64)
     gl.store(O + b.to(gl.int64) * stride_ob + ohead * stride_oh + ocol, out.to(O.dtype.element_ty),
              mask=(orow < group) & (ocol >= 0))
-    # the rows' lse (natural log): +inf for a row without keys (the contract's rule; its O is 0)
-    lse = gl.where(l_sum == 0.0, float("inf"), (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
+    # the rows' lse (natural log): EMPTY_LSE for a row without keys (+inf, the contract's rule; its O is 0), or for
+    # a split without keys -inf (the merge gives it no weight)
+    lse = gl.where(l_sum == 0.0, EMPTY_LSE, (m + gl.log2(gl.where(l_sum == 0.0, 1.0, l_sum))) * 0.6931471805599453)
     gl.store(LSE + b.to(gl.int64) * stride_lse_b + ohead * stride_lse_h, lse, mask=orow < group)
 
 
@@ -139,9 +140,10 @@ def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
     stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
+    stride_os, stride_lse_s,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
     FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
-    EARLY_TILES: gl.constexpr = False,
+    EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -151,11 +153,18 @@ def _gluon_decode_warp_keys_kernel(
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
     slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.) EARLY_TILES: the ring's first tiles
     are copied before the row's length is read (one round trip sooner), masked by the capacity only; a row whose
-    cache holds fewer keys than those tiles span drains them and copies them again, masked."""
+    cache holds fewer keys than those tiles span drains them and copies them again, masked.
+
+    NUM_SPLITS > 1 (an experiment, FLASHTILE_DECODE_GLUON_SPLITS): program pid = (b * h_k + kv head) * NUM_SPLITS +
+    split takes the split's share of the row's key tiles (ceil(tiles / NUM_SPLITS) each, the last fewer, some none) and
+    writes its normalized partial output at O + split * stride_os ((splits, b, 1, h, d) fp32) and its lse at
+    LSE + split * stride_lse_s ((splits, b, h, 1); -inf for a split without keys), for the merge kernel. A split's
+    first key depends on the row's length, so no early tiles; the new keys come from the separate append."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
     gl.static_assert(NUM_BUFFERS >= 2, "a ring of at least two slots")
+    gl.static_assert(NUM_SPLITS == 1 or not (EARLY_TILES or FUSED_NEW), "splits: no early tiles, no own append")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -167,8 +176,9 @@ def _gluon_decode_warp_keys_kernel(
     pid = gl.program_id(0)
     if STAMP:  # the diagnostic: the program's start, loop end, end and merge end (ns) into STAMPS[pid, 0:4]
         gl.store(STAMPS + pid * 4, _globaltimer())
-    b = pid // num_kv_heads
-    kv_head = pid % num_kv_heads
+    pair = pid // NUM_SPLITS
+    b = pair // num_kv_heads
+    kv_head = pair % num_kv_heads
     k_base = K + b.to(gl.int64) * stride_kb + kv_head * stride_kh
     v_base = V + b.to(gl.int64) * stride_vb + kv_head * stride_vh
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_BUFFERS, 4, KW, HEAD_DIM], smem_layout)
@@ -179,11 +189,20 @@ def _gluon_decode_warp_keys_kernel(
     rows = gl.expand_dims(w_ids, 1) * KW + gl.expand_dims(r_ids, 0)
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, gl.SliceLayout(1, cp_layout)))
     if EARLY_TILES:  # the ring's first tiles before the length is known: slots within the capacity
-        _issue_first_tiles(k_smem, v_smem, k_base, v_base, capacity, capacity, stride_kn, stride_vn, rows, cols,
+        _issue_first_tiles(k_smem, v_smem, k_base, v_base, 0, capacity, capacity, stride_kn, stride_vn, rows, cols,
                            BLOCK_N, NUM_BUFFERS)
 
     cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
-    n = gl.cdiv(seqlen, BLOCK_N)
+    n = gl.cdiv(seqlen, BLOCK_N)  # the program's tiles are [first, n)
+    if NUM_SPLITS == 1:
+        first = 0
+    else:
+        split = pid % NUM_SPLITS
+        per = gl.cdiv(n, NUM_SPLITS)
+        first = gl.minimum(split * per, n)
+        n = gl.minimum(first + per, n)
+        O = O + split.to(gl.int64) * stride_os
+        LSE = LSE + split.to(gl.int64) * stride_lse_s
     if FUSED_NEW:
         _append_new(K_NEW + b.to(gl.int64) * stride_knb + kv_head * stride_knh,
                     V_NEW + b.to(gl.int64) * stride_vnb + kv_head * stride_vnh, k_base, v_base, cache_len, s_new,
@@ -197,11 +216,11 @@ def _gluon_decode_warp_keys_kernel(
     if EARLY_TILES:
         if cache_len < (NUM_BUFFERS - 1) * BLOCK_N:  # slots past the keys, or new keys: drain, copy again masked
             async_copy.wait_group(0)
-            _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols,
+            _issue_first_tiles(k_smem, v_smem, k_base, v_base, 0, seqlen, n, stride_kn, stride_vn, rows, cols,
                                BLOCK_N, NUM_BUFFERS)
     else:
-        _issue_first_tiles(k_smem, v_smem, k_base, v_base, seqlen, n, stride_kn, stride_vn, rows, cols, BLOCK_N,
-                           NUM_BUFFERS)
+        _issue_first_tiles(k_smem, v_smem, k_base, v_base, first, seqlen, n, stride_kn, stride_vn, rows, cols,
+                           BLOCK_N, NUM_BUFFERS)
 
     # q: the group's query heads of this kv head, the same 16 rows for every warp (rows past the group are zero)
     q_rows = gl.arange(0, BLOCK_M, gl.SliceLayout(1, gl.SliceLayout(0, a_layout)))
@@ -220,11 +239,11 @@ def _gluon_decode_warp_keys_kernel(
     s_w = gl.arange(0, 4, gl.SliceLayout(1, gl.SliceLayout(1, mma)))
     s_k = gl.arange(0, KW, gl.SliceLayout(0, gl.SliceLayout(1, mma)))
     key_in_tile = gl.expand_dims(gl.expand_dims(s_w, 1) * KW + gl.expand_dims(s_k, 0), 1)  # [4, 1, KW]
-    for j in range(0, n):
-        slot = j % NUM_BUFFERS
+    for j in range(first, n):
+        slot = (j - first) % NUM_BUFFERS
         # the refill: tile j + NUM_BUFFERS - 1 into the slot tile j - 1 used
         nxt = j + NUM_BUFFERS - 1
-        k_next, v_next = k_smem.index(nxt % NUM_BUFFERS), v_smem.index(nxt % NUM_BUFFERS)
+        k_next, v_next = k_smem.index((nxt - first) % NUM_BUFFERS), v_smem.index((nxt - first) % NUM_BUFFERS)
         # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot
         # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
@@ -247,6 +266,7 @@ def _gluon_decode_warp_keys_kernel(
         gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
     _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS)
+                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS,
+                        float("inf") if NUM_SPLITS == 1 else float("-inf"))
     if STAMP:
         gl.store(STAMPS + pid * 4 + 2, _globaltimer())

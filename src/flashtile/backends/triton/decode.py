@@ -632,8 +632,12 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
-    rule = dict(capacity=k_cache.shape[1], programs=b * h_k, sms=sms, d=d)
-    appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0
+    # FLASHTILE_DECODE_GLUON_SPLITS=N (an experiment): a heuristic call whose unsplit grid would not fill the GPU
+    # runs split N ways here, and the rule and the coverage see the split grid
+    splits = decode_gluon.requested_splits() if num_splits <= 0 and b * h_k < SPLIT_FREE_FILL * sms else None
+    programs = b * h_k * (splits or 1)
+    rule = dict(capacity=k_cache.shape[1], programs=programs, sms=sms, d=d)
+    appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0 and not splits
     # the rule next: a few integer compares, where small grids and short caches stop
     if not forced and not decode_gluon.by_rule(**rule, appends=appending):
         return None
@@ -647,7 +651,7 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
         arch=arch, dtype=q.dtype, cache_dtype=k_cache.dtype, d=d, sq=sq, group=h // h_k,
         paged=block_table is not None, batch_idx=cache_batch_idx is not None, leftpad=cache_leftpad is not None,
         window_left=window_left, softcap=softcap, alibi=alibi_slopes is not None, rotary=rotary_cos is not None,
-        num_splits=num_splits, grid_full=b * h_k >= SPLIT_FREE_FILL * sms,
+        num_splits=num_splits, grid_full=programs >= SPLIT_FREE_FILL * sms,
         aligned=decode_gluon.aligned(k_cache, v_cache))
     if why is not None:
         return None
@@ -655,7 +659,7 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
         _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new)
     return decode_gluon.gluon_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                      cache_len_const=cache_len_const, s_new=s_new, softmax_scale=softmax_scale,
-                                     k_new=k if fused else None, v_new=v if fused else None)
+                                     k_new=k if fused else None, v_new=v if fused else None, splits=splits or 1)
 
 
 def _append_first(k_cache, v_cache, k, v, cache_seqlens, cache_len_const, s_new, block_table=None) -> None:

@@ -136,27 +136,51 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, softmax_scale, k_new=None,
-                 v_new=None):
+                 v_new=None, splits: int = 1):
     """Attention of q (b, 1, h, d) over the contiguous (b, capacity, h_k, d) cache holding cache_seqlens + s_new
     keys a row: out (b, 1, h, d), lse (b, h, 1). With k_new / v_new ((b, s_new, h_k, d)) the kernel first appends
-    them at cache_seqlens; without, the cache already holds them."""
+    them at cache_seqlens; without, the cache already holds them. ``splits`` > 1 (requested_splits, an experiment):
+    each row's keys in that many programs, merged by the combine kernel (no k_new then: append first)."""
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel
 
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
     out, lse = one_token_outputs(q)
     fused = k_new is not None and s_new > 0
+    if fused and splits > 1:
+        raise ValueError("gluon_decode: a split launch reads the new keys from the cache (append them first)")
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
+    if splits > 1:  # the partials (splits, b, 1, h, d) / (splits, b, h, 1), merged below
+        from flashtile.backends.triton.decode import combine, split_partials
+
+        o_dst, lse_dst = split_partials(splits, b, 1, h, d, q.device)
+        o_strides, lse_strides = (o_dst.stride(1), o_dst.stride(3)), lse_dst.stride()[1:3]
+        split_strides = (o_dst.stride(0), lse_dst.stride(0))
+    else:
+        o_dst, lse_dst = out, lse
+        o_strides, lse_strides = (out.stride(0), out.stride(2)), lse.stride()[:2]
+        split_strides = (0, 0)
     with device_guard(q):
-        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k,),
-            q, k_cache, v_cache, out, lse, cache_seqlens if has_seqlens else lse, k_new if fused else q,
+        run_kernel(_gluon_decode_warp_keys_kernel, (b * h_k * splits,),
+            q, k_cache, v_cache, o_dst, lse_dst, cache_seqlens if has_seqlens else lse, k_new if fused else q,
             v_new if fused else q, softmax_scale * LOG2E, h_k, h // h_k, cache_len_const if not has_seqlens else 0,
             s_new, k_cache.shape[1],
-            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(2),
-            lse.stride(0), lse.stride(1), *(k_new.stride()[:3] if fused else (0, 0, 0)),
-            *(v_new.stride()[:3] if fused else (0, 0, 0)), lse if STAMPS is None else STAMPS,
+            q.stride(0), q.stride(2), *k_cache.stride()[:3], *v_cache.stride()[:3], *o_strides, *lse_strides,
+            *(k_new.stride()[:3] if fused else (0, 0, 0)), *(v_new.stride()[:3] if fused else (0, 0, 0)),
+            lse if STAMPS is None else STAMPS, *split_strides,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
-            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=early_tiles(), num_warps=4)
+            STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=early_tiles() and splits == 1,
+            **({} if splits == 1 else dict(NUM_SPLITS=splits)), num_warps=4)
+        if splits > 1:
+            combine(o_dst, lse_dst, out, lse)
     return out, lse
+
+
+def requested_splits() -> int | None:
+    """FLASHTILE_DECODE_GLUON_SPLITS=N (2-16; an experiment, session 31, unmeasured): split calls whose unsplit
+    grid would not fill the GPU run on this kernel with N splits a row (then the combine kernel), where the rule
+    takes the split grid (b = 8 with 8 kv heads and N = 4: 256 programs, b = 32's shape at a quarter of the keys a
+    program, where this kernel leads cuDNN). Unset: None."""
+    return env.count("FLASHTILE_DECODE_GLUON_SPLITS", 2, 16)
