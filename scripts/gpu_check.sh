@@ -106,6 +106,7 @@
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
 #   tests-decode-gluon-splits  the Gluon decode kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS) against the reference
 #   bench-decode-gluon-splits  b = 4 / 8 on it (4 and 8 splits) against the default, beside cuDNN (after the tests)
+#   tests-decode-seqlens-evict  the decode GPU tests with FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1
 #   bench-decode-seqlens-evict  the split / row kernels' lengths load marked evict_last against the default, 0 1 0 1
 #   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
 #   bench-decode-b8-pdl  b = 8, 128k with the whole call as programmatic dependents against the default, beside cuDNN
@@ -641,12 +642,16 @@ for step in "${steps[@]}"; do
       gate decode_gluon_splits bench-decode-gluon-splits && decode_runs gluon_splits \
         "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=8|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=" \
         --cuda-graph --layers 8 --peers cudnn --pages --batch 4 8 --seqlens 32768 65536 131072 ;;
+    tests-decode-seqlens-evict)
+      # the KV-cache suite's decode files with the lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1)
+      FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 timed_tests decode_seqlens_evict tests/test_gpu_kvcache.py \
+        tests/test_gpu_decode_board.py tests/test_gpu_decode_grid_full_stages.py ;;
     bench-decode-seqlens-evict)
       # the split and row kernels with their lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST,
       # session 31, built, unmeasured: a layer's key stream evicts the lengths from L2, and every program of the next
       # layer's call reads them before its first key) against the default, 0 1 0 1, on the bar's rows those kernels
-      # take; run `FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 bash scripts/gpu_check.sh tests-kv` first
-      decode_ab - seqlens_evict FLASHTILE_DECODE_SEQLENS_EVICT_LAST "0 1 0 1" --cuda-graph --layers 8 --peers cudnn \
+      # take; after tests-decode-seqlens-evict passed in this call
+      decode_ab decode_seqlens_evict seqlens_evict FLASHTILE_DECODE_SEQLENS_EVICT_LAST "0 1 0 1" --cuda-graph --layers 8 --peers cudnn \
         --batch ${EVICT_BATCH:-1 8} --seqlens ${EVICT_SEQLENS:-8192 32768 131072} ;;
     bench-decode-gluon-early)
       # the per-head Gluon kernel with its ring's first tile copied before the row's length is read
