@@ -21,7 +21,8 @@ def main(head_dim: int, block_n: int, buffers: int, has_seqlens: bool, fused_new
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel as kernel
 
     cx = dict(HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_BUFFERS=buffers, HAS_SEQLENS=has_seqlens,
-              FUSED_NEW=fused_new, GROUP_ROWS=group_rows, EARLY_TILES=early_tiles, NUM_SPLITS=splits)
+              FUSED_NEW=fused_new, GROUP_ROWS=group_rows, EARLY_TILES=early_tiles, NUM_SPLITS=splits,
+              RELEASE_MERGE=splits > 1)
     with tempfile.TemporaryDirectory() as tmp:
         # strides marked aligned as the JIT does for multiples of 16 (16-byte copies need it)
         got = compile_for_sm90(kernel, cx, TYPES, 4, pathlib.Path(tmp), "kernel", aligned_ints=("stride",))

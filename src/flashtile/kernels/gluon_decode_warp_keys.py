@@ -143,7 +143,7 @@ def _gluon_decode_warp_keys_kernel(
     stride_os, stride_lse_s,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
     FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
-    EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1,
+    EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1, RELEASE_MERGE: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -159,7 +159,9 @@ def _gluon_decode_warp_keys_kernel(
     split takes the split's share of the row's key tiles (ceil(tiles / NUM_SPLITS) each, the last fewer, some none) and
     writes its normalized partial output at O + split * stride_os ((splits, b, 1, h, d) fp32) and its lse at
     LSE + split * stride_lse_s ((splits, b, h, 1); -inf for a split without keys), for the merge kernel. A split's
-    first key depends on the row's length, so no early tiles; the new keys come from the separate append."""
+    first key depends on the row's length, so no early tiles; the new keys come from the separate append.
+    RELEASE_MERGE: after the key loop, let the merge kernel launched behind it as a programmatic dependent start
+    launching (it waits for this grid's end before it reads)."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
     gl.static_assert(gl.num_warps() == 4, "4 warps along the keys")
@@ -262,6 +264,9 @@ def _gluon_decode_warp_keys_kernel(
         vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
         o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
+    if RELEASE_MERGE:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     if STAMP:
         gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 

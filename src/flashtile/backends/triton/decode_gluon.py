@@ -152,9 +152,12 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
+    release = False
     if splits > 1:  # the partials (splits, b, 1, h, d) / (splits, b, h, 1), merged below
-        from flashtile.backends.triton.decode import combine, split_partials
+        from flashtile.backends.triton.decode import combine, merge_pdl, split_partials
 
+        # the merge as a programmatic dependent, as behind the Triton split kernel (decode.merge_pdl)
+        release = merge_pdl(q.device, False, splits, False)
         o_dst, lse_dst = split_partials(splits, b, 1, h, d, q.device)
         o_strides, lse_strides = (o_dst.stride(1), o_dst.stride(3)), lse_dst.stride()[1:3]
         split_strides = (o_dst.stride(0), lse_dst.stride(0))
@@ -172,9 +175,9 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse if STAMPS is None else STAMPS, *split_strides,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
             STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=early_tiles() and splits == 1,
-            **({} if splits == 1 else dict(NUM_SPLITS=splits)), num_warps=4)
+            **({} if splits == 1 else dict(NUM_SPLITS=splits, RELEASE_MERGE=release)), num_warps=4)
         if splits > 1:
-            combine(o_dst, lse_dst, out, lse)
+            combine(o_dst, lse_dst, out, lse, pdl=release)
     return out, lse
 
 
