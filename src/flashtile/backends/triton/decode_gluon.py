@@ -184,6 +184,6 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
 def requested_splits() -> int | None:
     """FLASHTILE_DECODE_GLUON_SPLITS=N (2-16; an experiment, session 31, unmeasured): split calls whose unsplit
     grid would not fill the GPU run on this kernel with N splits a row (then the combine kernel), where the rule
-    takes the split grid (b = 8 with 8 kv heads and N = 4: 256 programs, b = 32's shape at a quarter of the keys a
-    program, where this kernel leads cuDNN). Unset: None."""
+    takes the split grid (b = 8 with 8 kv heads and N = 4: 256 programs; at 128k keys b = 32, 32k's grid, where
+    this kernel leads cuDNN). Unset: None."""
     return env.count("FLASHTILE_DECODE_GLUON_SPLITS", 2, 16)
