@@ -636,12 +636,13 @@ for step in "${steps[@]}"; do
       # the reference, eager and in a CUDA graph
       TIMED_XDIST=1 timed_tests decode_gluon_splits -k split tests/test_gpu_decode_gluon_warp_keys.py ;;
     bench-decode-gluon-splits)
-      # b = 4 and 8 (the split calls of the bar's shape) on the Gluon kernel split 4 / 8 ways (256 / 512 programs at
-      # b = 8: b = 32's grid, where this kernel leads cuDNN, at a quarter of the keys a program) against the default,
-      # beside cuDNN, contiguous caches, the default first and last; after tests-decode-gluon-splits passed
+      # b = 4, 8 and 16 on the Gluon kernel split to reach its rule's grid (FLASHTILE_DECODE_GLUON_SPLITS=0: 8 / 4 / 2
+      # splits, 256 programs; b = 8 at 128k is then b = 32, 32k's grid, where this kernel leads cuDNN) and split 8 ways,
+      # against the default, beside cuDNN, contiguous caches, the default first and last; after
+      # tests-decode-gluon-splits passed in this call
       gate decode_gluon_splits bench-decode-gluon-splits && decode_runs gluon_splits \
-        "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=8|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=4|FLASHTILE_DECODE_ROWS=" \
-        --cuda-graph --layers 8 --peers cudnn --pages --batch 4 8 --seqlens 32768 65536 131072 ;;
+        "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=0|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=8|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=0|FLASHTILE_DECODE_ROWS=" \
+        --cuda-graph --layers 8 --peers cudnn --pages --batch 4 8 16 --seqlens 32768 65536 131072 ;;
     tests-decode-seqlens-evict)
       # the KV-cache suite's decode files with the lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1)
       FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 timed_tests decode_seqlens_evict tests/test_gpu_kvcache.py \

@@ -171,6 +171,10 @@ def test_split_knob_routes_small_grids(fake_sm90_route, monkeypatch):
     assert route(64, b=4) is None  # 32 pairs x 4: one program an SM, not the rule's grid
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "8")
     assert route(64, b=4) is not None and launches[-1]["splits"] == 8
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "0")  # as many as reach the rule's grid (1.9 an SM)
+    for b, splits in ((16, 2), (8, 4), (4, 8), (2, 16)):
+        assert route(64, b=b) is not None and launches[-1]["splits"] == splits
+    assert route(64, b=1) is None  # 8 pairs x 16 (the most): 128 programs, below the rule
     monkeypatch.delenv("FLASHTILE_DECODE_GLUON_SPLITS")
     assert route(64, b=8) is None  # unset: b = 8 keeps the Triton kernels
     for bad in ("1", "17", "four"):

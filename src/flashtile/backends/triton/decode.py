@@ -632,9 +632,9 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
-    # FLASHTILE_DECODE_GLUON_SPLITS=N (an experiment): a heuristic call whose unsplit grid would not fill the GPU
-    # runs split N ways here, and the rule and the coverage see the split grid
-    splits = decode_gluon.requested_splits() if num_splits <= 0 and b * h_k < SPLIT_FREE_FILL * sms else None
+    # FLASHTILE_DECODE_GLUON_SPLITS (an experiment): a heuristic call whose unsplit grid is too small for the rule
+    # runs split here, and the rule and the coverage see the split grid
+    splits = decode_gluon.requested_splits(b * h_k, sms) if num_splits <= 0 else None
     programs = b * h_k * (splits or 1)
     rule = dict(capacity=k_cache.shape[1], programs=programs, sms=sms, d=d)
     appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0 and not splits

@@ -20,6 +20,8 @@ the separate append kernel runs first).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from flashtile import env
@@ -181,9 +183,20 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     return out, lse
 
 
-def requested_splits() -> int | None:
-    """FLASHTILE_DECODE_GLUON_SPLITS=N (2-16; an experiment, session 31, unmeasured): split calls whose unsplit
-    grid would not fill the GPU run on this kernel with N splits a row (then the combine kernel), where the rule
-    takes the split grid (b = 8 with 8 kv heads and N = 4: 256 programs; at 128k keys b = 32, 32k's grid, where
-    this kernel leads cuDNN). Unset: None."""
-    return env.count("FLASHTILE_DECODE_GLUON_SPLITS", 2, 16)
+MAX_SPLITS = 16
+
+
+def requested_splits(pairs: int, sms: int) -> int | None:
+    """FLASHTILE_DECODE_GLUON_SPLITS (an experiment, session 31, unmeasured): heuristic calls of ``pairs`` (batch
+    rows x kv heads) programs, too few for this kernel's rule (MIN_PROGRAMS_PER_SM), run on it split N ways (then
+    the combine kernel) where the split grid meets the rule. N (2-16) fixed, or 0: the fewest powers of two that
+    reach the rule's grid (b = 8 / 16 / 4 with 8 kv heads on 132 SMs: 4 / 2 / 8 splits, 256 programs; b = 8 at 128k
+    keys is then b = 32, 32k's grid, where this kernel leads cuDNN). None: unset, or a grid the rule takes unsplit."""
+    value = env.count("FLASHTILE_DECODE_GLUON_SPLITS", 0, MAX_SPLITS)
+    if value == 1:
+        raise ValueError("FLASHTILE_DECODE_GLUON_SPLITS must be 0 (as many as fill the GPU) or 2-16, got '1'")
+    if value is None or pairs >= MIN_PROGRAMS_PER_SM * sms or pairs == 0:
+        return None
+    if value == 0:
+        value = min(MAX_SPLITS, 1 << (math.ceil(MIN_PROGRAMS_PER_SM * sms / pairs) - 1).bit_length())
+    return value
