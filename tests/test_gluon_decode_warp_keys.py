@@ -47,6 +47,14 @@ def test_builds_for_sm90_two_programs_an_sm(d, has_seqlens, fused_new, group, ea
     assert got["TAIL_BARRIERS"] <= 2, got
     # no griddepcontrol but, in a split build, the merge's release (RELEASE_MERGE): launched as an ordinary kernel
     assert got["GDC"] == (1 if splits > 1 else 0), got
+    assert got["EVICT_LAST"] == 0, got  # no L2 policy on the lengths' load unless asked for (below)
+
+
+def test_split_build_keeps_the_lengths_in_l2():
+    # FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 on a split launch: the lengths' load marked evict_last (and it fits as
+    # the default split build does)
+    got = _compile(128, decode_gluon.BLOCK_N, decode_gluon.NUM_BUFFERS, 1, 0, 4, 0, 4, "evict_last")
+    assert got["EVICT_LAST"] >= 1 and got["GDC"] == 1 and got["SPILL_STORES"] == 0, got
 
 
 GOOD = dict(arch="sm90", dtype=torch.bfloat16, cache_dtype=torch.bfloat16, d=128, sq=1, group=4, paged=False,

@@ -34,11 +34,12 @@ def _globaltimer():
 
 
 @gluon.jit
-def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr):
+def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr, POLICY: gl.constexpr = ""):
     """Keys of batch row ``b`` this call attends: its cache length (cache_seqlens[b], or cache_len_const) plus the
-    call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot."""
+    call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot. POLICY: the
+    load's eviction policy (backends/triton/decode_rows.seqlens_policy)."""
     if HAS_SEQLENS:
-        cache_len = gl.load(SEQLENS + b)
+        cache_len = gl.load(SEQLENS + b, eviction_policy=POLICY)
     else:
         cache_len = cache_len_const
     return cache_len, gl.minimum(cache_len + s_new, capacity)
@@ -144,6 +145,7 @@ def _gluon_decode_warp_keys_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
     FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
     EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1, RELEASE_MERGE: gl.constexpr = False,
+    SEQLENS_POLICY: gl.constexpr = "",
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -194,7 +196,7 @@ def _gluon_decode_warp_keys_kernel(
         _issue_first_tiles(k_smem, v_smem, k_base, v_base, 0, capacity, capacity, stride_kn, stride_vn, rows, cols,
                            BLOCK_N, NUM_BUFFERS)
 
-    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
+    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS, SEQLENS_POLICY)
     n = gl.cdiv(seqlen, BLOCK_N)  # the program's tiles are [first, n)
     if NUM_SPLITS == 1:
         first = 0

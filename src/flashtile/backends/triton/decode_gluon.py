@@ -155,7 +155,12 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
         return out, lse
     has_seqlens = cache_seqlens is not None
     release = False
+    policy = {}
     if splits > 1:  # the partials (splits, b, 1, h, d) / (splits, b, h, 1), merged below
+        from flashtile.backends.triton.decode_rows import seqlens_policy
+
+        # a split's first key waits on its row's length (FLASHTILE_DECODE_SEQLENS_EVICT_LAST: kept in L2)
+        policy = seqlens_policy(cache_seqlens)
         from flashtile.backends.triton.decode import combine, merge_pdl, split_partials
 
         # the merge as a programmatic dependent, as behind the Triton split kernel (decode.merge_pdl)
@@ -177,7 +182,7 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
             lse if STAMPS is None else STAMPS, *split_strides,
             HEAD_DIM=d, BLOCK_N=BLOCK_N, NUM_BUFFERS=NUM_BUFFERS, HAS_SEQLENS=has_seqlens, FUSED_NEW=fused,
             STAMP=STAMPS is not None, GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=early_tiles() and splits == 1,
-            **({} if splits == 1 else dict(NUM_SPLITS=splits, RELEASE_MERGE=release)), num_warps=4)
+            **({} if splits == 1 else dict(NUM_SPLITS=splits, RELEASE_MERGE=release)), **policy, num_warps=4)
         if splits > 1:
             combine(o_dst, lse_dst, out, lse, pdl=release)
     return out, lse
