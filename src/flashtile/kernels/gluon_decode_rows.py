@@ -122,7 +122,7 @@ def _gluon_decode_rows_kernel(
     pid = gl.program_id(0)
     b = pid // num_splits
     split = pid % num_splits
-    _, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
+    _, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS, "")
     per = gl.cdiv(gl.cdiv(seqlen, BLOCK_N), num_splits) * BLOCK_N
     lo = split * per
     hi = gl.minimum(lo + per, seqlen)

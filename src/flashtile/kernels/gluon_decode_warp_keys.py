@@ -34,10 +34,11 @@ def _globaltimer():
 
 
 @gluon.jit
-def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr, POLICY: gl.constexpr = ""):
+def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr, POLICY: gl.constexpr):
     """Keys of batch row ``b`` this call attends: its cache length (cache_seqlens[b], or cache_len_const) plus the
     call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot. POLICY: the
-    load's eviction policy (backends/triton/decode_rows.seqlens_policy)."""
+    load's eviction policy (backends/triton/decode_rows.seqlens_policy; "" none). No default: a caller's omitted
+    string default reaches the load as a plain str, which the Gluon frontend refuses."""
     if HAS_SEQLENS:
         cache_len = gl.load(SEQLENS + b, eviction_policy=POLICY)
     else:
