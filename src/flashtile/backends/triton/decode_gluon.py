@@ -25,7 +25,7 @@ import math
 import torch
 
 from flashtile import env
-from flashtile.backends.triton.host import device_guard, run_kernel
+from flashtile.backends.triton.host import device_guard, next_pow2, run_kernel
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -157,12 +157,11 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
     release = False
     policy = {}
     if splits > 1:  # the partials (splits, b, 1, h, d) / (splits, b, h, 1), merged below
+        from flashtile.backends.triton.decode import combine, merge_pdl, split_partials
         from flashtile.backends.triton.decode_rows import seqlens_policy
 
         # a split's first key waits on its row's length (FLASHTILE_DECODE_SEQLENS_EVICT_LAST: kept in L2)
         policy = seqlens_policy(cache_seqlens)
-        from flashtile.backends.triton.decode import combine, merge_pdl, split_partials
-
         # the merge as a programmatic dependent, as behind the Triton split kernel (decode.merge_pdl)
         release = merge_pdl(q.device, False, splits, False)
         o_dst, lse_dst = split_partials(splits, b, 1, h, d, q.device)
@@ -203,5 +202,5 @@ def requested_splits(pairs: int, sms: int) -> int | None:
     if value is None or pairs >= MIN_PROGRAMS_PER_SM * sms or pairs == 0:
         return None
     if value == 0:
-        value = min(MAX_SPLITS, 1 << (math.ceil(MIN_PROGRAMS_PER_SM * sms / pairs) - 1).bit_length())
+        value = min(MAX_SPLITS, next_pow2(math.ceil(MIN_PROGRAMS_PER_SM * sms / pairs)))
     return value
