@@ -106,6 +106,7 @@
 #   bench-decode-fast-rows  fast boards' trailing rows (b = 32 at 8k / 16k, b = 8 at 64k / 128k) on other kernels, beside cuDNN
 #   tests-decode-gluon-splits  the Gluon decode kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS) against the reference
 #   bench-decode-gluon-splits  b = 4 / 8 on it (4 and 8 splits) against the default, beside cuDNN (after the tests)
+#   bench-decode-gluon-split-rule  the split Gluon rule (session 32) against FLASHTILE_DECODE_GLUON_SPLITS=1, twice (after the tests)
 #   tests-decode-seqlens-evict  the decode GPU tests with FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1
 #   bench-decode-seqlens-evict  the split / row kernels' lengths load marked evict_last against the default, 0 1 0 1
 #   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
@@ -632,7 +633,7 @@ for step in "${steps[@]}"; do
       # the Gluon warps-along-keys decode kernel (session 17) against the reference, through the public call
       TIMED_XDIST=1 timed_tests decode_gluon_warp_keys tests/test_gpu_decode_gluon_warp_keys.py ;;
     tests-decode-gluon-splits)
-      # the Gluon kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS, session 31, built, not yet run on a GPU) against
+      # the Gluon kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS, session 31; the split rule since session 32) against
       # the reference, eager and in a CUDA graph
       TIMED_XDIST=1 timed_tests decode_gluon_splits -k split tests/test_gpu_decode_gluon_warp_keys.py ;;
     bench-decode-gluon-splits)
@@ -643,6 +644,13 @@ for step in "${steps[@]}"; do
       gate decode_gluon_splits bench-decode-gluon-splits && decode_runs gluon_splits \
         "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=0|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=8|FLASHTILE_DECODE_ROWS=0 FLASHTILE_DECODE_GLUON_SPLITS=0|FLASHTILE_DECODE_ROWS=" \
         --cuda-graph --layers 8 --peers cudnn --pages --batch 4 8 16 --seqlens 32768 65536 131072 ;;
+    bench-decode-gluon-split-rule)
+      # the split Gluon rule (session 32: b = 4-16 with 8 kv heads from 32k keys, decode_gluon.requested_splits)
+      # against FLASHTILE_DECODE_GLUON_SPLITS=1 (the whole-row / per-head Triton kernels, the rule before), 0 1 0 1
+      # as "unset|1|unset|1", beside cuDNN, contiguous caches; after tests-decode-gluon-splits passed in this call
+      gate decode_gluon_splits bench-decode-gluon-split-rule && decode_runs gluon_split_rule \
+        "FLASHTILE_DECODE_GLUON_SPLITS=|FLASHTILE_DECODE_GLUON_SPLITS=1|FLASHTILE_DECODE_GLUON_SPLITS=|FLASHTILE_DECODE_GLUON_SPLITS=1" \
+        --cuda-graph --layers 8 --peers cudnn --batch 4 8 16 --seqlens 32768 65536 131072 ;;
     tests-decode-seqlens-evict)
       # the KV-cache suite's decode files with the lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1)
       FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 timed_tests decode_seqlens_evict tests/test_gpu_kvcache.py \

@@ -183,12 +183,51 @@ def test_split_knob_routes_small_grids(fake_sm90_route, monkeypatch):
     for b, splits in ((16, 2), (8, 4), (4, 8), (2, 16)):
         assert route(64, b=b) is not None and launches[-1]["splits"] == splits
     assert route(64, b=1) is None  # 8 pairs x 16 (the most): 128 programs, below the rule
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "1")  # never split
+    assert route(64, b=8) is None
     monkeypatch.delenv("FLASHTILE_DECODE_GLUON_SPLITS")
-    assert route(64, b=8) is None  # unset: b = 8 keeps the Triton kernels
-    for bad in ("1", "17", "four"):
+    assert route(64, b=8) is None  # unset: the split rule, whose shortest cache (32k) this is far below
+    for bad in ("17", "four"):
         monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", bad)
         with pytest.raises(ValueError, match="FLASHTILE_DECODE_GLUON_SPLITS"):
             route(64, b=8)
+
+
+def test_split_rule(fake_sm90_route, monkeypatch):
+    # unset knob: grids below the rule's run split into the fewest powers of two that reach it, at most 8 ways,
+    # from the split rule's shortest cache (scaled down here like the unsplit rule's)
+    route, launches, appends = fake_sm90_route
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_SPLITS", raising=False)
+    monkeypatch.setattr(decode_gluon, "SPLIT_MIN_CAPACITY", 64)
+    for b, splits in ((16, 2), (8, 4), (4, 8)):
+        assert route(64, b=b) is not None and launches[-1]["splits"] == splits
+    assert route(64, "own", b=8) is not None and launches[-1]["k_new"] is None and len(appends) == 1
+    assert route(64, b=32) is not None and launches[-1]["splits"] == 1  # a full grid stays unsplit
+    assert route(64, b=2) is None and route(64, b=1) is None  # 16 / 32 splits: unmeasured, more than 8
+    assert route(48, b=8) is None  # below the split rule's shortest cache
+    n = len(launches)
+    assert decode_gluon.requested_splits(64, 132, 64) == 4 and decode_gluon.requested_splits(64, 132, 63) is None
+    assert decode_gluon.requested_splits(256, 132, 1 << 17) is None and len(launches) == n
+
+
+def test_split_rule_comes_before_the_row_kernels(monkeypatch):
+    # kvcache_fwd asks the split Gluon rule before the whole-row kernels' rule (which takes b = 8, 128k otherwise)
+    from flashtile.backends.triton import decode
+
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_SPLITS", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", raising=False)
+    monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.setattr(decode, "_arch", lambda device: "sm90")
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_gluon, "SPLIT_MIN_CAPACITY", 64)
+    calls = []
+    monkeypatch.setattr(decode, "_gluon_decode_route", lambda *a, **k: calls.append(a[0].shape[0]) or "gluon")
+    q = torch.zeros(8, 1, 32, 128, dtype=torch.bfloat16)
+    kc = torch.zeros(8, 64, 8, 128, dtype=torch.bfloat16)
+    lens = torch.full((8,), 10, dtype=torch.int32)
+    out = decode.kvcache_fwd(q, kc, kc.clone(), None, None, None, None, lens, 0, None, None, None, 0.1, True, -1, 0,
+                             0.0, False, None, 0)
+    assert out == "gluon" and calls == [8]
 
 
 def test_split_launch_refuses_its_own_append():

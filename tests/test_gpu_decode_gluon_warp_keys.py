@@ -239,9 +239,26 @@ def test_split_launch_matches_reference(monkeypatch, splits, shape):
     kw["cache_seqlens"][1:1 + len(short)] = short  # rows without keys, and splits without keys
     _check(q, kc, vc, kw, causal=True)  # with new keys: appended first, and the updated cache is the reference's
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = splits or decode_gluon.requested_splits(b * h_k, sms)
+    n = splits or decode_gluon.requested_splits(b * h_k, sms, cap)
     # a split grid below the split-free fill is refused (the Triton kernels split it their own way)
     assert launched == ([n] if b * h_k * n >= decode.SPLIT_FREE_FILL * sms else [])
+
+
+# the split rule (session 32), nothing forced: b = 8 / 4 from 32k keys take the kernel split 4 / 8 ways, ahead of the
+# whole-row kernels' rule; MHA keeps the reference small
+@pytest.mark.xdist_group("big_caches")
+@pytest.mark.parametrize("b, splits", [(8, 4), (4, 8)])
+def test_split_rule_matches_reference(monkeypatch, b, splits):
+    for knob in ("FLASHTILE_DECODE_GLUON_WARP_KEYS", "FLASHTILE_DECODE_GLUON_SPLITS", "FLASHTILE_DECODE_ROWS"):
+        monkeypatch.delenv(knob, raising=False)
+    launched = []
+    real = decode_gluon.gluon_decode
+    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (launched.append(k["splits"]), real(*a, **k))[1])
+    q, kc, vc, kw = _inputs(b, 1, 1, 8, 8, 128, decode_gluon.SPLIT_MIN_CAPACITY, torch.bfloat16, seed=b)
+    _check(q, kc, vc, kw, causal=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert launched == ([splits] if sms == 132 else launched), launched
+    assert launched, "the split rule did not take the call"
 
 
 def test_split_launch_in_a_cuda_graph(monkeypatch):

@@ -75,6 +75,7 @@ RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0), (16, 8, 8, 1
 @pytest.mark.parametrize("shape", RULE_SHAPES, ids=[f"b{s[0]}c{s[4]}n{s[5]}" for s in RULE_SHAPES])
 def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
+    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "1")  # b = 16 is the split Gluon rule's since session 32
     calls = []
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])

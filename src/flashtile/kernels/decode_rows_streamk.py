@@ -26,7 +26,7 @@ from flashtile.kernels.decode_rows import _rows_range, _stamp
 
 @triton.jit
 def _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-                UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr, POLICY: tl.constexpr = ""):
+                UNITS_P2: tl.constexpr, HAS_SEQLENS: tl.constexpr, POLICY: tl.constexpr):
     """Every unit's keys (its row's length after this call's appends, at most the capacity) and key tiles, the
     tiles' running end, and the tiles in all: [UNITS_P2] vectors (units past n_units have none) and a scalar."""
     ru = tl.arange(0, UNITS_P2)
@@ -208,7 +208,7 @@ def _rows_streamk_combine(
     out = tl.sum(tl.where((lse_s > float("-inf"))[:, None], o_s, 0.0) * w[:, None], 0)
     if segments > SEGS:  # a long unit among short ones: its other segments sit in its programs' overflow slots
         ru, lens, tiles, ends, total = _unit_tiles(SEQLENS, cache_len_const, s_new, capacity, n_units, GROUPS,
-                                                   BLOCK_N, UNITS_P2, HAS_SEQLENS)
+                                                   BLOCK_N, UNITS_P2, HAS_SEQLENS, "")
         total = total.to(tl.int64)
         u_start, u_end = _unit_span(u, ru, tiles, ends)
         p_lo, p_hi, _ = _unit_programs(u_start, u_end, total, programs)

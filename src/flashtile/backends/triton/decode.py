@@ -632,9 +632,9 @@ def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, ca
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
-    # FLASHTILE_DECODE_GLUON_SPLITS (an experiment): a heuristic call whose unsplit grid is too small for the rule
-    # runs split here, and the rule and the coverage see the split grid
-    splits = decode_gluon.requested_splits(b * h_k, sms) if num_splits <= 0 else None
+    # a heuristic call whose unsplit grid is too small for the rule runs split here where the split rule (or
+    # FLASHTILE_DECODE_GLUON_SPLITS) says so, and the rule and the coverage see the split grid
+    splits = decode_gluon.requested_splits(b * h_k, sms, k_cache.shape[1]) if num_splits <= 0 else None
     programs = b * h_k * (splits or 1)
     rule = dict(capacity=k_cache.shape[1], programs=programs, sms=sms, d=d)
     appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0 and not splits
@@ -687,6 +687,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     rows = decode_rows.requested()
     sms = num_sms(q.device)
     streamk = False
+    # the split Gluon rule (decode_gluon.requested_splits) comes before the whole-row kernels' rule: it was faster
+    # on every grid it takes (b = 4-16 with 8 kv heads from 32k keys); what its kernel does not cover goes on below
+    if rows is None and plain and num_splits <= 0 and decode_gluon.requested() is None \
+            and decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1]):
+        done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
+                                   cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
+                                   alibi_slopes, num_splits, s_new, forced=False)
+        if done is not None:
+            return done
     if rows is None and plain_or_paged:
         arch = _arch(q.device)
         rule = dict(arch=arch, b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],

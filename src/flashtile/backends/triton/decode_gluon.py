@@ -188,19 +188,29 @@ def gluon_decode(q, k_cache, v_cache, *, cache_seqlens, cache_len_const, s_new, 
 
 
 MAX_SPLITS = 16
+# The split rule (session 32): heuristic calls whose unsplit grid is below the rule's (MIN_PROGRAMS_PER_SM) run split
+# into the fewest powers of two that reach it, from SPLIT_MIN_CAPACITY keys and at most RULE_MAX_SPLITS ways. On
+# lease A32 (an H100, 8-layer graphs, contiguous caches, gluon_splits_leaseA32_h100_2026-12-06_session32.json) it was
+# faster than the rule before it (the whole-row / per-head Triton kernels) in all nine rows measured, b = 4 / 8 / 16
+# (8 / 4 / 2 splits) at 32k-128k, us a call: b = 8, 128k 1337.3-1337.9 against 1350.5-1353.4 (cuDNN 1341.4-1341.7),
+# b = 4, 128k 672.0 against 679.8-680.4, b = 16, 128k 2672.6-2672.9 against 2680.6-2689.2; 8 splits at b = 8 / 16
+# (more than the fewest) were 2%-4% slower. Below 32k keys, and 16 splits (b = 2), unmeasured.
+SPLIT_MIN_CAPACITY = 32768
+RULE_MAX_SPLITS = 8
 
 
-def requested_splits(pairs: int, sms: int) -> int | None:
-    """FLASHTILE_DECODE_GLUON_SPLITS (an experiment, session 31, unmeasured): heuristic calls of ``pairs`` (batch
-    rows x kv heads) programs, too few for this kernel's rule (MIN_PROGRAMS_PER_SM), run on it split N ways (then
-    the combine kernel) where the split grid meets the rule. N (2-16) fixed, or 0: the fewest powers of two that
-    reach the rule's grid (b = 8 / 16 / 4 with 8 kv heads on 132 SMs: 4 / 2 / 8 splits, 256 programs; b = 8 at 128k
-    keys is then b = 32, 32k's grid, where this kernel leads cuDNN). None: unset, or a grid the rule takes unsplit."""
+def requested_splits(pairs: int, sms: int, capacity: int) -> int | None:
+    """Splits for a heuristic call of ``pairs`` (batch rows x kv heads) programs, too few for this kernel's rule
+    (MIN_PROGRAMS_PER_SM), on a cache of ``capacity`` keys a row; None: unsplit (a grid the rule takes as it is,
+    or one the split rule leaves to the Triton kernels). FLASHTILE_DECODE_GLUON_SPLITS: unset the split rule; 1
+    never split; N (2-16) N splits on every such grid; 0 the fewest powers of two that reach the rule's grid at any
+    capacity (b = 16 / 8 / 4 / 2 with 8 kv heads on 132 SMs: 2 / 4 / 8 / 16 splits, 256 programs)."""
     value = env.count("FLASHTILE_DECODE_GLUON_SPLITS", 0, MAX_SPLITS)
-    if value == 1:
-        raise ValueError("FLASHTILE_DECODE_GLUON_SPLITS must be 0 (as many as fill the GPU) or 2-16, got '1'")
-    if value is None or pairs >= MIN_PROGRAMS_PER_SM * sms or pairs == 0:
+    if value == 1 or pairs >= MIN_PROGRAMS_PER_SM * sms or pairs == 0:
         return None
+    if value is not None and value > 1:
+        return value
+    fewest = next_pow2(math.ceil(MIN_PROGRAMS_PER_SM * sms / pairs))
     if value == 0:
-        value = min(MAX_SPLITS, next_pow2(math.ceil(MIN_PROGRAMS_PER_SM * sms / pairs)))
-    return value
+        return min(MAX_SPLITS, fewest)
+    return fewest if capacity >= SPLIT_MIN_CAPACITY and fewest <= RULE_MAX_SPLITS else None
