@@ -2,7 +2,9 @@
 its launch. The rule (``by_rule``): on Hopper, calls it covers (``refusal``) at d = 128 with about two programs on
 every SM (b x kv heads >= ``MIN_PROGRAMS_PER_SM`` x SMs) and a cache of at least ``MIN_CAPACITY`` keys a row
 (``MIN_CAPACITY_APPENDING`` when the call appends new keys, which this kernel does more cheaply).
-``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` sends every covered call there, ``0`` none.
+``FLASHTILE_DECODE_GLUON_WARP_KEYS=1`` sends every covered call there, ``0`` none. Grids below the rule's
+(b = 4-16 with 8 kv heads) run split into the fewest powers of two that reach it, from SPLIT_MIN_CAPACITY keys
+(``requested_splits``, session 32), merged by the combine kernel.
 
 Why: at b = 32 cuDNN's decode led the Triton kernel by 0.5%-1.3% with the same traffic (session 17,
 docs/decode_tuning_log.md). This kernel has cuDNN's warp shape. In 8-layer graphs at b = 32 it was faster than
@@ -13,9 +15,10 @@ call faster, and it is faster at 8k too (236.9 against 237.9, 236.5 against 237.
 
 Covered: one query token, 16 or fewer query heads a kv head, a contiguous bf16 / fp16 cache (16-byte
 aligned, outer strides multiples of 16 elements), d = 64 or 128, no left window edge, softcap, ALiBi, rotary,
-batch index or left padding, and calls that are not split (an explicit num_splits of 1, or the heuristic's on
-a grid that fills the GPU). The kernel appends new keys itself, unless they share storage with the cache (then
-the separate append kernel runs first).
+batch index or left padding, and the heuristic's split count (num_splits = 0: unsplit on a grid that fills the
+GPU, split by ``requested_splits`` on smaller ones) or an explicit 1. Unsplit, the kernel appends new keys
+itself, unless they share storage with the cache (then the separate append kernel runs first, as it always does
+before a split launch).
 """
 
 from __future__ import annotations
