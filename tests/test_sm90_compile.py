@@ -335,6 +335,17 @@ def test_stream_k_row_decode_compiles_for_sm90(tmp_path):
     assert fields["CP_ASYNC_16"] > 0 and fields["PIPELINE_BUFFERS"] > 0
 
 
+def test_stream_k_merge_compiles_for_sm90(tmp_path):
+    """The stream-K merge kernel builds: it calls the key-tile helper the main kernel calls with the lengths'
+    policy, and an omitted policy (a str default in the helper) broke its build on the GPU (session 32)."""
+    cx = dict(GROUPS=1, HEAD_DIM=128, BLOCK_N=16, UNITS_P2=32, SEGS=8, BLOCK_S=16, HAS_SEQLENS=True, USE_PDL=True)
+    types = {"O_PART": "*fp32", "LSE_PART": "*fp32", "COUNTS": "*i32", "SEQLENS": "*i32", "LSE": "*fp32"}
+    fields = {}
+    _compile(tmp_path, "_rows_streamk_combine", "flashtile.kernels.decode_rows_streamk", cx, types, 4, 1,
+             gdc=(True, True), fields_out=fields)
+    assert fields["SPILL_STORES"] == 0, fields
+
+
 @pytest.mark.parametrize("kernel, module, cx", [
     ("_decode_kernel", "flashtile.kernels.decode",
      dict(HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, NUM_SPLITS=4, PAGED=False, PAGE_ALIGNED=False,
