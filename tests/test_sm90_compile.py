@@ -368,3 +368,22 @@ def test_decode_lengths_load_keeps_its_l2_line(tmp_path, kernel, module, cx):
     assert fields["EVICT_LAST"] == 0, fields
     _compile(tmp_path, kernel, module, dict(cx, SEQLENS_POLICY="evict_last"), types, 4, 2, fields_out=fields)
     assert fields["EVICT_LAST"] >= 1, fields
+
+
+# the small kernels every default call path can reach, built for sm_90 (the interpreter runs them on CPU but
+# compiles nothing: a build-only failure, like session 32's helper default, shows up here)
+@pytest.mark.parametrize("kernel, module, cx, types, warps, stages", [
+    ("_grid_read_kernel", "flashtile.kernels.grid_read", dict(BLOCK=16384, STAGES=3),
+     dict(a_ptr="*i16", b_ptr="*i16", out_ptr="*i16"), 8, 1),
+    ("_rotary_kernel", "flashtile.kernels.rotary",
+     dict(ROTARY_DIM=128, BLOCK_M=32, BLOCK_K=64, INTERLEAVED=False, CONJUGATE=False, IS_VARLEN=True,
+          HAS_OFFSET_TENSOR=True),
+     dict(COS="*fp32", SIN="*fp32", CU_SEQLENS="*i32", SEQLEN_OFFSETS="*i32"), 4, 1),
+    ("_attn_bwd_preprocess_kernel", "flashtile.kernels.attn_bwd",
+     dict(HEAD_DIM=128, BLOCK_M=64, BLOCK_D=128, IS_VARLEN=True, HAS_SEQUSED_Q=True), {}, 4, 1),
+], ids=["grid_read", "rotary", "bwd_preprocess"])
+def test_small_kernels_compile_for_sm90(tmp_path, kernel, module, cx, types, warps, stages):
+    fields = {}
+    _compile(tmp_path, kernel, module, cx, types, warps, stages, fields_out=fields)
+    # loads of either kind (the grid read's pipelined loop copies by cp.async), and no spills
+    assert fields["LD_GLOBAL"] + fields["CP_ASYNC_16"] > 0 and fields["SPILL_STORES"] == 0, fields
