@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # One board's class, and on the unusual kinds the KV-cache bar's table with the steps that tell the rules apart.
-# Usage (device): OUT=/some/dir PYTHONPATH=src bash scripts/sample_board.sh      (SAMPLE_TABLE=1: the table anywhere)
+# Usage (device): OUT=/some/dir PYTHONPATH=src bash scripts/sample_board.sh      (SAMPLE_TABLE=0: no table on normal boards)
 # 1. tests-decode-board (the run-time board measurement and the full-grid routes against the reference), then
 #    probe-sm-balance at 8 GiB: an even 132-program read (about 1869 us on the usual H200; fast boards read it in
 #    about 1830) and a 128-program one (J24 / E26 / C29's kind, "full-grid" boards: 128 programs 1.9%-2.5% slower);
 #    probe-board-ratio: the run-time board measurement (backends/triton/board.py) repeated.
-# 2. On a fast or full-grid board (or with SAMPLE_TABLE=1): bench-decode-layers with the bar's rows (b = 1, 8, 32;
-#    8k-128k; 3 rounds; the default: the board measured at run time), then, on a full-grid board, bench-decode-board
-#    (each class's rule forced) and bench-decode-full-grid-b4 (b = 4, 1.3%-1.7% behind cuDNN at 128k there, on other
-#    kernels; probe-streamk, its step before session 30, ran on C29); on a fast board bench-decode-fast-rows (the rows that trail cuDNN
-#    there by 0.02%-0.07%, session 30, on other kernels) and bench-decode-b8-pdl (b = 8, 128k with the whole call
-#    as programmatic dependents).
+# 2. On every board since session 32 (the split Gluon rule for b = 4-16 from 32k keys was measured on one H100 only):
+#    tests-decode-gluon-splits, bench-decode-gluon-split-rule (the rule against FLASHTILE_DECODE_GLUON_SPLITS=1, the
+#    rule before, twice), then bench-decode-layers with the bar's rows (b = 1, 8, 32; 8k-128k; 3 rounds; the default:
+#    the board measured at run time). SAMPLE_TABLE=0 skips the table on normal boards. (Before session 32 the table
+#    ran on fast and full-grid boards only, with bench-decode-fast-rows / bench-decode-b8-pdl or bench-decode-board /
+#    bench-decode-full-grid-b4 after it: candidates for b = 4 / 8 rows the split rule now takes.)
 # Results: $OUT/gpu_check.tgz (every step's files), summary_balance.txt and summary.txt, serial.txt.
 set -u
 export WORK=${WORK:-/tmp/sample_board_work}  # outside $OUT: only the archive and summaries come back
@@ -24,10 +24,8 @@ kind=$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print('full-grid
   "$p132" "$p128")
 echo "board $(cat "$OUT/serial.txt"): even_P132 $p132 us, even_P128 $p128 us: $kind"
 grep -E 'MiB: P128|passed|failed' "$OUT/summary_balance.txt"
-steps=()
-[[ $kind != normal || ${SAMPLE_TABLE:-0} == 1 ]] && steps=(bench-decode-layers)
-[[ $kind == full-grid ]] && steps+=(bench-decode-board bench-decode-full-grid-b4)
-[[ $kind == fast ]] && steps+=(bench-decode-fast-rows bench-decode-b8-pdl)
-[[ ${#steps[@]} -eq 0 ]] && exit 0
-LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" BOARD_BATCH="1 2 8 32" bash scripts/gpu_check.sh "${steps[@]}" \
-  | grep -B2 -A18 'b  seqlen_k' | head -24
+steps=(tests-decode-gluon-splits bench-decode-gluon-split-rule)
+[[ $kind != normal || ${SAMPLE_TABLE:-1} == 1 ]] && steps+=(bench-decode-layers)
+LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" TIMED_XDIST=1 bash scripts/gpu_check.sh "${steps[@]}" \
+  | grep -E 'passed|failed|skipped' | head -8
+grep -B2 -A18 'b  seqlen_k' "$OUT/summary.txt" | tail -60
