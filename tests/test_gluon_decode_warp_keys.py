@@ -228,6 +228,12 @@ def test_split_rule_comes_before_the_row_kernels(monkeypatch):
     out = decode.kvcache_fwd(q, kc, kc.clone(), None, None, None, None, lens, 0, None, None, None, 0.1, True, -1, 0,
                              0.0, False, None, 0)
     assert out == "gluon" and calls == [8]
+    # a call its kernel refuses goes on to the Triton kernels, without a second ask of the Gluon route
+    monkeypatch.setattr(decode, "_gluon_decode_route", lambda *a, **k: calls.append(a[0].shape[0]))
+    monkeypatch.setattr(decode, "decode_attn", lambda *a, **k: "triton")
+    out = decode.kvcache_fwd(q, kc, kc.clone(), None, None, None, None, lens, 0, None, None, None, 0.1, True, -1, 0,
+                             0.0, False, None, 0)
+    assert out == "triton" and calls == [8, 8]
 
 
 def test_split_launch_refuses_its_own_append():

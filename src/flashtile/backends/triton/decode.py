@@ -687,10 +687,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     rows = decode_rows.requested()
     sms = num_sms(q.device)
     streamk = False
+    gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
     # the split Gluon rule (decode_gluon.requested_splits) comes before the whole-row kernels' rule: it was faster
-    # on every grid it takes (b = 4-16 with 8 kv heads from 32k keys); what its kernel does not cover goes on below
-    if rows is None and plain and num_splits <= 0 and decode_gluon.requested() is None \
-            and decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1]):
+    # on every grid it takes (b = 4-16 with 8 kv heads from 32k keys); what its kernel does not cover goes on below,
+    # without asking the Gluon route again (it would refuse the same call the same way)
+    split_first = (rows is None and plain and num_splits <= 0 and gluon is None
+                   and decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1]))
+    if split_first:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
                                    alibi_slopes, num_splits, s_new, forced=False)
@@ -720,8 +723,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         return decode_gluon_rows.gluon_rows_decode(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
                                                    cache_len_const=cache_len_const, s_new=s_new,
                                                    softmax_scale=softmax_scale, sms=num_sms(q.device))
-    gluon = decode_gluon.requested()  # FLASHTILE_DECODE_GLUON_WARP_KEYS: 1 every covered call, 0 none, unset the rule
-    if gluon is not False:
+    if gluon is not False and not split_first:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
                                    alibi_slopes, num_splits, s_new, forced=bool(gluon))
