@@ -151,8 +151,9 @@ def fake_sm90_route(monkeypatch):
         elif new == "alias":
             k, v = kc[:, -1:], vc[:, -1:]
         lens = torch.full((b,), cap // 2, dtype=torch.int32)
+        splits = decode_gluon.requested_splits(b * 8, decode.num_sms(q.device), cap)  # as kvcache_fwd asks it
         return decode._gluon_decode_route(q, kc, vc, k, v, None, lens, 0, None, None, None, 0.1, -1, 0.0, None, 0,
-                                          0 if k is None else 1, forced=False)
+                                          0 if k is None else 1, forced=False, splits=splits)
 
     return route, launches, appends
 

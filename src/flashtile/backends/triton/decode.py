@@ -623,18 +623,18 @@ def _aliases_cache(new: tuple, caches: tuple) -> bool:
 
 def _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const, cache_batch_idx,
                         cache_leftpad, block_table, softmax_scale, window_left, softcap, alibi_slopes, num_splits,
-                        s_new, forced):
+                        s_new, forced, splits):
     """The call on the Gluon warps-along-keys kernel when it covers it and the rule (or ``forced``, the knob set
-    to 1) picks it (backends/triton/decode_gluon.py); None otherwise."""
+    to 1) picks it (backends/triton/decode_gluon.py); None otherwise. ``splits``: the split rule's answer for this
+    call (decode_gluon.requested_splits, asked once by the caller; None unsplit)."""
     arch = _arch(q.device)
     if arch != "sm90" and not forced:  # most calls off Hopper stop here, before any other host work
         return None
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     sms = num_sms(q.device)
-    # a heuristic call whose unsplit grid is too small for the rule runs split here where the split rule (or
+    # a heuristic call whose unsplit grid is too small for the rule runs split where the split rule (or
     # FLASHTILE_DECODE_GLUON_SPLITS) says so, and the rule and the coverage see the split grid
-    splits = decode_gluon.requested_splits(b * h_k, sms, k_cache.shape[1]) if num_splits <= 0 else None
     programs = b * h_k * (splits or 1)
     rule = dict(capacity=k_cache.shape[1], programs=programs, sms=sms, d=d)
     appending = decode_gluon.FUSED_APPEND and k is not None and s_new > 0 and not splits
@@ -691,12 +691,13 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # the split Gluon rule (decode_gluon.requested_splits) comes before the whole-row kernels' rule: it was faster
     # on every grid it takes (b = 4-16 with 8 kv heads from 32k keys); what its kernel does not cover goes on below,
     # without asking the Gluon route again (it would refuse the same call the same way)
-    split_first = (rows is None and plain and num_splits <= 0 and gluon is None
-                   and decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1]))
+    splits = (decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1])
+              if num_splits <= 0 else None)  # asked once a call: both Gluon route calls below take this answer
+    split_first = rows is None and plain and gluon is None and bool(splits)
     if split_first:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
-                                   alibi_slopes, num_splits, s_new, forced=False)
+                                   alibi_slopes, num_splits, s_new, forced=False, splits=splits)
         if done is not None:
             return done
     if rows is None and plain_or_paged:
@@ -726,7 +727,7 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     if gluon is not False and not split_first:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
                                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, window_left, softcap,
-                                   alibi_slopes, num_splits, s_new, forced=bool(gluon))
+                                   alibi_slopes, num_splits, s_new, forced=bool(gluon), splits=splits)
         if done is not None:
             return done
     # With FUSED_APPEND (off by default) the decode kernel appends by itself, unless it has no program to do it
