@@ -651,6 +651,14 @@ for step in "${steps[@]}"; do
       gate decode_gluon_splits bench-decode-gluon-split-rule && decode_runs gluon_split_rule \
         "FLASHTILE_DECODE_GLUON_SPLITS=|FLASHTILE_DECODE_GLUON_SPLITS=1|FLASHTILE_DECODE_GLUON_SPLITS=|FLASHTILE_DECODE_GLUON_SPLITS=1" \
         --cuda-graph --layers 8 --peers cudnn --batch 4 8 16 --seqlens 32768 65536 131072 ;;
+    bench-decode-b32-long-gluon)
+      # b = 32 from 64k keys on the per-head Gluon kernel (FLASHTILE_DECODE_ROWS=0; session 24 gave these calls to
+      # the whole-row / half-row Triton kernels on H200s) against the default, "unset|0|unset|0", beside cuDNN,
+      # contiguous caches: on the H100s A33 / A34 the default trailed cuDNN at b = 32, 64k by 0.1% (session 34);
+      # after tests-decode-gluon-splits passed in this call (the same kernel)
+      gate decode_gluon_splits bench-decode-b32-long-gluon && decode_runs b32_long_gluon \
+        "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0" \
+        --cuda-graph --layers 8 --peers cudnn --batch 32 --seqlens ${B32_LONG_SEQLENS:-65536 131072} ;;
     tests-decode-seqlens-evict)
       # the KV-cache suite's decode files with the lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1)
       FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 timed_tests decode_seqlens_evict tests/test_gpu_kvcache.py \
