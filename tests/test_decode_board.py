@@ -96,6 +96,36 @@ def test_full_grid_boards_take_their_rule(routes, monkeypatch):
     assert calls[2:] == [(4, False)]
 
 
+def test_an_h100_takes_its_own_bounds(routes, monkeypatch):
+    """kvcache_fwd hands the GPU's name to the rule: on an H100 the rule's calls below H100_NARROW_FROM programs an
+    SM take whole rows where an H200 takes half rows, and H100_RULE_BOUNDS decide which calls."""
+    calls, asked = routes
+    monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "normal")
+    monkeypatch.setattr(decode_rows, "RULE_BOUNDS", ((0.0, 0),))
+    monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", ((0.0, 0),))
+    q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, b=2)
+    _run_and_check(q, kc, vc, args)
+    assert calls == [(4, False)]  # not an H100 (CPU tensors): half rows
+    monkeypatch.setattr(board, "h100", lambda device: True)
+    _run_and_check(q, kc, vc, args)
+    assert calls[1:] == [(8, False)]  # whole rows
+    monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", ((9.9, 0),))
+    _run_and_check(q, kc, vc, args)
+    assert calls[2:] == []  # outside the H100's bounds: the per-head kernels
+
+
+def test_h100_is_read_from_the_name_once(monkeypatch):
+    assert board.h100(torch.device("cpu")) is False
+    names = []
+    monkeypatch.setattr(board, "_H100", {})
+    monkeypatch.setattr(board, "_index", lambda device: device.index)
+    for index, name in ((0, "NVIDIA H100 80GB HBM3"), (1, "NVIDIA H200")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i, n=name: (names.append(i), n)[1])
+        assert board.h100(torch.device("cuda", index)) is (index == 0)
+        assert board.h100(torch.device("cuda", index)) is (index == 0)
+    assert names == [0, 1]
+
+
 def test_the_board_is_asked_only_where_it_changes_the_kernel(routes, monkeypatch):
     calls, asked = routes
     monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "full-grid")

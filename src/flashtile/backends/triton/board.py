@@ -51,6 +51,7 @@ _RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diag
 # others; this 1 GiB read's rates are not yet measured). A direct measure_ratio call (probe_board_ratio.py, other
 # sizes) overwrites it.
 _RATES: dict[int, float] = {}
+_H100: dict[int, bool] = {}  # device index -> an H100 (h100)
 _LOCK = threading.Lock()  # one measurement at a time: two would share the bandwidth they time
 _LOG = logging.getLogger("flashtile")
 
@@ -74,6 +75,18 @@ def known(device: torch.device) -> dict:
     full = value == "full-grid" if value in ("normal", "full-grid") else _KNOWN.get(index)
     return {"setting": value, "class": None if full is None else "full-grid" if full else "normal",
             "ratio": _RATIOS.get(index), "read_tb_s": _RATES.get(index)}
+
+
+def h100(device: torch.device) -> bool:
+    """Is ``device`` an H100 (its name says so)? Its decode rule differs at b = 32 (decode_rows.H100_RULE_BOUNDS,
+    measured on H100 SXM boards); False off CUDA. Read once per device."""
+    if device.type != "cuda":
+        return False
+    index = _index(device)
+    known = _H100.get(index)
+    if known is None:
+        known = _H100[index] = "H100" in torch.cuda.get_device_name(index)
+    return known
 
 
 def _index(device: torch.device) -> int:
