@@ -122,6 +122,10 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
     b, h, h_k, d, cap = 32, 8, 8, 128, 65536
+    heads = 4
+    if board.h100(torch.device("cuda")):  # its bounds leave 64k to the Gluon kernel: its whole rows from 64k here
+        monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", decode_rows.RULE_BOUNDS)
+        heads = 8
     g = torch.Generator(device="cuda").manual_seed(7)
     q0 = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
     caches = [(torch.randn(b, cap, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g),
@@ -135,7 +139,7 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
         return x
 
     want = step().clone()
-    assert calls == [4] * 4
+    assert calls == [heads] * 4
     graph, got = _capture(step)
     for _ in range(3):
         got.zero_()
