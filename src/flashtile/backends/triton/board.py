@@ -17,7 +17,8 @@ caching allocator for the process's tensors) and waits for the device: about a s
 without. The captures it times are its own stream's (thread-local mode: other threads' CUDA calls go on). A call
 captured into a graph before any eager call cannot measure: it takes the normal boards' kernels and measures
 nothing, so a later eager call may pick others. Without 1 GiB free, or if the measurement fails, one warning and the
-normal boards' rule. The class found is logged (logger ``flashtile``, INFO).
+normal boards' rule. The class found is logged (logger ``flashtile``, INFO). ``h100`` tells an H100 from an H200 by
+its name: the two want different kernels at b = 32 (decode_rows.H100_RULE_BOUNDS).
 ``FLASHTILE_DECODE_BOARD`` skips the measurement: ``normal``, ``full-grid``, or unset / ``auto`` (measure).
 """
 
