@@ -7,8 +7,8 @@ one query token, no left window edge, softcap, ALiBi, rotary, batch index or lef
 the SMs once: ``one_wave``), the heuristic's split count (num_splits = 0), and a long cache on a large batch
 (``RULE_BOUNDS``); since session 26 paged caches too, with pages of whole tiles, by their own bounds
 (``PAGED_RULE_BOUNDS``, ``SMALL_PAGE_RULE_BOUNDS``); since session 34 an H100's contiguous caches by
-``H100_RULE_BOUNDS`` (b = 32: the Gluon kernel below 96k keys, whole rows from there). Both kernels launch as programmatic dependents
-(``FLASHTILE_DECODE_ROWS_PDL=0`` turns that off).
+``H100_RULE_BOUNDS`` (b = 32: the Gluon kernel below 96k keys, whole rows from there). Both kernels launch as
+programmatic dependents (``FLASHTILE_DECODE_ROWS_PDL=0`` turns that off).
 
 Why: a program per (row, kv head), as every other decode kernel here is, reads 256-byte pieces of FlashAttention's
 (b, s, h_k, d) cache rows; no such kernel passed cuDNN from 64k keys at b = 32 (session 23's read ceilings). This
