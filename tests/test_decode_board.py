@@ -97,21 +97,28 @@ def test_full_grid_boards_take_their_rule(routes, monkeypatch):
 
 
 def test_an_h100_takes_its_own_bounds(routes, monkeypatch):
-    """kvcache_fwd hands the GPU's name to the rule: on an H100 the rule's calls below H100_NARROW_FROM programs an
-    SM take whole rows where an H200 takes half rows, and H100_RULE_BOUNDS decide which calls."""
+    """kvcache_fwd hands the GPU's name to the rule (on 132 SMs only): on an H100 the calls in H100_BAND take whole
+    rows from H100_WHOLE_FROM keys where an H200 takes half rows, and another kernel below."""
+    from flashtile.backends.triton import decode
+
     calls, asked = routes
     monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "normal")
     monkeypatch.setattr(decode_rows, "RULE_BOUNDS", ((0.0, 0),))
-    monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", ((0.0, 0),))
+    monkeypatch.setattr(decode_rows, "H100_BAND", (0.0, 1e9))
+    monkeypatch.setattr(decode_rows, "H100_WHOLE_FROM", 0)
     q, kc, vc, args = make_case(dtype=torch.float16, h=16, h_k=8, d=128, cap=40, s_new=1, b=2)
     _run_and_check(q, kc, vc, args)
     assert calls == [(4, False)]  # not an H100 (CPU tensors): half rows
     monkeypatch.setattr(board, "h100", lambda device: True)
-    _run_and_check(q, kc, vc, args)
+    _run_and_check(q, kc, vc, args)  # CPU tensors count as 132 SMs (decode.num_sms), the measured H100's
     assert calls[1:] == [(8, False)]  # whole rows
-    monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", ((9.9, 0),))
+    monkeypatch.setattr(decode_rows, "H100_WHOLE_FROM", 41)
     _run_and_check(q, kc, vc, args)
-    assert calls[2:] == []  # outside the H100's bounds: the per-head kernels
+    assert calls[2:] == []  # below the H100's bound: the per-head kernels
+    # an H100 of another SM count (the PCIe's 114) keeps the H200's bounds: half rows, where its band would say none
+    monkeypatch.setattr(decode, "num_sms", lambda device: 114)
+    _run_and_check(q, kc, vc, args)
+    assert calls[2:] == [(4, False)]
 
 
 def test_h100_is_read_from_the_name_once(monkeypatch):

@@ -190,7 +190,8 @@ def test_rule_takes_long_caches_on_large_batches():
 
 def test_h100_rule_at_b32():
     """An H100's contiguous caches (session 34, lease C34): b = 32 below 96k keys on another kernel (the Gluon
-    kernel's rule), whole rows from 96k, never half rows; b = 64 and b = 16 and paged caches as on an H200."""
+    kernel's rule), whole rows from 96k, never half rows; every other grid (measured on H200s only) and paged caches
+    as on an H200."""
     rule = dict(arch="sm90", h_k=8, d=128, num_splits=0, sms=132)
     h100 = dict(rule, h100=True)
     assert decode_rows.by_rule(b=32, capacity=65536, **h100) == 0
@@ -199,10 +200,13 @@ def test_h100_rule_at_b32():
     assert decode_rows.by_rule(b=32, capacity=131072, **h100) == 8
     assert decode_rows.by_rule(b=32, capacity=131072, **rule) == 4  # the H200's half rows
     for kw in (dict(b=64, capacity=8192), dict(b=16, capacity=131072), dict(b=32, capacity=65536, page_size=256),
-               dict(b=32, capacity=65536, page_size=16), dict(b=8, capacity=131072)):
-        assert decode_rows.by_rule(**kw, **h100) == decode_rows.by_rule(**kw, **rule)
+               dict(b=32, capacity=65536, page_size=16), dict(b=8, capacity=131072), dict(b=33, capacity=131072),
+               dict(b=48, capacity=65536), dict(b=62, capacity=98304), dict(b=31, capacity=131072)):
+        assert decode_rows.by_rule(**kw, **h100) == decode_rows.by_rule(**kw, **rule), kw
     assert decode_rows.by_rule(b=64, capacity=8192, **h100) == 4
+    assert decode_rows.by_rule(b=48, capacity=65536, **h100) == 8  # the H200's whole rows: unmeasured on an H100
     assert decode_rows.by_rule(b=32, capacity=131072, **dict(h100, arch="default")) == 0
+
 
 def test_the_rule_is_wired_into_the_decode_path(rows_calls, monkeypatch):
     from flashtile.backends.triton import decode

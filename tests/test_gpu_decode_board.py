@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_with_kvcache
-from flashtile.backends.triton import board, decode_rows
+from flashtile.backends.triton import board, decode_gluon, decode_rows
 from test_gpu_kvcache import _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -79,16 +79,18 @@ def test_full_grid_rule_matches_reference(monkeypatch, shape):
     # b = 4-16 from 32k keys are the split Gluon rule's since session 32 (decode_gluon.requested_splits), ahead of
     # this table; 1 turns that rule off, so the table's routes still run here
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "1")
-    calls = []
+    calls, gluon = [], []
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode",
                         lambda *a, **k: (calls.append((k["heads"], k["streamk"])), real(*a, **k))[1])
+    real_gluon = decode_gluon.gluon_decode
+    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (gluon.append(1), real_gluon(*a, **k))[1])
     b, h, cap, heads, streamk = shape
     q, kc, vc, kw = _inputs(b, 1, 1, h, 8, 128, cap, torch.bfloat16, seed=cap + b)
     _check(q, kc, vc, kw, causal=True)
-    if b == 32 and cap < decode_rows.H100_RULE_BOUNDS[-1][1] and board.h100(q.device):
-        # an H100's normal rule leaves b = 32 below 96k keys to the Gluon kernel (decode_rows.H100_RULE_BOUNDS), and
-        # the full-grid rule follows it there (even with stream-K on the full-grid H100 B34)
-        assert calls == [], "an H100 sent b = 32 below 96k keys to the row kernels"
+    if b == 32 and cap < decode_rows.H100_WHOLE_FROM and board.h100(q.device):
+        # an H100's normal rule leaves b = 32 below 96k keys to the Gluon kernel (decode_rows.H100_BAND), and the
+        # full-grid rule follows it there (even with stream-K on the full-grid H100 B34)
+        assert calls == [] and gluon == [1], "an H100 did not send b = 32 below 96k keys to the Gluon kernel"
         return
     assert calls == [(heads, streamk)], "the full-grid rule did not route the call as its table says"

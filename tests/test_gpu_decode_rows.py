@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashtile import flash_attn_with_kvcache
-from flashtile.backends.triton import board, decode_rows
+from flashtile.backends.triton import board, decode_gluon, decode_rows
 from test_gpu_kvcache import _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -67,7 +67,7 @@ def test_paged_matches_reference(monkeypatch, heads, shape):
 
 
 # the rule's grids (decode_rows.RULE_BOUNDS) at their shortest caches; MHA keeps the reference small
-# (an H100's b = 32 bound, H100_RULE_BOUNDS, is 96k: there 64k goes to the Gluon kernel; its whole rows from 96k are
+# (an H100's b = 32 bound, H100_WHOLE_FROM, is 96k: there 64k goes to the Gluon kernel; its whole rows from 96k are
 # the kernel the paged and forced-heads tests run, and a 12 GiB cache's reference does not fit an 80 GB H100)
 RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0), (16, 8, 8, 128, 131072, 1)]
 
@@ -78,17 +78,20 @@ RULE_SHAPES = [(32, 8, 8, 128, 65536, 1), (64, 8, 8, 128, 8192, 0), (16, 8, 8, 1
 def test_rule_takes_long_caches_on_large_batches(monkeypatch, shape):
     monkeypatch.delenv("FLASHTILE_DECODE_ROWS", raising=False)
     monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "1")  # b = 16 is the split Gluon rule's since session 32
-    calls = []
+    calls, gluon = [], []
     real = decode_rows.rows_decode
     monkeypatch.setattr(decode_rows, "rows_decode", lambda *a, **k: (calls.append(k["heads"]), real(*a, **k))[1])
+    real_gluon = decode_gluon.gluon_decode
+    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (gluon.append(1), real_gluon(*a, **k))[1])
     b, h, h_k, d, cap, s_new = shape
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + b)
     _check(q, kc, vc, kw, causal=True)
     # 4 heads a program: their programs fill the SMs once at b = 32 and 64 (decode_rows.one_wave, since session 28)
     # and b = 16 from 128k (NARROW_RULE_BOUNDS, session 29); an H100 at b = 32: whole rows from 96k, none below
-    heads = 0 if b == 32 and cap < decode_rows.H100_RULE_BOUNDS[-1][1] and board.h100(q.device) else 4
+    heads = 0 if b == 32 and cap < decode_rows.H100_WHOLE_FROM and board.h100(q.device) else 4
     want = [heads] if heads else []
     assert calls == want, "the rule did not take the call as its bounds say"
+    assert gluon == ([] if heads else [1]), "the Gluon kernel did not take the call the row rule left"
     _check(q, kc, vc, kw, causal=True, num_splits=1)  # an explicit split count keeps the default kernels
     assert calls == want
     _check(q, kc, vc, dict(kw, cache_seqlens=cap // 2 - s_new))  # an int length
@@ -124,7 +127,7 @@ def test_rule_in_a_graph_of_layers(monkeypatch, streamk):
     b, h, h_k, d, cap = 32, 8, 8, 128, 65536
     heads = 4
     if board.h100(torch.device("cuda")):  # its bounds leave 64k to the Gluon kernel: its whole rows from 64k here
-        monkeypatch.setattr(decode_rows, "H100_RULE_BOUNDS", decode_rows.RULE_BOUNDS)
+        monkeypatch.setattr(decode_rows, "H100_WHOLE_FROM", cap)
         heads = 8
     g = torch.Generator(device="cuda").manual_seed(7)
     q0 = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -18,7 +18,7 @@ without. The captures it times are its own stream's (thread-local mode: other th
 captured into a graph before any eager call cannot measure: it takes the normal boards' kernels and measures
 nothing, so a later eager call may pick others. Without 1 GiB free, or if the measurement fails, one warning and the
 normal boards' rule. The class found is logged (logger ``flashtile``, INFO). ``h100`` tells an H100 from an H200 by
-its name: the two want different kernels at b = 32 (decode_rows.H100_RULE_BOUNDS).
+its name: the two want different kernels at b = 32 (decode_rows.H100_BAND).
 ``FLASHTILE_DECODE_BOARD`` skips the measurement: ``normal``, ``full-grid``, or unset / ``auto`` (measure).
 """
 
@@ -79,7 +79,7 @@ def known(device: torch.device) -> dict:
 
 
 def h100(device: torch.device) -> bool:
-    """Is ``device`` an H100 (its name says so)? Its decode rule differs at b = 32 (decode_rows.H100_RULE_BOUNDS,
+    """Is ``device`` an H100 (its name says so)? Its decode rule differs at b = 32 (decode_rows.H100_BAND,
     measured on H100 SXM boards); False off CUDA. Read once per device."""
     if device.type != "cuda":
         return False

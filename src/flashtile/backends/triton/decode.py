@@ -705,8 +705,10 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
         rule = dict(arch=arch, b=q.shape[0], h_k=k_cache.shape[2], d=q.shape[3],
                     capacity=capacity_of(k_cache, block_table), num_splits=num_splits, sms=sms,
                     page_size=0 if block_table is None else k_cache.shape[1])
-        # H100s have their own bounds at b = 32 (decode_rows.H100_RULE_BOUNDS); the name is read once per device
-        rows = decode_rows.by_rule(**rule, h100=arch == "sm90" and board.h100(q.device))
+        # H100s (132 SMs: the SXM, as measured) have their own b = 32 bounds (decode_rows.H100_BAND); the name is
+        # read once per device
+        h100 = arch == "sm90" and sms == board.MEASURED_SMS and board.h100(q.device)
+        rows = decode_rows.by_rule(**rule, h100=h100)
         # boards where grids that leave SMs idle read slower take their own rule; the board is measured (once,
         # board.py) only for calls whose kernel it changes
         if plain and sms == board.MEASURED_SMS:

@@ -7,7 +7,7 @@ one query token, no left window edge, softcap, ALiBi, rotary, batch index or lef
 the SMs once: ``one_wave``), the heuristic's split count (num_splits = 0), and a long cache on a large batch
 (``RULE_BOUNDS``); since session 26 paged caches too, with pages of whole tiles, by their own bounds
 (``PAGED_RULE_BOUNDS``, ``SMALL_PAGE_RULE_BOUNDS``); since session 34 an H100's contiguous caches by
-``H100_RULE_BOUNDS`` (b = 32: the Gluon kernel below 96k keys, whole rows from there). Both kernels launch as
+``H100_BAND`` (b = 32: the Gluon kernel below 96k keys, whole rows from there). Both kernels launch as
 programmatic dependents (``FLASHTILE_DECODE_ROWS_PDL=0`` turns that off).
 
 Why: a program per (row, kv head), as every other decode kernel here is, reads 256-byte pieces of FlashAttention's
@@ -90,16 +90,18 @@ RULE_BOUNDS = ((3.8, 8192), (1.9, 65536))
 # H100 SXM (session 34; the bounds above are the H200's). On lease C34, a normal H100 board, in 8-layer graphs at
 # b = 32, contiguous caches, us a call at 64k / 96k / 128k keys, two runs each, alternated, cuDNN in brackets
 # (b32_long_gluon_leaseC34_..., b32_long_gluon_96k_leaseC34_..., b32_whole_rows_leaseC34_h100_2026-12-06_
-# session34.json): half rows (the H200 rule) 2677.2-2678.3 / 4021.7-4028.5 / 5326.9-5331.6; whole rows
+# session34.json): half rows (the H200 rule) 2677.1-2678.3 / 4021.7-4028.5 / 5326.9-5331.6; whole rows
 # 2671.6-2672.1 / 4002.6-4003.3 / 5326.6-5327.1; the per-head Gluon kernel 2669.1-2670.1 / 4011.3-4012.6 /
-# 5349.4-5350.9 (cuDNN 2670.3-2671.9 / 4004.4-4005.9 / 5330.9-5335.7). Half rows win nowhere there, so an H100's b = 32
-# band leaves the calls below 96k keys to the Gluon kernel (decode_gluon.by_rule) and takes whole rows from 96k; on
-# the two H100s before (A33, A34) the half rows trailed cuDNN at b = 32, 64k by 0.1% in issue 5's table. Between
-# 64k and 96k unmeasured; b = 64 (3.8 an SM) unmeasured on an H100, so it keeps the H200's half rows. On the
-# full-grid H100 B34 (b32_long_gluon_leaseB34{,_run2}_...json) the Gluon kernel and stream-K whole rows were even at
-# 64k (2674.6-2675.7 against 2675.3-2676.9; cuDNN 2678.4-2679.2): full_grid_rule keeps stream-K from 96k.
-H100_RULE_BOUNDS = ((3.8, 8192), (1.9, 98304))
-H100_NARROW_FROM = 3.8  # programs an SM from which an H100 takes half rows (where they fill the SMs once)
+# 5349.4-5350.9 (cuDNN 2670.3-2671.9 / 4004.4-4005.9 / 5330.9-5335.7). Half rows win nowhere there, so on an H100
+# b = 32's grid leaves the calls below 96k keys to the Gluon kernel (decode_gluon.by_rule) and takes whole rows from
+# 96k; on the two H100s before (A33, A34) half rows trailed cuDNN at b = 32, 64k by 0.1% in issue 5's table.
+# Between 64k and 96k unmeasured. On the full-grid H100 B34 (b32_long_gluon_leaseB34{,_run2}_...json) the Gluon
+# kernel and stream-K whole rows were even at 64k (2674.6-2675.7 against 2675.3-2676.9; cuDNN 2678.4-2679.2):
+# full_grid_rule keeps stream-K from 96k. Only b = 32's grid was measured (1.94 programs an SM at 8 kv heads on 132
+# SMs): H100_BAND holds it alone; other grids (b = 33-62 in the H200's 1.9 band, b = 64), paged caches and H100s of
+# other SM counts keep the H200's bounds.
+H100_BAND = (1.9, 2.0)  # programs an SM, [low, high)
+H100_WHOLE_FROM = 98304  # capacity from which the band takes whole rows; below, another kernel (the Gluon one)
 # Paged caches (pages of whole tiles: 16 keys and up): against the per-head paged kernel, in 8-layer graphs on lease
 # A26 (paged_rows{,_b16,_b128}_leaseA26_h200_2026-12-01_session26.json; 8k / 32k / 128k keys, per call, us):
 # - b = 128 (7.8 an SM), 8k / 32k: 16-key pages 961.1 / 3780.7 against 1009.5 / 4019.7; 256-key pages 952.9 /
@@ -149,22 +151,21 @@ def by_rule(*, arch: str, b: int, h_k: int, d: int, capacity: int, num_splits: i
     """Heads a program for a covered plain call by default (0: another kernel). Only the measured shape: Hopper,
     8 kv heads of d = 128 (whole rows), the split heuristic's call (an explicit num_splits keeps its kernel), and
     a grid and cache in RULE_BOUNDS (a paged cache, ``page_size`` > 0: SMALL_PAGE_RULE_BOUNDS for 16-key pages,
-    PAGED_RULE_BOUNDS for larger ones; ``h100``, an H100's contiguous cache: H100_RULE_BOUNDS, half rows only from
-    H100_NARROW_FROM programs an SM). The capacity stands for the lengths, which live on the GPU."""
+    PAGED_RULE_BOUNDS for larger ones). ``h100``: an H100 of 132 SMs, whose contiguous caches on the grid in
+    H100_BAND take whole rows from H100_WHOLE_FROM keys and another kernel below. The capacity stands for the
+    lengths, which live on the GPU."""
     if not measured_shape(arch, h_k, d, num_splits):
         return 0
     per_sm = b * h_k / sms
-    if page_size > 0:
-        bounds = SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
-    else:
-        bounds = H100_RULE_BOUNDS if h100 else RULE_BOUNDS
+    if h100 and page_size <= 0 and H100_BAND[0] <= per_sm < H100_BAND[1]:
+        return h_k if capacity >= H100_WHOLE_FROM else 0
+    bounds = RULE_BOUNDS if page_size <= 0 else SMALL_PAGE_RULE_BOUNDS if page_size <= 16 else PAGED_RULE_BOUNDS
     whole = any(per_sm >= least and capacity >= shortest for least, shortest in bounds)
     half_only = page_size <= 0 and any(least <= per_sm < most and capacity >= shortest
                                        for least, most, shortest in NARROW_RULE_BOUNDS)
     if not (whole or half_only):
         return 0  # most calls (short caches, small batches) end here, before one_wave's arithmetic
-    narrow_ok = not h100 or per_sm >= H100_NARROW_FROM or not whole
-    if page_size <= 0 and narrow_ok and one_wave(b * h_k // RULE_NARROW_HEADS, sms):
+    if page_size <= 0 and one_wave(b * h_k // RULE_NARROW_HEADS, sms):
         return RULE_NARROW_HEADS
     return h_k if whole else 0
 
