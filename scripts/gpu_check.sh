@@ -108,7 +108,7 @@
 #   bench-decode-gluon-splits  b = 4 / 8 on it (4 and 8 splits) against the default, beside cuDNN (after the tests)
 #   bench-decode-gluon-split-rule  the split Gluon rule (session 32) against FLASHTILE_DECODE_GLUON_SPLITS=1, twice (after the tests)
 #   bench-decode-b32-long-gluon  b = 32 from 64k on the per-head Gluon kernel (FLASHTILE_DECODE_ROWS=0) against the default, twice
-#   bench-decode-h100-b32  b = 32 at 64k-128k: an H100's bounds (the default there) against half rows (ROWS=4), twice
+#   bench-decode-b32-kernels  b = 32 at 64k-128k: the default, the Gluon kernel (ROWS=0) and whole rows (ROWS=8), twice
 #   tests-decode-seqlens-evict  the decode GPU tests with FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1
 #   bench-decode-seqlens-evict  the split / row kernels' lengths load marked evict_last against the default, 0 1 0 1
 #   bench-decode-gluon-early  b = 32 with the Gluon kernel's first tile copied early (FLASHTILE_DECODE_GLUON_EARLY), 0 1 x3
@@ -661,13 +661,14 @@ for step in "${steps[@]}"; do
       gate decode_gluon_splits bench-decode-b32-long-gluon && decode_runs b32_long_gluon \
         "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=0" \
         --cuda-graph --layers 8 --peers cudnn --batch 32 --seqlens ${B32_LONG_SEQLENS:-65536 131072} ;;
-    bench-decode-h100-b32)
-      # an H100's b = 32 bounds (session 34: the Gluon kernel below 96k keys, whole rows from 96k) against the H200's
-      # half rows (FLASHTILE_DECODE_ROWS=4), "unset|4|unset|4", beside cuDNN, contiguous caches; after
+    bench-decode-b32-kernels)
+      # b = 32 at 64k-128k on each kernel that can take it: the default (an H200's half rows; an H100's bounds since
+      # session 34: the Gluon kernel below 96k, whole rows from 96k), the per-head Gluon kernel
+      # (FLASHTILE_DECODE_ROWS=0) and whole rows (=8), twice each in turn, beside cuDNN, contiguous caches; after
       # tests-decode-gluon-splits passed in this call (the Gluon kernel's)
-      gate decode_gluon_splits bench-decode-h100-b32 && decode_runs h100_b32 \
-        "FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4|FLASHTILE_DECODE_ROWS=|FLASHTILE_DECODE_ROWS=4" \
-        --cuda-graph --layers 8 --peers cudnn --batch 32 --seqlens 65536 98304 131072 ;;
+      r=FLASHTILE_DECODE_ROWS runs="$r=|$r=0|$r=8"
+      gate decode_gluon_splits bench-decode-b32-kernels && decode_runs b32_kernels "$runs|$runs" \
+        --cuda-graph --layers 8 --peers cudnn --batch 32 --seqlens ${B32_SEQLENS:-65536 98304 131072} ;;
     tests-decode-seqlens-evict)
       # the KV-cache suite's decode files with the lengths' load marked evict_last (FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1)
       FLASHTILE_DECODE_SEQLENS_EVICT_LAST=1 TIMED_XDIST=1 timed_tests decode_seqlens_evict tests/test_gpu_kvcache.py \
