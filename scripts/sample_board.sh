@@ -4,7 +4,8 @@
 # Usage (device): OUT=/some/dir PYTHONPATH=src bash scripts/sample_board.sh      (SAMPLE_TABLE=0: no table)
 # 1. tests-decode-board (the run-time board measurement and the full-grid routes, stream-K among them, against the
 #    reference), tests-decode-gluon-splits (the split Gluon kernel and its rule, session 32), then bench-decode-layers
-#    with the bar's rows (b = 1, 8, 32; 8k-128k; 3 rounds; the default: the board measured at run time), about 2 min.
+#    with the bar's rows (b = 1, 8, 32; 8k-128k; 3 rounds; the default: the board measured at run time), about 2 min,
+#    then tests-decode-rows (the row kernels and their rules, the H100 bounds among them).
 # 2. probe-sm-balance at 8 GiB: an even 132-program read (about 1869 us on the usual H200; fast boards read it in
 #    about 1830) and a 128-program one (J24 / E26 / C29's kind, "full-grid" boards: 128 programs 1.9%-2.5% slower);
 #    probe-board-ratio: the run-time board measurement (backends/triton/board.py) repeated.
@@ -18,9 +19,10 @@ export WORK=${WORK:-/tmp/sample_board_work}  # outside $OUT: only the archive an
 nvidia-smi --query-gpu=name,serial --format=csv,noheader > "$OUT/serial.txt"
 steps=(tests-decode-board tests-decode-gluon-splits)
 [[ ${SAMPLE_TABLE:-1} == 1 ]] && steps+=(bench-decode-layers)
+steps+=(tests-decode-rows)  # the row kernels and their rule (the H100 bounds' GPU tests, session 34), after the table
 LAYERS_BENCH_ARGS="--rounds 3 --batch 1 8 32" TIMED_XDIST=1 bash scripts/gpu_check.sh "${steps[@]}" > /dev/null 2>&1
 cp "$OUT/summary.txt" "$OUT/summary_table.txt"
-grep -E 'passed|failed' "$OUT/summary_table.txt" | head -4
+grep -E 'passed|failed' "$OUT/summary_table.txt" | head -5
 grep -A18 ' b  seqlen_k' "$OUT/summary_table.txt" | head -19
 BALANCE_GIB=8 bash scripts/gpu_check.sh probe-sm-balance probe-board-ratio > /dev/null 2>&1
 cp "$OUT/summary.txt" "$OUT/summary_balance.txt"
