@@ -124,12 +124,15 @@ def test_an_h100_takes_its_own_bounds(routes, monkeypatch):
 def test_h100_is_read_from_the_name_once(monkeypatch):
     assert board.h100(torch.device("cpu")) is False
     names = []
-    monkeypatch.setattr(board, "_H100", {})
     monkeypatch.setattr(board, "_index", lambda device: device.index)
-    for index, name in ((0, "NVIDIA H100 80GB HBM3"), (1, "NVIDIA H200")):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda i, n=name: (names.append(i), n)[1])
-        assert board.h100(torch.device("cuda", index)) is (index == 0)
-        assert board.h100(torch.device("cuda", index)) is (index == 0)
+    board._named_h100.cache_clear()
+    try:
+        for index, name in ((0, "NVIDIA H100 80GB HBM3"), (1, "NVIDIA H200")):
+            monkeypatch.setattr(torch.cuda, "get_device_name", lambda i, n=name: (names.append(i), n)[1])
+            assert board.h100(torch.device("cuda", index)) is (index == 0)
+            assert board.h100(torch.device("cuda", index)) is (index == 0)
+    finally:
+        board._named_h100.cache_clear()  # the fake names must not outlive the test
     assert names == [0, 1]
 
 

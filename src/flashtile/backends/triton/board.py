@@ -24,6 +24,7 @@ its name: the two want different kernels at b = 32 (decode_rows.H100_BAND).
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import threading
@@ -52,7 +53,6 @@ _RATIOS: dict[int, float] = {}  # device index -> the measured P128 / P132 (diag
 # others; this 1 GiB read's rates are not yet measured). A direct measure_ratio call (probe_board_ratio.py, other
 # sizes) overwrites it.
 _RATES: dict[int, float] = {}
-_H100: dict[int, bool] = {}  # device index -> an H100 (h100)
 _LOCK = threading.Lock()  # one measurement at a time: two would share the bandwidth they time
 _LOG = logging.getLogger("flashtile")
 
@@ -81,13 +81,12 @@ def known(device: torch.device) -> dict:
 def h100(device: torch.device) -> bool:
     """Is ``device`` an H100 (its name says so)? Its decode rule differs at b = 32 (decode_rows.H100_BAND,
     measured on H100 SXM boards); False off CUDA. Read once per device."""
-    if device.type != "cuda":
-        return False
-    index = _index(device)
-    known = _H100.get(index)
-    if known is None:
-        known = _H100[index] = "H100" in torch.cuda.get_device_name(index)
-    return known
+    return device.type == "cuda" and _named_h100(_index(device))
+
+
+@functools.cache  # as decode._num_sms and host._capability: the driver is asked once per device
+def _named_h100(index: int) -> bool:
+    return "H100" in torch.cuda.get_device_name(index)
 
 
 def _index(device: torch.device) -> int:
