@@ -10,7 +10,7 @@
 #    about 1830) and a 128-program one (J24 / E26 / C29's kind, "full-grid" boards: 128 programs 1.9%-2.5% slower);
 #    probe-board-ratio: the run-time board measurement (backends/triton/board.py) repeated.
 # 3. bench-decode-gluon-split-rule: the split rule (b = 4-16 from 32k keys) against FLASHTILE_DECODE_GLUON_SPLITS=1
-#    (the rule before), twice each, beside cuDNN; measured on the H100s A32 / A33 / A34 only so far. Then
+#    (the rule before), twice each, beside cuDNN; measured on the H100s A32 / A33 / A34 and the H200 A35. Then
 #    bench-decode-b32-kernels: b = 32 at 64k-128k on the default, the Gluon kernel and whole rows (an H100 wanted
 #    other kernels there than an H200, session 34); on an H100 only this one.
 # Results: $OUT/gpu_check.tgz (every step's files), summary_table.txt, summary_balance.txt, summary.txt, serial.txt.
@@ -34,7 +34,8 @@ kind=$(python3 -c "import sys; a, b = map(float, sys.argv[1:]); print('full-grid
 echo "board $(cat "$OUT/serial.txt"): even_P132 $p132 us, even_P128 $p128 us: $kind"
 grep -E 'MiB: P128' "$OUT/summary_balance.txt"
 # the A/Bs are gated on tests-decode-gluon-splits having passed in step 1 (same WORK); on an H100 (the split rule
-# measured on three already) only the b = 32 kernels, to replicate its own bounds (one normal H100 so far)
+# measured on three already) only the b = 32 kernels, to replicate its own bounds (timed kernel by kernel on one
+# normal H100, C34; the tables of D34 and B35-E35 ran with them)
 abs=(bench-decode-gluon-split-rule bench-decode-b32-kernels)
 grep -q H100 "$OUT/serial.txt" && abs=(bench-decode-b32-kernels)
 TIMED_XDIST=1 bash scripts/gpu_check.sh "${abs[@]}" > /dev/null 2>&1

@@ -197,7 +197,9 @@ MAX_SPLITS = 16
 # faster than the rule before it (the whole-row / per-head Triton kernels) in all nine rows measured, b = 4 / 8 / 16
 # (8 / 4 / 2 splits) at 32k-128k, us a call: b = 8, 128k 1337.3-1337.9 against 1350.5-1353.4 (cuDNN 1341.4-1341.7),
 # b = 4, 128k 672.0 against 679.8-680.4, b = 16, 128k 2672.6-2672.9 against 2680.6-2689.2; 8 splits at b = 8 / 16
-# (more than the fewest) were 1.5%-4.9% slower. Below 32k keys, and 16 splits (b = 2), unmeasured.
+# (more than the fewest) were 1.5%-4.9% slower. Below 32k keys, and 16 splits (b = 2), unmeasured. On the H200 A35
+# (session 35, gluon_split_rule_leaseA35_h200_2026-12-06_session35.json) 0.2%-0.4% faster at b = 8 from 32k and
+# b = 4 from 64k, but 0.2%-0.5% slower at b = 16, 128k (two runs, one board: not yet a bound).
 SPLIT_MIN_CAPACITY = 32768
 RULE_MAX_SPLITS = 8
 
