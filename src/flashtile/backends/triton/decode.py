@@ -691,8 +691,10 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     # the split Gluon rule (decode_gluon.requested_splits) comes before the whole-row kernels' rule: it was faster
     # on every grid it takes (b = 4-16 with 8 kv heads from 32k keys); what its kernel does not cover goes on below,
     # without asking the Gluon route again (it would refuse the same call the same way)
+    # asked once a call, and only where a Gluon route can take the call (Hopper, or the kernel forced): both route
+    # calls below take this answer
     splits = (decode_gluon.requested_splits(q.shape[0] * k_cache.shape[2], sms, k_cache.shape[1])
-              if num_splits <= 0 else None)  # asked once a call: both Gluon route calls below take this answer
+              if num_splits <= 0 and gluon is not False and (gluon or _arch(q.device) == "sm90") else None)
     split_first = rows is None and plain and gluon is None and bool(splits)
     if split_first:
         done = _gluon_decode_route(q, k_cache, v_cache, k, v, rotary_cos, cache_seqlens, cache_len_const,
