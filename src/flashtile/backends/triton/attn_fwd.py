@@ -9,6 +9,8 @@ import torch
 
 from flashtile.backends.triton import host
 from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.tma import row_descriptor as _descriptor
+from flashtile.backends.triton.tma import tma_ok as _tma_ok
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
 from flashtile.params import AttnParams
 
@@ -45,21 +47,6 @@ def arch_of(device: torch.device) -> str:
         return "interpret"
     major, _ = capability(device)
     return "sm90" if major == 9 else "default"
-
-
-def _tma_ok(x: torch.Tensor) -> bool:
-    """TMA needs a non-empty tensor, a 16-byte aligned base and 16-byte multiples for every stride but
-    the last (an all-empty varlen key set, total_k = 0, has no valid descriptor)."""
-    es = x.element_size()
-    return x.numel() > 0 and x.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in x.stride()[:-1])
-
-
-def _descriptor(x: torch.Tensor, block_rows: int, block_d: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if x.dim() == 4:  # (b, s, h, d)
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_rows, 1, block_d])
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_rows, 1, block_d])
 
 
 def use_tma(q, k, v) -> bool:
