@@ -92,12 +92,16 @@ ONE_LAUNCH_OVERRIDE: bool | None = None
 # at BLOCK_D 32 / 64 / 128 when no band (causal or local window) masks the scores.
 
 
-def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int) -> dict:
+def edge_setting(arch: str, block_d: int, banded: bool, elem_bytes: int, dropout: bool = False) -> dict:
     """The Triton backward launches' PIPELINE_EDGES: {} (pipelined, the kernels' default) or
     {"PIPELINE_EDGES": False} (direct). FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces direct loads / the
-    pipeline for every launch."""
+    pipeline for every launch.
+
+    With dropout the masked ranges always load directly: Triton 3.6's software pipeline of those
+    ranges faults with "misaligned address" on sm_90 (varlen + dropout + causal at d = 128, issue 53;
+    the direct loads run clean under the same inputs, tests/test_gpu_fa_grid.py)."""
     return host.edge_flags("FLASHTILE_BWD_PIPELINE_EDGES",
-                           arch == "sm90" and block_d in (32, 64, 128) and not banded and elem_bytes == 2)
+                           dropout or (arch == "sm90" and block_d in (32, 64, 128) and not banded and elem_bytes == 2))
 
 
 def use_one_launch(p: AttnParams) -> bool:
@@ -246,7 +250,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     tma = use_tma(q, k, v, dout)
     feature_flags["USE_TMA"] = tma
-    feature_flags.update(edge_setting(arch, block_d, p.window_left >= 0 or p.window_right >= 0, q.element_size()))
+    feature_flags.update(edge_setting(arch, block_d, p.window_left >= 0 or p.window_right >= 0, q.element_size(),
+                                       p.dropout_p > 0))
     fused = use_fused_dq(p)
     one_launch = not fused and use_one_launch(p)
     # the Gluon dK/dV kernel (d = 128 / 256 by default, backends/triton/gluon_bwd.py), then the Triton
