@@ -88,9 +88,9 @@ def test_fwd_quick_cpu(tmp_path, capsys):
 
 
 def test_bwd_quick_cpu_default_path(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["bwd", *FAST, "--peers", "flash"]) == 0
-    (path,) = (tmp_path / "benchmarks" / "results").glob("bwd_cpu_*.json")
+    (path,) = (tmp_path / "flashtile" / "bench").glob("bwd_cpu_*.json")
     rows = _check_rows(_load(path), "bwd", ["flashtile", "flash"])
     for r in rows:
         assert r["max_err_grad"] < 0.03
@@ -226,3 +226,15 @@ def test_gpu_limits_parses_nvidia_smi_and_says_nothing_on_failure(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", missing)
     assert report.gpu_limits("c3e5") is None
+
+
+def test_results_go_to_the_cache_dir_unless_out_is_given(tmp_path, monkeypatch):
+    """Without --out the results land under $XDG_CACHE_HOME/flashtile/bench, never in the working directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["fwd", *FAST, "--seqlens", "64", "--causal", "no", "--peers"]) == 0
+    assert list(work.iterdir()) == []
+    (written,) = (tmp_path / "cache" / "flashtile" / "bench").glob("fwd_*.json")
+    assert _load(written)["meta"]["mode"] == "fwd"

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from flashtile.bench import report
+from flashtile.bench import paths, report
 from flashtile.bench.peers import FLASHTILE, FLASHTILE_BF16, FLASHTILE_FP8, PEERS, Impl, reference_attention
 from flashtile.bench.shapes import (
     DEFAULT_DIMS,
@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure bf16 matmul TFLOP/s and copy TB/s first (CUDA) and record them in meta")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="PATH.json",
-                   help="JSON results (default benchmarks/results/<mode>_<gpu>_<date>.json)")
+                   help="JSON results (default: ~/.cache/flashtile/bench/<mode>_<gpu>_<date>.json, or under $XDG_CACHE_HOME; never the working directory)")
     o.add_argument("--plot", metavar="PATH.png", help="also draw a grouped bar chart of TFLOP/s")
 
 
@@ -320,7 +320,7 @@ def run(args) -> int:
     unavailable = {i.name: r for i in impls if (r := i.unavailable(device))}
     for name, reason in unavailable.items():
         report.eprint(f"note: {name} unavailable: {reason}")
-    out_path = args.out or report.default_out_path(mode, meta)
+    out_path = args.out or paths.default_out_path(mode, meta)
     rows = []
     t_start = time.perf_counter()
     for i, shape in enumerate(shapes, 1):
