@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure bf16 matmul TFLOP/s and copy TB/s first (CUDA) and record them in meta")
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="PATH.json",
-                   help="JSON results (default: ~/.cache/flashtile/bench/<mode>_<gpu>_<date>.json, or under $XDG_CACHE_HOME; never the working directory)")
+                   help="JSON results (default: <mode>_<gpu>_<date>.json under ~/.cache/flashtile/bench, "
+                        "or $XDG_CACHE_HOME/flashtile/bench; never the working directory)")
     o.add_argument("--plot", metavar="PATH.png", help="also draw a grouped bar chart of TFLOP/s")
 
 
