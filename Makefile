@@ -1,11 +1,16 @@
 # Two commands for a newcomer:
 #   make demo   set up .venv and run a short attention demo on the available device
-#   make test   set up .venv (CPU torch 2.13.0, triton 3.6.0) and run the CPU test suite (TEST_WORKERS=2 processes)
+#   make test   set up .venv and run ruff and the CPU test suite (TEST_WORKERS processes)
+#
+# The venv pins the CPU test stack: torch 2.13.0 (CPU build) and triton 3.6.0, the lowest triton the
+# kernels support (pyproject claims torch >= 2.11; the GPU suite runs on torch 2.11 + triton 3.6, see
+# scripts/gpu_check.sh). Triton 3.6's interpreter needs numpy < 2.4.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.flashtile-installed
-# pytest-xdist workers for the CPU suite: the interpreter's tests are CPU-bound, and CI has 2 cores (1203 tests in
-# 465 s on 2 workers against 793 s on one, session 30); each worker imports its own torch
+TORCH  ?= 2.13.0
+TRITON ?= 3.6.0
+# pytest-xdist workers: the interpreter's tests are CPU-bound and CI has 2 cores; each worker imports its own torch
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint gpu-check clean
@@ -13,7 +18,8 @@ TEST_WORKERS ?= 2
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0 triton==3.6.0 "numpy<2.4" pytest pytest-xdist ruff einops "transformers>=5.0"
+	$(PY) -m pip install --quiet torch==$(TORCH) triton==$(TRITON) "numpy<2.4" "setuptools>=77" \
+		pytest pytest-xdist ruff einops "transformers>=5.0"
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -27,7 +33,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests examples scripts
 
-# On the H200 machine (torch/triton preinstalled there, no network): see scripts/gpu_check.sh
+# On a GPU machine (torch and triton preinstalled): the GPU tests and benchmarks, see scripts/gpu_check.sh
 gpu-check:
 	bash scripts/gpu_check.sh
 

@@ -55,7 +55,7 @@ def main():
     ap.add_argument("out")
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--prefix", required=True,
-                    help="the run files' name before the value, e.g. decode_block_n_FLASHTILE_DECODE_BLOCK_N-")
+                    help="the run files' name before the value, e.g. decode_route_FLASHTILE_DECODE_ROUTE-")
     ap.add_argument("--setting", required=True, help="the environment variable the A/B varied")
     ap.add_argument("--command", required=True)
     ap.add_argument("--note", default="")

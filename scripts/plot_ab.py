@@ -1,7 +1,7 @@
 """Plot an A/B of two `python -m flashtile.bench` JSON files of the same rows (one setting each, e.g.
-FLASHTILE_DECODE_PDL=0 and =1): flashtile's time (decode) or TFLOP/s (attention) per row, B over A.
+two values of FLASHTILE_DECODE_ROUTE): flashtile's time (decode) or TFLOP/s (attention) per row, B over A.
 
-Usage: python scripts/plot_ab.py A.json B.json --labels "ordinary" "PDL" --out ab.png
+Usage: python scripts/plot_ab.py A.json B.json --labels "split" "rows" --out ab.png
 """
 
 import argparse

@@ -88,9 +88,9 @@ def test_fwd_quick_cpu(tmp_path, capsys):
 
 
 def test_bwd_quick_cpu_default_path(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert main(["bwd", *FAST, "--peers", "flash"]) == 0
-    (path,) = (tmp_path / "benchmarks" / "results").glob("bwd_cpu_*.json")
+    (path,) = (tmp_path / "flashtile" / "bench").glob("bwd_cpu_*.json")
     rows = _check_rows(_load(path), "bwd", ["flashtile", "flash"])
     for r in rows:
         assert r["max_err_grad"] < 0.03
@@ -186,13 +186,14 @@ def test_fwd_fp8_quick_cpu(tmp_path):
 
 
 def test_meta_records_the_kernel_switches(monkeypatch):
-    # a result file must say which path it measured (FLASHTILE_GLUON, FLASHTILE_BWD_FUSED_DQ, ...)
+    # a result file must say which path it measured (FLASHTILE_GLUON, FLASHTILE_DECODE_ROUTE, ...): this
+    # reads the environment the run was started with, so the test sets the environment, not flashtile.config
     from flashtile.bench.report import collect_meta
 
-    monkeypatch.setenv("FLASHTILE_BWD_FUSED_DQ", "1")
+    monkeypatch.setenv("FLASHTILE_DECODE_ROUTE", "split")
     monkeypatch.setenv("UNRELATED_VARIABLE", "x")
     env = collect_meta([], "cpu")["env"]
-    assert env["FLASHTILE_BWD_FUSED_DQ"] == "1"
+    assert env["FLASHTILE_DECODE_ROUTE"] == "split"
     assert all(k.startswith("FLASHTILE_") for k in env)
 
 
@@ -226,3 +227,15 @@ def test_gpu_limits_parses_nvidia_smi_and_says_nothing_on_failure(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", missing)
     assert report.gpu_limits("c3e5") is None
+
+
+def test_results_go_to_the_cache_dir_unless_out_is_given(tmp_path, monkeypatch):
+    """Without --out the results land under $XDG_CACHE_HOME/flashtile/bench, never in the working directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["fwd", *FAST, "--seqlens", "64", "--causal", "no", "--peers"]) == 0
+    assert list(work.iterdir()) == []
+    (written,) = (tmp_path / "cache" / "flashtile" / "bench").glob("fwd_*.json")
+    assert _load(written)["meta"]["mode"] == "fwd"

@@ -1,13 +1,69 @@
-"""The README's usage example must run as written."""
+"""The README and docs must agree with the code: the usage example runs as written, the settings table is
+flashtile.config's list, and every file they link or cite exists."""
 
 import pathlib
 import re
 
+from flashtile import config
+
+ROOT = pathlib.Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+DOCS = {p: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
+
 
 def test_readme_usage_example_runs():
-    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    block = re.search(r"## Usage\n```python\n(.*?)```", text, re.S)
+    block = re.search(r"## Usage\n```python\n(.*?)```", README, re.S)
     assert block, "README has no Usage python block"
     namespace = {}
     exec(compile(block.group(1), "README.md", "exec"), namespace)
     assert namespace["out"].shape == (1024, 16, 64)
+
+
+def test_readme_settings_table_is_the_config_list():
+    section = README.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^\| `(FLASHTILE_\w+)` \|", section, re.M)
+    assert listed == list(config.ENV_FIELDS), "README's settings table must list flashtile.config's variables, in order"
+    for name, field in config.ENV_FIELDS.items():
+        row = re.search(rf"^\| `{name}` \| (\w+) \|", section, re.M).group(1)
+        default = field.default
+        expected = "unset" if default is None else str(int(default))
+        assert row == expected, (name, row, expected)
+
+
+def test_readme_is_a_users_document():
+    assert len(README.splitlines()) <= 200
+    assert not re.search(r"\b(session|lease)\b", README, re.I)
+
+
+def test_cited_files_exist():
+    """Links and `benchmarks/results/...` / `scripts/...` citations in README.md and docs/ name files that exist."""
+    texts = {ROOT / "README.md": README, **DOCS}
+    missing = []
+    for path, text in texts.items():
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if target.startswith("http") or target == "...":
+                continue
+            if not (path.parent / target).exists():
+                missing.append(f"{path.name}: {target}")
+        for cited in re.findall(r"((?:benchmarks/results|scripts|examples)/[\w.\-/]+\.(?:json|png|py|sh))", text):
+            if not (ROOT / cited).exists():
+                missing.append(f"{path.name}: {cited}")
+        for name in re.findall(r"\b([a-z0-9\-]+_h[12]00_20\d\d-\d\d-\d\d\.(?:json|png))", text):
+            if not (ROOT / "benchmarks" / "results" / name).exists():
+                missing.append(f"{path.name}: {name}")
+    assert not missing, missing
+
+
+def test_every_result_file_is_cited():
+    """benchmarks/results keeps only what the README and docs cite."""
+    text = README + "".join(DOCS.values())
+    results = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    uncited = [n for n in results if n not in text and n.rsplit(".", 1)[0] + ".json" not in text]
+    assert not uncited, uncited
+    assert len(results) <= 45
+
+
+def test_docs_are_short_and_in_the_present_tense():
+    for path, text in DOCS.items():
+        assert len(text.splitlines()) <= 350, path.name
+        assert not re.search(r"\b(session|lease)s?\b", text, re.I), path.name
