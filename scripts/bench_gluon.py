@@ -1,4 +1,4 @@
-"""The experimental Gluon forward kernels beside flashtile's Triton kernels and SDPA cuDNN, one process.
+"""The Gluon forward kernels beside flashtile's Triton kernels and SDPA cuDNN, one process.
 
 Usage (H200): PYTHONPATH=src python scripts/bench_gluon.py --out gluon.json
               PYTHONPATH=src python scripts/bench_gluon.py --fp8 --out gluon_fp8.json
@@ -25,16 +25,13 @@ import torch
 import triton
 
 import flashtile
-from flashtile.backends.triton import gluon_route
+from flashtile import config
 from flashtile.backends.triton.attn_fwd_fp8 import attn_fwd_fp8
 from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd, gluon_attn_fwd_fp8
 from flashtile.bench.peers import PEERS
 from flashtile.bench.shapes import Shape, attention_flops
 from flashtile.fp8 import quantize_qkv, v_keys_major
 from flashtile.params import AttnParams
-
-# the "triton" columns must time the Triton kernel, whatever dispatch prefers
-gluon_route.OVERRIDE = False
 
 
 def _time_all(q, k, v, causal, extra=None) -> dict:
@@ -150,4 +147,5 @@ def _write(args, rows):
 
 
 if __name__ == "__main__":
-    main()
+    with config.override(gluon_fwd=False):  # the "triton" columns time the Triton kernel, whatever the route table says
+        main()

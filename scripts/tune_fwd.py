@@ -13,8 +13,7 @@ import torch
 import triton
 
 import flashtile
-from flashtile.backends.triton import attn_fwd as launcher
-from flashtile.backends.triton import gluon_route, host
+from flashtile import config
 
 CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     64: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
@@ -23,7 +22,6 @@ CONFIGS = {  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     256: [(128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2)],
 }
 
-host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
 
 
 # --refine: neighbours of the first sweep's winners, TMA path only
@@ -45,7 +43,6 @@ FP8 = {
 
 def main():
     ap = argparse.ArgumentParser()
-    gluon_route.OVERRIDE = False  # the sweep times the Triton kernel's configs, never the Gluon route
     ap.add_argument("--out", default="tune_fwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
@@ -62,7 +59,6 @@ def main():
     table, paths = (REFINE, (True,)) if args.refine else (CONFIGS, (True, False))
     call = lambda q, k, v, c: flashtile.flash_attn_func(q, k, v, causal=c)  # noqa: E731
     if args.fp8:
-        from flashtile.backends.triton import attn_fwd_fp8 as launcher_fp8
         from flashtile.fp8 import quantize_qkv
 
         table, paths = FP8, (True,)
@@ -89,14 +85,15 @@ def main():
                 flops = 4 * b * h * s * s * d / (2 if causal else 1)
                 for tma in paths:
                     for cfg in table[d]:
-                        launcher.CONFIG_OVERRIDE, launcher.TMA_OVERRIDE = cfg, tma
-                        if args.fp8:
-                            launcher_fp8.CONFIG_OVERRIDE = cfg
+                        # the Triton kernel's configs, never the Gluon route; a config that does not fit
+                        # is recorded as failing, never run as another
+                        pin = dict(fp8_tiles=cfg) if args.fp8 else dict(fwd_tiles=cfg)
                         t0 = time.time()
                         try:
-                            ms = triton.testing.do_bench(
-                                lambda q=q, k=k, v=v, c=causal: call(q, k, v, c),
-                                warmup=25, rep=100, return_mode="median")
+                            with config.override(tma=tma, gluon_fwd=False, reduce_stages_on_oor=False, **pin):
+                                ms = triton.testing.do_bench(
+                                    lambda q=q, k=k, v=v, c=causal: call(q, k, v, c),
+                                    warmup=25, rep=100, return_mode="median")
                             tf, err = flops / ms / 1e9, None
                         except Exception as exc:  # a config can exceed shared memory: record it
                             ms, tf, err = None, None, f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -104,9 +101,6 @@ def main():
                                    wall_s=round(time.time() - t0, 1))
                         rows.append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
-    launcher.CONFIG_OVERRIDE = launcher.TMA_OVERRIDE = None
-    if args.fp8:
-        launcher_fp8.CONFIG_OVERRIDE = None
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"))
     with open(args.out, "w") as f:

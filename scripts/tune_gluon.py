@@ -55,10 +55,10 @@ def _triton_out(dtype_cls: str, x: dict, causal: bool) -> torch.Tensor:
     from flashtile.params import AttnParams
 
     if dtype_cls == "16bit":
-        from flashtile.backends.triton import gluon_route
+        from flashtile import config
 
-        gluon_route.OVERRIDE = False  # dispatch may route bf16 to the Gluon kernel: keep Triton here
-        return flashtile.flash_attn_func(x["q"], x["k"], x["v"], causal=causal)
+        with config.override(gluon_fwd=False):  # dispatch may route bf16 to the Gluon kernel: keep Triton here
+            return flashtile.flash_attn_func(x["q"], x["k"], x["v"], causal=causal)
     p = AttnParams(softmax_scale=1.0 / math.sqrt(x["q"].shape[-1]), causal=causal,
                    window_right=0 if causal else -1, q_descale=x["qd"], k_descale=x["kd"], v_descale=x["vd"])
     return attn_fwd_fp8(x["q"], x["k"], x["v"], p)[0]

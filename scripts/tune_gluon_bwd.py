@@ -1,17 +1,15 @@
-"""Configs of the Gluon dK/dV and dQ kernels, and where the backward's time goes (H200).
+"""Configs of the Gluon dK/dV kernel, and the backward with and without it (H200).
 
 Usage: PYTHONPATH=src python scripts/tune_gluon_bwd.py --out tune_gluon_bwd.json [--d 128] [--seqlens 1024 4096]
 
 Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16, plain and causal. Per row:
 - ``triton_bwd_ms`` / ``gluon_bwd_ms``: the whole backward (delta, dK/dV, dQ) with the Triton or the
-  Gluon dK/dV kernel (its default config), autograd.grad after one forward;
+  Gluon dK/dV kernel (its default config), autograd.grad after one forward: the numbers behind
+  gluon_bwd.ROUTE_TABLE;
 - per config of CANDIDATES: the Gluon dK/dV kernel alone (``dkdv_ms``, TFLOP/s of its 4 GEMMs), and
   the largest |dk, dv - default config's| relative to the largest value (another summation order:
   about 1e-2 at bf16 is rounding, O(1) is a broken config);
-- ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel;
-- ``gluon_dq_bwd_ms``: the whole backward with both Gluon kernels (default configs);
-- per config of DQ_CANDIDATES: the Gluon dQ kernel alone (``dq_ms``, TFLOP/s of its 3 GEMMs) and its
-  largest |dq - Triton's dq| relative to the largest value.
+- ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel.
 Times are medians of triton.testing.do_bench. A config that fails to compile or launch is recorded
 with its error and the sweep goes on.
 """
@@ -24,9 +22,9 @@ import torch
 import triton
 
 import flashtile
+from flashtile import config
 from flashtile.backends.triton import gluon_bwd
 from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
-from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, within the 227 KiB of shared memory a CTA may use
@@ -38,25 +36,9 @@ CANDIDATES = {
     128: [(64, 64, 2, 4, 1, 0), (32, 64, 4, 4), (64, 128, 2, 8, 1, 0), (128, 64, 2, 8, 2, 0)],
     64: [(64, 64, 4, 4), (64, 64, 2, 4, 1, 0), (64, 128, 4, 8)],
 }
-# session 7 (tune_gluon_bwd_h200_2026-11-30_session7.json): the plain order won every d = 128 / 256
-# row and became their default; (32, 64, 3, 8, 2) at d = 256 was slower than (32, 64, 4, 8, 2) at every
-# row; at d = 64, (32, 64, 4, 4) crashed ptxas (-11) non-causal and was slower causal
-# session 7 on the CPU (tests/aot_gluon_bwd.py): plain-order d = 128 candidates for the next sweep,
-# one CTA per SM each: (64, 128, 2, 8) two warpgroups on 128 keys sharing the Q / dO ring (255
-# registers, 24 / 44 bytes of spills plain / causal, 160 KiB) and (128, 64, 2, 8, 2) two warpgroups
-# side by side on 128-row steps (201 registers, no spills, 192 KiB); 3-slot plain rings spill
-# 76-136 bytes at d = 128 and exceed shared memory at d = 256. (32, 64, 3, 4) and (32, 128, 4, 8) lost
-# every row in sessions 6 and 7 and left the list.
-# session 6 measured (64, 32, 3|4, 4), (64, 64, 3, 4) and (128, 32, 4, 8) slower than (128, 64, 3, 8)
-# at every d = 128 row from s = 2048 (benchmarks/results/tune_gluon_bwd_h200_2026-11-30.json)
-DQ_CANDIDATES = {
-    128: [(128, 64, 4, 8), (128, 64, 3, 8), (64, 64, 2, 4, 0), (128, 64, 2, 8, 0), (64, 128, 2, 4, 0)],
-    64: [(64, 64, 4, 4), (64, 64, 2, 4, 0)],
-}
-# the dQ kernel's fifth number is ROTATED (0: the plain order, session 7, compiled on the CPU: no
-# spills; (64, 64, 2, 4) at 161 registers and 104 KiB, so two CTAs per SM like the Triton dQ kernel).
-# (128, 32, 6 | 8, 8) and (64, 32, 6, 4) lost every session-7 row to (128, 64, 4, 8) and left the list.
-DQ_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "ROTATED")
+# The plain order won every d = 128 / 256 row (docs/gluon.md, "The backward's dK/dV kernel"); the other
+# d = 128 candidates are plain-order variants with one CTA per SM: (64, 128, 2, 8) two warpgroups on 128
+# keys sharing the Q / dO ring, (128, 64, 2, 8, 2) two warpgroups side by side on 128-row steps.
 KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")
 
 
@@ -64,12 +46,9 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def _bwd_ms(out, inputs, g, gluon: bool, gluon_dq: bool = False) -> float:
-    gluon_bwd.OVERRIDE, gluon_bwd.DQ_OVERRIDE = gluon, gluon_dq
-    try:
+def _bwd_ms(out, inputs, g, gluon: bool) -> float:
+    with config.override(gluon_bwd=gluon):
         return _ms(lambda: torch.autograd.grad(out, inputs, g, retain_graph=True))
-    finally:
-        gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
 
 
 # a candidate's missing trailing numbers take the kernel's defaults, not the table's (the table's
@@ -77,20 +56,19 @@ def _bwd_ms(out, inputs, g, gluon: bool, gluon_dq: bool = False) -> float:
 KERNEL_DEFAULTS = {"WARPS_N": 1, "ROTATED": 1}
 
 
-def _sweep(candidates, launch, ref, flops, key, outputs, keys=None):
-    """Time launch(config) -> output for each candidate; compare with ref (None: the first's output).
+def _sweep(candidates, launch, ref, flops, key, outputs):
+    """Time launch(tiles) -> output for each candidate; compare with ref (None: the first's output).
     outputs are NaN-filled before each candidate's checked launch, so a config that skips rows
     cannot pass on the previous candidate's values."""
     entries = []
-    keys = keys or KEYS
     for cfg in candidates:
-        config = dict(zip(keys, cfg))
-        config.update({k: KERNEL_DEFAULTS[k] for k in keys[len(cfg):]})
-        entry = dict(config)  # the config and what was measured of it
+        tiles = dict(zip(KEYS, cfg))
+        tiles.update({k: KERNEL_DEFAULTS[k] for k in KEYS[len(cfg):]})
+        entry = dict(tiles)  # the config and what was measured of it
         try:
             for x in outputs:
                 x.fill_(float("nan"))
-            got = launch(config)
+            got = launch(tiles)
             torch.cuda.synchronize()
             if ref is None:
                 ref = tuple(x.clone() for x in got)
@@ -98,7 +76,7 @@ def _sweep(candidates, launch, ref, flops, key, outputs, keys=None):
                                         for a, r in zip(got, ref))
             if not all(torch.isfinite(x).all() for x in got):
                 entry["max_rel_diff"] = float("nan")  # rows left unwritten: a broken config
-            entry[f"{key}_ms"] = _ms(lambda config=config: launch(config))
+            entry[f"{key}_ms"] = _ms(lambda tiles=tiles: launch(tiles))
             entry[f"{key}_tflops"] = flops / entry[f"{key}_ms"] / 1e9
         except Exception as exc:  # record and go on
             entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -106,7 +84,7 @@ def _sweep(candidates, launch, ref, flops, key, outputs, keys=None):
     return entries
 
 
-def row_of(d, s, causal, dq_only=False):
+def row_of(d, s, causal):
     b, h = max(1, 16384 // s), 2048 // d
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -118,24 +96,15 @@ def row_of(d, s, causal, dq_only=False):
     row = dict(d=d, s=s, b=b, h=h, causal=causal)
     row["triton_bwd_ms"] = _bwd_ms(out, (q, k, v), g, False)
     row["gluon_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True)
-    row["gluon_dq_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True, True)
-    gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = False
-    triton_dq = torch.autograd.grad(out, q, g, retain_graph=True)[0]
-    gluon_bwd.OVERRIDE = gluon_bwd.DQ_OVERRIDE = None
     gemm = 2 * b * h * s * s * d / (2 if causal else 1)
     qd, kd, vd, gd = (x.detach() for x in (q, k, v, g))
-    dk, dv, dq = torch.empty_like(kd), torch.empty_like(vd), torch.empty_like(qd)
+    dk, dv = torch.empty_like(kd), torch.empty_like(vd)
 
-    def dkdv(config):
-        gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=config)
+    def dkdv(tiles):
+        gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=tiles)
         return dk, dv
 
-    def dq_of(config):
-        gluon_bwd.gluon_attn_bwd_dq(qd, kd, vd, gd, lse, delta, dq, scale, causal, config=config)
-        return (dq,)
-
-    row["configs"] = _sweep(CANDIDATES[d][:1] if dq_only else CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv", (dk, dv))
-    row["dq_configs"] = _sweep(DQ_CANDIDATES.get(d, []), dq_of, (triton_dq,), 3 * gemm, "dq", (dq,), DQ_KEYS)
+    row["configs"] = _sweep(CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv", (dk, dv))
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
@@ -147,28 +116,21 @@ def main():
     ap.add_argument("--out", default="tune_gluon_bwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--dq-only", action="store_true", help="time only the default dK/dV config")
     args = ap.parse_args()
-    gluon_bwd.DQ_GPU_VERIFIED = True  # measured here; gpu_check runs this after the kernels' GPU tests
-    gluon_bwd.GPU_VERIFIED_HEAD_DIMS = gluon_bwd.HEAD_DIMS
     for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
         assert dict(zip(KEYS, CANDIDATES[d][0])) == BWD_DKDV_CONFIGS[d], d
-        if d in DQ_CANDIDATES:
-            assert DQ_CANDIDATES[d][0] == tuple(BWD_DQ_CONFIGS[d][key] for key in DQ_KEYS[:4]), d
     rows = []
     for d in args.d:
         for s in args.seqlens:
             for causal in (False, True):
-                row = row_of(d, s, causal, args.dq_only)
+                row = row_of(d, s, causal)
                 rows.append(row)
                 best = min((c for c in row["configs"] if "dkdv_ms" in c), key=lambda c: c["dkdv_ms"], default=None)
-                best_dq = min((c for c in row["dq_configs"] if "dq_ms" in c), key=lambda c: c["dq_ms"], default=None)
-                print(json.dumps({key: row[key] for key in row if not key.endswith("configs")}
-                                 | {"best": best, "best_dq": best_dq}), flush=True)
+                print(json.dumps({key: row[key] for key in row if key != "configs"} | {"best": best}), flush=True)
                 torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command="scripts/tune_gluon_bwd.py",
-                candidates=CANDIDATES, dq_candidates=DQ_CANDIDATES)
+                candidates=CANDIDATES)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

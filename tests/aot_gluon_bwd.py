@@ -1,13 +1,11 @@
-"""Compile the Gluon backward kernels (dK/dV: kernels/gluon_bwd.py, dQ: kernels/gluon_bwd_dq.py) for
-sm_90 without a GPU; used by tests/test_gluon_bwd_compile.py in a subprocess (TRITON_INTERPRET must
-be unset there).
+"""Compile the Gluon dK/dV kernel (kernels/gluon_bwd.py) for sm_90 without a GPU; used by
+tests/test_gluon_bwd_compile.py in a subprocess (TRITON_INTERPRET must be unset there).
 
-    python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 128, true, [64, 32, 4, 4], "dq"]]'
+    python tests/aot_gluon_bwd.py OUT '[["bf16", 128, true, [32, 64, 4, 4]], ["bf16", 256, true, [64, 64, 2, 8, 2, 0]]]'
 
-A case's optional fifth element names the kernel: "dkdv" (the default) or "dq". A config's optional
-fifth and sixth numbers are WARPS_N (the dK/dV kernel's two warpgroups side by side at d = 256; must be
-1 for the dQ kernel) and ROTATED (0: the plain order, both kernels); a seventh, the dK/dV kernel's
-LAUNCH_DEPENDENTS (1: programmatic dependent launch of the dQ kernel).
+A case's optional fifth element names the kernel: "dkdv" (the only one). A config's optional fifth and
+sixth numbers are WARPS_N (two warpgroups side by side at d = 256) and ROTATED (0: the plain order); a
+seventh, LAUNCH_DEPENDENTS (1: programmatic dependent launch of the dQ kernel).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized", "gdc_launch"} (griddepcontrol.launch_dependents
@@ -30,10 +28,8 @@ def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
 def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     import triton.experimental.gluon.language as gl
 
-    if which == "dq":
-        from flashtile.kernels.gluon_bwd_dq import _gluon_attn_bwd_dq_kernel as kernel
-    else:
-        from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
+    assert which == "dkdv", f"unknown kernel {which!r}"
+    from flashtile.kernels.gluon_bwd import _gluon_attn_bwd_dkdv_kernel as kernel
 
     bm, bn, nb, nw, *rest = cfg  # then WARPS_N and ROTATED of the dK/dV kernel (defaults 1, 1)
     type_name, gl_name = KINDS[kind]
@@ -43,17 +39,13 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
-    if which == "dkdv":
-        constexprs["WARPS_N"] = rest[0] if rest else 1
-    else:
-        assert not rest or rest[0] == 1, "the dQ kernel has no WARPS_N"
+    constexprs["WARPS_N"] = rest[0] if rest else 1
     constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
     if len(rest) > 2:
-        assert which == "dkdv", "LAUNCH_DEPENDENTS is the dK/dV kernel's"
         constexprs["LAUNCH_DEPENDENTS"] = bool(rest[2])
     rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
     types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
-                 desc_dq=rows_m, LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
+                 LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))

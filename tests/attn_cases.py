@@ -108,15 +108,17 @@ def record_calls(monkeypatch, owner, name: str) -> list:
     return calls
 
 
-def grads_switched(monkeypatch, owner, switch: str, calls: list, shape=(2, 2048, 8, 128), device="cuda"):
-    """dq, dk, dv of one causal bf16 forward, first as routed (the test pinned ``owner.switch`` on;
-    ``calls``, from record_calls, must show its kernel ran), then with ``owner.switch`` = False:
+def grads_switched(setting: str, calls: list, shape=(2, 2048, 8, 128), device="cuda"):
+    """dq, dk, dv of one causal bf16 forward, first as routed (the test pinned ``config.<setting>`` on;
+    ``calls``, from record_calls, must show its kernel ran), then with ``config.<setting>`` = False:
     (got, want) for a test comparing a kernel with the one it replaces."""
+    from flashtile import config
+
     torch.manual_seed(0)
     q, k, v = (torch.randn(*shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     g = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     out = flashtile.flash_attn_func(q, k, v, causal=True)
     got = torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
-    assert calls, f"{switch}: the kernel did not run"
-    monkeypatch.setattr(owner, switch, False)
-    return got, torch.autograd.grad(out, (q, k, v), g)
+    assert calls, f"{setting}: the kernel did not run"
+    with config.override(**{setting: False}):
+        return got, torch.autograd.grad(out, (q, k, v), g)

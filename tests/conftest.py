@@ -28,11 +28,11 @@ def pytest_collection_modifyitems(config, items):
 def tiny_triton_tiles(monkeypatch):
     """The Triton forward and backward kernels through the interpreter, on 16 x 16 tiles (tiny odd
     shapes then cross both the masked and the unmasked block paths)."""
-    from flashtile.backends.triton import attn_bwd, attn_fwd
+    from flashtile import config
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(attn_fwd, "CONFIG_OVERRIDE", (16, 16, 4, 1))
-    monkeypatch.setattr(attn_bwd, "CONFIG_OVERRIDE", ((16, 16, 4, 1), (16, 16, 4, 1)))
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch.interpret_requested
+    with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), bwd_tiles=((16, 16, 4, 1), (16, 16, 4, 1))):
+        yield
 
 
 @pytest.fixture

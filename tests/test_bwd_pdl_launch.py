@@ -1,8 +1,8 @@
 """The backward's programmatic-dependent-launch wiring (backends/triton/attn_bwd.py use_bwd_pdl), on CPU.
 
 With it on, the dK/dV kernel (Triton or Gluon) is built to signal its dependents and the dQ kernel
-is launched behind it with ``launch_pdl`` and waits at its end; every other variant launches as
-before. The kernels are stubbed here: their builds are checked by tests/test_sm90_compile.py and
+is launched behind it with ``launch_pdl`` and waits at its end; with it off, every launch is plain.
+The kernels are stubbed here: their builds are checked by tests/test_sm90_compile.py and
 tests/test_gluon_bwd_compile.py, their results against ordinary launches by tests/test_gpu_bwd_pdl.py.
 """
 
@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from flashtile import autograd as ag
+from flashtile import config
 from flashtile.backends.triton import attn_bwd, gluon_bwd
 
 
-def _backward(monkeypatch, pdl=True, gluon_dkdv=False, causal=True, window=(-1, -1), seqlen_k=64, **overrides):
+def _backward(monkeypatch, pdl=True, gluon_dkdv=False, causal=True, window=(-1, -1), seqlen_k=64):
     """Run the launcher with recording stubs for every launch: [(kernel name, keywords)]; the rule's
     arguments are recorded as ("use_bwd_pdl", {"causal": ..., "seqlen": ...})."""
     calls = []
@@ -23,6 +24,7 @@ def _backward(monkeypatch, pdl=True, gluon_dkdv=False, causal=True, window=(-1, 
 
     monkeypatch.setattr(attn_bwd, "launch", record)
     monkeypatch.setattr(attn_bwd, "run_kernel", record)
+
     def rule(q, causal, seqlen):
         calls.append(("use_bwd_pdl", {"causal": causal, "seqlen": seqlen}))
         return pdl
@@ -31,8 +33,6 @@ def _backward(monkeypatch, pdl=True, gluon_dkdv=False, causal=True, window=(-1, 
     monkeypatch.setattr(gluon_bwd, "use_gluon_bwd", lambda *a: gluon_dkdv)
     monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv",
                         lambda *a, **kw: calls.append(("gluon_dkdv", kw)))
-    for name, value in overrides.items():
-        monkeypatch.setattr(attn_bwd, name, value)
     q, dout = (torch.randn(1, 64, 2, 64, dtype=torch.float16) for _ in range(2))
     k, v = (torch.randn(1, seqlen_k, 2, 64, dtype=torch.float16) for _ in range(2))
     _, _, _, p = ag.padded_params(q, k, v, 0.0, None, causal, window, 0.0, None, False, False)
@@ -72,51 +72,42 @@ def test_off_leaves_every_launch_as_before(monkeypatch):
     assert not {"WAIT_AT_END", "launch_pdl"} & set(calls["_attn_bwd_dq_kernel"])
 
 
-@pytest.mark.parametrize("variant", [dict(FUSED_OVERRIDE=True), dict(ONE_LAUNCH_OVERRIDE=True)])
-def test_other_variants_take_no_pdl(monkeypatch, variant):
-    calls = _backward(monkeypatch, **variant)
-    for name, meta in calls.items():
-        assert not {"LAUNCH_DEPENDENTS", "WAIT_AT_END", "launch_pdl"} & set(meta), name
-
-
 def test_rule_needs_a_cuda_hopper(monkeypatch):
     q = torch.empty(1, 4, 1, 8)
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
-    assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # CPU tensors (the interpreter)
-    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
+    with config.override(bwd_pdl=True):
+        assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # CPU tensors (the interpreter)
+        monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
+        monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
+        assert attn_bwd.use_bwd_pdl(q, True, 2048)
+        monkeypatch.setattr(attn_bwd, "capability", lambda device: (8, 0))
+        assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # Ampere has no programmatic dependent launch
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
-    assert attn_bwd.use_bwd_pdl(q, True, 2048)
-    monkeypatch.setattr(attn_bwd, "capability", lambda device: (8, 0))
-    assert not attn_bwd.use_bwd_pdl(q, True, 2048)  # Ampere has no programmatic dependent launch
-    monkeypatch.setattr(attn_bwd, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", None)
-    monkeypatch.delenv("FLASHTILE_BWD_PDL", raising=False)
     q64, q128 = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 1, 128)
     for t in (q64, q128):
         monkeypatch.setattr(type(t), "device", property(lambda t: torch.device("cuda", 0)), raising=False)
-    # the measured rule (pdl_preferred): d = 64 everywhere, d = 128 causal 2048..4096, non-causal 1024
+    # the table (PDL_TABLE): d = 64 everywhere, d = 128 causal 2048..4096, non-causal up to 1024
     assert attn_bwd.use_bwd_pdl(q64, False, 1024) and attn_bwd.use_bwd_pdl(q64, True, 16384)
     assert attn_bwd.use_bwd_pdl(q128, True, 2048) and attn_bwd.use_bwd_pdl(q128, True, 4096)
     assert not attn_bwd.use_bwd_pdl(q128, False, 4096) and not attn_bwd.use_bwd_pdl(q128, True, 16384)
     assert not attn_bwd.use_bwd_pdl(q128, True, 1024)
-    monkeypatch.setenv("FLASHTILE_BWD_PDL", "")
-    assert attn_bwd.use_bwd_pdl(q64, False, 1024) and not attn_bwd.use_bwd_pdl(q128, False, 4096)  # the rule
-    monkeypatch.setenv("FLASHTILE_BWD_PDL", "0")
-    assert not attn_bwd.use_bwd_pdl(q64, False, 1024)  # forced off
-    monkeypatch.setenv("FLASHTILE_BWD_PDL", "1")
-    assert attn_bwd.use_bwd_pdl(q128, False, 4096)  # forced on
-    # the rule was measured on the H200 only: other sm_90+ GPUs take PDL only when forced
+    with config.override(bwd_pdl=False):
+        assert not attn_bwd.use_bwd_pdl(q64, False, 1024)  # forced off
+    with config.override(bwd_pdl=True):
+        assert attn_bwd.use_bwd_pdl(q128, False, 4096)  # forced on
+    # the table was measured on sm_90 only: other sm_90+ GPUs take PDL only when forced
     monkeypatch.setattr(attn_bwd, "capability", lambda device: (10, 0))
-    assert attn_bwd.use_bwd_pdl(q64, False, 1024)
-    monkeypatch.delenv("FLASHTILE_BWD_PDL")
+    with config.override(bwd_pdl=True):
+        assert attn_bwd.use_bwd_pdl(q64, False, 1024)
     assert not attn_bwd.use_bwd_pdl(q64, False, 1024)
 
 
-def test_pdl_preferred_table():
-    """The rule's rows, as measured (bwd_pdl_ab_h200_2026-11-30_session9.json)."""
+def test_pdl_table():
+    """The table's rows, as measured (docs/backward.md, "The dQ launch behind dK/dV")."""
     pref = attn_bwd.pdl_preferred
     assert all(pref(64, c, s) for c in (False, True) for s in (512, 1024, 16384))
+    assert all(pref(32, c, s) for c in (False, True) for s in (512, 16384))  # its bucket's row
     assert [pref(128, False, s) for s in (1024, 2048, 4096, 16384)] == [True, False, False, False]
     assert [pref(128, True, s) for s in (1024, 2048, 4096, 8192, 16384)] == [False, True, True, False, False]
+    assert [pref(96, True, s) for s in (1024, 2048, 4096, 8192)] == [False, True, True, False]
     assert [pref(256, True, s) for s in (1024, 2048, 16384)] == [False, True, True]
     assert [pref(256, False, s) for s in (1024, 2048, 16384)] == [True, True, True]

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
+from flashtile import config
 from flashtile.backends.triton import attn_bwd as launcher
+from flashtile.backends.triton import attn_fwd as fwd_launcher
 from flashtile.kernels.attn_bwd import BWD_CONFIGS, SHORT_SEQLEN, bwd_configs
 
 A = ((16, 32, 4, 1), (32, 16, 4, 1))
@@ -20,27 +24,35 @@ def test_bwd_lookup_prefers_the_most_specific_row():
     assert bwd_configs("interpret", 128, table, True, 512) == BWD_CONFIGS[("interpret", 0)]
 
 
-def test_bwd_override_file_keys(tmp_path, monkeypatch):
+def test_bwd_override_file_keys(tmp_path):
     path = tmp_path / "bwd_table.json"
     path.write_text(json.dumps({"sm90,64": [list(A[0]), list(A[1])],
                                 "sm90,128,True,short": [list(B[0]), list(B[1])]}))
-    monkeypatch.setenv("FLASHTILE_BWD_CONFIGS", str(path))
-    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
-    table = launcher.config_overrides()
+    assert launcher.config_overrides() == {}  # no file named
+    with config.override(bwd_configs=str(path)):
+        table = launcher.config_overrides()
     assert table == {("sm90", 64): A, ("sm90", 128, True, "short"): B}
     assert bwd_configs("sm90", 128, table, True, 256) == B
 
 
-def test_bwd_override_file_rejects_bad_keys(tmp_path, monkeypatch):
-    import pytest
-
+def test_bwd_override_file_rejects_bad_keys(tmp_path):
     path = tmp_path / "bwd_table.json"
     path.write_text(json.dumps({"sm90,128,short": [list(A[0]), list(A[1])]}))
-    monkeypatch.setenv("FLASHTILE_BWD_CONFIGS", str(path))
-    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
-    with pytest.raises(ValueError, match="bad key 'sm90,128,short'"):
+    with config.override(bwd_configs=str(path)), pytest.raises(ValueError, match="bad key 'sm90,128,short'"):
         launcher.config_overrides()
-    monkeypatch.setattr(launcher, "_TABLE_OVERRIDES", None)
+
+
+def test_fwd_override_file_keys(tmp_path):
+    from flashtile.kernels.attn_fwd import fwd_config
+
+    path = tmp_path / "fwd_table.json"
+    path.write_text(json.dumps({"sm90,128,True,short": [32, 32, 4, 2], "sm90,64,False": [16, 16, 4, 1]}))
+    assert fwd_launcher.config_overrides() == {}
+    with config.override(fwd_configs=str(path)):
+        table = fwd_launcher.config_overrides()
+    assert table == {("sm90", 128, True, "short"): (32, 32, 4, 2), ("sm90", 64, False): (16, 16, 4, 1)}
+    assert fwd_config("sm90", 128, True, 512, table) == (32, 32, 4, 2)
+    assert fwd_config("sm90", 64, False, 4096, table) == (16, 16, 4, 1)
 
 
 def test_decode_launch_config_rules():

@@ -303,12 +303,8 @@ def test_accuracy_outlier_channels_and_incoherent_processing(d):
 
 @pytest.fixture
 def fp8_kernel(request, monkeypatch):
-    from flashtile.backends.triton import attn_fwd_fp8 as launcher
-
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 32, 4, 1))
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", request.param)
-    from flashtile import dispatch
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
+    from flashtile import config, dispatch
 
     used = []
     real = dispatch.choose
@@ -319,7 +315,8 @@ def fp8_kernel(request, monkeypatch):
         return mod
 
     monkeypatch.setattr(dispatch, "choose", choose)
-    return used
+    with config.override(interpret=True, fp8_tiles=(16, 32, 4, 1), tma=request.param):
+        yield used
 
 
 def _check_kernel(used, q8, k8, v8, qd, kd, vd, varlen=None, **kw):

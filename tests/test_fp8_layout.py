@@ -42,21 +42,20 @@ def test_varlen_layout():
 def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch):
     # the API must neither make V's head dim contiguous nor transpose it: both would copy V per call
     import flashtile
-    from flashtile import fp8
-    from flashtile.backends.triton import attn_fwd_fp8 as launcher
+    from flashtile import config, fp8
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 32, 4, 1))
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
 
     def no_copy(v, varlen):
         raise AssertionError("V was copied")
 
     q, k, v = (torch.randn(1, 40, 2, 32) for _ in range(3))
     q8, k8, v8, qd, kd, vd = quantize_qkv(q, k, v)
-    expect = flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)
-    monkeypatch.setattr(fp8, "transpose_v", no_copy)
-    out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
-    assert torch.equal(out, expect)
-    # and the check has teeth: a natural-layout V does go through the copy
-    with pytest.raises(AssertionError, match="V was copied"):
-        flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)
+    with config.override(interpret=True, fp8_tiles=(16, 32, 4, 1)):
+        expect = flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)
+        monkeypatch.setattr(fp8, "transpose_v", no_copy)
+        out = flashtile.flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)
+        assert torch.equal(out, expect)
+        # and the check has teeth: a natural-layout V does go through the copy
+        with pytest.raises(AssertionError, match="V was copied"):
+            flashtile.flash_attn_func(q8, k8, v8.contiguous(), q_descale=qd, k_descale=kd, v_descale=vd)

@@ -1,5 +1,5 @@
-"""The Gluon backward kernels (dK/dV: kernels/gluon_bwd.py, dQ: kernels/gluon_bwd_dq.py) must compile
-for sm_90 through ptxas for every config of their tables, plain and causal: no spills, no serialised
+"""The Gluon dK/dV kernel (kernels/gluon_bwd.py) must compile for sm_90 through ptxas for every config of
+its table, plain and causal: no spills, no serialised
 wgmma, shared memory within 227 KiB, the exponentials of a step running while wgmmas are in flight
 (in the SASS, at least half of a step's MUFU.EX2 sit between an HGMMA and the WARPGROUP.DEPBAR that
 waits for it), and no wgmma reading an operand from registers. No GPU needed."""
@@ -19,20 +19,18 @@ SM90_MAX_SHARED = 232448
 
 def _table_config(cfg: dict, keys) -> list:
     """A table entry as the compile helper's list: BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps, then
-    WARPS_N (1 for the dQ kernel) and ROTATED (the kernel defaults where the entry leaves them out)."""
+    WARPS_N and ROTATED (the kernel defaults where the entry leaves them out)."""
     return [cfg[key] for key in keys[:4]] + [cfg.get("WARPS_N", 1), int(cfg.get("ROTATED", 1))]
 
 
 def _cases():
     """(dtype, d, causal, config, kernel) per compile."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
-    from flashtile.kernels.gluon_bwd_dq import BWD_DQ_CONFIGS
 
     cases = []
-    for which, table, keys in (("dkdv", BWD_DKDV_CONFIGS, CONFIG_KEYS), ("dq", BWD_DQ_CONFIGS, CONFIG_KEYS[:4])):
-        for d, cfg in table.items():
-            cases += [("bf16", d, causal, _table_config(cfg, keys), which) for causal in (False, True)]
-        cases.append(("fp16", 128, True, _table_config(table[128], keys), which))
+    for d, cfg in BWD_DKDV_CONFIGS.items():
+        cases += [("bf16", d, causal, _table_config(cfg, CONFIG_KEYS), "dkdv") for causal in (False, True)]
+    cases.append(("fp16", 128, True, _table_config(BWD_DKDV_CONFIGS[128], CONFIG_KEYS), "dkdv"))
     return cases
 
 
@@ -40,9 +38,8 @@ def _rotated(case) -> bool:
     return bool(case[3][5])
 
 
-# The plain order at d = 128 causal spills 24 bytes (ptxas -v); the H200 measured it the fastest
-# config anyway (benchmarks/results/tune_gluon_bwd_h200_2026-11-30_session7.json). Every other
-# build must not spill.
+# The plain order at d = 128 causal spills 24 bytes (ptxas -v); it measured the fastest config anyway
+# (docs/gluon.md, "The backward's dK/dV kernel"). Every other build must not spill.
 SPILL_ALLOWANCE = {("dkdv", 128, True, False): 24}
 
 
@@ -117,15 +114,13 @@ def test_no_wgmma_reads_registers(compiled):
         assert not register_a, (row["tag"], register_a[:3])
 
 
-
 def test_other_schedule_compiles_unserialised(tmp_path):
     # scripts/tune_gluon_bwd.py's candidates in the schedule the table does not take: the rotated one
-    # at d = 128 (the default until session 7), the plain order at d = 64 and in the dQ kernel. An in-flight product
-    # across steps once made ptxas serialise the wgmmas; neither build may.
-    cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]],
-             ["bf16", 128, True, [64, 64, 2, 4, 1, 0], "dq"]]  # the dQ kernel's plain order too
+    # at d = 128, the plain order at d = 64. An in-flight product across steps once made ptxas serialise
+    # the wgmmas; neither build may.
+    cases = [["bf16", 128, True, [32, 64, 4, 4, 1, 1]], ["bf16", 64, True, [64, 64, 2, 4, 1, 0]]]
     rows = _compile_cases(tmp_path, cases)
-    assert len(rows) == 3
+    assert len(rows) == 2
     for row in rows:
         assert not row["serialized"] and row["spill_bytes"] == 0 and row["shared"] <= SM90_MAX_SHARED, row
 
@@ -136,7 +131,7 @@ def test_table_builds_carry_no_griddepcontrol(compiled):
 
 
 def test_launch_dependents_builds(tmp_path):
-    # attn_bwd.use_bwd_pdl (FLASHTILE_BWD_PDL=1): the table's d = 128 / 256 dK/dV builds signal the dQ
+    # attn_bwd.use_bwd_pdl: the table's d = 128 / 256 dK/dV builds signal the dQ
     # kernel's programmatic dependent launch once, at their start, and stay unserialised
     pytest.importorskip("triton.experimental.gluon")
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS

@@ -7,6 +7,7 @@ measured faster). A call outside the first must never reach the kernel, whatever
 import pytest
 import torch
 
+from flashtile import config
 from flashtile.backends.triton import gluon_route
 from flashtile.params import AttnParams
 
@@ -69,17 +70,38 @@ def test_preferred_where_measured_faster():
     assert not gluon_route.preferred(d64, _params())
 
 
-def test_cpu_tensors_never_take_the_gluon_route(monkeypatch):
+def test_cpu_tensors_never_take_the_gluon_route():
     q, k, v = _qkv()
-    monkeypatch.setattr(gluon_route, "OVERRIDE", True)
-    assert not gluon_route.use_gluon(q, k, v, _params())
+    with config.override(gluon_fwd=True):
+        assert not gluon_route.use_gluon(q, k, v, _params())
 
 
-def test_environment_switch_turns_the_route_off(monkeypatch):
-    q, k, v = _qkv()
-    monkeypatch.setenv("FLASHTILE_GLUON", "0")
-    monkeypatch.setattr(gluon_route, "OVERRIDE", True)
-    assert not gluon_route.use_gluon(q, k, v, _params())
+def _on_gpu(monkeypatch, q, cap=(9, 0)):
+    monkeypatch.setattr(gluon_route, "capability", lambda device: cap)
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
+
+
+@pytest.mark.parametrize("setting,s,want", [
+    ({}, 4096, True),  # the route table
+    ({}, 512, False),
+    (dict(gluon_fwd=True), 512, True),  # forced wherever the kernel can run
+    (dict(gluon_fwd=False), 4096, False),
+    (dict(gluon=False), 4096, False),  # FLASHTILE_GLUON=0: no Gluon kernel at all
+    (dict(gluon=False, gluon_fwd=True), 4096, False),
+])
+def test_settings_and_route_table_on_sm90(monkeypatch, setting, s, want):
+    q, k, v = _qkv(s=s)
+    _on_gpu(monkeypatch, q)
+    with config.override(**setting):
+        assert gluon_route.use_gluon(q, k, v, _params()) is want
+
+
+def test_other_gpus_keep_the_triton_kernel(monkeypatch):
+    q, k, v = _qkv(s=4096)
+    for cap in ((8, 0), (10, 0)):
+        _on_gpu(monkeypatch, q, cap)
+        with config.override(gluon_fwd=True):
+            assert not gluon_route.use_gluon(q, k, v, _params())
 
 
 def test_fp8_calls_take_the_gluon_kernel_at_d128_and_d256_from_4096_tokens():

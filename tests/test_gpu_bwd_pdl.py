@@ -1,4 +1,4 @@
-"""GPU tests of the backward with programmatic dependent launch (FLASHTILE_BWD_PDL, attn_bwd.use_bwd_pdl).
+"""GPU tests of the backward with programmatic dependent launch (attn_bwd.use_bwd_pdl, config.bwd_pdl).
 
 The dQ kernel starts while the dK/dV kernel drains and waits for it only at its end. Gradients must
 be bitwise those of ordinary launches, eager and inside a CUDA graph, on the Triton and the Gluon
@@ -10,7 +10,7 @@ import torch
 
 import flashtile
 from attn_cases import check_padded, check_varlen
-from flashtile.backends.triton import attn_bwd, gluon_bwd
+from flashtile import config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -28,30 +28,28 @@ def _inputs(b, s, h, h_k, d):
     return [t.requires_grad_(True) for t in (q, k, v)], do
 
 
-def _grads(monkeypatch, pdl, case, deterministic=False):
+def _grads(pdl, case, deterministic=False):
     b, s, h, h_k, d, causal, gluon = case
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", pdl)
-    monkeypatch.setattr(gluon_bwd, "OVERRIDE", gluon)
     (q, k, v), do = _inputs(b, s, h, h_k, d)
-    out = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
-    return torch.autograd.grad(out, (q, k, v), do)
+    with config.override(bwd_pdl=pdl, gluon_bwd=gluon):
+        out = flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
+        return torch.autograd.grad(out, (q, k, v), do)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_pdl_gradients_are_bitwise_the_ordinary_ones(monkeypatch, case):
-    want = _grads(monkeypatch, False, case)
-    got = _grads(monkeypatch, True, case)
+def test_pdl_gradients_are_bitwise_the_ordinary_ones(case):
+    want = _grads(False, case)
+    got = _grads(True, case)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
 
-def test_later_work_sees_dk_dv_complete(monkeypatch):
+def test_later_work_sees_dk_dv_complete():
     # one long dK/dV program (128 keys against 16384 queries, one head) and many short dQ programs:
     # without the dQ grid's end-wait it would finish long before the dK/dV kernel, and a reduction
     # queued right after the backward (no sync in between) would read unfinished dK / dV
-    from flashtile.backends.triton import host
+    from flashtile.backends.triton import fast_launch
 
-    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
     g = torch.Generator(device=DEV).manual_seed(1)
     q = torch.randn(1, 16384, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
     k, v = (torch.randn(1, 128, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g).requires_grad_(True)
@@ -59,24 +57,31 @@ def test_later_work_sees_dk_dv_complete(monkeypatch):
     do = torch.randn(1, 16384, 1, 64, device=DEV, dtype=torch.bfloat16, generator=g)
 
     def sums(pdl):
-        monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", pdl)
-        grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v), (q, k, v), do)
-        return torch.stack([x.float().sum() for x in grads])  # queued behind the backward
+        with config.override(bwd_pdl=pdl, gluon_bwd=False):
+            grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v), (q, k, v), do)
+            return torch.stack([x.float().sum() for x in grads])  # queued behind the backward
 
     want = sums(False)
     got = [sums(True) for _ in range(20)]
     assert all(torch.equal(x, want) for x in got)
-    if host.FAST_LAUNCH:  # the dQ kernel really went out with programmatic dependent launch
-        pdl_kernels = [hit[0].name for hit in host._COMPILED.values() if getattr(hit[0].metadata, "launch_pdl", False)]
+    if config.get().fast_launch and fast_launch.AVAILABLE:  # the dQ kernel really went out with PDL
+        pdl_kernels = [hit[0].name for hit in fast_launch._COMPILED.values()
+                       if getattr(hit[0].metadata, "launch_pdl", False)]
         assert any("dq" in name for name in pdl_kernels), pdl_kernels
 
 
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]])
-def test_pdl_inside_a_cuda_graph(monkeypatch, case):
+def test_pdl_inside_a_cuda_graph(case):
     b, s, h, h_k, d, causal, gluon = case
-    want = _grads(monkeypatch, False, case)
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
+    want = _grads(False, case)
     (q, k, v), do = _inputs(b, s, h, h_k, d)
+    with config.override(bwd_pdl=True, gluon_bwd=gluon):
+        grads = _graph_grads(q, k, v, do, causal)
+    for a, b in zip(grads, want):
+        assert torch.equal(a, b)
+
+
+def _graph_grads(q, k, v, do, causal):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up (compile) outside the capture
@@ -87,12 +92,11 @@ def test_pdl_inside_a_cuda_graph(monkeypatch, case):
         grads = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v), do)
     graph.replay()
     torch.cuda.synchronize()
-    for a, b in zip(grads, want):
-        assert torch.equal(a, b)
+    return grads
 
 
-def test_deterministic_runs_repeat(monkeypatch):
-    runs = [_grads(monkeypatch, True, CASES[2], deterministic=True) for _ in range(10)]
+def test_deterministic_runs_repeat():
+    runs = [_grads(True, CASES[2], deterministic=True) for _ in range(10)]
     for grads in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
 
@@ -101,14 +105,13 @@ FEATURES = [dict(dropout_p=0.15), dict(window_size=(100, 20)), dict(softcap=20.0
 
 
 @pytest.mark.parametrize("feature", range(len(FEATURES)))
-def test_pdl_with_features_against_the_reference(monkeypatch, feature):
+def test_pdl_with_features_against_the_reference(feature):
     # the Triton route's other builds (dropout, windows, softcap, ALiBi) with both flags, checked by
     # FlashAttention's tolerance rule against the reference
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
-    monkeypatch.setattr(gluon_bwd, "OVERRIDE", False)
-    check_padded(2, 300, 500, 4, 2, 64, torch.bfloat16, device=DEV, **FEATURES[feature])
+    with config.override(bwd_pdl=True, gluon_bwd=False):
+        check_padded(2, 300, 500, 4, 2, 64, torch.bfloat16, device=DEV, **FEATURES[feature])
 
 
-def test_pdl_varlen_against_the_reference(monkeypatch):
-    monkeypatch.setattr(attn_bwd, "BWD_PDL_OVERRIDE", True)
-    check_varlen([1, 300, 0, 700, 77], [5, 300, 17, 900, 0], 8, 2, 128, torch.bfloat16, device=DEV, causal=True)
+def test_pdl_varlen_against_the_reference():
+    with config.override(bwd_pdl=True):
+        check_varlen([1, 300, 0, 700, 77], [5, 300, 17, 900, 0], 8, 2, 128, torch.bfloat16, device=DEV, causal=True)

@@ -75,15 +75,15 @@ def _check(out, lse, q8, k8, v8, qd, kd, vd, **kw):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tma", [None, False], ids=["auto", "ptr"])
-def test_padded(d, causal, tma, kernel_used, monkeypatch):
-    from flashtile.backends.triton import attn_fwd_fp8 as launcher
+def test_padded(d, causal, tma, kernel_used):
+    from flashtile import config
 
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", tma)
     for sq, sk in [(1, 239), (113, 203), (1023, 1024), (2048, 2048)]:
         q8, k8, v8, qd, kd, vd = quantize_qkv(*_inputs(2, sq, sk, 4, 2, d))
         poison_allocator()
-        out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
-                                                v_descale=vd, return_attn_probs=True)
+        with config.override(tma=tma):
+            out, lse, _ = flashtile.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                    v_descale=vd, return_attn_probs=True)
         assert kernel_used[-1] == "triton"
         err, pt_err = _check(out, lse, q8, k8, v8, qd, kd, vd, causal=causal)
         print(f"fp8 d={d} causal={causal} tma={tma} {sq}x{sk}: max err {err:.2e} (pt {pt_err:.2e})")

@@ -1,13 +1,11 @@
 """GPU tests of the Gluon Hopper forward kernels (needs an sm_90 GPU; skipped elsewhere).
 
-The bf16 tests (d = 64 / 128) passed on an H200 on 2026-11-30. Written since, not yet run on a GPU:
-fp16, d = 256, configs other than the first one (BLOCK_M != BLOCK_N, deeper rings, one
-warpgroup) and the fp8 kernel; a failure (or a hang: wrong barrier parity) may be their first
-contact with hardware. Correctness bar as everywhere in flashtile (tests/tolerance.py): the error
-against the fp32 reference must be within 2x the error of the same computation done by PyTorch in
-the input dtype, plus a small absolute slack; lse within 1e-3 of the reference's. fp8 uses
-FlashAttention-3's bar (tests/test_gpu_fp8.py) and must also agree closely with flashtile's Triton
-fp8 kernel, whose semantics it copies.
+They cover bf16 and fp16, d = 64 / 128 / 256, every config of the table and of the tuning
+candidates, and the fp8 kernel; a hang means a wrong barrier parity. Correctness bar as everywhere in
+flashtile (tests/tolerance.py): the error against the fp32 reference must be within 2x the error of the
+same computation done by PyTorch in the input dtype, plus a small absolute slack; lse within 1e-3 of the
+reference's. fp8 uses FlashAttention-3's bar (tests/test_gpu_fp8.py) and must also agree closely with
+flashtile's Triton fp8 kernel, whose semantics it copies.
 """
 
 import math

@@ -1,15 +1,15 @@
 """GPU tests of the Gluon dK/dV kernel (kernels/gluon_bwd.py) through the public backward, with the
-route pinned on (backends/triton/gluon_bwd.py OVERRIDE, GPU_VERIFIED). Each test also checks that the
-Gluon kernel really ran, so a refused call cannot pass as a Gluon result. The first version failed
-two causal cases here on the H200 (session 5: a register hazard); the shared-memory version passed
-them from session 6, d = 256 from session 7. The table's configs run through the public backward;
-both schedules (rotated and plain order) also run directly against the Triton kernel."""
+route pinned on (config.gluon_bwd). Each test also checks that the Gluon kernel really ran, so a refused
+call cannot pass as a Gluon result. The causal cases caught a register hazard of an earlier version
+(kernels/gluon_bwd.py's docstring). The table's configs run through the public backward; both schedules
+(rotated and plain order) also run directly against the Triton kernel."""
 
 import pytest
 import torch
 
 import flashtile
 from attn_cases import check_padded, grads_switched, record_calls, repeated_grads
+from flashtile import config
 from flashtile.backends.triton import gluon_bwd
 
 # "gluon": run alone (gpu_check.sh tests-gluon-bwd), like the Gluon forward's tests, not in full runs
@@ -19,10 +19,9 @@ DEV = "cuda"
 
 @pytest.fixture
 def gluon_on(monkeypatch):
-    monkeypatch.setattr(gluon_bwd, "OVERRIDE", True)
-    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED", True)  # what these tests decide
-    monkeypatch.setattr(gluon_bwd, "GPU_VERIFIED_HEAD_DIMS", gluon_bwd.HEAD_DIMS)  # d = 256 too
-    return record_calls(monkeypatch, gluon_bwd, "gluon_attn_bwd_dkdv")
+    calls = record_calls(monkeypatch, gluon_bwd, "gluon_attn_bwd_dkdv")
+    with config.override(gluon_bwd=True):
+        yield calls
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])  # 256: two warpgroups side by side
@@ -33,7 +32,7 @@ def test_gluon_dkdv_grads(gluon_on, d, causal, s, h, h_k):
     assert gluon_on, "the Gluon dK/dV kernel did not run"
 
 
-@pytest.mark.parametrize("d", [128, 256])  # fp16 d = 256 is routed by default since session 8
+@pytest.mark.parametrize("d", [128, 256])  # fp16 is routed by default at both
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_dkdv_fp16_and_long(gluon_on, d, causal):
     check_padded(1, 4096, 4096, 4, 4, d, torch.float16, device=DEV, causal=causal)
@@ -51,7 +50,7 @@ def test_gluon_dkdv_repeatable(gluon_on, shape):
 
 
 def test_gluon_dkdv_matches_triton(gluon_on, monkeypatch):
-    got, want = grads_switched(monkeypatch, gluon_bwd, "OVERRIDE", gluon_on, device=DEV)
+    got, want = grads_switched("gluon_bwd", gluon_on, device=DEV)
     for a, b in zip(got, want):
         # two fp32 summation orders, one bf16 rounding each
         assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
@@ -84,13 +83,13 @@ def test_both_orders_match_triton(d, causal, rotated):
     k, v = (torch.randn(b, s, h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    # s = 1000 is below the route's MIN_SEQLEN: the Triton kernels compute these
+    # s = 1000 is below the route table's shortest length: the Triton kernels compute these
     _, want_dk, want_dv = torch.autograd.grad(out, (q, k, v), g)
     delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    config = dict(zip(("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N"), ORDER_CONFIGS[d, rotated]))
-    config["ROTATED"] = rotated
+    tiles = dict(zip(("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N"), ORDER_CONFIGS[d, rotated]))
+    tiles["ROTATED"] = rotated
     gluon_bwd.gluon_attn_bwd_dkdv(q.detach(), k.detach(), v.detach(), g, lse.contiguous(), delta, dk, dv,
-                                  d ** -0.5, causal, config=config)
+                                  d ** -0.5, causal, config=tiles)
     for got, want in ((dk, want_dk), (dv, want_dv)):
         assert (got.float() - want.float()).abs().max().item() <= 2e-2 * want.float().abs().max().item()

@@ -9,6 +9,7 @@ import torch
 
 import flashtile
 from attn_cases import check_padded
+from flashtile import config
 from flashtile.backends.triton import gluon_route
 
 pytestmark = pytest.mark.gpu
@@ -43,10 +44,9 @@ def test_route_switch_and_unsupported_calls_stay_on_triton(gluon_calls, monkeypa
     flashtile.flash_attn_func(q.half(), k.half(), v.half())
     flashtile.flash_attn_func(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous())
     assert not gluon_calls
-    monkeypatch.setenv("FLASHTILE_GLUON", "0")
-    flashtile.flash_attn_func(q, k, v)
+    with config.override(gluon=False):  # FLASHTILE_GLUON=0
+        flashtile.flash_attn_func(q, k, v)
     assert not gluon_calls
-    monkeypatch.delenv("FLASHTILE_GLUON")
     flashtile.flash_attn_func(q, k, v)
     assert len(gluon_calls) == 1
 
@@ -54,8 +54,8 @@ def test_route_switch_and_unsupported_calls_stay_on_triton(gluon_calls, monkeypa
 def test_routed_output_equals_triton_closely(monkeypatch):
     q, k, v = (torch.randn(2, 2048, 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     out_g, lse_g, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-    monkeypatch.setattr(gluon_route, "OVERRIDE", False)
-    out_t, lse_t, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    with config.override(gluon_fwd=False):
+        out_t, lse_t, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     # two fp32-accumulating kernels with different block orders: bf16 rounding apart, no more
     assert (out_g.float() - out_t.float()).abs().max().item() < 2e-2
     assert (lse_g - lse_t).abs().max().item() < 1e-3
@@ -94,8 +94,8 @@ def test_fp8_route_matches_triton_fp8_and_reference(gluon_calls, monkeypatch, d,
     out = flashtile.flash_attn_func(q8, k8, v8, **kw)
     assert gluon_calls, "the fp8 call did not take the Gluon route"
     assert out.dtype == torch.bfloat16 and out.shape == (b, s, h, d)
-    monkeypatch.setattr(gluon_route, "OVERRIDE", False)
-    out_t = flashtile.flash_attn_func(q8, k8, v8, **kw)
+    with config.override(gluon_fwd=False):
+        out_t = flashtile.flash_attn_func(q8, k8, v8, **kw)
     # the reference: attention on the dequantised inputs, fp32
     qf, kf, vf = (dequantize(x, ds) for x, ds in ((q8, qd), (k8, kd), (v8, vd)))
     rep = h // h_k

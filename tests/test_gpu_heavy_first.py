@@ -1,4 +1,4 @@
-"""GPU check of the causal launch order (backends/triton/host.py HEAVY_FIRST): the compiled Triton
+"""GPU check of the causal launch order (config.heavy_first): the compiled Triton
 forward and dQ kernels give bitwise the same output, lse and gradients with the longest row blocks
 started first and in launch order (the interpreter test, test_heavy_first_order.py, cannot compile)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import host
+from flashtile import config
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -14,15 +14,15 @@ DEV = "cuda"
 
 @pytest.mark.parametrize("b,sq,sk,h,h_k,d", [(2, 1000, 1000, 4, 2, 128), (1, 4096, 4096, 8, 8, 64),
                                                (2, 777, 1500, 4, 4, 256)])
-def test_same_in_both_orders(monkeypatch, b, sq, sk, h, h_k, d):
+def test_same_in_both_orders(b, sq, sk, h, h_k, d):
     torch.manual_seed(0)
     q = torch.randn(b, sq, h, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, sk, h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     g = torch.randn_like(q)
     results = []
     for heavy_first in (True, False):
-        monkeypatch.setattr(host, "HEAVY_FIRST", heavy_first)
-        out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
-        results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g)))
+        with config.override(heavy_first=heavy_first):
+            out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), g)))
     for a, c in zip(*results):
         assert torch.equal(a, c)

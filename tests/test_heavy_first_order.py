@@ -1,5 +1,5 @@
 """Causal forward and dQ programs start with their longest row blocks (kernels/attn_fwd.py
-_heavy_rows_first, backends/triton/host.py HEAVY_FIRST): through the interpreter on CPU, the output,
+_heavy_rows_first, config.heavy_first): through the interpreter on CPU, the output,
 lse and gradients are bitwise the same in either launch order, so the reordering maps every row
 block to exactly one program (a block computed twice or never would show here; the kernels' own
 tests check the values against the reference)."""
@@ -9,7 +9,7 @@ import torch
 
 import flashtile
 from attn_cases import varlen_inputs
-from flashtile.backends.triton import host
+from flashtile import config
 
 pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("tiny_triton_tiles")]
 
@@ -25,8 +25,7 @@ def _nan_filled(alloc):
 def _both_orders(monkeypatch, call):
     results = []
     for heavy_first in (True, False):
-        monkeypatch.setattr(host, "HEAVY_FIRST", heavy_first)
-        with monkeypatch.context() as m:
+        with config.override(heavy_first=heavy_first), monkeypatch.context() as m:
             m.setattr(torch, "empty", _nan_filled(torch.empty))
             m.setattr(torch, "empty_like", _nan_filled(torch.empty_like))
             results.append(call())

@@ -4,6 +4,7 @@ the device-capability lookup is cached."""
 import torch
 import triton
 
+from flashtile import config
 from flashtile.backends.triton.host import cdiv, next_pow2
 
 
@@ -27,6 +28,15 @@ def test_capability_is_asked_once_per_device(monkeypatch):
         assert calls == [1]
     finally:
         host._capability.cache_clear()
+
+
+def test_arch_of_keys_the_config_tables(monkeypatch):
+    from flashtile.backends.triton import host
+
+    assert host.arch_of(torch.device("cpu")) == "interpret"
+    for cap, arch in (((9, 0), "sm90"), ((8, 0), "default"), ((10, 0), "default")):
+        monkeypatch.setattr(host, "capability", lambda device, cap=cap: cap)
+        assert host.arch_of(torch.device("cuda", 0)) == arch
 
 
 class _SmallSharedMemoryKernel:
@@ -112,83 +122,7 @@ def test_sweeps_see_the_table_config_fail(monkeypatch):
     kern = _SmallSharedMemoryKernel(fits=2)
     with pytest.warns(RuntimeWarning):
         host.launch(kern, (1,), num_warps=4, num_stages=3)
-    monkeypatch.setattr(host, "REDUCE_STAGES_ON_OOR", False)
     kern.tried = []
-    with pytest.raises(OutOfResources):  # neither the memo nor a retry: the config as asked
-        host.launch(kern, (1,), num_warps=4, num_stages=3)
+    with config.override(reduce_stages_on_oor=False), pytest.raises(OutOfResources):
+        host.launch(kern, (1,), num_warps=4, num_stages=3)  # neither the memo nor a retry: the config as asked
     assert kern.tried == [3]
-
-
-def test_env_get_follows_os_environ(monkeypatch):
-    import os
-    from unittest import mock
-
-    from flashtile import env
-
-    monkeypatch.delenv("FLASHTILE_TEST_SWITCH", raising=False)
-    assert env.get("FLASHTILE_TEST_SWITCH") is None
-    assert env.get("FLASHTILE_TEST_SWITCH", "d") == "d"
-    monkeypatch.setenv("FLASHTILE_TEST_SWITCH", "1")
-    assert env.get("FLASHTILE_TEST_SWITCH") == "1"
-    os.environ["FLASHTILE_TEST_SWITCH"] = "é"  # decoded as os.environ decodes it
-    assert env.get("FLASHTILE_TEST_SWITCH") == os.environ.get("FLASHTILE_TEST_SWITCH")
-    monkeypatch.delenv("FLASHTILE_TEST_SWITCH")
-    assert env.get("FLASHTILE_TEST_SWITCH") is None
-    with mock.patch.dict(os.environ, {"FLASHTILE_TEST_SWITCH": "2"}):
-        assert env.get("FLASHTILE_TEST_SWITCH") == "2"
-    with mock.patch("os.environ", {"FLASHTILE_TEST_SWITCH": "3"}):  # a replaced mapping
-        assert env.get("FLASHTILE_TEST_SWITCH") == "3"
-    assert env.get("FLASHTILE_TEST_SWITCH") is None
-
-
-def test_env_switch_is_tri_state_and_names_bad_values(monkeypatch):
-    """env.switch: unset or empty -> None (the caller's rule), "0" / "1" -> False / True, anything else raises."""
-    import pytest
-
-    from flashtile import env
-
-    monkeypatch.delenv("FLASHTILE_TEST_SWITCH", raising=False)
-    assert env.switch("FLASHTILE_TEST_SWITCH") is None
-    for value, want in (("", None), ("0", False), ("1", True)):
-        monkeypatch.setenv("FLASHTILE_TEST_SWITCH", value)
-        assert env.switch("FLASHTILE_TEST_SWITCH") is want
-    for bad in ("2", "on", "true", " 1"):
-        monkeypatch.setenv("FLASHTILE_TEST_SWITCH", bad)
-        with pytest.raises(ValueError, match="FLASHTILE_TEST_SWITCH"):
-            env.switch("FLASHTILE_TEST_SWITCH")
-
-
-def test_env_count_takes_whole_numbers_in_range_and_names_bad_values(monkeypatch):
-    """env.count: unset or empty -> None, a whole number in [low, high] -> int, anything else raises."""
-    import pytest
-
-    from flashtile import env
-
-    monkeypatch.delenv("FLASHTILE_TEST_COUNT", raising=False)
-    assert env.count("FLASHTILE_TEST_COUNT") is None
-    for value, want in (("", None), ("1", 1), ("128", 128)):
-        monkeypatch.setenv("FLASHTILE_TEST_COUNT", value)
-        assert env.count("FLASHTILE_TEST_COUNT", 1, 128) == want
-    monkeypatch.setenv("FLASHTILE_TEST_COUNT", "100000")
-    assert env.count("FLASHTILE_TEST_COUNT") == 100000  # no upper bound unless asked
-    for bad in ("0", "129", "-3", "2.5", "x", " 4"):
-        monkeypatch.setenv("FLASHTILE_TEST_COUNT", bad)
-        with pytest.raises(ValueError, match="FLASHTILE_TEST_COUNT"):
-            env.count("FLASHTILE_TEST_COUNT", 1, 128)
-
-
-def test_env_overrides_set_for_the_block_and_restore(monkeypatch):
-    import os
-
-    import pytest
-
-    from flashtile import env
-
-    monkeypatch.setenv("FLASHTILE_TEST_SET", "a")
-    monkeypatch.delenv("FLASHTILE_TEST_UNSET", raising=False)
-    with env.overrides({"FLASHTILE_TEST_SET": "b", "FLASHTILE_TEST_UNSET": "c"}):
-        assert env.get("FLASHTILE_TEST_SET") == "b" and env.get("FLASHTILE_TEST_UNSET") == "c"
-    assert os.environ["FLASHTILE_TEST_SET"] == "a" and "FLASHTILE_TEST_UNSET" not in os.environ
-    with pytest.raises(RuntimeError), env.overrides({"FLASHTILE_TEST_SET": "d"}):
-        raise RuntimeError  # restored on the way out of an error too
-    assert os.environ["FLASHTILE_TEST_SET"] == "a"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import attn_fwd as launcher
+from flashtile import config
 
 
 def _paged(k, v, lens, page_size, extra_pages=3):
@@ -30,8 +30,12 @@ def _paged(k, v, lens, page_size, extra_pages=3):
 @pytest.mark.parametrize("kernels", [False, True], ids=["cpu", "interpret"])
 def test_paged_equals_contiguous(monkeypatch, page_size, kernels):
     if kernels:
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-        monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
+        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
+    with config.override(interpret=kernels, fwd_tiles=(16, 16, 4, 1) if kernels else None):
+        _paged_equals_contiguous(page_size)
+
+
+def _paged_equals_contiguous(page_size):
     lens_q, lens_k = [5, 1, 9], [12, 0, 30]
     h, h_k, d = 4, 2, 16
     cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)

@@ -59,53 +59,45 @@ def test_forward_compiles_for_sm90(tmp_path, tma):
     assert _compile(tmp_path, "_attn_fwd_kernel", "flashtile.kernels.attn_fwd", cx, types, 8, 3) == 6
 
 
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "ptr"])
-def test_backward_compiles_for_sm90(tmp_path, tma):
+def test_backward_compiles_for_sm90(tmp_path):
     d = 128
     (bm_kv, bn_kv), (bm_q, bn_q) = (64, 128), (128, 64)
-    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=d, USE_TMA=tma, FUSED_DQ=False)
-    types = dict(desc_q=_desc(bm_kv, d), desc_do=_desc(bm_kv, d)) if tma else {}
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=bm_kv, BLOCK_N=bn_kv, BLOCK_D=d)
     # dK/dV: QK^T, dO V^T, P^T dO, dS^T Q in each of three query ranges
-    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, 2) == 12
-    # the fused variant adds dS^T K with fp32 atomics into dQ: one more dot per range
-    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", dict(cx, FUSED_DQ=True),
-                    dict(types, DQ_ACC="*fp32"), 8, 2) == 15
-    # ... or with one bulk tensor reduce-add per tile (TMA) instead of the per-element atomics
-    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", dict(cx, FUSED_DQ=2),
-                    dict(types, DQ_ACC=f"tensordesc<fp32[1,{bm_kv},1,{d}]>"), 8, 2) == 15
-    cx.pop("FUSED_DQ")
+    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2) == 12
     cx.update(BLOCK_M=bm_q, BLOCK_N=bn_q)
-    types = dict(desc_k=_desc(bn_q, d), desc_v=_desc(bn_q, d)) if tma else {}
-    # dQ: QK^T, dO V^T, dS K in each of three key ranges. With descriptor loads only unpipelined:
-    # ptxas (Triton 3.6) segfaults on the pipelined variant, so the launcher never asks for it.
-    stages = 1 if tma else 2
-    assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, types, 8, stages) == 9
+    # dQ: QK^T, dO V^T, dS K in each of three key ranges
+    assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2) == 9
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+def test_backward_table_configs_compile_for_sm90(tmp_path, dropout):
+    # the sm_90 table's d = 128 tiles, causal, as short varlen calls take them (the Triton kernels)
+    from flashtile.kernels.attn_bwd import BWD_CONFIGS
+
+    (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = BWD_CONFIGS[("sm90", 128)]
+    cx = dict(FLAGS, HEAD_DIM=128, BLOCK_D=128, IS_VARLEN=True, HAS_DROPOUT=dropout)
+    assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd",
+                    dict(cx, BLOCK_M=bm_kv, BLOCK_N=bn_kv), {}, w_kv, s_kv) == 12
+    assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd",
+                    dict(cx, BLOCK_M=bm_q, BLOCK_N=bn_q, HEAVY_FIRST=True), {}, w_q, s_q) == 9
 
 
 def test_backward_pdl_builds_compile_for_sm90(tmp_path):
-    # attn_bwd.use_bwd_pdl (FLASHTILE_BWD_PDL=1): the dK/dV kernel only signals (launch_dependents),
-    # the dQ kernel launched behind it only waits (at its end)
+    # attn_bwd.use_bwd_pdl: the dK/dV kernel only signals (launch_dependents), the dQ kernel launched
+    # behind it only waits (at its end)
     d = 128
-    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=64, BLOCK_N=128, BLOCK_D=d, USE_TMA=False, FUSED_DQ=False,
-              LAUNCH_DEPENDENTS=True)
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=64, BLOCK_N=128, BLOCK_D=d, LAUNCH_DEPENDENTS=True)
     assert _compile(tmp_path, "_attn_bwd_dkdv_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2,
                     gdc=(False, True)) == 12
-    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=128, BLOCK_N=64, BLOCK_D=d, USE_TMA=False, WAIT_AT_END=True)
+    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M=128, BLOCK_N=64, BLOCK_D=d, WAIT_AT_END=True)
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2,
                     gdc=(True, False)) == 9
 
 
-def test_one_launch_backward_compiles_for_sm90(tmp_path):
-    # dK/dV (4 dots) and dQ (3 dots) programs in one kernel, each over three ranges
-    d = 128
-    cx = dict(FLAGS, HEAD_DIM=d, BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, BLOCK_D=d,
-              USE_TMA_DKDV=False, USE_TMA_DQ=False)
-    assert _compile(tmp_path, "_attn_bwd_one_launch_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 3) == 21
-
-
 def test_forward_unpipelined_edges_compile_for_sm90(tmp_path):
     # PIPELINE_EDGES=False (the launcher's choice on sm_90 at BLOCK_D 64 up to 1024 keys, or forced by
-    # FLASHTILE_FWD_PIPELINE_EDGES=0): the causal right edge loads its blocks directly, so its pipelined
+    # config.pipeline_edges=False): the causal right edge loads its blocks directly, so its pipelined
     # copies (prologue and loop, 40 of the pipelined build's 64 16-byte copies here) are gone
     cx = dict(FLAGS, HEAD_DIM=64, BLOCK_M=128, BLOCK_N=64, BLOCK_D=64, RETURN_PROBS=False, USE_TMA=False)
     default, unpipelined = {}, {}
@@ -117,10 +109,10 @@ def test_forward_unpipelined_edges_compile_for_sm90(tmp_path):
 
 
 def test_backward_unpipelined_edges_compile_for_sm90(tmp_path):
-    # FLASHTILE_BWD_PIPELINE_EDGES=0 (an experiment): the causal edge ranges of the dK/dV and dQ kernels load
-    # directly, so their pipelined copies go (d = 64 at the sm_90 table's tiles)
-    cx = dict(FLAGS, HEAD_DIM=64, BLOCK_D=64, USE_TMA=False)
-    kernels = [("_attn_bwd_dkdv_kernel", dict(BLOCK_M=32, BLOCK_N=128, FUSED_DQ=0), 2, (24, 8)),
+    # config.pipeline_edges=False: the causal edge ranges of the dK/dV and dQ kernels load directly, so their
+    # pipelined copies go (d = 64 at the sm_90 table's tiles)
+    cx = dict(FLAGS, HEAD_DIM=64, BLOCK_D=64)
+    kernels = [("_attn_bwd_dkdv_kernel", dict(BLOCK_M=32, BLOCK_N=128), 2, (24, 8)),
                ("_attn_bwd_dq_kernel", dict(BLOCK_M=128, BLOCK_N=64), 3, (64, 24))]
     for name, tiles, stages, (pipelined, direct) in kernels:
         counts = []

@@ -9,8 +9,8 @@ import torch
 
 import flashtile
 from attn_cases import check_padded, check_varlen
+from flashtile import config
 from flashtile.backends.triton import attn_bwd as bwd_launcher
-from flashtile.backends.triton import attn_fwd as fwd_launcher
 
 pytestmark = [pytest.mark.interpret, pytest.mark.usefixtures("tiny_triton_tiles")]
 
@@ -88,97 +88,30 @@ def test_deterministic_backward_bitwise():
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2)])
-def test_tensor_descriptor_path(monkeypatch, kw):
-    # the TMA loads (off by default until measured on the H200) must give the same gradients
-    monkeypatch.setattr(bwd_launcher, "TMA_OVERRIDE", True)
-    monkeypatch.setattr(fwd_launcher, "TMA_OVERRIDE", True)
-    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
-    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
+def test_different_tiles_per_kernel():
+    # the dK/dV and dQ kernels take their own tiles, so their grids differ per (batch, head)
+    with config.override(bwd_tiles=((16, 32, 4, 1), (32, 16, 4, 1))):
+        check_padded(2, 21, 47, 4, 2, 16, torch.float32, causal=True)
+        check_padded(1, 47, 21, 4, 1, 16, torch.float32, dropout_p=0.2)
+        check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2),
-                                dict(softcap=2.0)])
-def test_fused_atomic_dq_variant(monkeypatch, kw):
-    # dQ accumulated inside the dK/dV kernel with atomics (off by default until measured)
-    monkeypatch.setattr(bwd_launcher, "FUSED_OVERRIDE", True)
-    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
-    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
+def test_unpipelined_edges():
+    # config.pipeline_edges=False: the masked ranges of the dK/dV and dQ programs load directly in every
+    # launch; the interpreter ignores pipelining, so this checks the path and the gradients (windowed
+    # and causal, so both edges have blocks)
+    with config.override(pipeline_edges=False):
+        assert bwd_launcher.edge_setting("sm90", 64, True, 2) == {"PIPELINE_EDGES": False}
+        check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=True, window_size=(9, -1))
+        check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float16, causal=True)
+        check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=False)
+    with config.override(pipeline_edges=True):
+        assert bwd_launcher.edge_setting("sm90", 64, False, 2) == {}
 
 
-def test_deterministic_never_takes_the_atomic_path(monkeypatch):
-    from flashtile.params import AttnParams
-
-    monkeypatch.setattr(bwd_launcher, "FUSED_OVERRIDE", True)
-    assert not bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0, deterministic=True))
-    assert bwd_launcher.use_fused_dq(AttnParams(softmax_scale=1.0))
-
-
-ONE_LAUNCH_CASES = [dict(causal=True), dict(window_size=(6, 2), alibi="bh"), dict(dropout_p=0.2), dict(softcap=2.0),
-                    dict()]
-
-
-@pytest.mark.parametrize("kw", ONE_LAUNCH_CASES)
-def test_one_launch_grid(monkeypatch, kw):
-    # dK/dV and dQ programs in one grid; different tiles per half, so the two halves have different
-    # program counts and the split index must be right for every (batch, head)
-    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
-    monkeypatch.setattr(bwd_launcher, "CONFIG_OVERRIDE", ((16, 32, 4, 1), (32, 16, 4, 1)))
-    check_padded(2, 21, 47, 4, 2, 16, torch.float32, **kw)
-    check_padded(1, 47, 21, 4, 1, 16, torch.float32, **kw)
-    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float32, causal=True)
-
-
-def test_one_launch_with_tensor_descriptors(monkeypatch):
-    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
-    monkeypatch.setattr(bwd_launcher, "TMA_OVERRIDE", True)
-    monkeypatch.setattr(fwd_launcher, "TMA_OVERRIDE", True)
-    check_padded(2, 21, 47, 4, 2, 16, torch.float32, causal=True)
-
-
-def test_one_launch_is_one_kernel_and_deterministic(monkeypatch):
-    from flashtile.backends.triton import host
-
-    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", True)
-    launched = []
-    real = host.launch
-
-    def spy(kernel, *args, **kw):
-        launched.append(kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__)
-        return real(kernel, *args, **kw)
-
-    monkeypatch.setattr(bwd_launcher, "launch", spy)
-    q, k, v = (torch.randn(1, 19, 2, 16, requires_grad=True) for _ in range(3))
-    grads = []
-    for _ in range(2):
-        out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
-        grads.append(torch.autograd.grad(out.sum(), (q, k, v)))
-    assert launched == ["_attn_bwd_one_launch_kernel"] * 2
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-
-
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two-kernels", "one-launch"])
-def test_unpipelined_edges_knob(monkeypatch, one_launch):
-    # FLASHTILE_BWD_PIPELINE_EDGES=0: the masked ranges of the dK/dV and dQ programs load directly in every
-    # launch; the interpreter ignores pipelining, so this checks the knob's path and the gradients (windowed
-    # and causal, so both edges have blocks); bad values name the variable
-    monkeypatch.setattr(bwd_launcher, "ONE_LAUNCH_OVERRIDE", one_launch)
-    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "0")
-    assert bwd_launcher.edge_setting("sm90", 64, True, 2) == {"PIPELINE_EDGES": False}
-    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=True, window_size=(9, -1))
-    check_varlen([17, 0, 40, 1], [20, 5, 0, 13], 2, 1, 16, torch.float16, causal=True)
-    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=False)
-    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "1")
-    assert bwd_launcher.edge_setting("sm90", 64, False, 2) == {}
-    monkeypatch.setenv("FLASHTILE_BWD_PIPELINE_EDGES", "off")
-    with pytest.raises(ValueError, match="FLASHTILE_BWD_PIPELINE_EDGES"):
-        bwd_launcher.edge_setting("sm90", 64, False, 2)
-
-
-def test_edge_rule(monkeypatch):
+def test_edge_rule():
     """Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 32 / 64 / 128 without a band (measured); causal
     and windowed launches, other head dims, dtypes and GPUs keep the pipeline."""
-    monkeypatch.delenv("FLASHTILE_BWD_PIPELINE_EDGES", raising=False)
     for block_d in (32, 64, 128):
         assert bwd_launcher.edge_setting("sm90", block_d, False, 2) == {"PIPELINE_EDGES": False}
     for args in (("sm90", 64, True, 2), ("sm90", 128, True, 2), ("sm90", 32, True, 2), ("sm90", 256, False, 2),
@@ -190,11 +123,19 @@ def test_the_launch_takes_the_rule(monkeypatch):
     """The launcher hands the kernels what edge_setting says for the call's band (causal or window)."""
     seen = []
 
-    def rule(arch, block_d, banded, elem_bytes):
-        seen.append(banded)
+    def rule(arch, block_d, banded, elem_bytes, dropout):
+        seen.append((banded, dropout))
         return {}
 
     monkeypatch.setattr(bwd_launcher, "edge_setting", rule)
-    for causal, window in ((False, (-1, -1)), (True, (-1, -1)), (False, (5, -1))):
-        check_padded(1, 21, 21, 2, 1, 16, torch.float16, causal=causal, window_size=window)
-    assert seen == [False, True, True]
+    for causal, window, p in ((False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (False, (5, -1), 0.0),
+                              (True, (-1, -1), 0.2)):
+        check_padded(1, 21, 21, 2, 1, 16, torch.float16, causal=causal, window_size=window, dropout_p=p)
+    assert seen == [(False, False), (True, False), (True, False), (True, True)]
+
+
+def test_dropout_loads_masked_ranges_directly():
+    """Triton 3.6's pipelined masked ranges fault on sm_90 with dropout (varlen + causal, d = 128): with
+    dropout every launch takes direct loads, on any GPU, banded or not."""
+    for args in (("sm90", 128, True, 2), ("sm90", 256, False, 2), ("default", 64, True, 2), ("sm90", 64, True, 4)):
+        assert bwd_launcher.edge_setting(*args, dropout=True) == {"PIPELINE_EDGES": False}, args

@@ -10,6 +10,7 @@ import torch
 
 import flashtile
 from attn_cases import check_padded, check_varlen
+from flashtile import config
 from flashtile.backends.cpu import fwd as cpu_fwd
 from flashtile.backends.triton import attn_fwd as launcher
 
@@ -18,10 +19,9 @@ pytestmark = pytest.mark.interpret
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["ptr", "tma"])
 def interpreter(request, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", request.param)
-    return request.param
+    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
+    with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), tma=request.param):
+        yield request.param
 
 
 def _spy_backend(monkeypatch):
@@ -152,24 +152,19 @@ def test_padded_with_zero_keys(interpreter):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_unpipelined_edges_knob(monkeypatch, causal):
-    """FLASHTILE_FWD_PIPELINE_EDGES=0 runs the masked edge ranges without software pipelining everywhere;
-    the interpreter ignores pipelining, so this checks the knob's path and results. Bad values name the
-    variable. Unset: direct loads on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys and BLOCK_D 32 up to
-    2048 (measured)."""
-    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "0")
-    assert launcher._edge_setting("sm90", 64, 4096) == {"PIPELINE_EDGES": False}
+def test_unpipelined_edges(monkeypatch, causal):
+    """config.pipeline_edges=False runs the masked edge ranges without software pipelining everywhere;
+    the interpreter ignores pipelining, so this checks the path and its results. Unset: direct loads
+    on sm_90 for 2-byte inputs at BLOCK_D 64 up to 1024 keys and BLOCK_D 32 up to 2048."""
     used = _spy_backend(monkeypatch)
-    check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=causal, grads=False, window_size=(9, -1))
+    with config.override(pipeline_edges=False):
+        assert launcher.edge_setting("sm90", 64, 4096) == {"PIPELINE_EDGES": False}
+        check_padded(2, 37, 45, 2, 1, 16, torch.float16, causal=causal, grads=False, window_size=(9, -1))
     assert ("fwd", "triton") in used
-    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "1")
-    assert launcher._edge_setting("sm90", 64, 512) == {}
-    monkeypatch.delenv("FLASHTILE_FWD_PIPELINE_EDGES")
-    assert launcher._edge_setting("sm90", 64, 1024) == {"PIPELINE_EDGES": False}
-    assert launcher._edge_setting("sm90", 32, 2048) == {"PIPELINE_EDGES": False}
+    with config.override(pipeline_edges=True):
+        assert launcher.edge_setting("sm90", 64, 512) == {}
+    assert launcher.edge_setting("sm90", 64, 1024) == {"PIPELINE_EDGES": False}
+    assert launcher.edge_setting("sm90", 32, 2048) == {"PIPELINE_EDGES": False}
     for args in (("sm90", 64, 2048), ("sm90", 32, 4096), ("sm90", 16, 512), ("sm90", 128, 512), ("sm90", 256, 512),
                  ("default", 64, 512), ("interpret", 64, 512), ("sm90", 64, 512, 4)):
-        assert launcher._edge_setting(*args) == {}, args
-    monkeypatch.setenv("FLASHTILE_FWD_PIPELINE_EDGES", "no")
-    with pytest.raises(ValueError, match="FLASHTILE_FWD_PIPELINE_EDGES"):
-        launcher._edge_setting("sm90", 64, 512)
+        assert launcher.edge_setting(*args) == {}, args

@@ -56,6 +56,16 @@ class Settings:
     # a launch whose config needs more shared memory than the GPU has retries with fewer stages
     reduce_stages_on_oor: bool = True
 
+    # --- training ---
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages) for every launch of the Triton fp8 forward
+    fp8_tiles: tuple | None = None
+    # True / False: the backward's dQ kernel with / without programmatic dependent launch behind the dK/dV
+    # kernel (sm_90+ NVIDIA only); None: the launcher's table decides
+    bwd_pdl: bool | None = None
+    # True / False: the masked edge ranges of the Triton forward and backward kernels through the software
+    # pipeline / loaded directly, in every launch; None: the launchers' tables decide
+    pipeline_edges: bool | None = None
+
 
 ENV_FIELDS = {f.metadata["env"]: f for f in dataclasses.fields(Settings) if "env" in f.metadata}
 _FALSE = ("0", "false", "False", "no", "off")

@@ -135,8 +135,7 @@ def transpose_v(v: torch.Tensor, varlen: bool) -> torch.Tensor:
 def v_keys_major(v: torch.Tensor, varlen: bool) -> torch.Tensor:
     """V^T as the fp8 kernels read it: a free view when ``v`` already stores its keys contiguously with
     16-byte strides (the layout :func:`quantize_qkv` returns), else :func:`transpose_v`'s copy (a full
-    read and write of V, about a quarter of the kernel's time at s = 4096 on the H200:
-    benchmarks/results/gluon_fp8_h200_2026-11-30.json, gluon_fp8 against gluon_fp8_k)."""
+    read and write of V, about a quarter of the kernel's time at s = 4096; docs/fp8.md, "How it runs")."""
     vt = v.permute(1, 2, 0) if varlen else v.permute(0, 2, 3, 1)
     es = v.element_size()
     if vt.stride(-1) == 1 and vt.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in vt.stride()[:-1]):

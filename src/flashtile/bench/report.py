@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from flashtile import config
+
 MISSING = "-"
 
 
@@ -68,11 +70,10 @@ def collect_meta(argv: list[str], device: str) -> dict:
         meta["gpu"] = props.name
         meta["capability"] = f"{props.major}.{props.minor}"
         meta["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
-        # which GPU: leases differ by up to a few percent, and a kernel's standing against a peer can flip
-        # between two H200s (docs/decode_tuning_log.md, session 19)
+        # which GPU: two boards of one model differ by up to a few percent, enough to flip a kernel's
+        # standing against a peer
         meta["gpu_uuid"] = str(getattr(props, "uuid", "")) or None
-        # and what may explain it: the board's clock and power limits (session 20: on two H200s where cuDNN itself
-        # was 3% slower, one experiment's standing flipped)
+        # and what may explain it: the board's clock and power limits
         meta["gpu_limits"] = gpu_limits(meta["gpu_uuid"])
     else:
         meta["gpu"] = None
@@ -81,9 +82,10 @@ def collect_meta(argv: list[str], device: str) -> dict:
     meta["date"] = now.isoformat(timespec="seconds")
     meta["command"] = "python -m flashtile.bench " + shlex.join(argv)
     meta["hostname"] = socket.gethostname()
-    # the switches that pick kernels (FLASHTILE_GLUON, FLASHTILE_BWD_FUSED_DQ, ...): a result file
-    # must say which path it measured
-    meta["env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHTILE_")}
+    # the public settings in force (FLASHTILE_GLUON, FLASHTILE_FAST_LAUNCH, ...): a result file must say
+    # which path it measured
+    settings = config.get()
+    meta["settings"] = {name: getattr(settings, field.name) for name, field in config.ENV_FIELDS.items()}
     return meta
 
 

@@ -24,7 +24,6 @@ from flashtile.kernels.attn_fwd import (
     _sequence_bounds,
     _tanh,
     _tile_coords,
-    _tile_coords_of,
 )
 from flashtile.kernels.philox import philox_uniform
 
@@ -116,46 +115,31 @@ def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
 
 
 @triton.jit
-def _load_rows(base, desc, b, row0, head, start, offs, offs_d, n_rows, stride_row,
-               HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-               IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr):
-    """A [BLOCK_ROWS, BLOCK_D] tile of rows start.. of one head: a tensor-descriptor load (rows past
-    the tensor come back as zeros; rows past a varlen sequence are masked by the caller's math) or a
-    masked pointer load from ``base`` (already offset to the head and the sequence's first row)."""
-    if USE_TMA:
-        if IS_VARLEN:
-            t = desc.load([row0 + start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
-        else:
-            t = desc.load([b, start, head, 0]).reshape(BLOCK_ROWS, BLOCK_D)
-    else:
-        rows = start + offs
-        mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
-        t = tl.load(base + rows[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0)
-    return t
+def _load_rows(base, start, offs, offs_d, n_rows, stride_row, HEAD_DIM: tl.constexpr):
+    """A [rows, BLOCK_D] tile of rows start.. of one head, by a masked pointer load from ``base``
+    (already offset to the head and the sequence's first row); zeros outside the sequence and past
+    the head dim."""
+    rows = start + offs
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(base + rows[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base, bh, block_lo, block_hi,
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_hi,
                 offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
                 qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-                DQ_ACC, stride_dqam, FUSED_DQ: tl.constexpr,
-                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks.
 
-    PIPELINE_EDGES = False (the launcher's choice on sm_90 without a band, since session 16; backends/triton/
-    attn_bwd.py edge_setting, FLASHTILE_BWD_PIPELINE_EDGES=0 / 1 forces either): a masked range loads its few
-    blocks directly, without the software pipeline's prologue, which runs even when the range is empty."""
+    PIPELINE_EDGES = False (backends/triton/attn_bwd.py edge_setting): a masked range loads its few blocks
+    directly, without the software pipeline's prologue, which runs even when the range is empty."""
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q
-        q = _load_rows(Q, desc_q, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm,
-                       HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
-        do = _load_rows(DO, desc_do, b, q_row0, h, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_dom,
-                        HEAD_DIM, BLOCK_M, BLOCK_D, IS_VARLEN, USE_TMA)
+        q = _load_rows(Q, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm, HEAD_DIM)
+        do = _load_rows(DO, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_dom, HEAD_DIM)
         # rows past the sequence get lse = +inf, which zeroes their probabilities
         lse2 = tl.load(LSE + lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + lse_base + offs_m, mask=row_ok, other=0.0)
@@ -173,171 +157,95 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, desc_q, desc_do, b, h, q_row0, LSE, DELTA, 
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :]) * factor
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-        if FUSED_DQ:
-            # this key block's share of dQ, added into an fp32 buffer (scaled and cast afterwards);
-            # atomics make the sum order vary run to run, so deterministic=True never takes this path
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
-            if FUSED_DQ == 2:
-                # one bulk tensor reduce-add (TMA) of the whole tile instead of an atomic per element.
-                # Rows past the sequence add exact zeros (their P and so dS are 0), and rows past
-                # the tensor are clipped, so no mask is needed.
-                if IS_VARLEN:
-                    DQ_ACC.atomic_add([q_row0 + blk * BLOCK_M, h, 0], dq_part.reshape(BLOCK_M, 1, BLOCK_D))
-                else:
-                    DQ_ACC.atomic_add([b, blk * BLOCK_M, h, 0], dq_part.reshape(1, BLOCK_M, 1, BLOCK_D))
-            else:
-                tl.atomic_add(DQ_ACC + offs_m[:, None] * stride_dqam + offs_d[None, :], dq_part,
-                              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
-
-
-@triton.jit
-def _dkdv_program(
-    pid_n, b, kv_head,
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
-    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, group,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PIPELINE_EDGES: tl.constexpr = True,
-):
-    """dK and dV of key block pid_n of (batch b, kv head kv_head), summed over the group's query heads."""
-    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
-                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
-                                                          HAS_SEQUSED_K)
-    start_n = pid_n * BLOCK_N
-    if start_n < seqlen_k:  # (a key block past a short varlen sequence has nothing to do)
-        _dkdv_block(start_n, b, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
-                    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, ALIBI,
-                    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
-                    grad_scale, num_heads, group,
-                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb,
-                    stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam,
-                    stride_dqah, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT,
-                    HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-
-
-@triton.jit
-def _dkdv_block(
-    start_n, b, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    num_heads, group,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m_base = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    b64 = b.to(tl.int64)
-    k_rows = (k_row0 + offs_n).to(tl.int64)
-    k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    for g in range(0, group):
-        h = kv_head * group + g
-        slope = 0.0
-        if HAS_ALIBI:
-            slope = tl.load(ALIBI + b * stride_alibi_b + h)
-        bh = b * num_heads + h
-        q_ptr = Q + b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
-        do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
-        lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
-        if FUSED_DQ == 2:
-            dq_acc = DQ_ACC  # a tensor descriptor of the whole fp32 buffer
-        else:
-            dq_acc = DQ_ACC + b64 * stride_dqab + q_row0.to(tl.int64) * stride_dqam + h * stride_dqah
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                             bh, lo, full_lo, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                             IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                             bh, full_lo, full_hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, False, HEAD_DIM, BLOCK_M, BLOCK_D,
-                             IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, desc_q, desc_do, b, h, q_row0, LSE, DELTA, lse_base,
-                             bh, full_hi, hi, offs_m_base, offs_n, offs_d, seqlen_q, seqlen_k, stride_qm,
-                             stride_dom, qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo,
-                             seed_hi, rng_offset, dq_acc, stride_dqam, FUSED_DQ, True, HEAD_DIM, BLOCK_M, BLOCK_D,
-                             IS_VARLEN, USE_TMA, HAS_LEFT,
-                             HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-    dk = dk * grad_scale
-    tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do,
+    Q, K, V, DO, LSE, DELTA, DK, DV,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
     seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
+    stride_lse_b, stride_lse_h, stride_alibi_b,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, FUSED_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
 ):
+    """dK and dV of one key block of one (batch, kv head), summed over the group's query heads."""
     if LAUNCH_DEPENDENTS:
         # programmatic dependent launch (backends/triton/attn_bwd.py use_bwd_pdl): the dQ kernel,
         # which reads nothing this kernel writes, may be scheduled once every program here started,
         # onto the SMs this grid's last wave leaves idle
         gdc_launch_dependents()
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
-    _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, desc_q, desc_do, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q,
-                  SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left,
-                  window_right, grad_scale, seqlen_q, seqlen_k, num_heads, group,
-                  stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                  stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn,
-                  stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b, stride_dqab, stride_dqam, stride_dqah,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT,
-                  HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, FUSED_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
+                                                          HAS_SEQUSED_K)
+    start_n = pid_n * BLOCK_N
+    if start_n < seqlen_k:  # (a key block past a short varlen sequence has nothing to do)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_m_base = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        b64 = b.to(tl.int64)
+        k_rows = (k_row0 + offs_n).to(tl.int64)
+        k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        lo, full_lo, full_hi, hi = _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
+                                                       BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        for g in range(0, group):
+            h = kv_head * group + g
+            slope = 0.0
+            if HAS_ALIBI:
+                slope = tl.load(ALIBI + b * stride_alibi_b + h)
+            bh = b * num_heads + h
+            q_ptr = Q + b64 * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
+            do_ptr = DO + b64 * stride_dob + q_row0.to(tl.int64) * stride_dom + h * stride_doh
+            lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
+            # left edge (masked), interior (unmasked), right edge (masked)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, lo, full_lo, offs_m_base,
+                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
+                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM,
+                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+                                 PIPELINE_EDGES=PIPELINE_EDGES)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, full_lo, full_hi, offs_m_base,
+                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
+                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM,
+                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+                                 PIPELINE_EDGES=PIPELINE_EDGES)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, full_hi, hi, offs_m_base,
+                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
+                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM,
+                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
+                                 PIPELINE_EDGES=PIPELINE_EDGES)
+        dk = dk * grad_scale
+        tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, bh, block_lo, block_hi, offs_m,
-              offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
-              window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              PIPELINE_EDGES: tl.constexpr = True):
+def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs_n_base, offs_d, seqlen_q,
+              seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right, dropout_p,
+              seed_lo, seed_hi, rng_offset,
+              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N]); PIPELINE_EDGES as
     in _dkdv_inner."""
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         cols = blk * BLOCK_N + offs_n_base
-        k = _load_rows(K, desc_k, b, k_row0, kv_head, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn,
-                       HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA)
-        v = _load_rows(V, desc_v, b, k_row0, kv_head, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_vn,
-                       HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA)
+        k = _load_rows(K, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn, HEAD_DIM)
+        v = _load_rows(V, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_vn, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                            qk_scale, softcap, slope, window_left, window_right, MASK,
@@ -351,96 +259,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, desc_k, desc_v, b, kv_head, k_row0, 
     return dq
 
 
-@triton.jit
-def _dq_program(
-    pid_m, b, h, kv_head,
-    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
-    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PIPELINE_EDGES: tl.constexpr = True,
-):
-    """dQ of query block pid_m of (batch b, head h)."""
-    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
-                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
-                                                          HAS_SEQUSED_K)
-    start_m = pid_m * BLOCK_M
-    if start_m < seqlen_q:  # (a query block past a short varlen sequence has nothing to do)
-        _dq_block(start_m, b, h, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
-                  Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, ALIBI,
-                  qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-                  num_heads, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                  stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-                  stride_lse_b, stride_lse_h, stride_alibi_b,
-                  HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                  HAS_DROPOUT, USE_TMA, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-
-
-@triton.jit
-def _dq_block(
-    start_m, b, h, kv_head, q_row0, k_row0, seqlen_q, seqlen_k,
-    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    num_heads, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-    stride_lse_b, stride_lse_h, stride_alibi_b,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PIPELINE_EDGES: tl.constexpr = True,
-):
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n_base = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    b64 = b.to(tl.int64)
-    rows = (q_row0 + offs_m).to(tl.int64)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                 mask=q_mask, other=0.0)
-    lse_ptr = b64 * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
-    lse2 = tl.load(LSE + lse_ptr, mask=offs_m < seqlen_q, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + lse_ptr, mask=offs_m < seqlen_q, other=0.0)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(ALIBI + b * stride_alibi_b + h)
-    bh = b * num_heads + h
-    k_ptr = K + b64 * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
-    v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
-                                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, lo, full_lo, offs_m,
-                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
-                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_lo, full_hi, offs_m,
-                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N,
-                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, desc_k, desc_v, b, kv_head, k_row0, bh, full_hi, hi, offs_m,
-                   offs_n_base, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-                   window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N,
-                   BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                   DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-    dq = dq * grad_scale
-    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=q_mask)
-
-
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v,
+    Q, K, V, DO, LSE, DELTA, DQ,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
     qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
     seqlen_q, seqlen_k, num_heads, group,
@@ -450,19 +271,55 @@ def _attn_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
 ):
+    """dQ of one query block of one (batch, head)."""
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
-    _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
-                ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
-                grad_scale, seqlen_q, seqlen_k, num_heads,
-                stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-                stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-                stride_lse_b, stride_lse_h, stride_alibi_b,
-                HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT,
-                HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+    q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
+                                                          seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
+                                                          HAS_SEQUSED_K)
+    start_m = pid_m * BLOCK_M
+    if start_m < seqlen_q:  # (a query block past a short varlen sequence has nothing to do)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_n_base = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        b64 = b.to(tl.int64)
+        rows = (q_row0 + offs_m).to(tl.int64)
+        q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
+                    mask=q_mask, other=0.0)
+        do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
+                     mask=q_mask, other=0.0)
+        lse_ptr = b64 * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
+        lse2 = tl.load(LSE + lse_ptr, mask=offs_m < seqlen_q, other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + lse_ptr, mask=offs_m < seqlen_q, other=0.0)
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI + b * stride_alibi_b + h)
+        bh = b * num_heads + h
+        k_ptr = K + b64 * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
+        v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k,
+                                                     window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # left edge (masked), interior (unmasked), right edge (masked)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d,
+                       seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
+                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT,
+                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d,
+                       seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
+                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N, HAS_LEFT,
+                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d,
+                       seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
+                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT,
+                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+        dq = dq * grad_scale
+        tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=q_mask)
     if WAIT_AT_END:
         # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs
         # were all written before that kernel started, so no wait before reading. One program
@@ -473,54 +330,8 @@ def _attn_bwd_dq_kernel(
             gdc_wait()
 
 
-@triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE + ["n_dkdv_programs"])
-def _attn_bwd_one_launch_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, desc_q, desc_do, desc_k, desc_v,
-    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, num_kv_heads, group, n_dkdv_programs,
-    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
-    stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
-    stride_dqb, stride_dqm, stride_dqh, stride_lse_b, stride_lse_h, stride_alibi_b,
-    HEAD_DIM: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr,
-    BLOCK_N2: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_VARLEN: tl.constexpr, HAS_SEQUSED_Q: tl.constexpr, HAS_SEQUSED_K: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PIPELINE_EDGES: tl.constexpr = True,
-):
-    """The dK/dV programs (the first n_dkdv_programs ids) and the dQ programs in one grid.
-
-    One launch instead of two: the dQ programs start while the last dK/dV programs finish (no tail
-    between the kernels), and the host pays one launch. Both halves share num_warps / num_stages.
-    The dK/dV programs come first: they do four of the seven products, so scheduling them early
-    leaves the shorter dQ programs to fill the end."""
-    pid = tl.program_id(0)
-    if pid < n_dkdv_programs:
-        pid_n, b, kv_head, _ = _tile_coords_of(pid, seqlen_k, num_kv_heads, 1, BLOCK_N1)
-        _dkdv_program(pid_n, b, kv_head, Q, K, V, DO, LSE, DELTA, DK, DV, DELTA, desc_q, desc_do, CU_SEQLENS_Q,
-                      CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi,
-                      rng_offset, window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads,
-                      group, stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh,
-                      stride_vb, stride_vn, stride_vh, stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn,
-                      stride_dkh, stride_dvb, stride_dvn, stride_dvh, stride_lse_b, stride_lse_h, stride_alibi_b,
-                      0, 0, 0, HEAD_DIM, BLOCK_M1, BLOCK_N1, BLOCK_D, IS_VARLEN, HAS_SEQUSED_Q, HAS_SEQUSED_K,
-                      HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, USE_TMA_DKDV, False, DOT_PRECISION,
-                      PIPELINE_EDGES=PIPELINE_EDGES)
-    else:
-        pid_m, b, h, kv_head = _tile_coords_of(pid - n_dkdv_programs, seqlen_q, num_heads, group, BLOCK_M2)
-        _dq_program(pid_m, b, h, kv_head, Q, K, V, DO, LSE, DELTA, DQ, desc_k, desc_v, CU_SEQLENS_Q, CU_SEQLENS_K,
-                    SEQUSED_Q, SEQUSED_K, ALIBI, qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset,
-                    window_left, window_right, grad_scale, seqlen_q, seqlen_k, num_heads,
-                    stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn,
-                    stride_vh, stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
-                    stride_lse_b, stride_lse_h, stride_alibi_b, HEAD_DIM, BLOCK_M2, BLOCK_N2, BLOCK_D, IS_VARLEN,
-                    HAS_SEQUSED_Q, HAS_SEQUSED_K, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT,
-                    USE_TMA_DQ, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-
-
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.
-# Measured on the H200 (scripts/tune_bwd.py, bf16, s=4096, benchmarks/results/tune_bwd_h200_*.json):
+# sm90 rows: scripts/tune_bwd.py's winners on the H200 (bf16, s = 4096; docs/backward.md, "Tuning"):
 # dK/dV programs stream small query blocks (32) past 64-128 keys; dQ takes 128-query blocks.
 BWD_CONFIGS = {
     ("sm90", 64): ((32, 128, 4, 2), (128, 64, 4, 3)),
@@ -531,18 +342,6 @@ BWD_CONFIGS = {
     ("default", 256): ((32, 32, 4, 1), (32, 32, 4, 1)),
     ("interpret", 0): ((16, 16, 4, 1), (16, 16, 4, 1)),
 }
-
-# One-launch kernel candidates (launcher's FLASHTILE_BWD_ONE_LAUNCH; scripts/tune_bwd.py --one-launch,
-# tests/test_gpu_bwd_one_launch.py): (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages),
-# one warps/stages pair for both halves. Spill bytes for sm_90a (scripts/probe_registers.py one ...):
-# d=128 (32,128,128,64,8,2) 92, (..,8,3) 380, (64,128,128,64,8,3) 2532; d=256 (32,64,128,32,8,2) 456,
-# (64,64,128,64,8,1) 924.
-ONE_LAUNCH_CANDIDATES = {
-    64: [(64, 128, 128, 64, 8, 2), (32, 128, 128, 64, 4, 3)],
-    128: [(32, 128, 128, 64, 8, 2), (32, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 2)],
-    256: [(32, 64, 128, 32, 8, 2), (64, 64, 128, 64, 8, 1)],
-}
-
 
 def bwd_configs(arch: str, block_d: int, overrides=None, causal: bool = False, max_seqlen: int = 0):
     """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket; ``overrides`` wins.

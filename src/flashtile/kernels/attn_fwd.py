@@ -186,10 +186,9 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
                     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
     """Online-softmax update over key blocks [block_lo, block_hi).
 
-    PIPELINE_EDGES = False (the launcher's choice on sm_90 at BLOCK_D 64 up to 1024 keys, since session 15;
-    FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces either): a masked range (MASK) loads its few blocks directly
-    instead of through the software pipeline, whose prologue runs even when the range is empty
-    (docs/forward.md, "Edge ranges load directly at short lengths").
+    PIPELINE_EDGES = False (backends/triton/attn_fwd.py edge_setting): a masked range (MASK) loads its few
+    blocks directly instead of through the software pipeline, whose prologue runs even when the range is
+    empty (docs/forward.md, "Edge ranges load directly at short lengths").
     """
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         start_n = blk * BLOCK_N
@@ -333,11 +332,9 @@ def _attn_fwd_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Tuning table: (BLOCK_M, BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket, causal).
-# Chosen by measurement on the H200 (docs/forward.md has the numbers); "interpret" is the tiny
-# config the CPU tests pin so the interpreter stays fast.
+# sm90 rows: scripts/tune_fwd.py's winners on the H200 (bf16, TMA path; docs/forward.md, "Tuning table");
+# "short" rows serve max_seqlen_k <= SHORT_SEQLEN. "interpret" is the tiny config of the CPU tests.
 FWD_CONFIGS = {
-    # sm90 rows: winners of scripts/tune_fwd.py on the H200, bf16, TMA path
-    # (benchmarks/results/tune_fwd_h200_2026-11-29_*.json). "short" rows serve max_seqlen_k <= 1024.
     ("sm90", 32, False): (128, 64, 4, 3),
     ("sm90", 32, True): (64, 64, 4, 3),
     ("sm90", 64, False, "short"): (64, 64, 4, 3),
@@ -345,8 +342,7 @@ FWD_CONFIGS = {
     ("sm90", 64, False): (128, 64, 4, 3),
     ("sm90", 64, True): (128, 64, 4, 3),
     ("sm90", 128, False, "short"): (64, 64, 4, 3),
-    # d=128 causal at s <= 1024: 64-row tiles waste less on the diagonal (tune_fwd_d128_short_h200_*:
-    # 247 vs 105 TFLOP/s at s=512, 345 vs 248 at s=1024)
+    # d=128 causal at s <= 1024: 64-row tiles waste less on the diagonal (2.3x at s = 512, 1.4x at 1024)
     ("sm90", 128, True, "short"): (64, 64, 4, 3),
     ("sm90", 128, False): (128, 128, 8, 3),
     ("sm90", 128, True): (128, 128, 8, 3),

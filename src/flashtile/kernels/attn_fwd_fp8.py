@@ -215,10 +215,10 @@ def _attn_fwd_fp8_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Tuning table: (BLOCK_M, BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket, causal).
-# d = 128 and 256: measured on the H200 (scripts/tune_fwd.py --fp8, s = 4096,
-# benchmarks/results/tune_fp8_h200_2026-11-29.json): one warp group on 64 query rows beat every
-# 128-row, 8-warp tile by 10-30%. d <= 64: first guesses, not yet measured. fp8 dots need a
-# reduction dim >= 32, hence BLOCK_N >= 32 and BLOCK_D >= 32 everywhere, the interpreter row included.
+# d = 128 and 256: scripts/tune_fwd.py --fp8 on the H200 at s = 4096 (docs/fp8.md, "GPU numbers"): one
+# warp group on 64 query rows beat every 128-row, 8-warp tile by 10-30%. d <= 64: first guesses, not
+# measured. fp8 dots need a reduction dim >= 32, hence BLOCK_N >= 32 and BLOCK_D >= 32 everywhere, the
+# interpreter row included.
 FWD_FP8_CONFIGS = {
     ("sm90", 32, False): (128, 64, 4, 3),
     ("sm90", 32, True): (128, 64, 4, 3),

@@ -19,7 +19,7 @@ P^T and dS^T reach their products through shared memory (two buffers each, alter
 not registers. With register A operands, ptxas reused the in-flight products' operand registers
 for the next step's P^T / dS^T before the wait (the waits' deps hold unpacked copies, not the packed
 registers the wgmma reads): a hazard in the causal build that corrupted gradients on the H200 for
-some shapes (tests/test_gpu_gluon_bwd.py, session 5). Converting after the wait instead cost the
+some shapes (tests/test_gpu_gluon_bwd.py). Converting after the wait instead cost the
 overlap (ptxas then ran the exponentials after the wait, at 255 registers). A buffer written while
 the other one feeds the in-flight products has neither problem.
 
@@ -180,7 +180,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
-    ROTATED = False (the d = 128 / 256 default since session 7): the plain order, every product
+    ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
     waited for within its step, so no scores are held across steps and 64-row steps fit in
     registers; the overlap then comes from a second CTA on the SM (d = 128) or from the two
     warpgroups (d = 256). ROTATED = True: the next step's scores are issued before this step's
@@ -300,15 +300,14 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     tma.store_wait(pendings=0)
 
 
-# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, WARPS_N, ROTATED]) per head dim, from the candidates in
-# scripts/tune_gluon_bwd.py on the H200 (d = 128 / 256: the fastest at every measured row)
-# (tune_gluon_bwd_h200_2026-11-30_session7.json). d = 128 and 256 take the plain order (ROTATED = 0):
-# 64 query rows per step, every product waited for within its step, a 2-slot ring; d = 128 fits two
-# CTAs on an SM (one's exponentials hide under the other's MMAs; causal spills 24 bytes and is still
-# the fastest), d = 256 runs two warpgroups side by side (each half of d in dK / dV and half of a
-# step's queries; 208 KiB of shared memory, one CTA per SM). The plain order took 5%-15% (d = 128)
-# and 18%-21% (d = 256) off this kernel's time against the rotated schedule. d = 64 (not routed by
-# default) keeps the rotated schedule, its fastest there at most rows.
+# (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps[, WARPS_N, ROTATED]) per head dim, the fastest of
+# scripts/tune_gluon_bwd.py's candidates at every measured row (docs/gluon.md, "The backward's dK/dV kernel").
+# d = 128 and 256 take the plain order (ROTATED = 0): 64 query rows per step, every product waited for
+# within its step, a 2-slot ring; d = 128 fits two CTAs on an SM (one's exponentials hide under the
+# other's MMAs; causal spills 24 bytes and is still the fastest), d = 256 runs two warpgroups side by side
+# (each half of d in dK / dV and half of a step's queries; 208 KiB of shared memory, one CTA per SM). The
+# plain order took 5%-15% (d = 128) and 18%-21% (d = 256) off this kernel's time against the rotated
+# schedule. d = 64 (taken only when config.gluon_bwd forces it) keeps the rotated schedule.
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),

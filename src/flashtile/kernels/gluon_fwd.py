@@ -317,14 +317,13 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, strid
 # block, NUM_BUFFERS ring slots (>= 3). Power-of-two tiles only (Gluon tensors). Every entry and every
 # tuning candidate is compiled for sm_90 by tests/test_gluon_compile.py (no spills, no serialised
 # wgmma, shared memory within 227 KiB, exp2 under an in-flight wgmma in the SASS).
-#   16-bit d = 64 / 128: the config measured on the H200 on 2026-11-30 (untuned for d = 64).
+#   16-bit d = 64 / 128: the measured config (untuned for d = 64, which the route leaves to Triton).
 #   16-bit d = 256: one warpgroup, 32 keys per block: 128 x 64 tiles do not fit shared memory with
 #     a 3-slot ring, 64 x 64 spills (255 registers); 64 x 32 uses ~195 registers, ~160 KiB.
-#   fp8 d = 128 / 256: one warpgroup on 64 query rows (the sweep's winner at s = 4096, causal and not:
-#     792 / 708 TFLOP/s at d = 128 against 718 / 602 for 128 x 128 on two warpgroups; 889 / 774 at
-#     d = 256 against 801 / 663 for 128 x 64; benchmarks/results/tune_gluon_fp8_s4096_h200_2026-11-30.json).
-#     Small CTAs let two share an SM, so one's softmax hides under the other's MMAs as well.
-#   fp8 d = 64: the 16-bit shape, not measured yet.
+#   fp8 d = 128 / 256: one warpgroup on 64 query rows, the sweep's winner at s = 4096, causal and not,
+#     by 10%-17% over 128-row tiles on two warpgroups (docs/gluon.md, "Configs"): small CTAs let two
+#     share an SM, so one's softmax hides under the other's MMAs as well.
+#   fp8 d = 64: the 16-bit shape, not measured.
 FWD_CONFIGS = {
     ("16bit", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
     ("16bit", 128): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),

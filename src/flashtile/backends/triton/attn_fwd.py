@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
-from flashtile.backends.triton import host
-from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile import config
+from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2
 from flashtile.backends.triton.tma import row_descriptor as _descriptor
 from flashtile.backends.triton.tma import tma_ok as _tma_ok
 from flashtile.kernels.attn_fwd import _attn_fwd_kernel, fwd_config
@@ -16,46 +15,38 @@ from flashtile.params import AttnParams
 
 LOG2E = 1.4426950408889634
 
-# Tests and the tuning script set these to pin a config or force a load path.
-CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
-TMA_OVERRIDE: bool | None = None
-
-
-_OVERRIDES: dict | None = None
+_TABLE_FILES: dict = {}
 
 
 def config_overrides() -> dict:
-    """Config-table rows from the JSON file named by FLASHTILE_FWD_CONFIGS (tuning runs), if any.
+    """Config-table rows from the JSON file named by ``config.fwd_configs`` (FLASHTILE_FWD_CONFIGS), if any.
 
     The file maps "arch,bucket,causal[,short]" (e.g. "sm90,128,False,short") to
-    [BLOCK_M, BLOCK_N, num_warps, num_stages].
+    [BLOCK_M, BLOCK_N, num_warps, num_stages]. Read once per file name.
     """
-    global _OVERRIDES
-    if _OVERRIDES is None:
-        _OVERRIDES = {}
-        path = os.environ.get("FLASHTILE_FWD_CONFIGS")
-        if path:
-            with open(path) as f:
-                for key, cfg in json.load(f).items():
-                    arch, bucket, causal, *rest = key.split(",")
-                    _OVERRIDES[(arch, int(bucket), causal == "True", *rest)] = tuple(cfg)
-    return _OVERRIDES
-
-
-def arch_of(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "interpret"
-    major, _ = capability(device)
-    return "sm90" if major == 9 else "default"
+    path = config.get().fwd_configs
+    if not path:
+        return {}
+    table = _TABLE_FILES.get(path)
+    if table is None:
+        table = {}
+        with open(path) as f:
+            for key, cfg in json.load(f).items():
+                arch, bucket, causal, *rest = key.split(",")
+                table[(arch, int(bucket), causal == "True", *rest)] = tuple(cfg)
+        _TABLE_FILES[path] = table
+    return table
 
 
 def use_tma(q, k, v) -> bool:
-    if TMA_OVERRIDE is not None:  # tests force a path, but an empty tensor has no descriptor
-        return TMA_OVERRIDE and all(x.numel() > 0 for x in (q, k, v))
+    """Tensor-descriptor loads on sm_90+ where every tensor allows them; ``config.tma`` forces either way
+    (an empty tensor still has no descriptor)."""
+    forced = config.get().tma
+    if forced is not None:
+        return forced and all(x.numel() > 0 for x in (q, k, v))
     if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return all(_tma_ok(x) for x in (q, k, v))
-
 
 
 def attn_fwd(q, k, v, p: AttnParams):
@@ -71,7 +62,8 @@ def _attn_fwd(q, k, v, p: AttnParams):
     block_d = max(16, next_pow2(d))
     arch = arch_of(q.device)
     max_k = p.max_seqlen_k if varlen else k.shape[1]
-    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_config(
+    settings = config.get()
+    block_m, block_n, num_warps, num_stages = settings.fwd_tiles or fwd_config(
         arch, block_d, p.causal, max_k, config_overrides())
     tma = use_tma(q, k, v)
     if tma and (block_d * q.element_size()) < 16:
@@ -145,34 +137,26 @@ def _attn_fwd(q, k, v, p: AttnParams):
         IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None, HAS_SEQUSED_K=p.seqused_k is not None,
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=host.HEAVY_FIRST,
-        num_warps=num_warps, num_stages=num_stages, **_edge_setting(arch, block_d, max_k, q.element_size()),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=settings.heavy_first,
+        num_warps=num_warps, num_stages=num_stages, **edge_setting(arch, block_d, max_k, q.element_size()),
     )
     return out, lse, probs
 
 
-# Masked edge ranges (window start, causal diagonal, ragged key end) loaded directly instead of through
-# the software pipeline, whose prologue runs even when a range is empty. Measured on the H200 (bf16,
-# CUDA-graph replays, pipelined / direct alternated twice; fwd_edges_d64_ab_h200_2026-11-30_session15.json):
-# d = 64 non-causal s = 512 297-307 -> 336-341 TFLOP/s, 1024 351 -> 379-380, 2048 395-399 -> 395-401;
-# causal 512 204 -> 234-236, 1024 276-278 -> 305-306, 2048 334-337 -> 333-334. d = 256 (one run each,
-# fwd_edges_d256_ab_...): s = 512 388 -> 378 non-causal, 275 -> 277 causal; 1024 even. A second lease
-# (fwd_edges_lease2_ab_h200_2026-11-30_session16.json, d = 64 / 256 at 512-4096, twice each) agreed: d = 64
-# s = 512 296-308 -> 325-338 non-causal, 204-205 -> 228-236 causal, 1024 348-350 -> 373-378 / 276-278 ->
-# 304-305, 2048 / 4096 within 1.5% either way; d = 256 -2%..+4%. d = 32 (BLOCK_D 32; session 17, one lease,
-# fwd_edges_d32_ab_h200_2026-11-30_session17.json, twice each): non-causal s = 512 194-195 -> 205, 1024 228 ->
-# 235, 2048 246 -> 250-251; causal 142 -> 151-152, 193-194 -> 201-202, 229 -> 236-237; a second lease, the rule
-# against every launch pipelined (fwd_edges_d32_rule_ab_...): 512 194-195 -> 206, 1024 228 -> 234-235, 2048 246
-# -> 249, causal 142-143 -> 151-152, 193 -> 200-201, 228-229 -> 235, 4096 unchanged (pipelined). So by default on sm_90
-# for 2-byte inputs at BLOCK_D 32 / 64 up to EDGES_MAX_SEQLEN_K[BLOCK_D] keys (longer rows unmeasured at d = 32).
+# Masked edge ranges (window start, causal diagonal, ragged key end) load directly instead of through the
+# software pipeline, whose prologue runs even when a range is empty: on sm_90 for 2-byte inputs, per BLOCK_D,
+# up to this many keys. Measured 3%-15% faster there and even or slower beyond (docs/forward.md,
+# "Edge ranges load directly at short lengths").
 EDGES_MAX_SEQLEN_K = {32: 2048, 64: 1024}
 
 
-def _edge_setting(arch: str, block_d: int, max_k: int, elem_bytes: int = 2) -> dict:
-    """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}.
-    FLASHTILE_FWD_PIPELINE_EDGES=0 / 1 forces direct loads / the pipeline for every launch."""
-    return host.edge_flags("FLASHTILE_FWD_PIPELINE_EDGES",
-                           arch == "sm90" and max_k <= EDGES_MAX_SEQLEN_K.get(block_d, 0) and elem_bytes == 2)
+def edge_setting(arch: str, block_d: int, max_k: int, elem_bytes: int = 2) -> dict:
+    """The launch's PIPELINE_EDGES: {} (pipelined, the kernel's default) or {"PIPELINE_EDGES": False}
+    (direct); ``config.pipeline_edges`` forces either for every launch."""
+    pipelined = config.get().pipeline_edges
+    if pipelined is None:
+        pipelined = not (arch == "sm90" and elem_bytes == 2 and max_k <= EDGES_MAX_SEQLEN_K.get(block_d, 0))
+    return {} if pipelined else {"PIPELINE_EDGES": False}
 
 
 def flops(b: int, h: int, sq: int, sk: int, d: int, causal: bool) -> float:

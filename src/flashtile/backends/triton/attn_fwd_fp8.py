@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.backends.triton import host
-from flashtile.backends.triton.attn_fwd import _descriptor, _tma_ok, arch_of
-from flashtile.backends.triton.host import capability, cdiv, device_guard, launch, next_pow2
+from flashtile import config
+from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.tma import row_descriptor as _descriptor
+from flashtile.backends.triton.tma import tma_ok as _tma_ok
 from flashtile.fp8 import transpose_v, v_keys_major  # noqa: F401  (transpose_v: tests and scripts import it here)
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
 
 LOG2E = 1.4426950408889634
-
-# Tests pin a config or force a load path with these (as for the bf16 launcher).
-CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
-TMA_OVERRIDE: bool | None = None
 
 
 def _vt_descriptor(vt: torch.Tensor, block_n: int, block_d: int):
@@ -25,10 +22,11 @@ def _vt_descriptor(vt: torch.Tensor, block_n: int, block_d: int):
 
 
 def _use_tma(q, k, vt) -> bool:
-    # descriptors need 16-byte strides: with 1-byte elements, d % 16 == 0 (an override cannot lift that)
+    # descriptors need 16-byte strides: with 1-byte elements, d % 16 == 0 (config.tma cannot lift that)
     aligned = all(_tma_ok(x) for x in (q, k, vt))
-    if TMA_OVERRIDE is not None:
-        return TMA_OVERRIDE and aligned
+    forced = config.get().tma
+    if forced is not None:
+        return forced and aligned
     if q.device.type != "cuda" or capability(q.device)[0] < 9:
         return False
     return aligned
@@ -46,8 +44,9 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(32, next_pow2(d))  # fp8 dots need a reduction dim >= 32
-    block_m, block_n, num_warps, num_stages = CONFIG_OVERRIDE or fwd_fp8_config(arch_of(q.device), block_d,
-                                                                                p.causal)
+    settings = config.get()
+    block_m, block_n, num_warps, num_stages = settings.fp8_tiles or fwd_fp8_config(arch_of(q.device), block_d,
+                                                                                   p.causal)
     out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=torch.bfloat16)
     if p.varlen:
         b = p.cu_seqlens_q.numel() - 1
@@ -107,7 +106,7 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_Q_DESCALE=descales[0] is not None,
         HAS_K_DESCALE=descales[1] is not None, HAS_V_DESCALE=descales[2] is not None,
-        USE_TMA=tma, SOFT_ROUND_P=q.device.type == "cpu", HEAVY_FIRST=host.HEAVY_FIRST,
+        USE_TMA=tma, SOFT_ROUND_P=q.device.type == "cpu", HEAVY_FIRST=settings.heavy_first,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse, None

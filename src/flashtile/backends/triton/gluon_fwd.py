@@ -1,4 +1,4 @@
-"""Launchers of the Gluon Hopper forward kernel (experimental, not wired into dispatch).
+"""Launchers of the Gluon Hopper forward kernels (the route that picks them: gluon_route.py).
 
 ``gluon_attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)`` with FlashAttention's layout:
 q, k, v (batch, seqlen, heads, head_dim) bf16 or fp16, out likewise, lse (batch, heads, seqlen)
@@ -118,7 +118,7 @@ def _gl_dtype(dtype: torch.dtype):
 @functools.lru_cache(maxsize=64)
 def _smem_layout(block: tuple[int, ...], dtype: torch.dtype):
     # a pure function of (block, dtype), and building it costs tens of microseconds of Python per
-    # call (host-profile on the H200 machine: four descriptors per forward call)
+    # call (four descriptors per forward call)
     import triton.experimental.gluon.language as gl
 
     return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype(dtype))

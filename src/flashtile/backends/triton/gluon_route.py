@@ -1,44 +1,41 @@
 """Which forward calls take the Gluon Hopper kernel instead of the Triton one.
 
 The Gluon kernel (kernels/gluon_fwd.py, docs/gluon.md) overlaps the softmax with the tensor cores,
-which Triton 3.6 cannot express. It covers a narrow slice of the API, and within that slice it is
-used only where the H200 measured it faster than the Triton kernel
-(benchmarks/results/gluon_h200_2026-11-30.json: bf16 d = 128, 1.06x-1.12x except causal s = 1024
-at 0.98x; d = 64 0.87x-0.92x, so d = 64 stays on Triton; e4m3: see FP8_HEAD_DIMS). Everything
-else, and any GPU but sm_90, goes to Triton.
+which Triton 3.6 cannot express. It covers a narrow slice of the API (``refusal``), and within that
+slice it is taken where ``ROUTE_TABLE`` says it measured faster than the Triton kernel on sm_90
+(docs/gluon.md, "Where it is used"). Everything else, and any GPU but sm_90, goes to Triton.
 
-``FLASHTILE_GLUON=0`` turns the route off; tests pin it with ``OVERRIDE``.
+``config.gluon`` (FLASHTILE_GLUON=0) turns every Gluon route off; ``config.gluon_fwd`` forces this one on
+(wherever the kernel can run) or off.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashtile import env
-from flashtile.backends.triton.attn_fwd import _tma_ok
+from flashtile import config
 from flashtile.backends.triton.host import capability
+from flashtile.backends.triton.tma import tma_ok
 from flashtile.params import AttnParams
 
-# None: the rule below; True / False: always / never where the kernel can run at all (tests).
-OVERRIDE: bool | None = None
-
-# where the measured win is (see the module docstring); the kernels also run d = 64 (and 256)
-HEAD_DIMS = (128,)
+# The compute capabilities the kernel runs on (wgmma: sm_90 only).
+CAPABILITIES = ((9, 0),)
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
-# e4m3, d = 128 / 256 from 4096 tokens: with its swept tiles (tune_gluon_fp8_s4096_h200_2026-11-30.json)
-# the Gluon fp8 kernel leads the Triton one by 1%-12% causal and is within about 2% non-causal, through
-# the public call with no V copy (benchmarks/results/probe_fp8_route_h200_2026-11-30.json)
-FP8_HEAD_DIMS = (128, 256)
-FP8_MIN_SEQLEN = 4096
-# the shortest sequences measured faster (s = 1024 non-causal 1.08x; causal 0.98x there, 1.08x at
-# 4096): below them the Triton kernel's short-sequence tiles keep the call
-MIN_SEQLEN = {False: 1024, True: 2048}
+# (dtype, head_dim) -> {plain causal mask: the shortest sequence that takes the Gluon kernel}. bf16 d = 128:
+# 1.06x-1.12x of the Triton kernel from s = 1024 (causal 0.98x at 1024, faster from 2048); d = 64 measured
+# 0.87x-0.92x and stays on Triton. e4m3 d = 128 / 256: within 2% non-causal and 1%-12% ahead causal from
+# 4096 tokens. Below these lengths the Triton kernel's short-sequence tiles keep the call.
+ROUTE_TABLE = {
+    (torch.bfloat16, 128): {False: 1024, True: 2048},
+    (torch.float8_e4m3fn, 128): {False: 4096, True: 4096},
+    (torch.float8_e4m3fn, 256): {False: 4096, True: 4096},
+}
 
 
 def _aligned(x: torch.Tensor) -> bool:
     # the Triton forward's TMA test (empty tensors were refused above), plus the unit last stride
     # the Gluon descriptors also need
-    return x.stride(-1) == 1 and _tma_ok(x)
+    return x.stride(-1) == 1 and tma_ok(x)
 
 
 def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> str | None:
@@ -76,21 +73,22 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
 
 
 def preferred(q: torch.Tensor, p: AttnParams) -> bool:
-    """Where the H200 measured the Gluon kernel faster than the Triton one."""
-    if q.dtype == torch.float8_e4m3fn:
-        return q.shape[-1] in FP8_HEAD_DIMS and q.shape[1] >= FP8_MIN_SEQLEN
-    return q.shape[-1] in HEAD_DIMS and q.shape[1] >= MIN_SEQLEN[p.window_right == 0]
+    """Does ROUTE_TABLE take the Gluon kernel for this call? (causal: the window (-1, 0))"""
+    start = ROUTE_TABLE.get((q.dtype, q.shape[-1]))
+    return start is not None and q.shape[1] >= start[p.window_right == 0]
 
 
 def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> bool:
-    """Route this forward call to the Gluon kernel? (an sm_90 GPU, supported, and measured faster
-    or forced by OVERRIDE)."""
-    if OVERRIDE is False or env.get("FLASHTILE_GLUON", "1") == "0":
+    """Route this forward call to the Gluon kernel? (an sm_90 GPU, a call it covers, and the route
+    table's choice or config.gluon_fwd's)."""
+    settings = config.get()
+    forced = settings.gluon_fwd
+    if not settings.gluon or forced is False:
         return False
     # the cheap tests first: refusal() reads strides and pointers, on every forward call
-    if not OVERRIDE and not preferred(q, p):
+    if not forced and not preferred(q, p):
         return False
-    return q.device.type == "cuda" and capability(q.device) == (9, 0) and refusal(q, k, v, p) is None
+    return q.device.type == "cuda" and capability(q.device) in CAPABILITIES and refusal(q, k, v, p) is None
 
 
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
