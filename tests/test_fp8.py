@@ -302,10 +302,9 @@ def test_accuracy_outlier_channels_and_incoherent_processing(d):
 # ------------------------------------------------------------------------------------ the kernel (interpreter)
 
 @pytest.fixture
-def fp8_kernel(request, monkeypatch):
+def fp8_kernel(request, monkeypatch, interpret):
     from flashtile.backends.triton import attn_fwd_fp8 as launcher
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 32, 4, 1))
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", request.param)
     from flashtile import dispatch

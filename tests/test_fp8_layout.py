@@ -39,13 +39,12 @@ def test_varlen_layout():
     assert torch.equal(transpose_v(v8, varlen=True).float(), vt.float())
 
 
-def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch):
+def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch, interpret):
     # the API must neither make V's head dim contiguous nor transpose it: both would copy V per call
     import flashtile
     from flashtile import fp8
     from flashtile.backends.triton import attn_fwd_fp8 as launcher
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 32, 4, 1))
 
     def no_copy(v, varlen):

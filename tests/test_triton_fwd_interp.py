@@ -17,8 +17,7 @@ pytestmark = pytest.mark.interpret
 
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["ptr", "tma"])
-def interpreter(request, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+def interpreter(request, monkeypatch, interpret):
     monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 16, 4, 1))
     monkeypatch.setattr(launcher, "TMA_OVERRIDE", request.param)
     return request.param
