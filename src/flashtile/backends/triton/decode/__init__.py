@@ -24,10 +24,10 @@ from flashtile import config
 from flashtile.backends.triton.decode import gluon, rows, split
 from flashtile.backends.triton.decode.append import kv_append
 from flashtile.backends.triton.decode.common import aligned, capacity_of, combine
-from flashtile.backends.triton.decode.route import DecodeShape, device_props, select_route
+from flashtile.backends.triton.decode.route import DecodeShape, device_props, launch_config, select_route
 from flashtile.backends.triton.tma import tma_ok
 
-__all__ = ["combine", "kvcache_fwd"]
+__all__ = ["combine", "kvcache_fwd", "launch_config", "select_route"]
 
 
 def _aliases_cache(new: tuple, caches: tuple) -> bool:

@@ -7,19 +7,22 @@ rule takes the call wins; every bound below is data, and docs/inference.md, 'Rou
 
 On an H200 (132 SMs, 141 GB), 32 query / 8 kv heads of d = 128 in bf16, one query token, the default split count:
 
-==============================  =========  =========  =========  ===========  ============  ============
-cache                           b = 1 / 2  b = 4, 8   b = 16     b = 32       b = 64        b = 128
-==============================  =========  =========  =========  ===========  ============  ============
-contiguous, < 32k keys          split      split      split      gluon (8k+)  rows (8k+)    rows (8k+)
-contiguous, >= 32k keys         split      gluon x8/4 gluon x2   gluon; half  half rows     rows
-                                                                 rows 64k+
-16-key pages                    split      split      rows (8k+) rows (8k+)   rows (8k+)    rows (8k+)
-256-key pages                   split      split      split      rows (8k+)   rows (8k+)    rows (8k+)
-fp8 cache, other features       split      split      split      split        split         split
-==============================  =========  =========  =========  ===========  ============  ============
+=======================  ==========  ===============  ===========  =================  ===========  ===========
+cache (8k keys and up)   b = 1, 2    b = 4, 8         b = 16       b = 32             b = 64       b = 128
+=======================  ==========  ===============  ===========  =================  ===========  ===========
+contiguous, < 32k keys   split       split            split        gluon              half rows    rows
+contiguous, 32k-64k      split       gluon x8 / x4    gluon x2     gluon              half rows    rows
+contiguous, >= 64k       split       gluon x8 / x4    gluon x2     half rows          half rows    rows
+16-key pages             split       split            rows         rows               rows         rows
+256-key pages            split       split            split        rows               rows         rows
+fp8, other features      split       split            split        split              split        split
+=======================  ==========  ===============  ===========  =================  ===========  ===========
 
+("gluon x4": the Gluon kernel split 4 ways; "rows": whole rows, 8 kv heads a program; "half rows": 4.)
 An H100 SXM (132 SMs, 80 GB) differs in one cell: b = 32 on a contiguous cache takes the Gluon kernel below 96k keys
-and whole rows from there (``WHOLE_ROW_BAND``). Other GPUs (and Triton's interpreter) take the split kernel.
+and whole rows from there (``WHOLE_ROW_BAND``). Other GPUs (and Triton's interpreter) take the split kernel. The
+split kernel's own knobs (tiles, split count, 8 warps for long programs, 2 stages for grids of more than one wave,
+TMA, the by-page gather, programmatic dependent launch) follow the rules in ``split``.
 """
 
 from __future__ import annotations
@@ -305,6 +308,20 @@ def num_splits_heuristic(programs: int, key_blocks: int, sms: int, max_splits: i
     return next(s for s, c in enumerate(costs, 1) if c <= least * (1 + SPLIT_SLACK))
 
 
+def launch_config(arch_: str, block_d: int, paged: bool, cache_elem_bytes: int, page_size: int = 0,
+                  grid_full: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a split-kernel launch: the table's row (kernels/decode.py), adjusted for
+    the layout."""
+    block_n, warps, stages = decode_config(arch_, block_d)
+    if cache_elem_bytes >= 4:
+        block_n = max(16, block_n // 2)  # fp32 caches: a stage holds as many bytes
+    if paged and grid_full and page_size < 64 < block_n:
+        block_n = 64  # small pages on a grid that fills the GPU unsplit (1.08x contiguous against 1.20x at 128)
+    if paged and stages > 1:
+        stages += 2  # the block-table load takes a stage ahead of the K / V loads that depend on it
+    return block_n, warps, stages
+
+
 def split(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps, pdl: bool | None = None, *,
           tiles: tuple | None = None, tma: bool | None = None) -> Route:
     """The Triton split-KV kernel: every call (all features, fp8, any page size, any GPU)."""
@@ -317,16 +334,7 @@ def split(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps
     programs = s.batch * s.kv_heads * cdiv(rows_, block_m)  # a split's
     sms = props.sm_count
     grid_full = programs >= SPLIT_FREE_FILL * sms
-    if tiles:
-        block_n, warps, stages = tiles[1:]
-    else:
-        block_n, warps, stages = decode_config(a, block_d)
-        if itemsize >= 4:
-            block_n = max(16, block_n // 2)  # fp32 caches: a stage holds as many bytes
-        if paged and grid_full and page_size < 64 < block_n:
-            block_n = 64  # small pages on a grid that fills the GPU unsplit
-        if paged and stages > 1:
-            stages += 2  # the block-table load takes a stage ahead of the K / V loads that depend on it
+    block_n, warps, stages = tiles[1:] if tiles else launch_config(a, block_d, paged, itemsize, page_size, grid_full)
     key_blocks = cdiv(max(s.capacity, 1), block_n)
     splits = s.num_splits if s.num_splits > 0 else num_splits_heuristic(programs, key_blocks, sms)
     splits = max(1, min(splits, MAX_SPLITS, key_blocks))
