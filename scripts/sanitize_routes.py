@@ -57,7 +57,10 @@ def cases():
     yield "gluon-fwd d128 plain", lambda: _train("", *(_rand(1, 2048, 2, 128) for _ in range(3)))
     yield "fp8-fwd d128", lambda: _fp8(1, 1024, 2, 128)
     yield "fp8-fwd d64 varlen-free short", lambda: _fp8(2, 200, 2, 64)
-    for b, cap, page in ((1, 8192, None), (8, 4096, None), (32, 4096, None), (4, 2048, 16), (4, 2048, 256)):
+    # decode routes on Hopper (backends/triton/decode/route.py): split, Gluon split 4 ways, Gluon unsplit, half rows,
+    # whole rows on 16- and 256-key pages, the paged split kernel
+    for b, cap, page in ((1, 8192, None), (8, 32768, None), (32, 8192, None), (64, 8192, None), (16, 8192, 16),
+                         (32, 8192, 256), (4, 2048, 16), (4, 2048, 256)):
         yield f"decode b{b} cache{cap} page{page}", lambda b=b, cap=cap, page=page: _decode(b, cap, page)
     yield "decode prefill + append + rotary", lambda: _decode(2, 1024, None, sq=17, s_new=17, rotary=True)
     yield "combine", _combine
@@ -74,7 +77,7 @@ def _fp8(b, s, h, d):
 
 
 def _decode(b, cap, page, sq=1, s_new=0, rotary=False):
-    h, h_k, d = 8, 8 if b >= 32 else 2, 128
+    h, h_k, d = 32, 8, 128
     kw = {}
     if page is None:
         k_cache, v_cache = _rand(b, cap, h_k, d), _rand(b, cap, h_k, d)
@@ -83,11 +86,18 @@ def _decode(b, cap, page, sq=1, s_new=0, rotary=False):
         kw["block_table"] = torch.randperm(b * per, device=DEV).view(b, per).to(torch.int32)
         k_cache, v_cache = _rand(b * per, page, h_k, d), _rand(b * per, page, h_k, d)
     lens = torch.randint(1, cap - s_new, (b,), device=DEV, dtype=torch.int32)
+    lens[0] = cap - s_new
     if s_new:
         kw.update(k=_rand(b, s_new, h_k, d), v=_rand(b, s_new, h_k, d))
     if rotary:
         angle = torch.rand(cap, d // 4, device=DEV) * 6.3
         kw.update(rotary_cos=angle.cos().to(BF16), rotary_sin=angle.sin().to(BF16))
+    from flashtile.backends.triton.decode import route
+
+    props = route.device_props(torch.device(DEV))
+    shape = route.DecodeShape(b, sq, h, h_k, d, cap, new_tokens=s_new, plain=not rotary)
+    chosen = route.select_route(shape, BF16, page is not None, page or 0, props)
+    print(f"      route {chosen.kernel}, {chosen.splits} split(s), {chosen.heads or 1} head(s) a program", flush=True)
     out = flashtile.flash_attn_with_kvcache(_rand(b, sq, h, d), k_cache, v_cache, cache_seqlens=lens, causal=True, **kw)
     torch.cuda.synchronize()
     assert torch.isfinite(out.float()).all()

@@ -1,11 +1,12 @@
-"""Sweep decode kernel configs (BLOCK_N, num_warps, num_stages) and split counts on the GPU.
+"""Sweep the split-KV decode kernel's configs (BLOCK_N, num_warps, num_stages) and split counts on the GPU.
 
 Usage (H200): PYTHONPATH=src python scripts/tune_decode.py --out $OUT/tune_decode.json
 Times CUDA-graph replays of one decode step (GQA 32/8, d 128, bf16, one query token, no new keys)
 on contiguous and paged caches, so the numbers are kernel time without the host launch path.
-Paged launches add two pipeline stages on top of the config's (see backends/triton/decode.py), so
-a config's stages mean the same pipeline depth for both layouts. The winners go into DECODE_CONFIGS
-(src/flashtile/kernels/decode.py) by hand, with the JSON committed.
+Every call takes the split route (FLASHTILE_DECODE_ROUTE=split) with the config as its tiles (the ``decode_tiles``
+setting). Paged launches add two pipeline stages on top of the config's (as backends/triton/decode/route.py does),
+so a config's stages mean the same pipeline depth for both layouts. The winners go into DECODE_CONFIGS
+(src/flashtile/kernels/decode.py) by hand.
 """
 
 import argparse
@@ -17,15 +18,11 @@ import time
 import torch
 import triton
 
-from flashtile import flash_attn_with_kvcache
-from flashtile.backends.triton import decode as launcher
-from flashtile.backends.triton import host
+from flashtile import config, flash_attn_with_kvcache
 from flashtile.bench.timing import bench_graph
 
-host.REDUCE_STAGES_ON_OOR = False  # a config that does not fit is recorded as failing, never run as another
-
 # NUM_SPLITS is a constexpr: keep the product small. (128, 4, 2): paged launches at 4 stages fit
-# two CTAs per SM (74 KB of shared memory against 140 KB at 5, compiled for sm_90; docs/decode_tuning_log.md)
+# two CTAs per SM (74 KB of shared memory against 140 KB at 5, compiled for sm_90)
 CONFIGS = [(64, 4, 3), (128, 4, 3), (32, 4, 3), (64, 8, 3), (128, 4, 2)]
 SPLITS = [0, 32]  # 0 = the heuristic
 
@@ -78,13 +75,13 @@ def main():
         lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
         floor_bytes = 2 * b * sk * h_k * d * 2
         for cfg, splits in itertools.product(configs, args.splits):
-            launcher.CONFIG_OVERRIDE = cfg if page is None else (cfg[0], cfg[1], cfg[2] + 2)
-            try:
-                us, err = time_step(q, kc, vc, lens, table, splits), None
-            except Exception as exc:  # shared memory limits: record and go on
-                us, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
-            finally:
-                launcher.CONFIG_OVERRIDE = None
+            tiles = (64, *cfg) if page is None else (64, cfg[0], cfg[1], cfg[2] + 2)
+            # a config that does not fit is recorded as failing, never run as another
+            with config.override(decode_route="split", decode_tiles=tiles, reduce_stages_on_oor=False):
+                try:
+                    us, err = time_step(q, kc, vc, lens, table, splits), None
+                except Exception as exc:  # shared memory limits: record and go on
+                    us, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
             row = dict(b=b, seqlen_k=sk, page=page, order=order, cfg=cfg, num_splits=splits, us=us,
                        gb_s=floor_bytes / us / 1e3 if us else None, error=err)
             rows.append(row)

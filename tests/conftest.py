@@ -1,7 +1,7 @@
 """Test setup: the CPU suite runs the Triton kernels through Triton's interpreter.
 
 TRITON_INTERPRET must be set before triton is imported, so it is set here, at collection, on
-machines without a GPU. Kernel tests then opt in per test with FLASHTILE_INTERPRET=1.
+machines without a GPU. Kernel tests then opt in per test through the `interpret` fixture (config.override).
 """
 
 import os
@@ -10,6 +10,8 @@ import zlib
 
 import pytest
 import torch
+
+from flashtile import config
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -25,35 +27,31 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def tiny_triton_tiles(monkeypatch):
+def interpret():
+    """CPU tensors through the Triton kernels in Triton's interpreter, for the test."""
+    with config.override(interpret=True) as settings:
+        yield settings
+
+
+@pytest.fixture
+def tiny_triton_tiles(interpret):
     """The Triton forward and backward kernels through the interpreter, on 16 x 16 tiles (tiny odd
     shapes then cross both the masked and the unmasked block paths)."""
     from flashtile import config
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch.interpret_requested
-    with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), bwd_tiles=((16, 16, 4, 1), (16, 16, 4, 1))):
+    with config.override(fwd_tiles=(16, 16, 4, 1), bwd_tiles=((16, 16, 4, 1), (16, 16, 4, 1))):
         yield
 
 
 @pytest.fixture
 def decode_interp(monkeypatch):
-    """The decode kernel through the interpreter on a tiny config (16-key tiles, 16-row query blocks),
-    and the keywords of every decode launch, recorded and forwarded to the real launch."""
-    from flashtile.backends.triton import decode as launcher
+    """The split-KV decode kernel through the interpreter on a tiny config (16-key tiles, 16-row query blocks),
+    and the keywords of every such launch, recorded and forwarded to the real launch."""
+    from flashtile.backends.triton.decode import split
     from spies import record_launch_meta
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
-    return record_launch_meta(monkeypatch, launcher, launcher._decode_kernel)
-
-
-@pytest.fixture(autouse=True)
-def _normal_board(monkeypatch):
-    # The decode rules' tests assert the normal boards' routes: the board class is pinned (backends/triton/board.py)
-    # unless the run sets it; tests of the measurement itself unset it.
-    if "FLASHTILE_DECODE_BOARD" not in os.environ:
-        monkeypatch.setenv("FLASHTILE_DECODE_BOARD", "normal")
+    with config.override(interpret=True, decode_tiles=(16, 16, 4, 1)):
+        yield record_launch_meta(monkeypatch, split, split._decode_kernel)
 
 
 @pytest.fixture(autouse=True)

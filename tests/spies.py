@@ -40,3 +40,64 @@ def record_launch_meta(monkeypatch, module, kernel) -> list:
 
     monkeypatch.setattr(module, "launch", record)
     return metas
+
+
+def patch_routes(monkeypatch, **changes):
+    """Every decode call's route as ``select_route`` picks it, with ``changes`` applied (``dataclasses.replace``:
+    e.g. ``stages=3``, ``pages_per_tile=0``), for the test's duration; returns the list of routes taken."""
+    import dataclasses
+
+    from flashtile.backends.triton import decode
+
+    taken = []
+    real = decode.select_route
+
+    def select(*args, **kwargs):
+        route = dataclasses.replace(real(*args, **kwargs), **changes)
+        taken.append(route)
+        return route
+
+    monkeypatch.setattr(decode, "select_route", select)
+    return taken
+
+
+def force_rows(monkeypatch, heads: int, **changes):
+    """Every decode call on the whole-row kernel with ``heads`` kv heads a program (the route's knobs for that
+    count, then ``changes``); returns the list of routes taken."""
+    import dataclasses
+
+    from flashtile.backends.triton import decode
+    from flashtile.backends.triton.decode import route as R
+
+    taken = []
+
+    def select(shape, dtype, paged, page_size, props, **settings):
+        route = dataclasses.replace(R._rows_route(shape, dtype, paged, heads, props, settings.get("pdl")), **changes)
+        taken.append(route)
+        return route
+
+    monkeypatch.setattr(decode, "select_route", select)
+    return taken
+
+
+def record_kernels(monkeypatch) -> list:
+    """Every decode call's route kernel ("split", "rows", "gluon") and knobs, recorded; the routes are not
+    changed."""
+    return patch_routes(monkeypatch)
+
+
+def force_gluon(monkeypatch, splits: int):
+    """Every decode call on the Gluon warps-along-keys kernel split ``splits`` ways (the route's other knobs for
+    that count); returns the list of routes taken."""
+    from flashtile.backends.triton import decode
+    from flashtile.backends.triton.decode import route as R
+
+    taken = []
+
+    def select(shape, dtype, paged, page_size, props, **settings):
+        route = R._gluon_route(shape, dtype, splits, props, settings.get("pdl"))
+        taken.append(route)
+        return route
+
+    monkeypatch.setattr(decode, "select_route", select)
+    return taken

@@ -1,5 +1,5 @@
-"""The decode kernel's by-page gather for small pages (backends/triton/decode.py pages_per_tile, on by
-default; FLASHTILE_DECODE_PAGE_GATHER=0 turns it off), on CPU through the interpreter with 16-key tiles.
+"""The split decode kernel's by-page gather for small pages (Route.pages_per_tile), on CPU through the interpreter
+with 16-key tiles.
 
 Power-of-two pages smaller than a tile, without left padding: an unmasked tile reads one table entry
 per page instead of one per key. Results must equal the per-key path's bit for bit (same addresses,
@@ -7,10 +7,13 @@ same arithmetic) and the oracle of test_kvcache.py, also when every pool slot th
 its row is NaN (the gather must read only pages in use).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from flashtile.backends.triton import decode as launcher
+from flashtile.backends.triton import decode
+from flashtile.backends.triton.decode import route as R
 from test_decode_tma import _call
 from test_kvcache import _run_and_check, dense_oracle, make_case
 
@@ -30,11 +33,14 @@ def test_gather_by_page_matches_per_key_and_oracle(decode_interp, monkeypatch, n
     torch.manual_seed(0)
     q, kc, vc, args = make_case(dtype=torch.float16, cap=70, **CASES[name])
     page = kc.shape[1]
+    real = decode.select_route
     for splits in (1, 3):
-        monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", False)
+        # the per-key page lookup: the same route without the gather
+        monkeypatch.setattr(decode, "select_route",
+                            lambda *a, **k: dataclasses.replace(real(*a, **k), pages_per_tile=0))
         ref = _call(q, kc, vc, args, splits)
         assert decode_interp[-1]["PAGES_PER_TILE"] == 0
-        monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
+        monkeypatch.setattr(decode, "select_route", real)
         got = _run_and_check(q, kc, vc, args, num_splits=splits)
         assert decode_interp[-1]["PAGES_PER_TILE"] == 16 // page, "the by-page gather did not run"
         for a, b in zip(got, ref):
@@ -42,9 +48,8 @@ def test_gather_by_page_matches_per_key_and_oracle(decode_interp, monkeypatch, n
 
 
 @pytest.mark.parametrize("name", ["page_4_causal", "page_8_read_only"])
-def test_nan_outside_the_rows_pages_is_never_read(decode_interp, monkeypatch, name):
+def test_nan_outside_the_rows_pages_is_never_read(decode_interp, name):
     torch.manual_seed(3)
-    monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES[name])
     table, lens, page = args["block_table"], args["cache_seqlens"], kc.shape[1]
     s_new = args["k"].shape[1] if "k" in args else 0
@@ -68,19 +73,15 @@ def test_nan_outside_the_rows_pages_is_never_read(decode_interp, monkeypatch, na
     assert torch.equal(fin, torch.isfinite(lse)) and (lse.double()[fin] - ref_lse[fin]).abs().max().item() <= 1e-4
 
 
-def test_rule(monkeypatch):
-    monkeypatch.setattr(launcher, "PAGE_GATHER_OVERRIDE", None)
-    monkeypatch.delenv("FLASHTILE_DECODE_PAGE_GATHER", raising=False)
-    assert launcher.pages_per_tile(True, 16, 128, False) == 8  # on by default
-    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "0")
-    assert launcher.pages_per_tile(True, 16, 128, False) == 0
-    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "1")
-    assert launcher.pages_per_tile(True, 16, 128, False) == 8
-    assert launcher.pages_per_tile(True, 1, 64, False) == 64
-    assert launcher.pages_per_tile(True, 16, 128, True) == 0  # left padding shifts tiles off pages
-    assert launcher.pages_per_tile(True, 24, 128, False) == 0  # not a power of two
-    assert launcher.pages_per_tile(True, 128, 128, False) == 0  # page-aligned: one entry per tile already
-    assert launcher.pages_per_tile(False, 16, 128, False) == 0
-    monkeypatch.setenv("FLASHTILE_DECODE_PAGE_GATHER", "yes")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_PAGE_GATHER"):
-        launcher.pages_per_tile(True, 16, 128, False)
+def test_rule():
+    def gather(page, block_n=128, leftpad=False, paged=True):
+        shape = R.DecodeShape(1, 1, 32, 8, 128, 8192, plain=not leftpad, leftpad=leftpad)
+        route = R.select_route(shape, torch.float16, paged, page if paged else 0, R.INTERPRETER,
+                               tiles=(16, block_n, 4, 1))
+        return route.pages_per_tile
+
+    assert gather(16) == 8 and gather(1, 64) == 64
+    assert gather(16, leftpad=True) == 0  # left padding shifts tiles off pages
+    assert gather(24) == 0  # not a power of two
+    assert gather(128) == 0  # page-aligned: one entry per tile already
+    assert gather(16, paged=False) == 0

@@ -1,6 +1,6 @@
-"""The decode kernel's tensor-descriptor loads (backends/triton/decode.py use_decode_tma; by default
-on sm_90 where a program reads few key blocks, as measured on the H200), on CPU through the
-interpreter, and the default rule with a CUDA device standing in.
+"""The split decode kernel's tensor-descriptor loads (Route.tma; by default on sm_90 where a program reads few key
+blocks, as measured on the H200), on CPU through the interpreter (``config.override(tma=True)``), and the rule
+(backends/triton/decode/route.py) on fake devices.
 
 With TMA forced, a contiguous cache's unmasked key blocks are read by descriptor; the masked blocks
 (a row's last partial block, window edges, the new keys) keep pointer loads. Results must equal the
@@ -13,7 +13,9 @@ those keys, so they must never be read by one.
 import pytest
 import torch
 
-from flashtile.backends.triton import decode as launcher
+from flashtile import config
+from flashtile.backends.triton.decode import route as R
+from flashtile.backends.triton.decode.split import cache_descriptor
 from flashtile.kvcache import flash_attn_with_kvcache
 from test_kvcache import CASES, _run_and_check, dense_oracle, make_case
 
@@ -40,15 +42,15 @@ def _call(q, kc, vc, args, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("name", CONTIGUOUS + PAGED)
-def test_tma_matches_pointer_loads_and_oracle(decode_interp, monkeypatch, name, dtype):
+def test_tma_matches_pointer_loads_and_oracle(decode_interp, name, dtype):
     torch.manual_seed(0)
     q, kc, vc, args = make_case(dtype=dtype, cap=70, **CASES[name])
     for splits in (1, 3):
-        monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
-        ref = _call(q, kc, vc, args, splits)
+        with config.override(tma=False):
+            ref = _call(q, kc, vc, args, splits)
         assert "USE_TMA" not in decode_interp[-1]
-        monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
-        got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
+        with config.override(tma=True):
+            got = _run_and_check(q, kc, vc, args, num_splits=splits)  # against the oracle
         assert decode_interp[-1].get("USE_TMA") is True, "the descriptor path did not run"
         assert decode_interp[-1]["PAGED"] is (name in PAGED)
         if q.shape[-1] & (q.shape[-1] - 1) == 0:
@@ -61,19 +63,18 @@ def test_tma_matches_pointer_loads_and_oracle(decode_interp, monkeypatch, name, 
 
 
 @pytest.mark.parametrize("name", ["paged_3", "paged_16_leftpad"])
-def test_unaligned_pages_keep_pointer_loads(decode_interp, monkeypatch, name):
+def test_unaligned_pages_keep_pointer_loads(decode_interp, name):
     # pages smaller than a tile, or shifted by left padding: a tile spans pages, no descriptor box fits
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES[name])
-    _run_and_check(q, kc, vc, args, num_splits=2)
+    with config.override(tma=True):
+        _run_and_check(q, kc, vc, args, num_splits=2)
     assert "USE_TMA" not in decode_interp[-1]
 
 
-def test_nan_outside_the_rows_pages_is_never_read(decode_interp, monkeypatch):
+def test_nan_outside_the_rows_pages_is_never_read(decode_interp):
     """Paged: NaN in every pool slot that holds no key of its row (past each row's length, and the
     pages no row uses); descriptors read only whole unmasked tiles, so the result stays finite."""
     torch.manual_seed(3)
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES["paged_32_read_only"])
     table, lens, page = args["block_table"], args["cache_seqlens"], kc.shape[1]
     keep = torch.zeros(kc.shape[:2], dtype=torch.bool)
@@ -89,7 +90,8 @@ def _finite_and_like_the_oracle(decode_interp, q, kc, vc, args):
     """A descriptor-load call (3 splits) on caches holding NaN where no key is: finite and equal to
     the oracle, which reads only each row's keys. Returns the appended caches and the oracle's v."""
     ref_out, ref_lse, _, ref_vc = dense_oracle(q, kc, vc, **args)
-    out, lse, kc2, vc2 = _call(q, kc, vc, args, 3)
+    with config.override(tma=True):
+        out, lse, kc2, vc2 = _call(q, kc, vc, args, 3)
     assert decode_interp[-1].get("USE_TMA") is True
     assert torch.isfinite(out).all()
     assert (out.double() - ref_out).abs().max().item() <= 2e-5
@@ -99,11 +101,10 @@ def _finite_and_like_the_oracle(decode_interp, q, kc, vc, args):
 
 
 @pytest.mark.parametrize("name", ["append_rows", "leftpad", "wide_window", "read_only_int_len", "read_only_leftpad"])
-def test_nan_past_the_rows_is_never_read(decode_interp, monkeypatch, name):
+def test_nan_past_the_rows_is_never_read(decode_interp, name):
     """NaN in every cache slot past a row's keys (and the append's): the masked tail block reads
     them only through masked pointer loads, so the output stays finite and equals the oracle's."""
     torch.manual_seed(1)
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
     q, kc, vc, args = make_case(cap=70, **CASES[name])
     lens = args.get("cache_seqlens")
     b = q.shape[0]
@@ -116,103 +117,52 @@ def test_nan_past_the_rows_is_never_read(decode_interp, monkeypatch, name):
     torch.testing.assert_close(vc2, ref_vc, rtol=0, atol=0, equal_nan=True)  # the append, NaN left alone
 
 
-def _use(k, paged=False, blocks=1, fills=True):
-    return launcher.use_decode_tma(k, k, paged, blocks_per_program=blocks, d_fills_block=fills)
+def _tma(props, blocks=1, paged=False, page=0, dtype=torch.float16, d=128, tma=None, tma_ok=True, leftpad=False):
+    """Route.tma of a one-row call whose programs read ``blocks`` key blocks (128-key tiles on sm_90)."""
+    capacity = blocks * (16 if props is R.INTERPRETER else 128) * 16  # one row of 8 kv heads: 16 splits
+    shape = R.DecodeShape(1, 1, 32, 8, d, capacity, leftpad=leftpad, plain=not leftpad, tma_ok=tma_ok)
+    return R.select_route(shape, dtype, paged, page if paged else 0, props, tma=tma).tma
 
 
-def test_rule(monkeypatch):
-    kc = torch.zeros(2, 64, 2, 16, dtype=torch.float16)
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
-    monkeypatch.delenv("FLASHTILE_DECODE_TMA", raising=False)
-    assert not _use(kc)  # a CPU tensor: never by default
-    monkeypatch.setenv("FLASHTILE_DECODE_TMA", "1")
-    assert not _use(kc)  # nor forced: only TMA_OVERRIDE runs the interpreter
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", True)
-    assert _use(kc)
-    assert not _use(kc, paged=True)  # pages smaller than a tile: pointer loads
-    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=1, d_fills_block=True, page_aligned=True)
-    odd = torch.zeros(2, 64, 2, 13, dtype=torch.float16)  # 26-byte rows: no TMA stride
-    assert not _use(odd)
-    assert not _use(kc[:, :0])  # empty
-    f8 = kc.to(torch.float8_e4m3fn)
-    assert not _use(f8)  # fp8 caches: not tested with descriptors
+def test_rule_in_the_interpreter():
+    assert not _tma(R.INTERPRETER)  # never by default
+    assert _tma(R.INTERPRETER, tma=True)  # the tests' setting runs it there
+    assert not _tma(R.INTERPRETER, paged=True, page=8, tma=True)  # a tile spans pages: pointer loads
+    assert _tma(R.INTERPRETER, paged=True, page=32, tma=True)  # pages of whole tiles
+    assert not _tma(R.INTERPRETER, paged=True, page=32, tma=True, leftpad=True)  # shifted off the pages
+    assert not _tma(R.INTERPRETER, tma=True, tma_ok=False)  # a base or stride TMA cannot address
+    assert not _tma(R.INTERPRETER, tma=True, dtype=torch.float8_e4m3fn)  # fp8 caches: not tested with descriptors
 
 
-class _OnCuda:
-    """A CPU tensor that says it lives on a CUDA device (the rule reads device, dtype, strides, pointer)."""
-
-    def __init__(self, t):
-        self.t, self.device = t, torch.device("cuda")
-
-    def __getattr__(self, name):
-        return getattr(self.t, name)
-
-
-@pytest.mark.parametrize("setting", ["", "1", "0"])
+@pytest.mark.parametrize("setting", [None, True, False])
 @pytest.mark.parametrize("major", [8, 9, 10])
-def test_default_rule_on_gpus(monkeypatch, setting, major):
-    # the default follows the H200 measurement: sm_90, few key blocks per program, a head dim that
-    # fills its tile; "1" forces it on any sm_90+ GPU whatever the blocks, "0" off
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
-    monkeypatch.setattr(launcher, "capability", lambda device: (major, 0))
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setenv("FLASHTILE_DECODE_TMA", setting)
-    kc = _OnCuda(torch.zeros(2, 64, 2, 16, dtype=torch.float16))
-    few, many = launcher.TMA_MAX_BLOCKS_PER_PROGRAM, launcher.TMA_MAX_BLOCKS_PER_PROGRAM + 1
-    want_few = {"": major == 9, "1": major >= 9, "0": False}[setting]
-    want_many = {"": False, "1": major >= 9, "0": False}[setting]
-    assert _use(kc, blocks=few) is want_few
-    assert _use(kc, blocks=many) is want_many
-    assert _use(kc, blocks=few, fills=False) is (setting == "1" and major >= 9)
+def test_default_rule_on_gpus(setting, major):
+    # the default follows the H200 measurement: sm_90, few key blocks per program, a head dim that fills its tile;
+    # True forces it on any sm_90+ GPU whatever the blocks, False off
+    props = R.DeviceProps((major, 0), 132, 80.0)
+    few, many = R.TMA_MAX_BLOCKS_PER_PROGRAM, R.TMA_MAX_BLOCKS_PER_PROGRAM + 1
+    want_few = {None: major == 9, True: major >= 9, False: False}[setting]
+    want_forced = setting is True and major >= 9
+    assert _tma(props, few, tma=setting) is want_few
+    assert _tma(props, many, tma=setting) is want_forced
+    assert _tma(props, few, d=96, tma=setting) is want_forced  # d = 96 in a 128-wide tile
     # page-aligned paged caches: by default up to the lower paged limit; smaller pages never
-    paged_few, paged_many = launcher.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM, launcher.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM + 1
+    paged_few, paged_many = R.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM, R.PAGED_TMA_MAX_BLOCKS_PER_PROGRAM + 1
     assert paged_many <= few
-    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=paged_few, d_fills_block=True,
-                                   page_aligned=True) is want_few
-    assert launcher.use_decode_tma(kc, kc, True, blocks_per_program=paged_many, d_fills_block=True,
-                                   page_aligned=True) is (setting == "1" and major >= 9)
-    assert _use(kc, paged=True, blocks=few) is False
-    # paged pools of 4-byte caches: not measured, so only when forced
-    k32 = _OnCuda(torch.zeros(2, 64, 2, 16, dtype=torch.float32))
-    assert launcher.use_decode_tma(k32, k32, True, blocks_per_program=paged_few, d_fills_block=True,
-                                   page_aligned=True) is (setting == "1" and major >= 9)
-    monkeypatch.setattr(torch.version, "hip", "6.0")  # an MI300 reports 9.x too
-    assert _use(kc, blocks=few) is False
-
-
-def test_switch_names_a_bad_value(monkeypatch):
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", None)
-    monkeypatch.setenv("FLASHTILE_DECODE_TMA", "off")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_TMA"):
-        _use(torch.zeros(1, 16, 1, 16, dtype=torch.float16))
+    assert _tma(props, paged_few, paged=True, page=256, tma=setting) is want_few
+    assert _tma(props, paged_many, paged=True, page=256, tma=setting) is want_forced
+    assert _tma(props, few, paged=True, page=16, tma=setting) is False
+    # paged pools of 4-byte caches: not measured, so only when forced (fp32 tiles are 64 keys: twice the blocks)
+    assert _tma(props, paged_few // 2, paged=True, page=256, dtype=torch.float32, tma=setting) is want_forced
+    rocm = R.DeviceProps((9, 4), 304, 192.0, nvidia=False)  # an MI300 reports 9.x too
+    assert not _tma(rocm, few, tma=setting)
 
 
 def test_unchecked_descriptor_equals_the_checked_one():
-    # cache_descriptor skips TensorDescriptor's validation (use_decode_tma did it): same fields
+    # cache_descriptor skips TensorDescriptor's validation (the route's tma_ok did it): same fields
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     kc = torch.zeros(3, 40, 2, 64, dtype=torch.float16)[:, :33]  # a sliced capacity: strides of the full one
-    fast = launcher.cache_descriptor(kc, 16, 64)
+    fast = cache_descriptor(kc, 16, 64)
     checked = TensorDescriptor(kc, list(kc.shape), list(kc.stride()), [1, 16, 1, 64])
     assert fast.base is kc and fast == checked
-
-
-@pytest.mark.parametrize("d,splits", [(16, 1), (24, 2)])
-def test_launcher_passes_blocks_per_program_and_tile_fill(decode_interp, monkeypatch, d, splits):
-    # decode_attn hands the rule the key blocks one program reads at the cache's capacity (after the
-    # split count) and whether d fills its power-of-two tile (d = 24 runs in a 32-wide tile)
-    seen = []
-    real = launcher.use_decode_tma
-
-    def recording(k, v, paged, **kw):
-        seen.append(kw)
-        return real(k, v, paged, **kw)
-
-    monkeypatch.setattr(launcher, "use_decode_tma", recording)
-    monkeypatch.setattr(launcher, "TMA_OVERRIDE", False)
-    cap = 100
-    q = torch.randn(1, 1, 4, d, dtype=torch.float16)
-    kc = torch.randn(1, cap, 2, d, dtype=torch.float16)
-    flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([70], dtype=torch.int32), num_splits=splits)
-    key_blocks = -(-cap // launcher.CONFIG_OVERRIDE[0])  # the decode_interp fixture's 16-key tiles
-    assert seen == [dict(blocks_per_program=-(-key_blocks // splits), d_fills_block=d in (16, 32), page_aligned=False)]

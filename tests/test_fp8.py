@@ -303,7 +303,6 @@ def test_accuracy_outlier_channels_and_incoherent_processing(d):
 
 @pytest.fixture
 def fp8_kernel(request, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
     from flashtile import config, dispatch
 
     used = []

@@ -39,12 +39,11 @@ def test_varlen_layout():
     assert torch.equal(transpose_v(v8, varlen=True).float(), vt.float())
 
 
-def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch):
+def test_public_fp8_call_reads_quantize_qkv_v_without_copying(monkeypatch, interpret):
     # the API must neither make V's head dim contiguous nor transpose it: both would copy V per call
     import flashtile
     from flashtile import config, fp8
 
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
 
     def no_copy(v, varlen):
         raise AssertionError("V was copied")

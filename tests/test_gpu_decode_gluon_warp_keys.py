@@ -1,14 +1,17 @@
-"""The Gluon warps-along-keys decode kernel on the H200 (FLASHTILE_DECODE_GLUON_WARP_KEYS=1 sends it every call it
-covers; unset, the rule picks long caches on full grids): every call routed there must match the PyTorch
-reference as the Triton kernel does (FlashAttention's tolerance rule), append its new keys exactly (in the
-kernel itself unless they alias the cache), and stay capturable in a CUDA graph; calls outside its coverage keep
-the Triton kernel."""
+"""The Gluon warps-along-keys decode kernel on Hopper (FLASHTILE_DECODE_ROUTE=gluon sends it every call it covers
+and refuses the others by name; unset, its routes take long caches on full grids, and split on smaller ones): every
+call routed there must match the PyTorch reference as the Triton kernel does (FlashAttention's tolerance rule),
+append its new keys exactly (in the kernel itself unless they alias the cache), and stay capturable in a CUDA
+graph."""
 
 import pytest
 import torch
 
-from flashtile import flash_attn_with_kvcache
-from flashtile.backends.triton import decode, decode_gluon
+from flashtile import config, flash_attn_with_kvcache
+from flashtile.backends.triton import decode
+from flashtile.backends.triton.decode import gluon
+from flashtile.backends.triton.decode import route as R
+from spies import force_gluon
 from test_gpu_kvcache import _capture, _check, _inputs
 
 pytestmark = pytest.mark.gpu
@@ -30,9 +33,10 @@ def _record_launches(monkeypatch, module, name: str, arg: int) -> list:
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """The knob on, and a list that records every launch of the Gluon kernel."""
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
-    return _record_launches(monkeypatch, decode_gluon, "gluon_decode", 0)
+    """The route forced to the kernel, and a list that records every launch of the Gluon kernel."""
+    calls = _record_launches(monkeypatch, gluon, "decode", 0)
+    with config.override(decode_route="gluon"):
+        yield calls
 
 
 @pytest.fixture
@@ -68,15 +72,16 @@ def test_int_length_and_empty_rows(gluon_calls):
 
 
 @pytest.mark.parametrize("kw", [dict(window_size=(100, 0)), dict(softcap=20.0), dict(num_splits=4)])
-def test_outside_coverage_keeps_the_triton_kernel(gluon_calls, kw):
+def test_outside_coverage_is_refused_by_name(gluon_calls, kw):
     q, kc, vc, inputs = _inputs(32, 1, 1, 32, 8, 128, 2000, torch.bfloat16)
-    _check(q, kc, vc, inputs, **kw)
+    with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROUTE='gluon' cannot take this call"):
+        _check(q, kc, vc, inputs, **kw)
     assert not gluon_calls
 
 
-def graph_steps_match_the_default(monkeypatch, knob: str):
-    """A decode step with an append captured in a CUDA graph with the kernel's knob on, replayed three times with
-    advancing lengths, each replay against an eager call with the knob off (the default kernels)."""
+def graph_steps_match_the_default():
+    """A decode step with an append captured in a CUDA graph on the forced route, replayed three times with
+    advancing lengths, each replay against an eager call on the Triton split kernel."""
     q, kc, vc, kw = _inputs(32, 1, 1, 32, 8, 128, 1000, torch.bfloat16)
     lens = kw.pop("cache_seqlens")
     lens.clamp_(max=900)
@@ -89,20 +94,18 @@ def graph_steps_match_the_default(monkeypatch, knob: str):
     for _ in range(3):
         lens += 1
         graph.replay()
-        # the default kernels on the appended cache (a replay does not read the variable)
-        monkeypatch.setenv(knob, "0")
-        ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=lens + 1, causal=True)
-        monkeypatch.setenv(knob, "1")
+        # the split kernel on the appended cache (a replay does not read the setting)
+        with config.override(decode_route="split"):
+            ref = flash_attn_with_kvcache(q, kc.clone(), vc.clone(), cache_seqlens=lens + 1, causal=True)
         torch.cuda.synchronize()
         assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
-def test_cuda_graph_step(gluon_calls, monkeypatch):
-    graph_steps_match_the_default(monkeypatch, "FLASHTILE_DECODE_GLUON_WARP_KEYS")
+def test_cuda_graph_step(gluon_calls):
+    graph_steps_match_the_default()
     assert gluon_calls
 
 
-# Added after session 17's GPU run (a review's list of what the rule admits that no test ran); passed in session 18.
 @pytest.mark.parametrize("h, h_k", [(24, 8), (48, 4), (96, 8)])  # groups of 3, 12 and 12: not powers of two
 def test_groups_that_are_not_powers_of_two(gluon_calls, h, h_k):
     q, kc, vc, kw = _inputs(256 // h_k, 1, 1, h, h_k, 128, 1500, torch.bfloat16)
@@ -155,7 +158,6 @@ def test_new_keys_that_alias_the_cache(gluon_calls):
     assert gluon_calls
 
 
-# Added in session 18: the append inside the kernel, and the default rule.
 @pytest.mark.parametrize("d, s_new", [(128, 1), (128, 9), (64, 20)])  # 8 / 16 rows a pass: one, two passes
 def test_new_keys_are_appended_by_the_kernel(gluon_calls, appends, d, s_new):
     q, kc, vc, kw = _inputs(32, 1, s_new, 32, 8, d, 777, torch.bfloat16, seed=s_new)
@@ -170,33 +172,34 @@ def test_aliased_new_keys_take_the_separate_append(gluon_calls, appends):
     assert gluon_calls and appends
 
 
-# (cap, new keys, taken): the bound without appends, and the shorter one with the kernel's own append (added
-# after session 18's last GPU run, with MIN_CAPACITY_APPENDING; the bound without appends passed there)
-RULE_CASES = [(decode_gluon.MIN_CAPACITY, 0, True), (decode_gluon.MIN_CAPACITY - 64, 0, False),
-              (decode_gluon.MIN_CAPACITY_APPENDING, 1, True), (decode_gluon.MIN_CAPACITY_APPENDING - 64, 1, False)]
+# (cap, new keys, taken): the rule's bound, with and without the kernel's own append
+RULE_CASES = [(R.GLUON_MIN_CAPACITY, 0, True), (R.GLUON_MIN_CAPACITY - 64, 0, False),
+              (R.GLUON_MIN_CAPACITY, 1, True), (R.GLUON_MIN_CAPACITY - 64, 1, False)]
 
 
 @pytest.mark.parametrize("cap, s_new, taken", RULE_CASES, ids=[f"c{c}n{n}" for c, n, _ in RULE_CASES])
-def test_default_rule_takes_long_caches(gluon_calls, monkeypatch, cap, s_new, taken):
-    monkeypatch.delenv("FLASHTILE_DECODE_GLUON_WARP_KEYS")  # the rule
+def test_default_rule_takes_long_caches(gluon_calls, cap, s_new, taken):
+    if R.device_props(torch.device("cuda")).sm_count * R.GLUON_PROGRAMS_PER_SM > 256:
+        pytest.skip("b = 32 with 8 kv heads is below the rule's grid on this GPU")
     # MHA (8 query heads): at 16k keys the reference's GQA copies would need 8 GB a tensor, too much beside the
     # other xdist workers
     q, kc, vc, kw = _inputs(32, 1, s_new, 8, 8, 128, cap, torch.bfloat16, seed=cap)
-    _check(q, kc, vc, kw, causal=True)
-    assert bool(gluon_calls) == taken
-    gluon_calls.clear()
-    _check(q, kc, vc, kw, causal=True, num_splits=3)  # a split launch keeps the Triton kernel
+    with config.override(decode_route=None):  # the rule
+        _check(q, kc, vc, kw, causal=True)
+        assert bool(gluon_calls) == taken
+        gluon_calls.clear()
+        _check(q, kc, vc, kw, causal=True, num_splits=3)  # a split launch keeps the Triton kernel
     assert not gluon_calls
 
 
-def test_knob_off_keeps_the_triton_kernel(gluon_calls, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "0")
-    q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, decode_gluon.MIN_CAPACITY, torch.bfloat16)
-    _check(q, kc, vc, kw, causal=True)
+def test_split_route_keeps_the_triton_kernel(gluon_calls):
+    q, kc, vc, kw = _inputs(32, 1, 1, 8, 8, 128, R.GLUON_MIN_CAPACITY, torch.bfloat16)
+    with config.override(decode_route="split"):
+        _check(q, kc, vc, kw, causal=True)
     assert not gluon_calls
 
 
-# Added in session 31: the ring's first tile copied before the row's length is read (EARLY_TILES)
+# the ring's first tile copied before the row's length is read (EARLY_TILES, on in every unsplit launch)
 @pytest.mark.parametrize("s_new", [0, 1, 3])
 def test_early_tiles_on_short_rows(gluon_calls, monkeypatch, s_new):
     """Rows shorter than the early tile (0-63 keys before the append), at its edge and past it, with NaN in every
@@ -210,61 +213,55 @@ def test_early_tiles_on_short_rows(gluon_calls, monkeypatch, s_new):
     kn, vn = kc.clone(), vc.clone()
     kn[past], vn[past] = float("nan"), float("nan")
     results = {}
-    for early in ("0", "1"):
-        monkeypatch.setenv("FLASHTILE_DECODE_GLUON_EARLY", early)
-        k2, v2 = kn.clone(), vn.clone()
-        results[early] = flash_attn_with_kvcache(q, k2, v2, return_softmax_lse=True, causal=True, **kw), k2, v2
-    (out0, lse0), k0, v0 = results["0"]
-    (out1, lse1), k1, v1 = results["1"]
+    real = gluon.run_kernel
+    for early in (False, True):
+        with monkeypatch.context() as m:
+            if not early:  # the same launch without the early copies
+                m.setattr(gluon, "run_kernel", lambda kernel, grid, *a, **meta: real(kernel, grid, *a,
+                                                                                     **dict(meta, EARLY_TILES=False)))
+            k2, v2 = kn.clone(), vn.clone()
+            results[early] = flash_attn_with_kvcache(q, k2, v2, return_softmax_lse=True, causal=True, **kw), k2, v2
+    (out0, lse0), k0, v0 = results[False]
+    (out1, lse1), k1, v1 = results[True]
     assert torch.isfinite(out1).all() and torch.equal(out1, out0) and torch.equal(lse1, lse0)
     assert torch.equal(k1.nan_to_num(), k0.nan_to_num()) and torch.equal(v1.nan_to_num(), v0.nan_to_num())
-    _check(q, kc, vc, kw, causal=True)  # FLASHTILE_DECODE_GLUON_EARLY=1 still set: against the reference
+    _check(q, kc, vc, kw, causal=True)  # with the early copies: against the reference
     assert len(gluon_calls) == 3
 
 
-# Added in session 31: the kernel split N ways (FLASHTILE_DECODE_GLUON_SPLITS, an experiment), merged by the combine
-# kernel; forced onto every covered call (the knob FLASHTILE_DECODE_GLUON_WARP_KEYS=1) so that small caches take it
-@pytest.mark.parametrize("splits", [2, 4, 8, 0])  # 0: as many as reach the rule's grid
+# the kernel split N ways, merged by the combine kernel; forced onto every call so that small caches take it
+@pytest.mark.parametrize("splits", [2, 4, 8, 16])
 @pytest.mark.parametrize("shape", [(8, 32, 8, 128, 4133, 0), (8, 32, 8, 128, 3000, 1), (4, 32, 8, 128, 777, 0),
                                    (16, 16, 8, 64, 2049, 1)], ids=["b8c4133", "b8c3000n1", "b4c777", "b16d64"])
 def test_split_launch_matches_reference(monkeypatch, splits, shape):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", str(splits))
-    launched = []
-    real = decode_gluon.gluon_decode
-    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (launched.append(k["splits"]), real(*a, **k))[1])
+    taken = force_gluon(monkeypatch, splits)
+    launched = _record_launches(monkeypatch, gluon, "decode", 0)
     b, h, h_k, d, cap, s_new = shape
     q, kc, vc, kw = _inputs(b, 1, s_new, h, h_k, d, cap, torch.bfloat16, seed=cap + splits)
     short = torch.tensor([0, 1, 63, 64, 65], dtype=torch.int32, device=q.device)[: b - 1]
     kw["cache_seqlens"][1:1 + len(short)] = short  # rows without keys, and splits without keys
     _check(q, kc, vc, kw, causal=True)  # with new keys: appended first, and the updated cache is the reference's
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = splits or decode_gluon.requested_splits(b * h_k, sms, cap)
-    # a split grid below the split-free fill is refused (the Triton kernels split it their own way)
-    assert launched == ([n] if b * h_k * n >= decode.SPLIT_FREE_FILL * sms else [])
+    assert len(launched) == 1 and [r.splits for r in taken] == [splits]
 
 
-# the split rule (session 32), nothing forced: b = 8 / 4 from 32k keys take the kernel split 4 / 8 ways, ahead of the
-# whole-row kernels' rule; MHA keeps the reference small
+# the split rule, nothing forced: b = 8 / 4 from 32k keys take the kernel split 4 / 8 ways, ahead of the whole-row
+# kernels' rule; MHA keeps the reference small
 @pytest.mark.xdist_group("big_caches")
 @pytest.mark.parametrize("b, splits", [(8, 4), (4, 8)])
 def test_split_rule_matches_reference(monkeypatch, b, splits):
-    for knob in ("FLASHTILE_DECODE_GLUON_WARP_KEYS", "FLASHTILE_DECODE_GLUON_SPLITS", "FLASHTILE_DECODE_ROWS"):
-        monkeypatch.delenv(knob, raising=False)
     launched = []
-    real = decode_gluon.gluon_decode
-    monkeypatch.setattr(decode_gluon, "gluon_decode", lambda *a, **k: (launched.append(k["splits"]), real(*a, **k))[1])
-    q, kc, vc, kw = _inputs(b, 1, 1, 8, 8, 128, decode_gluon.SPLIT_MIN_CAPACITY, torch.bfloat16, seed=b)
+    real = gluon.decode
+    monkeypatch.setattr(gluon, "decode", lambda *a, **k: (launched.append(a[3].splits), real(*a, **k))[1])
+    q, kc, vc, kw = _inputs(b, 1, 1, 8, 8, 128, R.GLUON_SPLIT_MIN_CAPACITY, torch.bfloat16, seed=b)
     _check(q, kc, vc, kw, causal=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    want = decode_gluon.requested_splits(b * 8, sms, decode_gluon.SPLIT_MIN_CAPACITY)
-    assert want == splits or sms != 132, want  # an H100 / H200
-    assert want and launched == [want], "the split rule did not take the call"
+    props = R.device_props(q.device)
+    want = R._fewest_gluon_splits(b * 8, props)
+    assert want == splits or props.sm_count != 132, want  # an H100 / H200
+    assert launched == [want], "the split rule did not take the call"
 
 
 def test_split_launch_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_WARP_KEYS", "1")
-    monkeypatch.setenv("FLASHTILE_DECODE_GLUON_SPLITS", "4")
+    force_gluon(monkeypatch, 4)
     q, kc, vc, kw = _inputs(8, 1, 0, 32, 8, 128, 4096, torch.bfloat16, seed=4)
     lens = kw.pop("cache_seqlens")
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flashtile
-from flashtile.backends.triton import decode as launcher
+from flashtile import config
+from flashtile.backends.triton.decode import append, common, route, split
 from flashtile.kvcache import flash_attn_combine, flash_attn_with_kvcache
-from spies import spy_launches
 
 # ---------------------------------------------------------------------------------------------
 # the independent oracle
@@ -213,26 +213,17 @@ def _run_and_check(q, k_cache, v_cache, args, num_splits=0, atol=None):
     return out, lse, kc
 
 
-@pytest.fixture(params=["cpu", "interp", "interp_fused_append"])
+TINY = dict(interpret=True, decode_tiles=(16, 16, 4, 1))  # 16-key tiles; several query-row blocks past 16 rows
+
+
+@pytest.fixture(params=["cpu", "interp"])
 def path(request, monkeypatch):
-    """Run through the PyTorch path or through the Triton kernels in the interpreter (spied), with the
-    append as its own kernel first (the default) or inside the decode kernel (FUSED_APPEND)."""
+    """Run through the PyTorch path or through the Triton kernels in the interpreter (spied)."""
     used = []
-    monkeypatch.setattr(launcher, "FUSED_APPEND", request.param == "interp_fused_append")
-    if request.param != "cpu":
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-        monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-        monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)  # several query-row blocks once sq * group > 16
-        real = launcher.decode_attn
-
-        def spy(*a, **k):
-            used.append(k["num_splits"])
-            return real(*a, **k)
-
-        monkeypatch.setattr(launcher, "decode_attn", spy)
-    else:
-        monkeypatch.delenv("FLASHTILE_INTERPRET", raising=False)
-    yield request.param
+    real = split.decode
+    monkeypatch.setattr(split, "decode", lambda *a, **k: used.append(a[3].splits) or real(*a, **k))
+    with config.override(**(TINY if request.param == "interp" else dict(interpret=False))):
+        yield request.param
     assert (request.param != "cpu") == bool(used), "the expected backend did not run"
 
 
@@ -244,20 +235,18 @@ def test_semantics_fp32(path, name):
 
 @pytest.mark.parametrize("name", ["append_rows", "rotary_interleaved_partial", "paged_3", "alibi_bh_window",
                                   "leftpad", "causal_prefill"])
-def test_semantics_fp16_kernels(monkeypatch, name):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+def test_semantics_fp16_kernels(name):
     q, kc, vc, args = make_case(dtype=torch.float16, **CASES[name])
-    _run_and_check(q, kc, vc, args)
+    with config.override(interpret=True, decode_tiles=(64, 16, 4, 1)):
+        _run_and_check(q, kc, vc, args)
 
 
 @pytest.mark.parametrize("name", ["append_rows", "paged_3", "window", "rotary_half_full_local", "leftpad"])
-def test_num_splits_agree(monkeypatch, name):
+def test_num_splits_agree(name):
     """Splitting the keys 1 or 3 ways (or by the heuristic) gives the same result (up to fp32 rounding)."""
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
     q, kc, vc, args = make_case(cap=70, **CASES[name])
-    results = [_run_and_check(q, kc, vc, args, num_splits=n) for n in (1, 3, 0)]
+    with config.override(interpret=True, decode_tiles=(64, 16, 4, 1)):
+        results = [_run_and_check(q, kc, vc, args, num_splits=n) for n in (1, 3, 0)]
     for out, lse, kcache in results[1:]:
         assert (out - results[0][0]).abs().max().item() <= 1e-5
         fin = torch.isfinite(lse)
@@ -299,9 +288,12 @@ def test_decode_loop_matches_one_prefill(path):
 
 
 @pytest.mark.parametrize("kernels", [False, True])
-def test_combine(monkeypatch, kernels):
-    if kernels:
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
+def test_combine(kernels):
+    with config.override(interpret=kernels):
+        _check_combine()
+
+
+def _check_combine():
     ns, b, sq, h, d = 3, 2, 2, 3, 20
     o_part = torch.randn(ns, b, sq, h, d)
     # FlashAttention-3's layout: lse_partial (ns, b, sq, h), made as FA3 makes it (a transposed view)
@@ -323,18 +315,11 @@ def test_combine(monkeypatch, kernels):
     assert res.data_ptr() == buf.data_ptr()
 
 
-def test_combine_warps_rule(monkeypatch):
-    from flashtile.backends.triton import decode
-
-    # one warp while a program's partials are at most 1024 values, otherwise the earlier 4 (d >= 128) or 2
-    assert [decode.combine_warps(ns, 128) for ns in (1, 2, 4, 8, 16, 132)] == [1, 1, 1, 1, 4, 4]
-    assert [decode.combine_warps(ns, 64) for ns in (16, 32)] == [1, 2]
-    assert decode.combine_warps(4, 256) == 1 and decode.combine_warps(8, 256) == 4
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_WARPS", "2")
-    assert decode.combine_warps(4, 128) == 2
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE_WARPS", "9")
-    with pytest.raises(ValueError, match="FLASHTILE_DECODE_COMBINE_WARPS"):
-        decode.combine_warps(4, 128)
+def test_combine_warps_rule():
+    # one warp while a program's partials are at most 1024 values, otherwise 4 (d >= 128) or 2
+    assert [common.combine_warps(ns, 128) for ns in (1, 2, 4, 8, 16, 132)] == [1, 1, 1, 1, 4, 4]
+    assert [common.combine_warps(ns, 64) for ns in (16, 32)] == [1, 2]
+    assert common.combine_warps(4, 256) == 1 and common.combine_warps(8, 256) == 4
 
 
 def test_combine_errors():
@@ -349,31 +334,24 @@ def test_combine_errors():
                            out=torch.empty(1, 1, 2, 8, device="meta"))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused_append", "append_kernel"])
-def test_kernel_grids_are_flat(monkeypatch, fused):
-    """Batch (x kv heads) goes on grid axis 0 in every launch: CUDA caps axes 1 and 2 at 65535.
-    With the append fused into the decode kernel there is no separate append launch."""
-    monkeypatch.setattr(launcher, "FUSED_APPEND", fused)
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
+def test_kernel_grids_are_flat(monkeypatch):
+    """Batch (x kv heads) goes on grid axis 0 in every launch: CUDA caps axes 1 and 2 at 65535."""
     grids = {}
-    for name in ("_decode_kernel", "_kv_append_kernel", "_combine_kernel"):
-        real = getattr(launcher, name)
+    for module, name in ((split, "_decode_kernel"), (append, "_kv_append_kernel"), (common, "_combine_kernel")):
+        real = getattr(module, name)
 
         class Spy:
             def __getitem__(self, grid, real=real, name=name):
                 grids[name] = grid
                 return real[grid]
 
-        monkeypatch.setattr(launcher, name, Spy())
+        monkeypatch.setattr(module, name, Spy())
     # b=3, h_k=2, sq * group = 3 * 6 = 18 rows -> 2 row blocks of 16, 3 splits, 2 new tokens
     q, kc, vc, args = make_case(b=3, sq=3, s_new=2, h=12, h_k=2, cap=70, causal=True)
-    _run_and_check(q, kc, vc, args, num_splits=3)
-    expected = {"_decode_kernel": (3 * 2 * 3 * 2,), "_combine_kernel": (3 * 3 * 12,)}
-    if not fused:
-        expected["_kv_append_kernel"] = (2 * 3,)
-    assert grids == expected
+    with config.override(**TINY):
+        _run_and_check(q, kc, vc, args, num_splits=3)
+    assert grids == {"_decode_kernel": (3 * 2 * 3 * 2,), "_combine_kernel": (3 * 3 * 12,),
+                     "_kv_append_kernel": (2 * 3,)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,7 +472,7 @@ def test_torch_compile_inductor():
 
 
 def test_num_splits_heuristic():
-    h = launcher.num_splits_heuristic
+    h = route.num_splits_heuristic
     assert h(256, 2048, 132) == 1  # a grid that fills the GPU is not split
     # b=1, h_k=8 on 132 SMs: 16 splits give every program an equal share in one wave (15 left the
     # slowest program 5 of 64 blocks, 16 gives 4)
@@ -508,13 +486,13 @@ def test_num_splits_heuristic():
     assert h(8, 2048, 132) == 16  # 33 splits (two waves) model 1% faster: not worth the merge
     # the choice is within the slack of the model's minimum, and no fewer splits are
     def cost(s, programs, blocks):
-        return -(-programs * s // 132) * (-(-blocks // s) + launcher.START_BLOCKS)
+        return -(-programs * s // 132) * (-(-blocks // s) + route.START_BLOCKS)
 
     for programs, blocks in [(8, 64), (8, 2048), (24, 64), (40, 300), (64, 2048)]:
         best = h(programs, blocks, 132)
         least = min(cost(s, programs, blocks) for s in range(1, min(128, blocks // 2) + 1))
-        assert cost(best, programs, blocks) <= least * (1 + launcher.SPLIT_SLACK)
-        assert all(cost(s, programs, blocks) > least * (1 + launcher.SPLIT_SLACK) for s in range(1, best))
+        assert cost(best, programs, blocks) <= least * (1 + route.SPLIT_SLACK)
+        assert all(cost(s, programs, blocks) > least * (1 + route.SPLIT_SLACK) for s in range(1, best))
 
 
 def test_bench_decode_cpu_smoke(tmp_path):
@@ -535,8 +513,8 @@ def test_bench_decode_cpu_smoke(tmp_path):
 
     data = json.loads(out.read_text())
     assert data["meta"]["mode"] == "decode" and data["rows"]
-    # the board class the run used (conftest pins "normal"; a CPU run measures nothing)
-    assert data["meta"]["board"] == {"setting": "normal", "class": None, "ratio": None, "read_tb_s": None}
+    # the device properties the decode routes were chosen on (a CPU run: the interpreter's stand-in)
+    assert data["meta"]["device_props"]["capability"] == [0, 0]
     for r in data["rows"]:
         assert r["us"]["flashtile"] is not None, r["errors"]
         assert not r["mismatch"]
@@ -696,14 +674,9 @@ def test_generate_example_runs():
     assert tokens.shape[-1] == 9
 
 
-@pytest.mark.parametrize("fused_append", [False, True])
-def test_new_kv_aliasing_the_cache(monkeypatch, fused_append):
+def test_new_kv_aliasing_the_cache(interpret):
     """k/v passed as views of the very cache slots they are appended to (with rotary): the result
-    must equal the same call on separate copies (the launcher then uses the separate append kernel,
-    also when FUSED_APPEND would append in the decode kernel)."""
-    monkeypatch.setattr(launcher, "FUSED_APPEND", fused_append)
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
+    must equal the same call on separate copies."""
     g = torch.Generator().manual_seed(3)
     b, cap, h, h_k, d, n, s_new = 2, 40, 4, 2, 16, 21, 3
     q = torch.randn(b, s_new, h, d, generator=g)
@@ -716,21 +689,3 @@ def test_new_kv_aliasing_the_cache(monkeypatch, fused_append):
     out, lse = flash_attn_with_kvcache(q, kc, vc, kc[:, n:n + s_new], vc[:, n:n + s_new], **kw)
     assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-
-
-@pytest.mark.parametrize("name", ["append_rows", "paged_3", "window", "rotary_half_full_local", "leftpad",
-                                  "causal_prefill"])
-def test_fused_combine(monkeypatch, name):
-    """The split merge inside the decode kernel (off by default until run on the GPU): same results
-    as the reference, and every counter back at zero afterwards (the next call, or a CUDA-graph
-    replay, starts clean)."""
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "CONFIG_OVERRIDE", (16, 4, 1))
-    monkeypatch.setattr(launcher, "MAX_BLOCK_M", 16)
-    monkeypatch.setattr(launcher, "FUSED_COMBINE", True)
-    launched = spy_launches(monkeypatch, launcher, "_combine_kernel").grids
-    q, kc, vc, args = make_case(cap=70, **CASES[name])
-    for n in (3, 5):
-        _run_and_check(q, kc, vc, args, num_splits=n)
-    assert not launched, "the fused merge must replace the combine launch"
-    assert all(int(buf.abs().sum()) == 0 for buf in launcher._COUNTERS.values())

@@ -28,14 +28,12 @@ def _paged(k, v, lens, page_size, extra_pages=3):
 
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("kernels", [False, True], ids=["cpu", "interpret"])
-def test_paged_equals_contiguous(monkeypatch, page_size, kernels):
-    if kernels:
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
+def test_paged_equals_contiguous(page_size, kernels):
     with config.override(interpret=kernels, fwd_tiles=(16, 16, 4, 1) if kernels else None):
-        _paged_equals_contiguous(page_size)
+        _check_paged_equals_contiguous(page_size)
 
 
-def _paged_equals_contiguous(page_size):
+def _check_paged_equals_contiguous(page_size):
     lens_q, lens_k = [5, 1, 9], [12, 0, 30]
     h, h_k, d = 4, 2, 16
     cu_q = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flashtile import config
 from flashtile.backends.triton import rotary as launcher
 from flashtile.layers.rotary import (
     RotaryEmbedding,
@@ -48,9 +49,8 @@ def tables(seqlen_ro, rd, dtype=torch.float32):
 def backend(request, monkeypatch):
     """Run each test on the PyTorch path and through the Triton kernel in Triton's interpreter."""
     calls = []
-    if request.param == "triton-interp":
-        monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-        monkeypatch.setattr(launcher, "BLOCK_M_OVERRIDE", 4)  # several row blocks on short sequences
+    interp = request.param == "triton-interp"
+    if interp:
         real = launcher.rotary_fwd
 
         def spy(*a, **k):
@@ -58,7 +58,9 @@ def backend(request, monkeypatch):
             return real(*a, **k)
 
         monkeypatch.setattr(launcher, "rotary_fwd", spy)
-    yield request.param
+    # several row blocks on short sequences
+    with config.override(interpret=interp, rotary_block_m=4 if interp else None):
+        yield request.param
     if request.param == "triton-interp":
         assert calls, "the Triton kernel did not run"
 
@@ -276,10 +278,10 @@ def test_argument_errors_name_the_argument():
 
 def test_kernel_grid_is_flat(monkeypatch):
     """batch * heads goes on grid axis 0 (CUDA caps axes 1 and 2 at 65535)."""
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")
-    monkeypatch.setattr(launcher, "BLOCK_M_OVERRIDE", 4)
     grids = spy_launches(monkeypatch, launcher, "_rotary_kernel").grids
     cos, sin = tables(16, 8)
     x = torch.randn(3, 10, 5, 8)
-    torch.testing.assert_close(apply_rotary_emb(x, cos, sin, seqlen_offsets=2), rotary_ref(x, cos, sin, False, 2))
+    with config.override(interpret=True, rotary_block_m=4):
+        out = apply_rotary_emb(x, cos, sin, seqlen_offsets=2)
+    torch.testing.assert_close(out, rotary_ref(x, cos, sin, False, 2))
     assert grids == [(3 * 5 * 3,)]  # cdiv(10, 4) row blocks x 5 heads x 3 batch

@@ -19,7 +19,6 @@ pytestmark = pytest.mark.interpret
 
 @pytest.fixture(autouse=True, params=[False, True], ids=["ptr", "tma"])
 def interpreter(request, monkeypatch):
-    monkeypatch.setenv("FLASHTILE_INTERPRET", "1")  # read by dispatch
     with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), tma=request.param):
         yield request.param
 

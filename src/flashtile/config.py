@@ -66,6 +66,14 @@ class Settings:
     # pipeline / loaded directly, in every launch; None: the launchers' tables decide
     pipeline_edges: bool | None = None
 
+    # --- decode ---
+    # (largest BLOCK_M, BLOCK_N, num_warps, num_stages) of every Triton split-KV decode launch; None: the route's
+    decode_tiles: tuple | None = None
+    # True / False: every decode-side launch (append, decode, merge) a programmatic dependent / none; None: the route's
+    decode_pdl: bool | None = None
+    # rows a program of the rotary kernel; None: its table's
+    rotary_block_m: int | None = None
+
 
 ENV_FIELDS = {f.metadata["env"]: f for f in dataclasses.fields(Settings) if "env" in f.metadata}
 _FALSE = ("0", "false", "False", "no", "off")

@@ -4,7 +4,10 @@ Order of preference: the Triton kernels (CUDA tensors, or CPU tensors through Tr
 when ``FLASHTILE_INTERPRET=1``), then the CPU path (CPU tensors). Each backend module exposes
 ``NAME`` and ``refusal(op, q, params) -> str | None``; when every backend refuses, the error lists
 each one with its reason. A refusal may depend only on the op, q's device and dtype, and
-``FLASHTILE_INTERPRET``: the choice is remembered under those, since it is made on every call.
+``config.get().interpret``: the choice is remembered under those, since it is made on every call.
+
+Ops: "fwd" and "bwd" (attention, ``params`` an AttnParams) and "kvcache" (``flash_attn_with_kvcache``,
+no params), whose CPU path is the PyTorch reference (``backends/reference_kvcache.py``).
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from dataclasses import replace
 
 import torch
 
-from flashtile import env
+from flashtile import config
 from flashtile.params import AttnParams
 
-# Backends in order of preference; modules are imported lazily so a missing triton does not break
-# the CPU path.
+# Backends in order of preference, by op; modules are imported lazily so a missing triton does not
+# break the CPU path.
 _BACKENDS = ("flashtile.backends.triton", "flashtile.backends.cpu")
+_OP_BACKENDS = {"kvcache": ("flashtile.backends.triton", "flashtile.backends.reference_kvcache")}
 
 
 class NoBackendError(RuntimeError):
@@ -28,7 +32,7 @@ class NoBackendError(RuntimeError):
 
 def interpret_requested() -> bool:
     """True when ``FLASHTILE_INTERPRET=1``: CPU tensors go through the Triton kernels' interpreter."""
-    return env.get("FLASHTILE_INTERPRET", "0") not in ("", "0", "false", "False")
+    return config.get().interpret
 
 
 # (module, None) or (None, why it cannot be imported), per backend: import_module's own lookup costs
@@ -48,18 +52,19 @@ def _load(name: str):
     return hit
 
 
+_WHAT = {"kvcache": "flash_attn_with_kvcache"}
 # (op, device, dtype, interpret) -> the backend module chosen for it
 _CHOSEN: dict = {}
 
 
-def choose(op: str, q, p: AttnParams):
-    """Return the backend module that runs ``op`` ("fwd" or "bwd") for these inputs."""
-    key = (op, q.device, q.dtype, interpret_requested())
+def choose(op: str, q, p: AttnParams | None):
+    """Return the backend module that runs ``op`` ("fwd", "bwd" or "kvcache") for these inputs."""
+    key = (op, q.device, q.dtype, config.get().interpret)
     mod = _CHOSEN.get(key)
     if mod is not None:
         return mod
     reasons = []
-    for name in _BACKENDS:
+    for name in _OP_BACKENDS.get(op, _BACKENDS):
         mod, why = _load(name)
         if mod is not None:
             why = mod.refusal(op, q, p)
@@ -68,7 +73,7 @@ def choose(op: str, q, p: AttnParams):
                 return mod
         reasons.append(f"  - {name.rsplit('.', 1)[-1]}: {why}")
     raise NoBackendError(
-        f"flashtile: no backend can run attention {op} for {q.dtype} tensors on {q.device}:\n"
+        f"flashtile: no backend can run {_WHAT.get(op, 'attention ' + op)} for {q.dtype} tensors on {q.device}:\n"
         + "\n".join(reasons)
     )
 
@@ -92,3 +97,9 @@ def forward(q, k, v, p: AttnParams):
     v = dequantize(v, p.v_descale, cu_seqlens=cu_k)
     out, lse, probs = mod.fwd(q, k, v, replace(p, q_descale=None, k_descale=None, v_descale=None))
     return out.to(torch.bfloat16), lse, probs
+
+
+def kvcache(q, *args, **kwargs):
+    """Run a checked ``flash_attn_with_kvcache`` call on the chosen backend: ``(out, lse)``. The arguments are
+    ``backends.triton.decode.kvcache_fwd``'s (every backend's ``kvcache`` takes them)."""
+    return choose("kvcache", q, None).kvcache(q, *args, **kwargs)

@@ -2,8 +2,8 @@
 
 ``flash_attn_with_kvcache`` appends the new keys/values to the cache *in place*, applies the
 rotary embedding to them and to q, and attends q to the updated cache, with paged caches of any
-page size and split-KV decoding. CUDA tensors run the Triton kernels (``kernels/kv_append.py``,
-``kernels/decode.py``); CPU tensors run the PyTorch reference (``backends/reference_kvcache.py``),
+page size and split-KV decoding. ``dispatch`` picks the backend: CUDA tensors run the Triton kernels
+(``backends/triton/decode``); CPU tensors run the PyTorch reference (``backends/reference_kvcache.py``),
 or the kernels in Triton's interpreter when ``FLASHTILE_INTERPRET=1``.
 
 The call is also the custom op ``torch.ops.flashtile.kvcache_fwd`` (mutating ``k_cache`` and
@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from flashtile import config, dispatch
 from flashtile.backends.masking import normalize_window
-from flashtile.dispatch import interpret_requested
 from flashtile.fp8 import FP8_DTYPE
 from flashtile.validation import (
     MAX_HEAD_DIM,
@@ -37,7 +37,7 @@ def _fail(msg: str, exc=ValueError):
 
 
 def _use_kernels(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and interpret_requested())
+    return device.type == "cuda" or (device.type == "cpu" and config.get().interpret)
 
 
 def _check_index(name: str, x, device, batch: int, what: str, rank: int = 1):
@@ -80,23 +80,14 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
          alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None):
-    """The checked call on one backend; returns (out (b, sq, h, d), lse (b, h, sq))."""
-    if _use_kernels(q.device) and q.dtype in _KERNEL_DTYPES:
-        from flashtile.backends.triton.decode import kvcache_fwd
-
-        return kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
-                           cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
-                           window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                           descales=(q_descale, k_descale, v_descale))
-    if q.device.type != "cpu":
+    """The checked call on the backend dispatch picks; returns (out (b, sq, h, d), lse (b, h, sq))."""
+    if q.device.type != "cpu" and q.dtype not in _KERNEL_DTYPES:
         _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 and "
               "float8_e4m3fn on CUDA; the PyTorch path takes CPU tensors)", TypeError)
-    from flashtile.backends.reference_kvcache import kvcache_ref
-
-    seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
-    return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
-                       block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    return dispatch.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
+                            cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                            window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                            descales=(q_descale, k_descale, v_descale))
 
 
 # The custom op: torch.compile sees one opaque node that mutates the caches; eager calls skip the

@@ -19,8 +19,19 @@ import torch
 
 from flashtile.backends.reference import attention_ref
 from flashtile.backends.reference_fp8 import attention_ref_fp8
+from flashtile.backends.reference_rotary import rotate_at_positions
 from flashtile.fp8 import FP8_DTYPE
-from flashtile.layers.rotary import rotate_at_positions
+
+NAME = "reference"
+
+
+def refusal(op: str, q: torch.Tensor, p=None) -> str | None:
+    """This module is the CPU path of ``flash_attn_with_kvcache`` (dispatch's "kvcache" op) only."""
+    if op != "kvcache":
+        return f"runs flash_attn_with_kvcache only, not {op}"
+    if q.device.type != "cpu":
+        return f"runs CPU tensors only, got {q.device.type} (it reads index tensors' values on the host)"
+    return None
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -31,7 +42,7 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     Interleaved pairs channels (0, 1), (2, 3), ...; otherwise channel i pairs with i + rotary_dim/2.
     The rotation runs in fp32 and is rounded once to ``x``'s dtype, as the kernels do; a position
     past the table (only queries beyond the cache can get there) is left unrotated. The math is the
-    rotary layer's PyTorch path (:func:`flashtile.layers.rotary.rotate_at_positions`).
+    rotary layer's PyTorch path (:func:`flashtile.backends.reference_rotary.rotate_at_positions`).
     """
     return rotate_at_positions(x, cos, sin, positions, interleaved)
 
@@ -122,3 +133,15 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     return attention_ref(q, keys, values, causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
                          seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast)
+
+
+def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+            alibi_slopes, num_splits, descales=(None, None, None)):
+    """Dispatch's "kvcache" op on CPU tensors: a checked call (the Triton backend's arguments) on the reference.
+    ``num_splits`` changes nothing here; ``cache_len_const`` (-1: none) stands for an int ``cache_seqlens``."""
+    seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
+    q_descale, k_descale, v_descale = descales
+    return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)

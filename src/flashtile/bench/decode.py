@@ -11,7 +11,7 @@ Times are microseconds (median).
 ``--layers N`` times N calls per measurement, each on its own cache (N decoder layers of one model
 step; every implementation gets the same N), and reports the time per call. Paged layers share one
 block table (each layer its own page pool, the same page ids), as serving engines keep one table
-per sequence for all layers; until session 11 each layer had a table of its own. With ``--cuda-graph``
+per sequence for all layers. With ``--cuda-graph``
 this is how a serving engine runs decode: one graph holding every layer, so the host's graph launch
 (several microseconds on a slow CPU) is paid once per step, not once per attention call. The caches
 are distinct and do_bench clears the L2 cache before each measurement, so every call reads its
@@ -355,13 +355,9 @@ def run(args) -> int:
                       f"{'  MISMATCH' if row['mismatch'] else ''}  ({time.perf_counter() - t0:.1f}s)")
         report.write_json(out_path, meta, rows)
     meta["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    from flashtile.backends.triton import board
-
-    meta["board"] = board.known(torch.device(device))  # the class the run's calls used (board.py)
+    meta["device_props"] = _device_props(device)  # what the decode routes were chosen on
     report.write_json(out_path, meta, rows)
     print(format_table(rows, names, meta))
-    if meta["board"]["class"] == "full-grid":
-        print("board: full-grid (128-program reads slower than 132; flashtile took its full-grid rule)")
     print(f"\nwrote {out_path}")
     if args.plot:
         from flashtile.bench.plot import plot_decode
@@ -375,3 +371,14 @@ def run(args) -> int:
     if mismatches:
         report.eprint(f"WARNING: {mismatches} row(s) where flashtile disagrees with SDPA (MISMATCH)")
     return 1 if mismatches and args.fail_on_mismatch else 0
+
+
+def _device_props(device: str) -> dict | None:
+    """The device properties the decode routes depend on (backends/triton/decode/route.py), for the results' meta."""
+    try:
+        from flashtile.backends.triton.decode.route import device_props
+    except ImportError:  # no triton: the CPU path only
+        return None
+    import dataclasses
+
+    return dataclasses.asdict(device_props(torch.device(device)))

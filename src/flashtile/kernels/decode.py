@@ -19,6 +19,7 @@ edge, as in ``attn_fwd``) and split ``NUM_SPLITS`` ways, each split taking an eq
 row's *actual* blocks (lengths are read on the device, so the grid never depends on them and a
 decode step can be captured in a CUDA graph). With one split the kernel writes the final output;
 otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` merges them.
+New keys are in the cache before the kernel runs (the append kernel, kernels/kv_append.py).
 """
 
 import triton
@@ -38,13 +39,11 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                   slope, offs_n, offs_d,
                   leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right,
                   stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                  K_NEW, V_NEW, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos, seqlen_ro,
                   MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
                   PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  NEW: tl.constexpr, ROTARY_DIM: tl.constexpr, ROTARY_INTERLEAVED: tl.constexpr,
-                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0, PIPELINE_EDGES: tl.constexpr = False):
+                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
 
     USE_TMA (contiguous or page-aligned caches, unmasked blocks only): K and V tiles come by tensor
@@ -53,20 +52,14 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
     Masked blocks keep pointer loads: a descriptor zero-fills only past the cache's capacity, and
     keys between a row's length and the capacity may hold anything (NaN included) that the
     probabilities' zeros would not cancel in P V.
-
-    NEW (implies MASK): the blocks hold this call's new keys at relative positions >= new_start;
-    those come straight from K_NEW / V_NEW (rotated at ``cache_len + t`` and rounded to the cache
-    dtype, exactly what the cache receives), the older ones from the cache.
     """
     d_ok = offs_d < HEAD_DIM
     # Only the interior loop is pipelined. The masked edges (MASK: at most two blocks a program, as
-    # a program's query rows span at most 64 / group tokens) and the NEW blocks (one or two per
-    # call) are too short to overlap anything, and a pipelined loop's prologue runs even when the
-    # loop is empty: on the H200 (Nsight Compute's stall samples, b = 1, 8k) the edge loops'
-    # prologues were a quarter of the warps' time in a 16-token-page launch, whose edges compute
-    # every key's page. The NEW blocks' extra loads (new keys, rotary tables) would also each get a
-    # buffer per stage, 2-4x the smem of a cache block (over the sm_90 limit with rotary).
-    for blk in tl.range(blk_lo, blk_hi, num_stages=1 if (NEW or (MASK and not PIPELINE_EDGES)) else None):
+    # a program's query rows span at most 64 / group tokens) are too short to overlap anything, and a
+    # pipelined loop's prologue runs even when the loop is empty: on the H200 (Nsight Compute's stall
+    # samples, b = 1, 8k) the edge loops' prologues were a quarter of the warps' time in a
+    # 16-token-page launch, whose edges compute every key's page.
+    for blk in tl.range(blk_lo, blk_hi, num_stages=1 if MASK else None):
         start_n = blk * BLOCK_N
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
@@ -74,20 +67,6 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                                     PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK, PAGES_PER_TILE)
         if MASK:
             n_ok = cols < seqlen_k
-        if NEW:
-            fresh = n_ok & (cols >= new_start)
-            tn = (cols - new_start).to(tl.int64)  # negative for cache keys: those lanes are masked off
-            kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & (cols < new_start)[None, :],
-                         other=0.0)
-            if ROTARY_DIM > 0:
-                kn = _rotary_rows(K_NEW + tn * stride_knt, offs_d, cache_len + (cols - new_start), fresh, COS, SIN,
-                                  stride_cos, seqlen_ro, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
-                kn = tl.trans(kn.to(K.dtype.element_ty))
-            else:
-                kn = tl.load(K_NEW + tn[None, :] * stride_knt + offs_d[:, None], mask=d_ok[:, None] & fresh[None, :],
-                             other=0.0)
-            kt = tl.where(fresh[None, :], kn, kt)
-        elif MASK:
             kt = tl.load(K + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         elif USE_TMA:
             # the descriptor's box is [1, BLOCK_N, 1, BLOCK_D] (BLOCK_D = offs_d's length); V's
@@ -122,13 +101,7 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                 ok = ok & (cols[None, :] <= diag + window_right)
             s = tl.where(ok, s, float("-inf"))
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
-        if NEW:
-            vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=(cols < new_start)[:, None] & d_ok[None, :],
-                         other=0.0)
-            vn = tl.load(V_NEW + tn[:, None] * stride_vnt + offs_d[None, :], mask=fresh[:, None] & d_ok[None, :],
-                         other=0.0)
-            vt = tl.where(fresh[:, None], vn, vt)
-        elif MASK:
+        if MASK:
             vt = tl.load(V + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif USE_TMA:
             vt = DESC_V.load(tma_at).reshape(BLOCK_N, offs_d.shape[0])
@@ -142,15 +115,15 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
 # Lengths and window bounds change between calls; specialising on them would only recompile (and
 # would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "num_m_blocks", "capacity"])
+                              "seqlen_ro", "num_m_blocks"])
 def _decode_kernel(
     # pointers
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE, K_NEW, V_NEW, COUNTER, DESC_K, DESC_V,
+    Q_DESCALE, K_DESCALE, V_DESCALE, DESC_K, DESC_V,
     # scalars
     qk_scale, softcap, window_left, window_right,
     # sizes
-    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks, capacity,
+    cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks,
     # strides
     stride_qb, stride_qm, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -160,7 +133,6 @@ def _decode_kernel(
     stride_ops, stride_opb, stride_opm, stride_oph,
     stride_lps, stride_lpb, stride_lph,
     stride_bt_b, stride_alibi_b, stride_cos, stride_ds_b,
-    stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     # constexprs
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr,
@@ -168,9 +140,8 @@ def _decode_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    IS_FP8: tl.constexpr, FUSED_NEW: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
-    PIPELINE_EDGES: tl.constexpr = False, SEQLENS_POLICY: tl.constexpr = "",
+    IS_FP8: tl.constexpr, USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    PAGES_PER_TILE: tl.constexpr = 0,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -187,8 +158,8 @@ def _decode_kernel(
     b = pid_bk // num_kv_heads
     kv_head = pid_bk % num_kv_heads
 
-    if HAS_SEQLENS:  # SEQLENS_POLICY "evict_last": kept in L2 for the next layer's call (decode_rows.seqlens_policy)
-        cache_len = tl.load(SEQLENS + b, eviction_policy=SEQLENS_POLICY)
+    if HAS_SEQLENS:
+        cache_len = tl.load(SEQLENS + b)
     else:
         cache_len = cache_len_const
     leftpad = cache_len * 0
@@ -243,71 +214,28 @@ def _decode_kernel(
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    new_start = seqlen_k - s_new  # relative position of this call's first new key
-    kn_base = K_NEW + b.to(tl.int64) * stride_knb + kv_head * stride_knh
-    vn_base = V_NEW + b.to(tl.int64) * stride_vnb + kv_head * stride_vnh
-    new_blk = hi
-    if FUSED_NEW:
-        # The new keys/values (the append, fused): every program reads them from K_NEW / V_NEW in
-        # its last blocks, and one program per (batch row, kv head) writes them into the cache for
-        # later calls. No program reads the cache positions being written, so there is no race.
-        new_blk = tl.maximum(new_start, 0) // BLOCK_N
-        if (split == 0) & (pid_m == 0):
-            for t0 in range(0, s_new, BLOCK_N):
-                tn = t0 + offs_n
-                ok = (tn < s_new) & (cache_len + tn < capacity)  # never write past the cache's end
-                w_ok = ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-                # rows that are not written get a column past seqlen_k, which masks their page lookup
-                # (an unchecked cache_seqlens + s_new > capacity must not read past the table row)
-                k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, 0,
-                                            tl.where(ok, cache_len - leftpad + tn, seqlen_k), leftpad,
-                                            seqlen_k, page_size, stride_kb, stride_kn, stride_vb, stride_vn,
-                                            stride_bt_b, PAGED, False, PAGE_SHIFT, True)
-                if ROTARY_DIM > 0:
-                    kw = _rotary_rows(kn_base + tn.to(tl.int64) * stride_knt, offs_d, cache_len + tn, ok, COS, SIN,
-                                      stride_cos, seqlen_ro, HEAD_DIM, ROTARY_DIM, ROTARY_INTERLEAVED)
-                else:
-                    kw = tl.load(kn_base + tn.to(tl.int64)[:, None] * stride_knt + offs_d[None, :], mask=w_ok,
-                                 other=0.0)
-                tl.store(k_base + k_off[:, None] + offs_d[None, :], kw.to(K.dtype.element_ty), mask=w_ok)
-                vw = tl.load(vn_base + tn.to(tl.int64)[:, None] * stride_vnt + offs_d[None, :], mask=w_ok, other=0.0)
-                tl.store(v_base + v_off[:, None] + offs_d[None, :], vw.to(V.dtype.element_ty), mask=w_ok)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
-        tl.minimum(tl.minimum(full_lo, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
-        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
-        stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
-        seqlen_ro,
+        tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size, qk_scale,
+        softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
+        DOT_PRECISION, USE_TMA)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
-        tl.maximum(full_lo, s_lo), tl.minimum(tl.minimum(full_hi, s_hi), new_blk), t, slope, offs_n, offs_d,
-        leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap, window_left, window_right, stride_kb,
-        stride_kn, stride_vb, stride_vn, stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start,
-        cache_len, COS, SIN, stride_cos, seqlen_ro,
+        tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
+        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
+        stride_bt_b,
         False, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PAGES_PER_TILE)
+        DOT_PRECISION, USE_TMA, PAGES_PER_TILE)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
-        tl.minimum(tl.minimum(hi, s_hi), new_blk), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
-        page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
-        stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
-        seqlen_ro,
+        tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap,
+        window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, False, ROTARY_DIM, ROTARY_INTERLEAVED, USE_TMA, PIPELINE_EDGES=PIPELINE_EDGES)
-    if FUSED_NEW:  # the blocks holding new keys, all masked
-        acc, m_i, l_i = _decode_inner(
-            acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(tl.maximum(lo, s_lo), new_blk),
-            tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
-            page_size, qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn,
-            stride_bt_b, kn_base, vn_base, stride_knt, stride_vnt, new_start, cache_len, COS, SIN, stride_cos,
-            seqlen_ro,
-            True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-            DOT_PRECISION, True, ROTARY_DIM, ROTARY_INTERLEAVED, False)
+        DOT_PRECISION, USE_TMA)
 
     if USE_PDL:
         # the next kernel (the split merge) may start launching; it waits for this grid's end itself
@@ -330,38 +258,6 @@ def _decode_kernel(
         tl.store(o_ptrs[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_ok)
         tl.store(LSE_PART + split.to(tl.int64) * stride_lps + b.to(tl.int64) * stride_lpb + head64 * stride_lph
                  + t64, lse, mask=row_ok)
-        if FUSED_COMBINE:
-            # The last split of this row block to finish merges all of them (no combine launch). A
-            # device-side counter per row block says which one is last; the merger resets it, so
-            # the next call and every CUDA-graph replay start from zero. The barrier and the
-            # acquire-release atomic order every thread's partial stores before the count, and the
-            # merger reads the partials past L1 (.cg).
-            tl.debug_barrier()
-            done = tl.atomic_add(COUNTER + pid_mb, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                lse_ptrs = LSE_PART + b.to(tl.int64) * stride_lpb + head64 * stride_lph + t64
-                o_ptrs = O_PART + b.to(tl.int64) * stride_opb + t64 * stride_opm + head64 * stride_oph
-                m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for sp in range(NUM_SPLITS):
-                    m_all = tl.maximum(m_all, tl.load(lse_ptrs + sp * stride_lps, mask=row_ok, other=float("-inf"),
-                                                      cache_modifier=".cg"))
-                none = m_all == float("-inf")
-                m_safe = tl.where(none, 0.0, m_all)
-                w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-                merged = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-                for sp in range(NUM_SPLITS):
-                    w = tl.exp(tl.load(lse_ptrs + sp * stride_lps, mask=row_ok, other=float("-inf"),
-                                       cache_modifier=".cg") - m_safe)
-                    o_sp = tl.load(o_ptrs[:, None] + sp * stride_ops + offs_d[None, :], mask=row_ok[:, None] & d_ok,
-                                   other=0.0, cache_modifier=".cg")
-                    merged += o_sp * w[:, None]
-                    w_sum += w
-                final = merged / tl.where(none, 1.0, w_sum)[:, None]
-                final_lse = tl.where(none, float("inf"), m_all + tl.log(tl.where(none, 1.0, w_sum)))
-                f_ptrs = O + b.to(tl.int64) * stride_ob + t64 * stride_om + head64 * stride_oh
-                tl.store(f_ptrs[:, None] + offs_d[None, :], final.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok)
-                tl.store(LSE + b.to(tl.int64) * stride_lse_b + head64 * stride_lse_h + t64, final_lse, mask=row_ok)
-                tl.atomic_xchg(COUNTER + pid_mb, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -411,14 +307,13 @@ def _combine_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# Tuning table: (BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket). First guesses,
-# to be replaced by measurements on the H200 (docs/inference.md); "interpret" is the tiny config
-# the CPU tests pin so the interpreter stays fast while crossing several key blocks and splits.
+# Tuning table: (BLOCK_N, num_warps, num_stages) keyed by (arch, BLOCK_D bucket); "interpret" is a
+# tiny config, so the interpreter stays fast while crossing several key blocks and splits.
 DECODE_CONFIGS = {
     ("sm90", 32): (128, 4, 3),
     ("sm90", 64): (128, 4, 3),
-    # 128-key tiles: 3-5% faster on contiguous caches and 1.3-1.5x on 16-token pages, where a tile
-    # then gathers 8 pages (tune_decode_h200_2026-11-29_session3.json, CUDA-graph replays)
+    # 128-key tiles: 3-5% faster than 64 on contiguous caches and 1.3-1.5x on 16-token pages, where
+    # a tile then gathers 8 pages (docs/inference.md, 'Tiles')
     ("sm90", 128): (128, 4, 3),
     ("sm90", 256): (32, 4, 3),
     ("default", 32): (64, 4, 2),

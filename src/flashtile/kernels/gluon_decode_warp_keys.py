@@ -1,12 +1,12 @@
 """Unsplit decode over a contiguous cache in Gluon with cuDNN's warp shape: 4 warps along the keys, each with
-its own online softmax over its quarter of every tile, merged once after the loop (the rule for long unsplit
-programs on Hopper since session 18; which calls: backends/triton/decode_gluon.py).
+its own online softmax over its quarter of every tile, merged once after the loop (which calls:
+backends/triton/decode/route.py).
 
 cuDNN's b = 32 decode kernel (``..._16x128x128_1x4x1``) computes 16 query rows against 128-key tiles with its
-4 warps side by side along the keys, by ``mma.sync``. Nsight Compute (session 17) has it moving the same bytes
+4 warps side by side along the keys, by ``mma.sync``. Nsight Compute has it moving the same bytes
 as ours at 1% higher DRAM throughput. The Triton build spreads the keys over the warps too, but reduces every
 tile's row max and sum across them and passes P through shared memory: 9 CTA barriers a tile. Triton's own
-warp split (session 16) needed 255 registers. Here the layouts are explicit: scores, P and the output
+warp split needed 255 registers. Here the layouts are explicit: scores, P and the output
 accumulator are rank-3 tensors [warp, 16 rows, ...] whose first dimension is the warp (``warps_per_cta =
 [4, 1, 1]``), so each warp's dots, softmax and state stay inside it. Each warp also copies its own keys of a
 tile (16-byte ``cp.async`` into a ring of NUM_BUFFERS K / V slots). Two CTA barriers a tile remain: the one
@@ -28,19 +28,11 @@ WARPS = 4
 
 
 @gluon.jit
-def _globaltimer():
-    """The GPU's nanosecond clock (%globaltimer), for the STAMP diagnostic (backends/triton/decode_gluon.STAMPS)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr, POLICY: gl.constexpr):
+def _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS: gl.constexpr):
     """Keys of batch row ``b`` this call attends: its cache length (cache_seqlens[b], or cache_len_const) plus the
-    call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot. POLICY: the
-    load's eviction policy (backends/triton/decode_rows.seqlens_policy; "" none). No default: a caller's omitted
-    string default reaches the load as a plain str, which the Gluon frontend refuses."""
+    call's s_new new keys; an unchecked length past the cache's end reads no further than its last slot."""
     if HAS_SEQLENS:
-        cache_len = gl.load(SEQLENS + b, eviction_policy=POLICY)
+        cache_len = gl.load(SEQLENS + b)
     else:
         cache_len = cache_len_const
     return cache_len, gl.minimum(cache_len + s_new, capacity)
@@ -98,15 +90,15 @@ def _append_new(kn_base, vn_base, k_base, v_base, cache_len, s_new, capacity, st
 
 @gluon.jit
 def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                        STAMPS, pid, STAMP: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
                         GROUP_ROWS: gl.constexpr, EMPTY_LSE: gl.constexpr = float("inf")):
     """Merge the 4 warps' online-softmax states and write O and LSE, with one CTA barrier: every warp stores its
     unweighted accumulator o [warp, row, d] and its m_i / l_i [warp, row] to shared memory; after the barrier each
     thread loads all 4 warps' values of its own rows and columns, so the weights, sums and the output are
     register work. Only the first GROUP_ROWS rows (the group's query heads, a power of two of at least 4) are read
-    back: the rest are the MMA's padding. Reductions across the warp axis instead (until session 23) left 9 CTA
+    back: the rest are the MMA's padding. Reductions across the warp axis instead left 9 CTA
     barriers after the key loop in the sm_90 build and took 3.3-3.6 us at the end of every program, against
-    0.8-1.0 us here (%globaltimer stamps, docs/decode_tuning_log.md, session 23)."""
+    0.8-1.0 us here (docs/gluon.md, 'Decode')."""
     # the swizzle spans 4 rows, so that the first 4 can be sliced off (2-way bank conflicts on the stores)
     o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[2, 1, 0])
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
@@ -122,8 +114,6 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     wgt = gl.exp2(m_all - gl.expand_dims(gl.where(m == float("-inf"), 0.0, m), 0))  # a warp without keys: 0
     l_sum = gl.sum(l_all * wgt, 0)
     acc = gl.sum(o_s.slice(0, GROUP_ROWS, dim=1).load(red) * wgt, 0)  # [rows, d]
-    if STAMP:
-        gl.store(STAMPS + pid * 4 + 3, _globaltimer())
     out = acc / gl.where(l_sum == 0.0, 1.0, l_sum)
     rows: gl.constexpr = gl.SliceLayout(0, red)
     orow = gl.expand_dims(gl.arange(0, GROUP_ROWS, gl.SliceLayout(1, rows)), 1)  # [rows, 1]
@@ -141,12 +131,11 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
 def _gluon_decode_warp_keys_kernel(
     Q, K, V, O, LSE, SEQLENS, K_NEW, V_NEW, qk_scale, num_kv_heads, group, cache_len_const, s_new, capacity,
     stride_qb, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh, stride_ob, stride_oh,
-    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh, STAMPS,
+    stride_lse_b, stride_lse_h, stride_knb, stride_knt, stride_knh, stride_vnb, stride_vnt, stride_vnh,
     stride_os, stride_lse_s,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, HAS_SEQLENS: gl.constexpr = True,
-    FUSED_NEW: gl.constexpr = False, STAMP: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
-    EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1, RELEASE_MERGE: gl.constexpr = False,
-    SEQLENS_POLICY: gl.constexpr = "",
+    FUSED_NEW: gl.constexpr = False, GROUP_ROWS: gl.constexpr = 16,
+    EARLY_TILES: gl.constexpr = False, NUM_SPLITS: gl.constexpr = 1, MERGE_EARLY: gl.constexpr = False,
 ):
     """q (b, 1, h, d) against a contiguous (b, capacity, h_k, d) cache holding cache_seqlens[b] (or
     cache_len_const) + s_new keys a row; one program per (batch row, kv head). With FUSED_NEW the program first
@@ -154,16 +143,16 @@ def _gluon_decode_warp_keys_kernel(
     [cache_len, cache_len + s_new), never past its end; otherwise they are already there. Writes O (b, 1, h, d)
     and LSE (b, h, 1), natural log, +inf for a row without keys (then O is 0). ``qk_scale`` is
     softmax_scale * log2(e). (Launched as a programmatic dependent, waiting ahead of its first read, it was 1.0%
-    slower at b = 32, 8k-16k in session 20 and was removed: code at de9efe0.) EARLY_TILES: the ring's first tiles
+    slower at b = 32, 8k-16k.) EARLY_TILES: the ring's first tiles
     are copied before the row's length is read (one round trip sooner), masked by the capacity only; a row whose
     cache holds fewer keys than those tiles span drains them and copies them again, masked.
 
-    NUM_SPLITS > 1 (an experiment, FLASHTILE_DECODE_GLUON_SPLITS): program pid = (b * h_k + kv head) * NUM_SPLITS +
+    NUM_SPLITS > 1 (grids below two programs an SM): program pid = (b * h_k + kv head) * NUM_SPLITS +
     split takes the split's share of the row's key tiles (ceil(tiles / NUM_SPLITS) each, the last fewer, some none) and
     writes its normalized partial output at O + split * stride_os ((splits, b, 1, h, d) fp32) and its lse at
     LSE + split * stride_lse_s ((splits, b, h, 1); -inf for a split without keys), for the merge kernel. A split's
     first key depends on the row's length, so no early tiles; the new keys come from the separate append.
-    RELEASE_MERGE: after the key loop, let the merge kernel launched behind it as a programmatic dependent start
+    MERGE_EARLY: after the key loop, let the merge kernel launched behind it as a programmatic dependent start
     launching (it waits for this grid's end before it reads)."""
     BLOCK_M: gl.constexpr = 16  # the group's query heads, padded to one MMA's rows
     KW: gl.constexpr = BLOCK_N // 4  # keys a warp
@@ -179,8 +168,6 @@ def _gluon_decode_warp_keys_kernel(
     smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0])
 
     pid = gl.program_id(0)
-    if STAMP:  # the diagnostic: the program's start, loop end, end and merge end (ns) into STAMPS[pid, 0:4]
-        gl.store(STAMPS + pid * 4, _globaltimer())
     pair = pid // NUM_SPLITS
     b = pair // num_kv_heads
     kv_head = pair % num_kv_heads
@@ -197,7 +184,7 @@ def _gluon_decode_warp_keys_kernel(
         _issue_first_tiles(k_smem, v_smem, k_base, v_base, 0, capacity, capacity, stride_kn, stride_vn, rows, cols,
                            BLOCK_N, NUM_BUFFERS)
 
-    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS, SEQLENS_POLICY)
+    cache_len, seqlen = _row_length(SEQLENS, b, cache_len_const, s_new, capacity, HAS_SEQLENS)
     n = gl.cdiv(seqlen, BLOCK_N)  # the program's tiles are [first, n)
     if NUM_SPLITS == 1:
         first = 0
@@ -250,7 +237,7 @@ def _gluon_decode_warp_keys_kernel(
         nxt = j + NUM_BUFFERS - 1
         k_next, v_next = k_smem.index((nxt - first) % NUM_BUFFERS), v_smem.index((nxt - first) % NUM_BUFFERS)
         # tile j's K and V landed for every thread; every warp is done with tile j - 1 (refilling a slot
-        # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32: session 18)
+        # before this wait, so that it has two tiles in flight, was 1.2%-1.5% slower at b = 32)
         async_copy.wait_group(2 * NUM_BUFFERS - 4)
         gl.thread_barrier()
         _issue_kv(k_next, v_next, k_base, v_base, nxt * BLOCK_N, seqlen, stride_kn, stride_vn, rows, cols, nxt < n)
@@ -267,14 +254,10 @@ def _gluon_decode_warp_keys_kernel(
         vt = v_smem.index(slot).load(b_layout)  # [4, KW, d]
         o = mma_v2(gl.convert_layout(p.to(V.dtype.element_ty), a_layout), vt, o * gl.expand_dims(alpha, 2))
     async_copy.wait_group(0)
-    if RELEASE_MERGE:
+    if MERGE_EARLY:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    if STAMP:
-        gl.store(STAMPS + pid * 4 + 1, _globaltimer())
 
     _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, stride_oh, stride_lse_b, stride_lse_h,
-                        STAMPS, pid, STAMP, BLOCK_M, HEAD_DIM, GROUP_ROWS,
+                        BLOCK_M, HEAD_DIM, GROUP_ROWS,
                         float("inf") if NUM_SPLITS == 1 else float("-inf"))
-    if STAMP:
-        gl.store(STAMPS + pid * 4 + 2, _globaltimer())

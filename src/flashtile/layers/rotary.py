@@ -11,7 +11,8 @@ one offset per sequence, as in decoding with a KV cache). A position ``>= seqlen
 unrotated, as FlashAttention's kernel does.
 
 Backends: CUDA tensors run the Triton kernel (``flashtile.kernels.rotary``); CPU tensors run the
-same math in PyTorch, or the Triton kernel in Triton's interpreter when ``FLASHTILE_INTERPRET=1``.
+same math in PyTorch (``flashtile.backends.reference_rotary``), or the Triton kernel in Triton's
+interpreter when ``FLASHTILE_INTERPRET=1``.
 The backward of a rotation is the rotation by the opposite angle, so gradients reuse the forward.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.backends.reference_rotary import rotary_torch as _rotary_torch
 from flashtile.dispatch import interpret_requested
 
 __all__ = [
@@ -76,61 +78,6 @@ def _check(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen) -> None:
         if seqlen_offsets.device != x.device:
             raise ValueError(f"flashtile: seqlen_offsets must be on x's device {x.device}, got "
                              f"{seqlen_offsets.device}")
-
-
-def _positions(x, seqlen_offsets, cu_seqlens):
-    """Position of every token: (b, s) padded or (total,) varlen, int64."""
-    dev = x.device
-    if cu_seqlens is None:
-        pos = torch.arange(x.shape[1], device=dev).unsqueeze(0)
-        if isinstance(seqlen_offsets, torch.Tensor):
-            return pos + seqlen_offsets.to(device=dev, dtype=torch.long).unsqueeze(1)
-        return pos + int(seqlen_offsets)
-    tokens = torch.arange(x.shape[0], device=dev)
-    cu = cu_seqlens.to(torch.long)
-    # batch row of each packed token; right=True so a token at cu[i+1] belongs to row i+1
-    seq = torch.searchsorted(cu[1:], tokens, right=True).clamp_(max=cu.numel() - 2)
-    pos = tokens - cu[seq]
-    if isinstance(seqlen_offsets, torch.Tensor):
-        return pos + seqlen_offsets.to(device=dev, dtype=torch.long)[seq]
-    return pos + int(seqlen_offsets)
-
-
-def rotate_at_positions(x, cos, sin, positions, interleaved, inplace=False, conjugate=False):
-    """Rotate the first ``2 * cos.shape[1]`` channels of x at explicit ``positions`` in PyTorch; any device.
-
-    ``positions`` (int64) has x's shape without the last two dims ((b, s) or (total,)) and indexes the
-    rows of ``cos``/``sin``; a position past the table is left unrotated. Computes in fp32 (fp64 for
-    fp64 inputs) and rounds once to x's dtype, as the kernels do. Shared by the rotary layer's CPU
-    path and the KV-cache reference (``flashtile.backends.reference_kvcache``).
-    """
-    rotary_dim = 2 * cos.shape[1]
-    wide = torch.promote_types(x.dtype, torch.float32)
-    in_table = positions < cos.shape[0]
-    idx = positions.clamp(max=max(cos.shape[0] - 1, 0))
-    c = torch.where(in_table.unsqueeze(-1), cos[idx].to(wide), 1.0).unsqueeze(-2)  # (..., 1, rotary_dim/2)
-    s = torch.where(in_table.unsqueeze(-1), sin[idx].to(wide), 0.0).unsqueeze(-2)
-    if conjugate:
-        s = -s
-    xr = x[..., :rotary_dim].to(wide)
-    if interleaved:
-        x0, x1 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = xr.chunk(2, dim=-1)
-        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    if inplace:
-        x[..., :rotary_dim].copy_(rot)
-        return x
-    if rotary_dim == x.shape[-1]:
-        return rot.to(x.dtype)
-    return torch.cat((rot.to(x.dtype), x[..., rotary_dim:]), dim=-1)
-
-
-def _rotary_torch(x, cos, sin, seqlen_offsets, cu_seqlens, interleaved, inplace, conjugate):
-    """The kernel's math in PyTorch (fp32 compute, fp64 for fp64 inputs); any device."""
-    pos = _positions(x, seqlen_offsets, cu_seqlens)
-    return rotate_at_positions(x, cos, sin, pos, interleaved, inplace, conjugate)
 
 
 def apply_rotary(x, cos, sin, seqlen_offsets=0, cu_seqlens=None, max_seqlen=None, interleaved=False,

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from flashtile import config
 from flashtile.backends.triton.host import cdiv, device_guard, next_pow2, run_kernel
 from flashtile.kernels.rotary import _rotary_kernel, rotary_config
-
-# Tests pin a small block so interpreter runs cross several row blocks on short sequences.
-BLOCK_M_OVERRIDE: int | None = None
 
 
 def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets, cu_seqlens,
@@ -46,7 +44,7 @@ def rotary_fwd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_off
     if out.stride(-1) != 1:
         raise ValueError("flashtile: rotary kernel needs a contiguous last dim of out")
     block_m, num_warps = rotary_config(rotary_dim)
-    block_m = BLOCK_M_OVERRIDE or block_m
+    block_m = config.get().rotary_block_m or block_m
     block_k = next_pow2(max(rotary_dim // 2, 1))
     offsets_is_tensor = isinstance(seqlen_offsets, torch.Tensor)
     dummy = cos  # never read: the matching HAS_/IS_ flag is off
