@@ -96,7 +96,7 @@ def _describe(e: BaseException, caught: list | None = None) -> str:
     return msg[:600]
 
 
-def _release(device: str) -> None:
+def _free_cached_memory(device: str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -209,7 +209,7 @@ def run_row(shape: Shape, mode: str, impls: list[Impl], unavailable: dict[str, s
     try:
         inputs = _Inputs(shape, DTYPES[args.dtype], device, needs_grad, seed)
     except torch.cuda.OutOfMemoryError as e:
-        _release(device)
+        _free_cached_memory(device)
         for impl in impls:
             row["ms"][impl.name] = row["tflops"][impl.name] = None
             row["errors"][impl.name] = _describe(e)
@@ -221,7 +221,7 @@ def run_row(shape: Shape, mode: str, impls: list[Impl], unavailable: dict[str, s
             ref = _reference(inputs, shape, needs_grad, fp8=args.dtype == "fp8")
         except Exception as e:  # no reference means no check, not no timings
             row["check_error"] = "SDPA reference failed: " + _describe(e)
-            _release(device)
+            _free_cached_memory(device)
     for impl in impls:
         ms = None
         caught: list = []
@@ -259,7 +259,7 @@ def run_row(shape: Shape, mode: str, impls: list[Impl], unavailable: dict[str, s
             except Exception as e:
                 row["errors"][impl.name] = _describe(e, caught)
                 if isinstance(e, torch.cuda.OutOfMemoryError):
-                    _release(device)
+                    _free_cached_memory(device)
         row["ms"][impl.name] = ms
         row["tflops"][impl.name] = tflops(flops, ms)
     ft = row["ms"].get("flashtile")

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from flashtile.bench import report
+from flashtile.bench import paths, report
 from flashtile.bench.timing import bench, bench_graph
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,7 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--no-check", dest="check", action="store_false", help="skip comparing outputs with SDPA")
     r.add_argument("--fail-on-mismatch", action="store_true")
     o = p.add_argument_group("output")
-    o.add_argument("--out", metavar="PATH.json", help="JSON results (default benchmarks/results/decode_...json)")
+    o.add_argument("--out", metavar="PATH.json",
+                   help="JSON results (default: decode_<gpu>_<date>.json under ~/.cache/flashtile/bench, "
+                        "or $XDG_CACHE_HOME/flashtile/bench; never the working directory)")
 
 
 def _time(fn, device: str, args) -> float:
@@ -342,7 +344,7 @@ def run(args) -> int:
         report.eprint(f"note: copy bandwidth not measured ({_describe(e)}); no floor column")
     names = (["flashtile"] + ["flashtile-hm"] * bool(args.head_major) + [f"flashtile-p{p}" for p in args.pages]
              + list(dict.fromkeys(args.peers)))
-    out_path = args.out or report.default_out_path("decode", meta)
+    out_path = args.out or paths.default_out_path("decode", meta)
     rows = []
     shapes = [(b, s) for b in batches for s in seqlens]
     t_start = time.perf_counter()

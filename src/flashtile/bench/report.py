@@ -94,12 +94,6 @@ def device_slug(meta: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
-def default_out_path(mode: str, meta: dict) -> str:
-    """``benchmarks/results/<mode>_<gpu-slug>_<date>.json``; the time is in it so reruns never collide."""
-    stamp = _dt.datetime.fromisoformat(meta["date"]).strftime("%Y%m%d-%H%M%S")
-    return os.path.join("benchmarks", "results", f"{mode}_{device_slug(meta)}_{stamp}.json")
-
-
 def write_json(path: str, meta: dict, rows: list[dict]) -> None:
     parent = os.path.dirname(path)
     if parent:
