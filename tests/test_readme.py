@@ -80,3 +80,17 @@ def test_code_speaks_in_the_present_tense():
         text = path.read_text()
         assert not re.search(DIARY_WORDS, text, re.I), path
         assert not result_file.search(text), path
+
+
+def test_docs_sections_cited_from_code_exist():
+    """A comment citing `docs/page.md, "Section"` names a heading of that page (or a bold lead-in of a list item)."""
+    cite = re.compile(r"(docs/[a-z_]+\.md), ['\"]([^'\"]+)['\"]")
+    for path in sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "tests").rglob("*.py"), *(ROOT / "scripts").glob("*")]):
+        if path.is_dir() or path.name == "test_readme.py":
+            continue
+        for page, section in cite.findall(path.read_text()):
+            text = (ROOT / page).read_text()
+            heads = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+            leads = re.findall(r"\*\*([^*]+)\*\*", text)
+            assert any(h.startswith(section) for h in heads) or any(b.startswith(section) for b in leads), \
+                f"{path.name} cites {page}, {section!r}: no such section"

@@ -313,7 +313,7 @@ DECODE_CONFIGS = {
     ("sm90", 32): (128, 4, 3),
     ("sm90", 64): (128, 4, 3),
     # 128-key tiles: 3-5% faster than 64 on contiguous caches and 1.3-1.5x on 16-token pages, where
-    # a tile then gathers 8 pages (docs/inference.md, 'Tiles')
+    # a tile then gathers 8 pages (docs/inference.md, 'Kernels')
     ("sm90", 128): (128, 4, 3),
     ("sm90", 256): (32, 4, 3),
     ("default", 32): (64, 4, 2),

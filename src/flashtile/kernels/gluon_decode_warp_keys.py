@@ -98,7 +98,7 @@ def _merge_through_smem(o, m_i, l_i, O, LSE, b, kv_head, group, stride_ob, strid
     register work. Only the first GROUP_ROWS rows (the group's query heads, a power of two of at least 4) are read
     back: the rest are the MMA's padding. Reductions across the warp axis instead left 9 CTA
     barriers after the key loop in the sm_90 build and took 3.3-3.6 us at the end of every program, against
-    0.8-1.0 us here (docs/gluon.md, 'Decode')."""
+    0.8-1.0 us here (docs/gluon.md, 'A lesson from the decode kernel')."""
     # the swizzle spans 4 rows, so that the first 4 can be sliced off (2-way bank conflicts on the stores)
     o_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=4, order=[2, 1, 0])
     s_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])

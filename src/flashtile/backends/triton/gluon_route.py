@@ -3,7 +3,7 @@
 The Gluon kernel (kernels/gluon_fwd.py, docs/gluon.md) overlaps the softmax with the tensor cores,
 which Triton 3.6 cannot express. It covers a narrow slice of the API (``refusal``), and within that
 slice it is taken where ``ROUTE_TABLE`` says it measured faster than the Triton kernel on sm_90
-(docs/gluon.md, "Where it is used"). Everything else, and any GPU but sm_90, goes to Triton.
+(docs/forward.md, "Routes"). Everything else, and any GPU but sm_90, goes to Triton.
 
 ``config.gluon`` (FLASHTILE_GLUON=0) turns every Gluon route off; ``config.gluon_fwd`` forces this one on
 (wherever the kernel can run) or off.

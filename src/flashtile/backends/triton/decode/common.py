@@ -10,7 +10,7 @@ from flashtile.kernels.decode import _combine_kernel
 LOG2E = 1.4426950408889634
 # The merge runs on one warp while a program's partials are at most this many values (at d = 128: up to 8 splits):
 # with more warps its reduction crosses warps through shared memory, which took twice as long at b = 32 with 4 splits
-# (docs/inference.md, 'Merging splits'). Larger merges (b = 1's many splits) keep more warps.
+# (docs/inference.md, 'Kernels'). Larger merges (b = 1's many splits) keep more warps.
 COMBINE_ONE_WARP_VALUES = 1024
 
 

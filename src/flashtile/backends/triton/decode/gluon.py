@@ -9,7 +9,7 @@ from flashtile.backends.triton.decode.route import Route
 from flashtile.backends.triton.host import device_guard, run_kernel
 
 # The ring: two 64-key K / V slots, 64 KB, two programs an SM (a third slot, and cuDNN's 128-key tiles, were slower:
-# docs/inference.md, 'Gluon decode')
+# docs/inference.md, 'Kernels')
 NUM_BUFFERS = 2
 MAX_GROUP = 16  # the kernel's 16 query rows
 
