@@ -23,7 +23,9 @@ def main(paths: list[str]):
         cells = []
         for rows in runs:
             r = next((r for r in rows if (r["b"], r["seqlen_k"]) == key), None)
-            cells.append(f"{r['us']['flashtile']:9.1f} {r['us'].get('cudnn', float('nan')):7.1f}" if r else " " * 17)
+            us = {k: (v if v is not None else float("nan")) for k, v in (r["us"] if r else {}).items()}
+            nan = float("nan")
+            cells.append(f"{us.get('flashtile', nan):9.1f} {us.get('cudnn', nan):7.1f}" if r else " " * 17)
         print(f"{key[0]:<3} {key[1]:>6}  " + " ".join(cells))
 
 
