@@ -9,13 +9,17 @@ import torch
 
 
 def brute_force(q, k, v, lens_q, lens_k, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None,
-                scale=None, keep=None, dropout_p=0.0):
-    """q (b, sq, h, d), k/v (b, sk, h_k, d); lens_* per-batch valid lengths. Returns out, lse (b,h,sq)."""
+                scale=None, keep=None, dropout_p=0.0, chunk=0, sink=None, qv=None):
+    """q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv); lens_* per-batch valid lengths. Returns out
+    (b, sq, h, dv), lse (b, h, sq). ``chunk``: a row sees only keys j with floor(j / chunk) equal to its
+    diagonal's; ``sink`` (h,): a logit added to every row's denominator (and to lse); ``qv`` (b, sq, h, dv):
+    scores gain qv . v, default scale 1 / sqrt(d + dv)."""
     b, sq, h, d = q.shape
-    sk, h_k = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    sk, h_k, dv = k.shape[1], k.shape[2], v.shape[-1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d if qv is None else d + dv)
     q, k, v = q.double(), k.double(), v.double()
-    out = torch.zeros(b, sq, h, d, dtype=torch.float64)
+    out = torch.zeros(b, sq, h, dv, dtype=torch.float64)
     lse = torch.full((b, h, sq), float("inf"), dtype=torch.float64)
     left, right = window
     if causal:
@@ -36,7 +40,11 @@ def brute_force(q, k, v, lens_q, lens_k, *, causal=False, window=(-1, -1), softc
                         continue
                     if right >= 0 and j > i + lk - lq + right:
                         continue
+                    if chunk > 0 and math.floor(j / chunk) != math.floor((i + lk - lq) / chunk):
+                        continue
                     s = float(q[bi, i, hi] @ k[bi, j, kh]) * scale
+                    if qv is not None:
+                        s += float(qv[bi, i, hi].double() @ v[bi, j, kh]) * scale
                     if softcap > 0:
                         s = softcap * math.tanh(s / softcap)
                     if alibi is not None:
@@ -44,10 +52,13 @@ def brute_force(q, k, v, lens_q, lens_k, *, causal=False, window=(-1, -1), softc
                         s -= slope * abs(i + lk - lq - j)
                     scores.append(s)
                     idx.append(j)
+                extra = [] if sink is None else [float(sink[hi])]
                 if not scores:
+                    if extra:
+                        lse[bi, hi, i] = extra[0]
                     continue
-                mx = max(scores)
-                total = sum(math.exp(s - mx) for s in scores)
+                mx = max(scores + extra)
+                total = sum(math.exp(s - mx) for s in scores + extra)
                 lse[bi, hi, i] = mx + math.log(total)
                 for s, j in zip(scores, idx):
                     w = math.exp(s - mx) / total

@@ -9,10 +9,13 @@ lengths shaped ``(b, 1, 1, 1)`` (or plain ints).
 from __future__ import annotations
 
 
-def visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int):
+def visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int, chunk: int = 0):
     """Boolean mask: may query ``rows`` see key ``cols``?
 
     ``window_left``/``window_right`` are already normalised (-1 = unbounded; causal means right=0).
+    ``chunk`` > 0 (FlashAttention-3's ``attention_chunk``, Llama 4's chunked attention): a row sees only
+    the keys of its diagonal's chunk, ``[c, c + chunk)`` with ``c = diag - diag mod chunk`` (floor, so a
+    negative diagonal falls in the chunk below 0), on top of the window.
     Rows past ``seqlen_q`` and columns past ``seqlen_k`` are invisible.
     """
     diag = rows + seqlen_k - seqlen_q
@@ -21,6 +24,9 @@ def visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int)
         ok = ok & (cols >= diag - window_left)
     if window_right >= 0:
         ok = ok & (cols <= diag + window_right)
+    if chunk > 0:
+        start = diag - diag % chunk  # tensors' % takes the divisor's sign: a floor
+        ok = ok & (cols >= start) & (cols < start + chunk)
     return ok
 
 

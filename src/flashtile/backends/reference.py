@@ -52,6 +52,9 @@ def attention_ref(
     upcast=True,
     reorder_ops=False,
     probs_hook=None,
+    qv=None,
+    learnable_sink=None,
+    attention_chunk=0,
 ):
     """Reference attention. Returns ``(out, lse)``.
 
@@ -67,11 +70,22 @@ def attention_ref(
     the tolerance rule); ``reorder_ops`` scales k instead of q before the product. ``probs_hook``, a
     function of the (b, h, sq, sk) probabilities, runs just before ``P @ V`` (the fp8 reference uses it
     to round P the way the fp8 kernel does).
+
+    Beyond FlashAttention 2.8.3 (FlashAttention-3 / its CuTe successor's semantics):
+    - v may have its own head dim ``dv`` (``k``'s stays ``d``): out is ``(..., h, dv)``.
+    - ``qv`` ``(b, sq, h, dv)`` (varlen ``(total_q, h, dv)``), MLA's absorbed form: scores gain
+      ``qv . v``; the default scale is then ``1 / sqrt(d + dv)``.
+    - ``learnable_sink`` ``(h,)``: one logit per query head (in score units, after the scale) that joins
+      every row's softmax denominator; lse includes it (a row that sees no key gets lse = the sink and
+      out 0). Gradients flow to it.
+    - ``attention_chunk`` > 0: a query sees only the keys of its diagonal's chunk of that many tokens
+      (``masking.visible``), on top of causal / window.
     """
     varlen = cu_seqlens_q is not None
     dtype = q.dtype
     d = q.shape[-1]
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    dv = v.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d if qv is None else d + dv)
     if varlen:
         cu_q = [int(x) for x in cu_seqlens_q.tolist()]
         cu_k = [int(x) for x in cu_seqlens_k.tolist()]
@@ -79,6 +93,7 @@ def attention_ref(
         lens_k = [cu_k[i + 1] - cu_k[i] for i in range(len(cu_k) - 1)]
         sq, sk = max(lens_q, default=0), max(lens_k, default=0)
         q = _pad_varlen(q, cu_q, sq)
+        qv = _pad_varlen(qv, cu_q, sq) if qv is not None else None
         k = _pad_varlen(k, cu_k, sk)
         v = _pad_varlen(v, cu_k, sk)
     b, sq, h, _ = q.shape
@@ -97,6 +112,7 @@ def attention_ref(
     if upcast:  # to fp32, never down from fp64 (the brute-force tests run in fp64)
         wide = torch.promote_types(q.dtype, torch.float32)
         q, k, v = q.to(wide), k.to(wide), v.to(wide)
+        qv = qv.to(wide) if qv is not None else None
     if h_k != h:
         k = k.repeat_interleave(h // h_k, dim=2)
         v = v.repeat_interleave(h // h_k, dim=2)
@@ -104,6 +120,8 @@ def attention_ref(
         scores = torch.einsum("bthd,bshd->bhts", q, k * scale)
     else:
         scores = torch.einsum("bthd,bshd->bhts", q * scale, k)
+    if qv is not None:
+        scores = scores + torch.einsum("bthd,bshd->bhts", qv * scale, v)
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
 
@@ -116,13 +134,19 @@ def attention_ref(
         slopes = alibi_slopes.to(dev, torch.promote_types(scores.dtype, torch.float32))
         slopes = slopes.view(1, h, 1, 1) if slopes.dim() == 1 else slopes.view(b, h, 1, 1)
         scores = scores + alibi_bias(slopes, rows, cols, len_q, len_k).to(scores.dtype)
-    ok = visible(rows, cols, len_q, len_k, left, right)
+    ok = visible(rows, cols, len_q, len_k, left, right, int(attention_chunk))
     scores = scores.masked_fill(~ok, float("-inf"))
 
-    lse = torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1)
+    wide_scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     empty = ~ok.any(dim=-1)  # rows that see no key (or do not exist)
-    lse = lse.masked_fill(empty, float("inf"))
-    probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    if learnable_sink is None:
+        lse = torch.logsumexp(wide_scores, dim=-1).masked_fill(empty, float("inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill(empty.unsqueeze(-1), 0.0)
+    else:  # the sink's logit joins every row's denominator, as a key no value belongs to
+        sink = learnable_sink.to(wide_scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+        lse = torch.logsumexp(torch.cat([wide_scores, sink], dim=-1), dim=-1)
+        lse = lse.masked_fill((rows >= len_q).squeeze(-1), float("inf"))  # rows that do not exist
+        probs = torch.exp(wide_scores - lse.unsqueeze(-1)).masked_fill(empty.unsqueeze(-1), 0.0).to(scores.dtype)
     if dropout_mask is not None and dropout_p > 0:
         probs = probs.masked_fill(~dropout_mask, 0.0) / (1.0 - dropout_p)
     if probs_hook is not None:
