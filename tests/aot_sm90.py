@@ -1,7 +1,8 @@
 """Compile a flashtile kernel for Hopper (sm_90) on a machine without a GPU, through ptxas.
 
 Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
-    python tests/aot_sm90.py MODULE KERNEL '{"CONSTEXPR": value, ...}' '{"arg": "type", ...}' WARPS STAGES
+    python tests/aot_sm90.py MODULE KERNEL '{"CONSTEXPR": value, ...}' '{"arg": "type", ...}' WARPS STAGES [ARCH]
+(ARCH: the compute capability to build for, 90 unless given; tests/test_ampere_compile.py builds for 80 / 89)
 Arguments not named get a type from their name: ``desc_*`` tensor descriptors need explicit types,
 ``stride_*``/sizes are i32, ``qk_scale``-like floats fp32, everything else a bf16 pointer; pointers and
 strides are marked 16-divisible, as the JIT specialises aligned tensors.
@@ -57,7 +58,7 @@ def loop_sizes(ptx: str) -> list[int]:
     return [len(body) for body in loop_bodies(ptx)]
 
 
-def main(module, kernel, constexprs, types, warps, stages):
+def main(module, kernel, constexprs, types, warps, stages, arch=90):
     kern = getattr(importlib.import_module(module), kernel)
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kern.arg_names):
@@ -83,12 +84,12 @@ def main(module, kernel, constexprs, types, warps, stages):
         # memory of pipelined loads, depend on it
         if sig[name].startswith("*") or name.startswith("stride"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+    compiled = triton.compile(ASTSource(kern, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=warps, num_stages=stages))
     dots = [ln for ln in compiled.asm["ttgir"].splitlines() if "ttng.warp_group_dot " in ln]
     ptx = compiled.asm["ptx"]  # programmatic dependent launch's two instructions
     with tempfile.TemporaryDirectory() as tmp:
-        log = ptxas_log(ptx, pathlib.Path(tmp), "kernel")
+        log = ptxas_log(ptx, pathlib.Path(tmp), "kernel", f"sm_{arch}a" if arch == 90 else f"sm_{arch}")
     regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
     print("WGMMA", len(dots), "SHARED", compiled.metadata.shared, "GDC_WAIT", ptx.count("griddepcontrol.wait"),
           "GDC_LAUNCH", ptx.count("griddepcontrol.launch_dependents"), "BULK", ptx.count("cp.async.bulk.tensor"),
@@ -105,4 +106,4 @@ def main(module, kernel, constexprs, types, warps, stages):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5]),
-         int(sys.argv[6]))
+         int(sys.argv[6]), *(int(a) for a in sys.argv[7:8]))

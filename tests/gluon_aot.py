@@ -38,14 +38,14 @@ def compile_for_sm90(kernel, constexprs: dict, types: dict, num_warps: int, out:
     return dict(tag=tag, shared=compiled.metadata.shared, ptxas_log=log, sass=compiled.asm["sass"])
 
 
-def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str) -> str:
-    """ptxas -v's log (registers, spills) of a PTX text for sm_90a: Triton drops it on success, so run ptxas
+def ptxas_log(ptx_text: str, out: pathlib.Path, tag: str, gpu_name: str = "sm_90a") -> str:
+    """ptxas -v's log (registers, spills) of a PTX text for ``gpu_name``: Triton drops it on success, so run ptxas
     again on the same PTX. Writes <tag>.ptx / .cubin / .ptxas.log under out."""
     from triton import knobs
 
     ptx = out / f"{tag}.ptx"
     ptx.write_text(ptx_text)
-    cmd = [knobs.nvidia.ptxas.path, "-v", "--gpu-name=sm_90a", str(ptx), "-o", str(out / f"{tag}.cubin")]
+    cmd = [knobs.nvidia.ptxas.path, "-v", f"--gpu-name={gpu_name}", str(ptx), "-o", str(out / f"{tag}.cubin")]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     log = res.stdout + res.stderr
     (out / f"{tag}.ptxas.log").write_text(log)
