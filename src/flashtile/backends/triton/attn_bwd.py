@@ -6,12 +6,10 @@ dependent launch behind dK/dV where PDL_TABLE says so (docs/backward.md, "Kernel
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from flashtile import config
-from flashtile.backends.triton import gluon_bwd
+from flashtile.backends.triton import config_files, gluon_bwd
 from flashtile.backends.triton.attn_fwd import LOG2E
 from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.kernels.attn_bwd import (
@@ -82,7 +80,19 @@ def use_bwd_pdl(q: torch.Tensor, causal: bool, seqlen: int) -> bool:
     return cap in PDL_CAPABILITIES and pdl_preferred(q.shape[-1], causal, seqlen)
 
 
-_TABLE_FILES: dict = {}
+
+
+def _parse_row(key: str, cfgs) -> tuple:
+    parts = key.split(",")
+    ok = (2 <= len(parts) <= 4 and parts[1].isdigit()
+          and (len(parts) < 3 or parts[2] in ("True", "False"))
+          and (len(parts) < 4 or parts[3] == "short"))
+    if not ok:
+        raise ValueError(f"FLASHTILE_BWD_CONFIGS: bad key {key!r}; expected "
+                         f"'arch,bucket[,True|False[,short]]', e.g. 'sm90,128,True,short'")
+    kv_cfg, q_cfg = cfgs
+    parsed = (parts[0], int(parts[1]), *([parts[2] == "True"] if len(parts) > 2 else []), *parts[3:])
+    return parsed, (tuple(kv_cfg), tuple(q_cfg))
 
 
 def config_overrides() -> dict:
@@ -91,25 +101,7 @@ def config_overrides() -> dict:
     The file maps "arch,bucket[,causal[,short]]" (e.g. "sm90,128" or "sm90,128,True,short") to
     [[dkdv BM, BN, warps, stages], [dq ...]]. Read once per file name.
     """
-    path = config.get().bwd_configs
-    if not path:
-        return {}
-    table = _TABLE_FILES.get(path)
-    if table is None:
-        table = {}
-        with open(path) as f:
-            for key, (kv_cfg, q_cfg) in json.load(f).items():
-                parts = key.split(",")
-                ok = (2 <= len(parts) <= 4 and parts[1].isdigit()
-                      and (len(parts) < 3 or parts[2] in ("True", "False"))
-                      and (len(parts) < 4 or parts[3] == "short"))
-                if not ok:
-                    raise ValueError(f"FLASHTILE_BWD_CONFIGS ({path}): bad key {key!r}; expected "
-                                     f"'arch,bucket[,True|False[,short]]', e.g. 'sm90,128,True,short'")
-                parsed = (parts[0], int(parts[1]), *([parts[2] == "True"] if len(parts) > 2 else []), *parts[3:])
-                table[parsed] = (tuple(kv_cfg), tuple(q_cfg))
-        _TABLE_FILES[path] = table
-    return table
+    return config_files.load(config.get().bwd_configs, _parse_row)
 
 
 def _strides3(x: torch.Tensor, varlen: bool):

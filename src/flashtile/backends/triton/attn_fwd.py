@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from flashtile import config
+from flashtile.backends.triton import config_files
 from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2
 from flashtile.backends.triton.tma import row_descriptor as _descriptor
 from flashtile.backends.triton.tma import tma_ok as _tma_ok
@@ -15,7 +14,11 @@ from flashtile.params import AttnParams
 
 LOG2E = 1.4426950408889634
 
-_TABLE_FILES: dict = {}
+
+
+def _parse_row(key: str, cfg) -> tuple:
+    arch, bucket, causal, *rest = key.split(",")
+    return (arch, int(bucket), causal == "True", *rest), tuple(cfg)
 
 
 def config_overrides() -> dict:
@@ -24,18 +27,7 @@ def config_overrides() -> dict:
     The file maps "arch,bucket,causal[,short]" (e.g. "sm90,128,False,short") to
     [BLOCK_M, BLOCK_N, num_warps, num_stages]. Read once per file name.
     """
-    path = config.get().fwd_configs
-    if not path:
-        return {}
-    table = _TABLE_FILES.get(path)
-    if table is None:
-        table = {}
-        with open(path) as f:
-            for key, cfg in json.load(f).items():
-                arch, bucket, causal, *rest = key.split(",")
-                table[(arch, int(bucket), causal == "True", *rest)] = tuple(cfg)
-        _TABLE_FILES[path] = table
-    return table
+    return config_files.load(config.get().fwd_configs, _parse_row)
 
 
 def use_tma(q, k, v) -> bool:
