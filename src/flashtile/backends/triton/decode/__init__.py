@@ -46,10 +46,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     paged = block_table is not None
     plain = (cache_batch_idx is None and cache_leftpad is None and window_left < 0 and softcap <= 0
              and alibi_slopes is None and rotary_cos is None)
-    shape = DecodeShape(b, sq, h, k_cache.shape[2], d, capacity_of(k_cache, block_table), s_new, num_splits, plain,
-                        cache_leftpad is not None, aligned(k_cache, v_cache), tma_ok(k_cache) and tma_ok(v_cache))
     settings = config.get()
-    route = select_route(shape, q.dtype, paged, k_cache.shape[1] if paged else 0, device_props(q.device),
+    props = device_props(q.device)
+    # the caches' alignment matters only to routes that can use it (the Gluon kernel on Hopper, descriptors from
+    # sm_90 or when a test forces them): elsewhere the pointer and stride checks (several us) are skipped
+    hopper = props.capability >= (9, 0)
+    shape = DecodeShape(b, sq, h, k_cache.shape[2], d, capacity_of(k_cache, block_table), s_new, num_splits, plain,
+                        cache_leftpad is not None, hopper and aligned(k_cache, v_cache),
+                        (hopper or bool(settings.tma)) and tma_ok(k_cache) and tma_ok(v_cache))
+    route = select_route(shape, q.dtype, paged, k_cache.shape[1] if paged else 0, props,
                          forced=settings.decode_route, tiles=settings.decode_tiles, pdl=settings.decode_pdl,
                          tma=settings.tma)
     if route.kernel == "gluon":
