@@ -16,6 +16,14 @@ class AttnParams:
     calls leave them None. ``seed``/``offset`` key the dropout Philox stream (see ``rng.py``).
     ``q_descale/k_descale/v_descale`` (fp32 ``(b, h_k)``, fp8 calls only; None = 1) dequantise
     e4m3 inputs (see ``fp8.py``).
+
+    Beyond FlashAttention 2.8.3 (FlashAttention-3 / its CuTe successor's semantics,
+    ``backends/reference.py`` states them exactly): ``learnable_sink`` (fp32 or the inputs' dtype,
+    ``(h,)``) is one logit per query head, in score units after the scale, that joins every row's softmax
+    denominator (lse includes it; its gradient is ``-sum exp(sink - lse) * delta`` over rows, which the
+    autograd layer computes, so backends only need lse to include it). ``attention_chunk`` > 0 limits a
+    row to the keys of its diagonal's chunk (``masking.visible``). v's head dim may differ from q/k's:
+    backends read it from ``v.shape[-1]``.
     """
 
     softmax_scale: float
@@ -38,6 +46,8 @@ class AttnParams:
     q_descale: torch.Tensor | None = None
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
+    learnable_sink: torch.Tensor | None = None
+    attention_chunk: int = 0
 
     @property
     def varlen(self) -> bool:
