@@ -134,7 +134,7 @@ def test_errors_name_the_argument():
     _err(ValueError, "must have 4 dims", f, q[0], k, v)
     _err(ValueError, "multiple of key/value heads", f, q, *_qkv(h_k=3)[1:])
     _err(ValueError, "head dim", f, *_qkv(d=264))
-    _err(ValueError, "v must have the same shape", f, q, k, v[:, :5])
+    _err(ValueError, "v must have k.s shape but for its head dim", f, q, k, v[:, :5])
     _err(ValueError, "dropout_p", f, q, k, v, dropout_p=1.0)
     _err(ValueError, "dropout_p", f, q, k, v, dropout_p=-0.1)
     _err(ValueError, "softcap", f, q, k, v, softcap=1.0, dropout_p=0.1)

@@ -50,6 +50,13 @@ CASES = {
     "varlen_kvpacked": (lambda: [torch.randn(12, 4, 16), torch.randn(15, 2, 2, 16)],
                         lambda q, kv: flashtile.flash_attn_varlen_kvpacked_func(q, kv, _cu([5, 7]), _cu([9, 6]),
                                                                                 7, 9, window_size=(3, 3))),
+    # FlashAttention-3 / CuTe features: v's own head dim, a learnable sink (a differentiable input) and a chunk
+    "sink_chunk_dv": (lambda: [*_padded()[:2], torch.randn(2, 11, 2, 24), torch.randn(4)],
+                      lambda q, k, v, sink: flashtile.flash_attn_func(q, k, v, causal=True, attention_chunk=4,
+                                                                      learnable_sink=sink)),
+    "varlen_sink": (lambda: [torch.randn(12, 4, 16), torch.randn(15, 2, 16), torch.randn(15, 2, 16), torch.randn(4)],
+                    lambda q, k, v, sink: flashtile.flash_attn_varlen_func(q, k, v, _cu([5, 7]), _cu([9, 6]), 7, 9,
+                                                                           learnable_sink=sink, attention_chunk=3)),
 }
 
 

@@ -103,7 +103,7 @@ def test_plain_function_apply_matches_the_fast_apply():
     q, k, v = (_leaf(1, 11, 2, 16, seed=i) for i in range(3))
     _, _, _, p = ag.padded_params(q, k, v, 0.0, None, True, (-1, -1), 0.0, None, False, False)
     fast = ag.eager_attention(q, k, v, p, PACK_NONE, None)
-    plain = ag.EagerAttention.apply(q, k, v, p, PACK_NONE, None)
+    plain = ag.EagerAttention.apply(q, k, v, None, p, PACK_NONE, None)
     assert fast[2] is None and plain[2] is None  # no probabilities allocated when not asked for
     assert torch.equal(fast[0], plain[0]) and torch.equal(fast[1], plain[1])
     dout = torch.randn(1, 11, 2, 16, generator=torch.Generator().manual_seed(3))

@@ -46,24 +46,27 @@ from flashtile.validation import (
 
 
 def padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  deterministic, return_softmax, descales=None):
+                  deterministic, return_softmax, descales=None, learnable_sink=None, attention_chunk=0):
     """Check a padded call; return last-dim-contiguous q, k, v and its params (no rng drawn).
 
     ``descales`` (fp8 entry points only): ``(q_descale, k_descale, v_descale)``; its presence is
     what lets e4m3 q/k/v through (other functions refuse fp8 with a message saying which take it).
+    ``learnable_sink`` / ``attention_chunk``: FlashAttention-3 / CuTe's sink and chunk (params.py).
     """
     q, k, v = check_qkv(q, k, v, varlen=False, allow_fp8=descales is not None)
     fp8 = check_fp8(q, k, v, q.shape[0], dropout_p, *(descales or (None,) * 3), extra=[("alibi_slopes", alibi_slopes)])
     p = make_params(q, batch=q.shape[0], max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1], dropout_p=dropout_p,
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                    return_probs=return_softmax, draw_rng=False, **fp8)
+                    return_probs=return_softmax, draw_rng=False, learnable_sink=learnable_sink,
+                    attention_chunk=attention_chunk, **fp8)
     return q, k, v, p
 
 
 def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                  return_softmax, block_table=None, seqused_q=None, seqused_k=None, descales=None):
+                  return_softmax, block_table=None, seqused_q=None, seqused_k=None, descales=None,
+                  learnable_sink=None, attention_chunk=0):
     """Check a varlen call; return last-dim-contiguous q, k, v and its params (no rng drawn)."""
     if block_table is not None:  # paged KV: gathered into the varlen layout (flashtile/paged.py)
         check_max_seqlen("max_seqlen_k", max_seqlen_k)
@@ -80,7 +83,8 @@ def varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                     softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                     softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
                     return_probs=return_softmax, draw_rng=False, cu_seqlens_q=cu_seqlens_q,
-                    cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k, **fp8)
+                    cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                    learnable_sink=learnable_sink, attention_chunk=attention_chunk, **fp8)
     return q, k, v, p
 
 
@@ -94,7 +98,7 @@ def fwd_op_args(q, k, v, p: AttnParams, rng_state, packing: int) -> tuple:
     return (q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes, rng_state,
             p.max_seqlen_q, p.max_seqlen_k, p.dropout_p, p.softmax_scale, p.causal, p.window_left,
             p.window_right, p.softcap, p.deterministic, p.return_probs, packing,
-            p.q_descale, p.k_descale, p.v_descale)
+            p.q_descale, p.k_descale, p.v_descale, p.learnable_sink, p.attention_chunk)
 
 
 def _packed_views(q, kv_or_none, qkv_or_none, varlen: bool):
@@ -116,7 +120,7 @@ def attention(q, k, v, p: AttnParams, packing: int = PACK_NONE):
 
     For ``PACK_QKV`` ``q`` is the packed qkv and k, v are None; for ``PACK_KV`` ``k`` is the packed kv.
     """
-    if _eager_inference(q, k, v):
+    if _eager_inference(q, k, v, p.learnable_sink):
         return _direct_forward(q, k, v, p, packing)
     rng_state = rng_state_for(p, q.device)
     if traced(q):
@@ -145,58 +149,69 @@ def _direct_forward(q, k, v, p: AttnParams, packing: int):
     return _result(out, lse, probs, p.return_probs)
 
 
-# The public functions' bodies: check, then one op call.
+# The public functions' bodies: check, then one op call. ``learnable_sink`` / ``attention_chunk`` are
+# FlashAttention-3 / CuTe's (params.py); FlashAttention 2.8.3's callers never pass them.
 
 def flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_probs, q_descale=None, k_descale=None, v_descale=None):
+               return_probs, q_descale=None, k_descale=None, v_descale=None, learnable_sink=None,
+               attention_chunk=0):
     q, k, v, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs, (q_descale, k_descale, v_descale))
+                               deterministic, return_probs, (q_descale, k_descale, v_descale), learnable_sink,
+                               attention_chunk)
     return attention(q, k, v, p)
 
 
 def flash_attn_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                         deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None):
+                         deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None,
+                         learnable_sink=None, attention_chunk=0):
     qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=False)
     _, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs, (q_descale, k_descale, v_descale))
+                               deterministic, return_probs, (q_descale, k_descale, v_descale), learnable_sink,
+                               attention_chunk)
     return attention(qkv, None, None, p, PACK_QKV)
 
 
 def flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                        deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None):
+                        deterministic, return_probs, q_descale=None, k_descale=None, v_descale=None,
+                        learnable_sink=None, attention_chunk=0):
     _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=False)
     q, _, _, p = padded_params(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                               deterministic, return_probs, (q_descale, k_descale, v_descale))
+                               deterministic, return_probs, (q_descale, k_descale, v_descale), learnable_sink,
+                               attention_chunk)
     return attention(q, kv, None, p, PACK_KV)
 
 
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_probs, block_table=None,
-                      seqused_q=None, seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+                      seqused_q=None, seqused_k=None, q_descale=None, k_descale=None, v_descale=None,
+                      learnable_sink=None, attention_chunk=0):
     q, k, v, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                return_probs, block_table, seqused_q, seqused_k,
-                               (q_descale, k_descale, v_descale))
+                               (q_descale, k_descale, v_descale), learnable_sink, attention_chunk)
     return attention(q, k, v, p)
 
 
 def flash_attn_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size,
                                 softcap, alibi_slopes, deterministic, return_probs, q_descale=None, k_descale=None,
-                                v_descale=None):
+                                v_descale=None, learnable_sink=None, attention_chunk=0):
     qkv, _, _, (q, k, v) = _packed_views(None, None, qkv, varlen=True)
     _, _, _, p = varlen_params(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                causal, window_size, softcap, alibi_slopes, deterministic, return_probs,
-                               descales=(q_descale, k_descale, v_descale))
+                               descales=(q_descale, k_descale, v_descale), learnable_sink=learnable_sink,
+                               attention_chunk=attention_chunk)
     return attention(qkv, None, None, p, PACK_QKV)
 
 
 def flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                               return_probs, q_descale=None, k_descale=None, v_descale=None):
+                               return_probs, q_descale=None, k_descale=None, v_descale=None, learnable_sink=None,
+                               attention_chunk=0):
     _, kv, _, (_, k, v) = _packed_views(q, kv, None, varlen=True)
     q, _, _, p = varlen_params(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                               return_probs, descales=(q_descale, k_descale, v_descale))
+                               return_probs, descales=(q_descale, k_descale, v_descale),
+                               learnable_sink=learnable_sink, attention_chunk=attention_chunk)
     return attention(q, kv, None, p, PACK_KV)
 
 

@@ -1,10 +1,11 @@
 """FlashAttention 2.8.3's public functions, with its signatures, defaults and return values.
 
 Shapes: ``b`` batch, ``s`` sequence length, ``h`` query heads, ``h_k`` key/value heads
-(``h % h_k == 0``), ``d`` head dim (1..256). Varlen functions pack the batch into ``total`` rows
+(``h % h_k == 0``), ``d`` head dim (1..256); v may have its own head dim ``dv`` (1..256, e.g.
+DeepSeek-V3's d = 192, dv = 128), and out then has dv. Varlen functions pack the batch into ``total`` rows
 described by int32 ``cu_seqlens`` of shape ``(b+1,)``.
 
-Every function returns ``out`` (same shape and dtype as q), or ``(out, softmax_lse, S_dmask)`` when
+Every function returns ``out`` (q's dtype, shape ``q.shape[:-1] + (dv,)``), or ``(out, softmax_lse, S_dmask)`` when
 ``return_attn_probs=True``: ``softmax_lse`` is fp32 ``(b, h, sq)`` (varlen: ``(h, total_q)``), the
 natural-log sum of exponentials of each row's scaled scores (+inf for a row that sees no key);
 ``S_dmask`` (testing aid) is ``(b, h, sq, sk)`` softmax probabilities with dropped entries negated
@@ -53,6 +54,11 @@ _COMMON_DOC = """
     alibi_slopes: fp32 (h,) or (b, h); adds ``-slope * |i + sk - sq - j|`` to the scores.
     deterministic: backward gives bit-identical gradients run to run.
     return_attn_probs: also return ``(softmax_lse, S_dmask)`` (testing aid).
+    learnable_sink (keyword, FlashAttention-CuTe's): float32 or q's dtype ``(h,)``, one logit per query head
+        (score units, after the scale) that joins every row's softmax denominator; ``softmax_lse`` includes
+        it, a row that sees no key gets out 0 and lse = its sink, and it receives a gradient (gpt-oss).
+    attention_chunk (keyword, FlashAttention-3's): > 0 limits each query to the keys of its diagonal's
+        chunk of that many tokens, on top of causal / window (Llama 4); 0 = no chunking.
 
     Returns ``out``, or ``(out, softmax_lse, S_dmask)`` when ``return_attn_probs`` (module docstring).
 """
@@ -67,44 +73,49 @@ _FP8_DOC = """
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                    q_descale=None, k_descale=None, v_descale=None):
+                    q_descale=None, k_descale=None, v_descale=None, learnable_sink=None, attention_chunk=0):
     """Attention over padded batches.
 
-    q: (b, sq, h, d); k, v: (b, sk, h_k, d). Returns out (b, sq, h, d).
+    q: (b, sq, h, d); k: (b, sk, h_k, d); v: (b, sk, h_k, dv). Returns out (b, sq, h, dv).
     """
     return _ag.flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          deterministic, return_attn_probs, q_descale, k_descale, v_descale)
+                          deterministic, return_attn_probs, q_descale, k_descale, v_descale,
+                          learnable_sink, attention_chunk)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                               deterministic=False, return_attn_probs=False, *, q_descale=None, k_descale=None,
-                              v_descale=None):
+                              v_descale=None, learnable_sink=None, attention_chunk=0):
     """Self-attention with q, k, v packed: qkv (b, s, 3, h, d). Returns out (b, s, h, d).
 
     The gradient is written straight into a (b, s, 3, h, d) buffer (no concatenation).
     """
     return _ag.flash_attn_qkvpacked(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    deterministic, return_attn_probs, q_descale, k_descale, v_descale)
+                                    deterministic, return_attn_probs, q_descale, k_descale, v_descale,
+                          learnable_sink, attention_chunk)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False,
                              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                             return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None):
+                             return_attn_probs=False, *, q_descale=None, k_descale=None, v_descale=None,
+                             learnable_sink=None, attention_chunk=0):
     """Attention with k, v packed: q (b, sq, h, d), kv (b, sk, 2, h_k, d). Returns out (b, sq, h, d)."""
     return _ag.flash_attn_kvpacked(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                   deterministic, return_attn_probs, q_descale, k_descale, v_descale)
+                                   deterministic, return_attn_probs, q_descale, k_descale, v_descale,
+                          learnable_sink, attention_chunk)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False,
                            return_attn_probs=False, block_table=None, *, seqused_q=None,
-                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None):
+                           seqused_k=None, q_descale=None, k_descale=None, v_descale=None,
+                           learnable_sink=None, attention_chunk=0):
     """Attention over variable-length sequences packed along the first dim.
 
-    q: (total_q, h, d); k, v: (total_k, h_k, d); cu_seqlens_q/k: int32 (b+1,) starting at 0;
-    max_seqlen_q/k: Python ints. Returns out (total_q, h, d); lse (h, total_q).
+    q: (total_q, h, d); k: (total_k, h_k, d); v: (total_k, h_k, dv); cu_seqlens_q/k: int32 (b+1,)
+    starting at 0; max_seqlen_q/k: Python ints. Returns out (total_q, h, dv); lse (h, total_q).
     block_table: int32 (b, max_blocks) for paged KV: k, v are then caches (num_blocks, page_size,
     h_k, d), any page size, and cu_seqlens_k gives the key lengths (forward: flashtile/paged.py).
     seqused_q/seqused_k (FlashAttention-3 extension): int32 (b,), only the first seqused tokens of
@@ -113,28 +124,30 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _ag.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                  return_attn_probs, block_table, seqused_q, seqused_k, q_descale, k_descale,
-                                 v_descale)
+                                 v_descale, learnable_sink, attention_chunk)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
                                      alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                     q_descale=None, k_descale=None, v_descale=None):
+                                     q_descale=None, k_descale=None, v_descale=None,
+                                     learnable_sink=None, attention_chunk=0):
     """Varlen self-attention, qkv (total, 3, h, d). Returns out (total, h, d)."""
     return _ag.flash_attn_varlen_qkvpacked(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal,
                                            window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                                           q_descale, k_descale, v_descale)
+                                           q_descale, k_descale, v_descale, learnable_sink, attention_chunk)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p=0.0, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                                     deterministic=False, return_attn_probs=False, *, q_descale=None,
-                                    k_descale=None, v_descale=None):
+                                    k_descale=None, v_descale=None, learnable_sink=None, attention_chunk=0):
     """Varlen attention with kv packed: q (total_q, h, d), kv (total_k, 2, h_k, d)."""
     return _ag.flash_attn_varlen_kvpacked(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                           dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                          deterministic, return_attn_probs, q_descale, k_descale, v_descale)
+                                          deterministic, return_attn_probs, q_descale, k_descale, v_descale,
+                                          learnable_sink, attention_chunk)
 
 
 for _fn in (flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func,

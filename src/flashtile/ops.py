@@ -4,7 +4,8 @@ Three ops, all in the ``flashtile`` namespace:
 
 ``flashtile::attn_fwd(q, k?, v?, cu_seqlens_q?, cu_seqlens_k?, seqused_q?, seqused_k?, alibi_slopes?,
 rng_state?, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-softcap, deterministic, return_probs, packing, q_descale?, k_descale?, v_descale?) -> (out, lse, S_dmask)``
+softcap, deterministic, return_probs, packing, q_descale?, k_descale?, v_descale?, learnable_sink?,
+attention_chunk) -> (out, lse, S_dmask)``
     ``packing`` says how q/k/v arrive: ``PACK_NONE`` (three tensors), ``PACK_KV`` (``k`` is the
     packed ``kv``, ``v`` is None) or ``PACK_QKV`` (``q`` is the packed ``qkv``). Taking the packed
     tensor itself, rather than views of it, is what lets the backward return one packed gradient:
@@ -13,8 +14,10 @@ softcap, deterministic, return_probs, packing, q_descale?, k_descale?, v_descale
     and ``return_probs``, else an empty tensor of q's dtype. fp8 (e4m3) q/k/v take the optional
     fp32 ``(b, h_k)`` descales (last, with defaults, so older positional calls still bind) and give
     a bf16 ``out``; the fp8 forward has no backward (the public functions refuse grad up front).
+    ``learnable_sink`` ``(h,)`` and ``attention_chunk`` (FlashAttention-3 / CuTe features, params.py)
+    come last; the sink's gradient is computed here from lse (:func:`sink_grad`), not by a backend.
 
-``flashtile::attn_bwd(dout, q, k?, v?, out, lse, ...same tensors and scalars...) -> (dq, dk, dv)``
+``flashtile::attn_bwd(dout, q, k?, v?, out, lse, ...same tensors and scalars..., attention_chunk) -> (dq, dk, dv)``
     Functional: returns gradients shaped like the forward's tensor inputs (``dqkv`` / ``dkv`` for
     packed inputs, an empty tensor in the slots whose input was None). The packed gradient is
     allocated once and the backend writes into views of it.
@@ -97,7 +100,7 @@ def unpack(q: Tensor, k: Tensor | None, v: Tensor | None, packing: int) -> tuple
 def params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                      max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
                      window_right, softcap, deterministic, return_probs, q_descale=None, k_descale=None,
-                     v_descale=None) -> AttnParams:
+                     v_descale=None, learnable_sink=None, attention_chunk=0) -> AttnParams:
     seed, offset = _seed_offset(rng_state, dropout_p)
     return AttnParams(softmax_scale=softmax_scale, causal=causal, window_left=window_left,
                       window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -105,7 +108,7 @@ def params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slo
                       cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                       seqused_q=seqused_q, seqused_k=seqused_k, deterministic=deterministic,
                       return_probs=return_probs, q_descale=q_descale, k_descale=k_descale,
-                      v_descale=v_descale)
+                      v_descale=v_descale, learnable_sink=learnable_sink, attention_chunk=attention_chunk)
 
 
 def _out_dtype(q: Tensor) -> torch.dtype:
@@ -137,20 +140,24 @@ def attn_fwd(q: Tensor, k: Tensor | None, v: Tensor | None, cu_seqlens_q: Tensor
              dropout_p: float, softmax_scale: float, causal: bool, window_left: int, window_right: int,
              softcap: float, deterministic: bool, return_probs: bool,
              packing: int, q_descale: Tensor | None = None, k_descale: Tensor | None = None,
-             v_descale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+             v_descale: Tensor | None = None, learnable_sink: Tensor | None = None,
+             attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-                         softcap, deterministic, return_probs, packing, q_descale, k_descale, v_descale)
+                         softcap, deterministic, return_probs, packing, q_descale, k_descale, v_descale,
+                         learnable_sink, attention_chunk)
 
 
 def attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                   max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-                  softcap, deterministic, return_probs, packing, q_descale=None, k_descale=None, v_descale=None):
+                  softcap, deterministic, return_probs, packing, q_descale=None, k_descale=None, v_descale=None,
+                  learnable_sink=None, attention_chunk=0):
     """The body of ``flashtile::attn_fwd`` as a plain function (eager calls skip the op dispatcher)."""
     q, k, v = unpack(q, k, v, packing)
     p = params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                          max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic, return_probs, q_descale, k_descale, v_descale)
+                         window_right, softcap, deterministic, return_probs, q_descale, k_descale, v_descale,
+                         learnable_sink, attention_chunk)
     out, lse, probs = dispatch.forward(q, k, v, p)
     # pin dtypes to what the fake impl promises, whatever a backend chose
     lse = lse.to(_lse_dtype(q))
@@ -165,7 +172,7 @@ def attn_fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, ali
 def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                    max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
                    softcap, deterministic, return_probs, packing, q_descale=None, k_descale=None,
-                   v_descale=None):
+                   v_descale=None, learnable_sink=None, attention_chunk=0):
     q, k, v = unpack(q, k, v, packing)
     out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=_out_dtype(q))
     lse = q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=_lse_dtype(q))
@@ -180,10 +187,11 @@ def _attn_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, al
 
 def _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
                 max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                deterministic) -> AttnParams:
+                deterministic, attention_chunk=0) -> AttnParams:
+    # no learnable_sink: the backends' backward needs only lse, which already includes it
     return params_from_args(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state,
                             max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                            window_right, softcap, deterministic, False)
+                            window_right, softcap, deterministic, False, attention_chunk=attention_chunk)
 
 
 def _backend_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
@@ -219,26 +227,26 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor | None, v: Tensor | None, out: T
              seqused_k: Tensor | None, alibi_slopes: Tensor | None, rng_state: Tensor | None,
              max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
              window_left: int, window_right: int, softcap: float, deterministic: bool,
-             packing: int) -> tuple[Tensor, Tensor, Tensor]:
+             packing: int, attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     return attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
                          rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                         window_right, softcap, deterministic, packing)
+                         window_right, softcap, deterministic, packing, attention_chunk)
 
 
 def attn_bwd_impl(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
                   rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                  window_right, softcap, deterministic, packing):
+                  window_right, softcap, deterministic, packing, attention_chunk=0):
     """The body of ``flashtile::attn_bwd`` as a plain function (eager calls skip the op dispatcher)."""
     p = _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
                     max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                    deterministic)
+                    deterministic, attention_chunk)
     return _packed_bwd(dout, q, k, v, out, lse, p, packing)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
                    rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left,
-                   window_right, softcap, deterministic, packing):
+                   window_right, softcap, deterministic, packing, attention_chunk=0):
     return _grad_buffers(q, k, v, packing)[0]
 
 
@@ -248,10 +256,10 @@ def attn_bwd_into(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   seqused_q: Tensor | None, seqused_k: Tensor | None, alibi_slopes: Tensor | None,
                   rng_state: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
                   softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                  deterministic: bool) -> Tensor:
+                  deterministic: bool, attention_chunk: int = 0) -> Tensor:
     p = _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state, max_seqlen_q,
                     max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right, softcap,
-                    deterministic)
+                    deterministic, attention_chunk)
     _backend_bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
     return _softmax_d(dout, out, cu_seqlens_q is not None)
 
@@ -265,14 +273,29 @@ def _softmax_d(dout, out, varlen):
 @attn_bwd_into.register_fake
 def _attn_bwd_into_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                         alibi_slopes, rng_state, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                        window_left, window_right, softcap, deterministic):
+                        window_left, window_right, softcap, deterministic, attention_chunk=0):
     return q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+def sink_grad(learnable_sink, lse, dout, out, varlen: bool):
+    """The gradient of ``learnable_sink`` ``(h,)``: out = sum_j P_j v_j with the sink in the denominator, so
+    d out / d sink = -P_sink * out and d loss / d sink = -sum over rows of exp(sink - lse) * rowsum(dout * out).
+    Rows that saw nothing have lse = +inf (no sink) or out = 0, and add 0."""
+    acc = torch.promote_types(lse.dtype, torch.float32)  # fp64 for gradcheck's fp64 inputs
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (b, sq, h) or (total_q, h)
+    delta = delta.t() if varlen else delta.transpose(1, 2)
+    sink = learnable_sink.to(acc)
+    if varlen:  # lse (h, total_q)
+        return (-(torch.exp(sink[:, None] - lse.to(acc)) * delta).sum(1)).to(learnable_sink.dtype)
+    # lse (b, h, sq)
+    return (-(torch.exp(sink[None, :, None] - lse.to(acc)) * delta).sum((0, 2))).to(learnable_sink.dtype)
 
 
 # ----------------------------------------------------------------------------------------- autograd
 
 _FWD_TENSORS = 9  # q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, rng_state
 _FWD_SCALARS = 9  # max_seqlen_q .. deterministic; then return_probs (forward-only), packing, descales
+_SINK = _FWD_TENSORS + _FWD_SCALARS + 5  # learnable_sink's position, attention_chunk's after it
 
 
 def _setup_context(ctx, inputs, output):
@@ -283,15 +306,22 @@ def _setup_context(ctx, inputs, output):
     # backward and the public functions refuse to record a graph for it
     ctx.scalars = inputs[_FWD_TENSORS:_FWD_TENSORS + _FWD_SCALARS]
     ctx.packing = inputs[_FWD_TENSORS + _FWD_SCALARS + 1]
+    extras = inputs[_SINK:]  # learnable_sink, attention_chunk (absent when a caller left the defaults)
+    ctx.sink = extras[0] if extras else None
+    ctx.chunk = extras[1] if len(extras) > 1 else 0
     ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse, probs)
 
 
 def _input_grads(ctx, dout, bwd):
     q, k, v, cu_q, cu_k, su_q, su_k, alibi, rng, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
-    # inputs that were None (packed slots) get None; everything past the tensors is not differentiable
-    return (dq, dk if k is not None else None, dv if v is not None else None) + (None,) * (ctx.n_inputs - 3)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing,
+                     ctx.chunk)
+    # inputs that were None (packed slots) get None; past the tensors only the sink is differentiable
+    grads = [dq, dk if k is not None else None, dv if v is not None else None] + [None] * (ctx.n_inputs - 3)
+    if ctx.sink is not None:
+        grads[_SINK] = sink_grad(ctx.sink, lse, dout, out, cu_q is not None)
+    return tuple(grads)
 
 
 def _backward(ctx, dout, _dlse, _dprobs):
@@ -328,9 +358,10 @@ class EagerAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, p: AttnParams, packing: int, rng_state):
+    def forward(ctx, q, k, v, learnable_sink, p: AttnParams, packing: int, rng_state):
         # p is this call's own (autograd.padded_params / varlen_params built it): the dropout draw
-        # goes into it as attn_fwd_impl's params_from_args would put it
+        # goes into it as attn_fwd_impl's params_from_args would put it. learnable_sink is p's own,
+        # passed again so autograd sees it as an input with a gradient.
         p.seed, p.offset = _seed_offset(rng_state, p.dropout_p)
         qu, ku, vu = unpack(q, k, v, packing)
         out, lse, probs = dispatch.forward(qu, ku, vu, p)
@@ -343,7 +374,7 @@ class EagerAttention(torch.autograd.Function):
         else:
             probs = probs.to(torch.float32)
         ctx.save_for_backward(q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k,
-                              p.alibi_slopes)
+                              p.alibi_slopes, learnable_sink)
         ctx.p, ctx.packing, ctx.rng_state = p, packing, rng_state
         ctx.mark_non_differentiable(*(x for x in (lse, probs) if x is not None))
         # lse and probs are not differentiable: their gradients are never read, so the engine need
@@ -357,17 +388,18 @@ class EagerAttention(torch.autograd.Function):
         # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
         # second derivative must fail loudly (the op path raises too), never come back as zero
         # (unpacking the saved tensors checks none was modified in place since the forward)
-        q, k, v, out, lse, *_ = ctx.saved_tensors
+        q, k, v, out, lse, *_, sink = ctx.saved_tensors
         p, packing = ctx.p, ctx.packing
         if dout is None:  # not materialised: a zero gradient reached the output, as the op path sees it
             dout = torch.zeros_like(out)
         if traced(dout):  # a tracer in the backward: the op, for its fake implementation
             dq, dk, dv = torch.ops.flashtile.attn_bwd(
                 dout, q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes,
-                ctx.rng_state, *bwd_op_scalars(p), packing)
+                ctx.rng_state, *bwd_op_scalars(p), packing, p.attention_chunk)
         else:  # what attn_bwd_impl runs, with the forward's parameters
             dq, dk, dv = _packed_bwd(dout, q, k, v, out, lse, p, packing)
-        return dq, dk if k is not None else None, dv if v is not None else None, None, None, None
+        dsink = None if sink is None else sink_grad(sink, lse, dout, out, p.varlen)
+        return dq, dk if k is not None else None, dv if v is not None else None, dsink, None, None, None
 
 
 # Function.apply's own preamble (a signature check, and a generator over every argument to unwrap
@@ -377,11 +409,12 @@ _FUNCTION_APPLY = super(torch.autograd.Function, EagerAttention).apply
 
 
 def eager_attention(q, k, v, p: AttnParams, packing: int, rng_state):
-    """``EagerAttention.apply(q, k, v, p, packing, rng_state)``: ``(out, lse, probs-or-None)``."""
+    """``EagerAttention.apply(q, k, v, p.learnable_sink, p, packing, rng_state)``: ``(out, lse, probs-or-None)``."""
+    sink = p.learnable_sink
     if torch._C._are_functorch_transforms_active():
         # Function.apply's own path, which raises its error: this Function has no setup_context,
         # so torch.func transforms are not supported (the op path refuses them the same way)
-        return EagerAttention.apply(q, k, v, p, packing, rng_state)
+        return EagerAttention.apply(q, k, v, sink, p, packing, rng_state)
     unwrap = torch._C._functorch.unwrap_if_dead
-    return _FUNCTION_APPLY(unwrap(q), k if k is None else unwrap(k), v if v is None else unwrap(v), p, packing,
-                           rng_state)
+    return _FUNCTION_APPLY(unwrap(q), k if k is None else unwrap(k), v if v is None else unwrap(v),
+                           sink if sink is None else unwrap(sink), p, packing, rng_state)

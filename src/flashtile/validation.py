@@ -68,8 +68,8 @@ def check_qkv(q, k, v, varlen: bool, allow_fp8: bool = False):
             _fail(f"q and {name} must have the same dtype, got q {q.dtype} and {name} {x.dtype}", TypeError)
         if x.device != q.device:
             _fail(f"q and {name} must be on the same device, got q on {q.device} and {name} on {x.device}")
-    if v.shape != k.shape:
-        _fail(f"v must have the same shape as k, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if v.shape[:-1] != k.shape[:-1]:
+        _fail(f"v must have k's shape but for its head dim, got k {tuple(k.shape)} and v {tuple(v.shape)}")
     if not varlen and k.shape[0] != q.shape[0]:
         _fail(f"k batch size {k.shape[0]} does not match q batch size {q.shape[0]}")
     d, h, h_k = q.shape[-1], q.shape[-2], k.shape[-2]
@@ -77,6 +77,11 @@ def check_qkv(q, k, v, varlen: bool, allow_fp8: bool = False):
         _fail(f"k head dim {k.shape[-1]} does not match q head dim {d}")
     if d < 1 or d > MAX_HEAD_DIM:
         _fail(f"head dim d={d} is not supported; flashtile supports 1 <= d <= {MAX_HEAD_DIM}")
+    dv = v.shape[-1]
+    if dv < 1 or dv > MAX_HEAD_DIM:
+        _fail(f"v head dim dv={dv} is not supported; flashtile supports 1 <= dv <= {MAX_HEAD_DIM}")
+    if dv != d and q.dtype == FP8_DTYPE:
+        _fail(f"fp8 inputs need v's head dim to equal k's, got d={d} and dv={dv}")
     if h_k < 1 or h % h_k != 0:
         _fail(f"number of query heads h={h} must be a multiple of key/value heads h_k={h_k}")
     # e4m3 V whose keys are contiguous (flashtile.fp8.quantize_qkv's layout) is kept as it is: the fp8
@@ -191,6 +196,35 @@ def check_alibi(alibi_slopes, device, batch: int, h: int):
     return alibi_slopes if alibi_slopes.stride(-1) == 1 else alibi_slopes.contiguous()
 
 
+def check_sink(learnable_sink, q):
+    """FlashAttention-CuTe's ``learnable_sink``: ``(h,)`` logits on q's device, float32 or q's dtype."""
+    if learnable_sink is None:
+        return None
+    h = q.shape[-2]
+    if not isinstance(learnable_sink, torch.Tensor):
+        _fail(f"learnable_sink must be a torch.Tensor of shape (h,) = ({h},), got {type(learnable_sink).__name__}",
+              TypeError)
+    if q.dtype == FP8_DTYPE:
+        _fail("learnable_sink is not supported with fp8 inputs (the fp8 forward has no sink)", TypeError)
+    if learnable_sink.dtype not in (torch.float32, q.dtype):
+        _fail(f"learnable_sink must be float32 or q's dtype {q.dtype}, got {learnable_sink.dtype}", TypeError)
+    if tuple(learnable_sink.shape) != (h,):
+        _fail(f"learnable_sink must have shape (h,) = ({h},), one logit per query head, "
+              f"got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != q.device:
+        _fail(f"learnable_sink must be on the same device as q ({q.device}), got {learnable_sink.device}")
+    return learnable_sink if learnable_sink.stride(0) == 1 else learnable_sink.contiguous()
+
+
+def check_chunk(attention_chunk, q) -> int:
+    """FlashAttention-3's ``attention_chunk``: an int >= 0 (0 = no chunking)."""
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
+        _fail(f"attention_chunk must be an int >= 0 (0 = no chunking), got {attention_chunk!r}", TypeError)
+    if attention_chunk and q.dtype == FP8_DTYPE:
+        _fail("attention_chunk is not supported with fp8 inputs (the fp8 forward has no chunk mask)", TypeError)
+    return attention_chunk
+
+
 def make_params(
     q,
     *,
@@ -206,6 +240,8 @@ def make_params(
     deterministic,
     return_probs,
     draw_rng: bool = True,
+    learnable_sink=None,
+    attention_chunk: int = 0,
     **varlen,
 ) -> AttnParams:
     """Check the scalar arguments shared by every function and build the call's AttnParams.
@@ -240,5 +276,7 @@ def make_params(
         return_probs=bool(return_probs),
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        learnable_sink=check_sink(learnable_sink, q),
+        attention_chunk=check_chunk(attention_chunk, q),
         **varlen,
     )

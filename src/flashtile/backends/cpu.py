@@ -4,8 +4,8 @@ Queries are processed in tiles of ``BLOCK_Q`` rows and keys in tiles of ``BLOCK_
 an online softmax, so memory stays O(BLOCK_Q * BLOCK_K) per (batch, head) whatever the sequence
 length (a 32k x 32k causal call never builds a 32k x 32k matrix). Key tiles outside the causal /
 window band are skipped, as the kernels do. Products run in fp32 (fp64 for fp64 inputs, which gradcheck uses).
-Dispatch sends CPU tensors here; until the Triton backward kernel lands, CUDA backward passes run
-here too (the math is device-agnostic: factory calls take the inputs' device from a context).
+Dispatch sends CPU tensors here, and CUDA backward passes the Triton kernels refuse (float64) too
+(the math is device-agnostic: factory calls take the inputs' device from a context).
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ def refusal(op: str, q: torch.Tensor, p: AttnParams) -> str | None:
 
 
 def _key_range(q0: int, q1: int, sq: int, sk: int, p: AttnParams) -> tuple[int, int]:
-    """Columns [lo, hi) that rows [q0, q1) can see: the band outside it is skipped entirely."""
+    """Columns [lo, hi) that rows [q0, q1) can see: the band outside it is skipped entirely. A row's
+    bounds grow with the row (window and chunk alike), so the first row gives lo and the last gives hi."""
     lo = max(0, q0 + sk - sq - p.window_left) if p.window_left >= 0 else 0
     hi = min(sk, q1 - 1 + sk - sq + p.window_right + 1) if p.window_right >= 0 else sk
+    if p.attention_chunk > 0:
+        first, last = q0 + sk - sq, q1 - 1 + sk - sq
+        lo = max(lo, first - first % p.attention_chunk)
+        hi = min(hi, last - last % p.attention_chunk + p.attention_chunk)
     return lo, max(lo, hi)
 
 
@@ -52,6 +57,8 @@ class _Seq:
         heads = torch.arange(h).view(1, hk, self.g, 1, 1)
         self.bh = batch_index.view(-1, 1, 1, 1, 1) * h + heads
         self.alibi = None if alibi is None else alibi.view(-1, hk, self.g, 1, 1).to(self.acc)
+        # the sink is a logit every row starts from: running max = sink, running sum = exp(0) = 1
+        self.sink = None if p.learnable_sink is None else p.learnable_sink.to(self.acc).view(1, hk, self.g, 1)
 
     def scores(self, q0, q1, k0, k1):
         """Scaled, softcapped, biased and masked fp32 scores of a tile, and the pre-mask softcap value."""
@@ -66,7 +73,7 @@ class _Seq:
         cols = torch.arange(k0, k1).view(1, -1)
         if self.alibi is not None:
             s = s + alibi_bias(self.alibi, rows, cols, self.sq, self.sk)
-        ok = visible(rows, cols, self.sq, self.sk, p.window_left, p.window_right)
+        ok = visible(rows, cols, self.sq, self.sk, p.window_left, p.window_right, p.attention_chunk)
         return s.masked_fill(~ok, float("-inf")), capped
 
     def keep(self, q0, q1, k0, k1):
@@ -84,6 +91,9 @@ def _forward_dense(seq: _Seq, out, lse, probs):
         q1 = min(seq.sq, q0 + BLOCK_Q)
         m = torch.full((b, hk, g, q1 - q0), float("-inf"), dtype=seq.acc)
         l_sum = torch.zeros_like(m)
+        if seq.sink is not None:
+            m = seq.sink.expand_as(m).clone()
+            l_sum = torch.ones_like(m)
         acc = torch.zeros(b, hk, g, q1 - q0, d_v, dtype=seq.acc)
         lo, hi = _key_range(q0, q1, seq.sq, seq.sk, p)
         for k0 in range(lo, hi, BLOCK_K):
