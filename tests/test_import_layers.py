@@ -27,6 +27,7 @@ LAYERS = [
     ("flashtile.bert_padding", 4),
     ("flashtile.flash_attn_interface", 5),
     ("flashtile.compat", 5),
+    ("flashtile.hopper", 5),  # FlashAttention-3's API, beside FlashAttention 2's
     ("flashtile", 5),  # the package's __init__
     ("flashtile.layers", 6),
     ("flashtile.modules", 7),

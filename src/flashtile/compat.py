@@ -1,4 +1,5 @@
-"""Drop-in shim: make ``import flash_attn`` (and its submodules) resolve to flashtile. Opt in.
+"""Drop-in shim: make ``import flash_attn`` (and its submodules) resolve to flashtile, and FlashAttention-3's
+``import flash_attn_interface`` to ``flashtile.hopper.flash_attn_interface``. Opt in.
 
 ::
 
@@ -7,6 +8,7 @@
     from flash_attn import flash_attn_func                    # flashtile's
     from flash_attn.bert_padding import unpad_input, pad_input
     from flash_attn.modules.mha import MHA
+    from flash_attn_interface import flash_attn_func as fa3_func  # FlashAttention-3's API
 
 ``install()`` puts a finder at the front of ``sys.meta_path``. It maps FlashAttention 2.8.3's
 module names (``MODULES``) onto flashtile's, and imports a flashtile module only when its
@@ -46,12 +48,15 @@ MODULES = {
     "flash_attn.modules.mha": "flashtile.modules.mha",
     "flash_attn.modules.mlp": "flashtile.modules.mlp",
     "flash_attn.modules.block": "flashtile.modules.block",
+    # FlashAttention-3's top-level module (its hopper/ package installs it under this name)
+    "flash_attn_interface": "flashtile.hopper.flash_attn_interface",
 }
 _ROOT = "flash_attn"
+_FA3 = "flash_attn_interface"
 
 
 def _ours(name: str) -> bool:
-    return name == _ROOT or name.startswith(_ROOT + ".")
+    return name in (_ROOT, _FA3) or name.startswith(_ROOT + ".")
 
 
 class _AliasLoader(importlib.abc.Loader):
