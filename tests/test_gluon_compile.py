@@ -24,7 +24,9 @@ import sys
 import pytest
 
 SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
-KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16"), "fp8": ("fp8e4nv", "float8e4nv")}
+# "bf16sink": the bf16 kernel with a learnable sink (HAS_SINK), whose only extra code is after the key loop
+KINDS = {"bf16": ("bf16", "bfloat16"), "bf16sink": ("bf16", "bfloat16"), "fp16": ("fp16", "float16"),
+         "fp8": ("fp8e4nv", "float8e4nv")}
 
 
 def _cases():
@@ -40,6 +42,7 @@ def _cases():
         table += [(kind, d, causal, cfg) for causal in (False, True)]
         extra += [(kind, d, True, c) for c in TUNE_CANDIDATES[(cls, d)] if c != cfg]
     table.append(("fp16", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
+    table.append(("bf16sink", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
     return table, extra
 
 
@@ -73,10 +76,10 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal, HAS_Q_DESCALE=True,
-                      HAS_K_DESCALE=True, HAS_V_DESCALE=True)
+                      HAS_K_DESCALE=True, HAS_V_DESCALE=True, HAS_SINK=kind == "bf16sink")
     types = dict(desc_q=desc([1, bm, 1, d]), desc_k=desc([1, bn, 1, d]), desc_v=desc([1, bn, 1, d]),
                  desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",
-                 V_DESCALE="*fp32", qk_scale="fp32")
+                 V_DESCALE="*fp32", SINK="*fp32", qk_scale="fp32")
     # the fp8 kernel writes bf16
     types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else types["desc_q"]
     from gluon_aot import compile_for_sm90

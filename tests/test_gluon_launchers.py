@@ -33,9 +33,19 @@ def test_bf16_launcher_grid_outputs_and_arguments(monkeypatch):
     bm = kw["BLOCK_M"]
     assert spy.grids == [(math.ceil(300 / bm), 2 * 8)]
     assert args[0] == (q, (1, bm, 1, 128)) and args[3][0] is out and args[4] is lse
+    assert args[5] is lse and kw["HAS_SINK"] is False  # no sink: a dummy pointer
     # seqlen, heads, heads per kv head, scale in base 2
-    assert args[7:11] == (300, 8, 4, pytest.approx(128 ** -0.5 * launcher.LOG2E))
+    assert args[8:12] == (300, 8, 4, pytest.approx(128 ** -0.5 * launcher.LOG2E))
     assert kw["CAUSAL"] is True and kw["HEAD_DIM"] == 128
+
+
+def test_bf16_launcher_passes_the_sink(monkeypatch):
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    q = k = v = torch.empty(1, 128, 4, 128, dtype=torch.bfloat16)
+    sink = torch.zeros(4)
+    launcher.gluon_attn_fwd(q, k, v, learnable_sink=sink)
+    (args, kw), = spy.calls
+    assert args[5] is sink and kw["HAS_SINK"] is True
 
 
 def test_fp8_launcher_outputs_descales_and_scale(monkeypatch):

@@ -144,3 +144,16 @@ def test_fp8_refuses_sink_chunk_and_dv():
             flashtile.flash_attn_func(q, k, v, attention_chunk=4)
         with pytest.raises(ValueError, match="fp8 inputs need v's head dim to equal k's"):
             flashtile.flash_attn_func(q, k, torch.randn(1, 4, 2, 16).to(torch.float8_e4m3fn))
+
+
+def test_docs_models_examples_run():
+    """docs/models.md's code blocks run as written, in one namespace (later blocks reuse earlier imports)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "models.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    namespace = {}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"models.md#block{i}", "exec"), namespace)

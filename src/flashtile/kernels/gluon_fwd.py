@@ -155,11 +155,13 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_rea
 
 @gluon.jit
 def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                   qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, SINK, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
-                   HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr):
+                   HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
+                   HAS_SINK: gl.constexpr):
     """The whole forward of one (query tile, batch, head). FP8 switches on V^T, the descales (contiguous
-    (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer."""
+    (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer. HAS_SINK adds
+    the head's learnable sink logit (SINK, (h,)) to every row's denominator."""
     # block j+NUM_BUFFERS-1 is loaded during iteration j, after which block j+1 must already be resident
     gl.static_assert(NUM_BUFFERS >= 3)
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -280,8 +282,18 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
 
+    o_scale = v_scale + gl.zeros([BLOCK_M], gl.float32, row_layout)
+    if HAS_SINK:
+        # the sink joins the denominator once, after the loop, so the pipelined loop is today's: the
+        # running max takes the sink's logit (base 2) and the sum and output rescale to it
+        sink = gl.load(SINK + off_h).to(gl.float32) * 1.4426950408889634
+        m_end = gl.maximum(m_i, sink)
+        alpha_end = gl.exp2(m_i - m_end)
+        l_i = l_i * alpha_end + gl.exp2(sink - m_end)
+        o_scale = o_scale * alpha_end
+        m_i = m_end
     # O = acc * (v_descale / l); lse = (m + log2 l - P_SHIFT) ln 2 (l carries the 2**P_SHIFT of P)
-    inv_l = gl.convert_layout(v_scale / l_i, gl.SliceLayout(1, o_layout))
+    inv_l = gl.convert_layout(o_scale / l_i, gl.SliceLayout(1, o_layout))
     o = o * gl.expand_dims(inv_l, 1)
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
     lse = (m_i + gl.log2(l_i) - P_SHIFT) * 0.6931471805599453
@@ -304,13 +316,14 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
 
 
 @gluon.jit
-def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                           qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr):
-    """bf16 / fp16 forward (dtype from the descriptors): q, k, v, out (b, s, h, d)."""
+def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh, seqlen, n_heads,
+                           heads_per_kv, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
+                           HAS_SINK: gl.constexpr):
+    """bf16 / fp16 forward (dtype from the descriptors): q, k, v, out (b, s, h, d); SINK (h,) when HAS_SINK."""
     _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                   qk_scale, LSE, LSE, LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False,
-                   False)
+                   qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, False,
+                   False, False, HAS_SINK)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per

@@ -166,8 +166,12 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 
 
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                   causal: bool = False, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool = False, config: dict | None = None,
+                   learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
+
+    ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
+    denominator (lse includes it).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
     bf16 / fp16, head_dim other than 64 / 128 / 256, seqlen_q != seqlen_k, a GPU other than sm_90,
@@ -187,9 +191,10 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         run_kernel(_gluon_attn_fwd_kernel, grid,
             _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
             _descriptor(out, [1, bm, 1, d]),
-            lse, lse.stride(0), lse.stride(1), s, h, h // h_k, softmax_scale * LOG2E,
+            lse, lse if learnable_sink is None else learnable_sink, lse.stride(0), lse.stride(1), s, h, h // h_k,
+            softmax_scale * LOG2E,
             HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
-            num_warps=cfg["num_warps"])
+            HAS_SINK=learnable_sink is not None, num_warps=cfg["num_warps"])
     return out, lse
 
 

@@ -103,5 +103,6 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
         out, lse = gluon_attn_fwd_fp8(q, k, v_keys_major(v, varlen=False), p.q_descale, p.k_descale, p.v_descale,
                                       softmax_scale=p.softmax_scale, causal=causal)
     else:
-        out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal)
+        out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
+                                  learnable_sink=p.learnable_sink)
     return out, lse, None
