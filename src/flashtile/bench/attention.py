@@ -108,8 +108,10 @@ class _Inputs:
     def __init__(self, shape: Shape, dtype: torch.dtype, device: str, needs_grad: bool, seed: int):
         g = torch.Generator(device=device).manual_seed(seed)
         size = (shape.b, shape.s, shape.h, shape.d)
+        v_size = (shape.b, shape.s, shape.h, shape.dv or shape.d)  # v and dout carry v's head dim
         # Fresh randn per row: a kernel that is only right on stale data or zeros must not pass.
-        self.bshd = [torch.randn(size, generator=g, device=device, dtype=dtype) for _ in range(4)]
+        self.bshd = [torch.randn(sz, generator=g, device=device, dtype=dtype)
+                     for sz in (size, size, v_size, v_size)]
         self.bhsd = [t.transpose(1, 2).contiguous() for t in self.bshd]
         for t in self.bshd[:3] + self.bhsd[:3]:
             t.requires_grad_(needs_grad)
@@ -170,29 +172,38 @@ def _check(attn, inputs: _Inputs, ref, needs_grad: bool) -> tuple[float, float |
     return err, grad_err
 
 
-def _time(attn, tensors, mode: str, device: str, args) -> tuple[float, dict]:
+def _time_parts(attn, tensors, mode: str, device: str, args) -> dict[str, float]:
+    """The medians a mode's time is made of: ``{"fwd"}``, ``{"fwdbwd"}``, or both for ``bwd``."""
     q, k, v, do = tensors
     one = lambda: attn(q, k, v)
     step = lambda: attn(q, k, v).backward(do)
     if mode == "fwd":
         with torch.no_grad():  # inference forward: nothing saved for backward
             timer = bench_graph if getattr(args, "cuda_graph", False) else bench
-            return timer(one, device, args.warmup, args.rep), {}
+            return {"fwd": timer(one, device, args.warmup, args.rep)}
     if getattr(args, "cuda_graph", False):
         # graph replays time the kernels alone; autograd.grad leaves no .grad to accumulate across replays
         grad_step = lambda: torch.autograd.grad(attn(q, k, v), (q, k, v), do)
         step_ms = bench_graph(grad_step, device, args.warmup, args.rep)
         if mode == "fwdbwd":
-            return step_ms, {}
+            return {"fwdbwd": step_ms}
         fwd_ms = bench_graph(one, device, args.warmup, args.rep)
     else:
         step_ms = bench(step, device, args.warmup, args.rep, grad_to_none=[q, k, v])
         if mode == "fwdbwd":
-            return step_ms, {}
+            return {"fwdbwd": step_ms}
         fwd_ms = bench(one, device, args.warmup, args.rep)  # grad-enabled: the forward half of the step
+    return {"fwd": fwd_ms, "fwdbwd": step_ms}
+
+
+def _time(attn, tensors, mode: str, device: str, args) -> tuple[float, dict]:
+    parts = _time_parts(attn, tensors, mode, device, args)
+    if mode != "bwd":
+        return parts[mode], {}
+    step_ms, fwd_ms = parts["fwdbwd"], parts["fwd"]
     if step_ms <= fwd_ms:
         raise RuntimeError(f"fwd+bwd ({step_ms:.3f} ms) not above fwd ({fwd_ms:.3f} ms): timing noise")
-    return step_ms - fwd_ms, {"fwd": fwd_ms, "fwdbwd": step_ms}
+    return step_ms - fwd_ms, parts
 
 
 def run_row(shape: Shape, mode: str, impls: list[Impl], unavailable: dict[str, str], args,

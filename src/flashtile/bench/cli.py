@@ -21,6 +21,8 @@ COMMANDS: dict[str, Command] = {
     "fwd": Command("flashtile.bench.attention", "forward of dense attention"),
     "bwd": Command("flashtile.bench.attention", "backward of dense attention, timed as (fwd+bwd) - fwd"),
     "fwdbwd": Command("flashtile.bench.attention", "forward + backward of dense attention (a training step)"),
+    "models": Command("flashtile.bench.models", "newer models' variants (v head dim 128 under q/k's 192, "
+                                                "learnable sink, attention chunk) against their bars"),
     "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128), paged too"),
     "plot": Command("flashtile.bench.plot", "re-plot a saved results JSON: plot RESULTS.json OUT.png"),
 }

@@ -167,6 +167,11 @@ PEERS: dict[str, Impl] = {
 }
 
 
+# SDPA with no backend forced, as a model calls it: not in PEERS (the dense modes' columns are fixed
+# backends); the models mode times it beside cuDNN where v's head dim differs from q/k's.
+SDPA_DEFAULT = Impl("sdpa", "bhsd", "torch SDPA, backend of torch's choice", lambda device: None, _sdpa_build)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
     """SDPA with torch's own backend choice (math where nothing fused fits); (b, h, s, d) layout."""
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)

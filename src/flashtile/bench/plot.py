@@ -1,4 +1,5 @@
-"""Grouped bar charts: TFLOP/s per head dim (fwd/bwd/fwdbwd), or decode time over the HBM floor per batch size."""
+"""Grouped bar charts: TFLOP/s per head dim (fwd/bwd/fwdbwd), decode time over the HBM floor per batch size, or
+the models mode's ratios against their bars per group."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def plot_results(data: dict, path: str) -> None:
         raise ValueError("no rows to plot")
     if rows[0].get("mode") == "decode":
         plot_decode(data, path)
+        return
+    if "group" in rows[0]:
+        plot_models(data, path)
         return
     impls = _impl_order(rows)
     per_dim, fig, axes = _panels(rows, "d", len(impls), 3.3)
@@ -123,8 +127,52 @@ def plot_decode(data: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+VERDICT_COLORS = {"pass": "C2", "within noise": "C1", "fail": "C3"}
+
+
+def plot_models(data: dict, path: str) -> None:
+    """Models rows: one panel per group, one bar per row = the median baseline / subject time ratio, colored
+    by its verdict, with the group's bar as a dashed line and the noise allowance as a band around it."""
+
+    rows, meta = data["rows"], data.get("meta", {})
+    noise = meta.get("bars", {}).get("noise", 0.0)
+    per_group, fig, axes = _panels(rows, "group", 1, 3.0)
+    order = dict.fromkeys(r["group"] for r in rows)  # the run's order (dv, sink, chunk), not the alphabet's
+    for ax, group in zip(axes, order):
+        rs = per_group[group]
+        bar = rs[0]["bar"]
+        vals = [r.get("ratio") for r in rs]
+        ax.bar(range(len(rs)), [v or 0.0 for v in vals], 0.6,
+               color=[VERDICT_COLORS.get(r.get("verdict"), "0.6") for r in rs])
+        for x, v in enumerate(vals):
+            if v is None:  # a missing bar must read as "not measured", not as a ratio of zero
+                ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)
+            else:
+                ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=6)
+        lo, hi = bar["min_ratio"] * (1 - noise), bar["min_ratio"] * (1 + noise)
+        ax.axhspan(lo, hi, color="0.85", zorder=0)
+        ax.axhline(bar["min_ratio"], color="k", linestyle="--", linewidth=0.8)
+        labels = []
+        for r in rs:
+            lab = f"{r['mode']}\ns={r['s']}\n{'causal' if r['causal'] else 'full'}"
+            lab += f"\nc={r['chunk']}" if r.get("chunk") else f"\nd={r['d']}"
+            labels.append(lab + ("\nMISMATCH" if r.get("mismatch") else ""))
+        ax.set_xticks(range(len(rs)))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylim(0, max([hi, *[v for v in vals if v is not None]]) * 1.2)
+        ax.set_ylabel(f"/{bar['baseline']}")
+        ax.set_title(f"{group}: {bar['text']}", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    where = meta.get("gpu") or "CPU"
+    fig.suptitle(f"models  baseline / subject time  {rows[0].get('dtype', '')}  {where}  {meta.get('date', '')}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", metavar="RESULTS.json", help="a file written by fwd/bwd/fwdbwd/decode")
+    p.add_argument("results", metavar="RESULTS.json", help="a file written by fwd/bwd/fwdbwd/decode/models")
     p.add_argument("png", metavar="OUT.png")
 
 

@@ -19,6 +19,9 @@ QUICK_SEQLENS = (64, 128)
 
 # Backward does 2.5x the forward's matmul work (5 matmuls against 2); a training step does both.
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+# The same matmuls split by the head dim they run over, for v's own head dim dv: the forward's QK^T runs
+# over d and PV over dv; the backward recomputes QK^T and forms dQ, dK over d, dP = dO V^T and dV over dv.
+MODE_MATMULS = {"fwd": (1, 1), "bwd": (3, 2), "fwdbwd": (4, 3)}
 
 
 @dataclass(frozen=True)
@@ -30,20 +33,27 @@ class Shape:
     s: int
     d: int
     causal: bool
+    dv: int | None = None  # v's head dim when it differs from q/k's (v and out are (b, s, h, dv))
 
     def label(self) -> str:
-        return f"d={self.d} s={self.s} b={self.b} h={self.h} causal={'yes' if self.causal else 'no'}"
+        dims = f"d={self.d}" + (f" dv={self.dv}" if self.dv not in (None, self.d) else "")
+        return f"{dims} s={self.s} b={self.b} h={self.h} causal={'yes' if self.causal else 'no'}"
 
 
 def attention_flops(b: int, h: int, s_q: int, d: int, causal: bool, mode: str = "fwd",
-                    s_k: int | None = None) -> float:
+                    s_k: int | None = None, dv: int | None = None) -> float:
     """FLOPs of one attention call: ``4*b*h*s_q*s_k*d`` forward, halved when causal.
 
-    ``mode`` scales it: ``fwd`` 1x, ``bwd`` 2.5x, ``fwdbwd`` 3.5x.
+    ``mode`` scales it: ``fwd`` 1x, ``bwd`` 2.5x, ``fwdbwd`` 3.5x. With v's own head dim ``dv``
+    each matmul counts its own dim: forward ``2*b*h*s_q*s_k*(d + dv)``, backward ``(3d + 2dv)``.
     """
     if mode not in MODE_FLOP_FACTOR:
         raise ValueError(f"mode must be one of {sorted(MODE_FLOP_FACTOR)}, got {mode!r}")
     s_k = s_q if s_k is None else s_k
+    if dv is not None and dv != d:
+        n_d, n_dv = MODE_MATMULS[mode]
+        flops = 2.0 * b * h * s_q * s_k * (n_d * d + n_dv * dv)
+        return flops / 2 if causal else flops
     flops = 4.0 * b * h * s_q * s_k * d
     if causal:
         flops /= 2

@@ -5,12 +5,15 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 # CPU timing exists for smoke tests, so it trades precision for a bounded run time.
 _CPU_MIN_RUNS = 3
 _CPU_MAX_RUNS = 50
+
+T = TypeVar("T")
 
 
 def _clear_grads(tensors: Sequence[torch.Tensor] | None) -> None:
@@ -92,3 +95,25 @@ def bench_graph(fn: Callable[[], object], device: str, warmup_ms: float = 25, re
         fn()
     return bench(graph.replay, device, warmup_ms, rep_ms)
 
+
+def time_in_rounds(timers: Sequence[tuple[str, Callable[[], T]]], rounds: int
+                   ) -> tuple[dict[str, list[T]], dict[str, Exception]]:
+    """Call every ``(name, timer)`` ``rounds`` times, round r starting at timer r (mod their number), so
+    that an order effect (heat, clocks, memory state) lands on each in turn instead of always on the
+    last. Returns each name's results in round order, and the exception of each timer that raised
+    (it is dropped from then on, results and all, so every name kept has one result per round)."""
+    results: dict[str, list[T]] = {name: [] for name, _ in timers}
+    failed: dict[str, Exception] = {}
+    for r in range(rounds):
+        start = r % len(timers) if timers else 0
+        for name, timer in [*timers[start:], *timers[:start]]:
+            if name in failed:
+                continue
+            try:
+                results[name].append(timer())
+            except Exception as e:
+                failed[name] = e
+                results.pop(name)
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    torch.cuda.empty_cache()
+    return results, failed
