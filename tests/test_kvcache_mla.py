@@ -306,3 +306,37 @@ def test_fp8_refuses_qv_and_a_value_head_dim_of_its_own():
     with pytest.raises(ValueError, match="dv=64 must equal d=16 with fp8"):
         flash_attn_with_kvcache(q, kc, torch.randn(2, 10, 1, 64).to(e4m3))
 
+
+
+def test_bench_decode_mla_cpu_smoke(tmp_path, monkeypatch):
+    """python -m flashtile.bench decode --mla: every flashtile call passes qv over the latent cache (contiguous and
+    paged), its outputs match the float64 check, and the floors count the latent cache's bytes and the call's FLOPs;
+    --peers is refused (no SDPA backend takes qv)."""
+    import json
+
+    import flashtile
+    from flashtile.bench import main
+
+    seen = []
+    real = flashtile.flash_attn_with_kvcache
+
+    def spy(q, k_cache, v_cache, **kw):
+        seen.append((q.shape, k_cache.shape[-1], v_cache.shape[-1], kw["qv"].shape, kw["block_table"] is not None))
+        return real(q, k_cache, v_cache, **kw)
+
+    monkeypatch.setattr(flashtile, "flash_attn_with_kvcache", spy)
+    out = tmp_path / "mla.json"
+    rc = main(["decode", "--mla", "--device", "cpu", "--quick", "--batch", "2", "--seqlens", "64", "--warmup", "1",
+               "--rep", "3", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["mode"] == "decode-mla" and data["meta"]["dv"] == 64
+    (row,) = data["rows"]
+    assert (row["b"], row["seqlen_k"], row["h"], row["h_k"], row["d"], row["dv"]) == (2, 64, 4, 1, 16, 64)
+    assert row["kv_bytes"] == 2 * 64 * 1 * (16 + 64) * 2 and row["flops"] == 2 * 2 * 4 * 64 * (16 + 2 * 64)
+    assert row["us"]["flashtile"] > 0 and row["us"]["flashtile-p16"] > 0, row["errors"]
+    assert not row["mismatch"] and row["max_rel_err"] < 0.02
+    assert row["x_floor"]["flashtile"] == row["us"]["flashtile"] / row["floor_us"]
+    assert {s[-1] for s in seen} == {False, True}
+    assert all(s[:4] == ((2, 1, 4, 16), 16, 64, (2, 1, 4, 64)) for s in seen)
+    assert main(["decode", "--mla", "--device", "cpu", "--quick", "--peers", "flash", "--out", str(out)]) == 2
