@@ -193,6 +193,21 @@ def test_num_splits_agree(name, monkeypatch):
         assert (lse[fin] - results[0][1][fin]).abs().max().item() <= 1e-5
 
 
+def test_one_packed_latent_cache(path):
+    """DeepSeek's serving layout: one (pages, page_size, 1, dv + d) buffer holding each key's latent part and then
+    its rope part, passed as two views (v_cache = [..., :dv], k_cache = [..., dv:]): appends land in the one buffer
+    and attention reads both parts from it."""
+    b, h, d, dv, page = 3, 16, 16, 64, 8
+    q, _, _, args = make_case(b=b, h=h, d=d, dv=dv, page=page, s_new=2, sq=2, causal=True)
+    pool = args["block_table"].numel() + 2
+    packed = torch.randn(pool, page, 1, dv + d)
+    ref_out, ref_lse, ref_kc, ref_vc = mla_oracle(q, packed[..., dv:].clone(), packed[..., :dv].clone(), **args)
+    out, lse = flash_attn_with_kvcache(q, packed[..., dv:], packed[..., :dv], return_softmax_lse=True, **args)
+    assert (out.double() - ref_out).abs().max().item() <= 2e-5
+    assert (lse.double() - ref_lse).abs().max().item() <= 1e-4  # every row sees keys
+    assert torch.equal(packed[..., :dv], ref_vc) and (packed[..., dv:] - ref_kc).abs().max().item() <= 1e-6
+
+
 def test_default_scale():
     """softmax_scale defaults to 1 / sqrt(d + dv) with qv (FlashAttention-3's rule), 1 / sqrt(d) without, whatever
     v's head dim."""

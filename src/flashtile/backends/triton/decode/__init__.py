@@ -53,13 +53,15 @@ def kvcache_fwd(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens
     settings = config.get()
     props = device_props(q.device)
     # the caches' alignment matters only to routes that can use it (the Gluon kernel on Hopper, descriptors from
-    # sm_90 or when a test forces them): elsewhere the pointer and stride checks (several us) are skipped
-    # (the MLA route, which calls with qv or a value head dim of their own take, uses neither)
+    # sm_90 or when a test forces them): elsewhere the pointer and stride checks (several us) are skipped, and so
+    # they are for calls with qv or a value head dim of their own (the MLA route, which uses neither)
     dv = v_cache.shape[3]
-    hopper = props.capability >= (9, 0) and qv is None and dv == d
+    mla_call = qv is not None or dv != d
+    hopper = props.capability >= (9, 0) and not mla_call
     shape = DecodeShape(b, sq, h, k_cache.shape[2], d, capacity_of(k_cache, block_table), s_new, num_splits, plain,
                         cache_leftpad is not None, hopper and aligned(k_cache, v_cache),
-                        (hopper or bool(settings.tma)) and tma_ok(k_cache) and tma_ok(v_cache), dv, qv is not None)
+                        (hopper or (bool(settings.tma) and not mla_call)) and tma_ok(k_cache) and tma_ok(v_cache), dv,
+                        qv is not None)
     route = select_route(shape, q.dtype, paged, k_cache.shape[1] if paged else 0, props,
                          forced=settings.decode_route, tiles=settings.decode_tiles, pdl=settings.decode_pdl,
                          tma=settings.tma)

@@ -414,9 +414,11 @@ def _append_pdl(s: DecodeShape, dtype, props: DeviceProps, forced: bool | None) 
 # ---------------------------------------------------------------------------------------------------------------
 # The MLA kernel (kernels/decode_mla.py): calls with qv or a value head dim of their own. A program covers at most
 # MLA_MAX_BLOCK_M query rows of one kv head (all 64 heads of a latent head in one program; 128 in two, side by side);
-# its tiles come from the kernel's table, shrunk until K, V and the query block fit the device's shared memory.
-MLA_SHARED_BYTES = {(9, 0): SM90_SHARED_PER_SM, (8, 0): 163 * 1024}  # by compute capability; others: the least
-MLA_SHARED_LEAST = 99 * 1024  # sm_86 / sm_89
+# its tiles come from the kernel's table, shrunk until K, V and the query block fit the device's shared memory:
+# the largest allocation a block may make, by compute capability (Hopper and datacenter Blackwell, the A100), and
+# the least (sm_86 / sm_89 / sm_120's) on any other device.
+MLA_SHARED_BYTES = {(9, 0): SM90_SHARED_PER_SM, (10, 0): SM90_SHARED_PER_SM, (8, 0): 163 * 1024}
+MLA_SHARED_LEAST = 99 * 1024
 # The merge holds splits x dv fp32 partials in registers: 32 x 512 is 128 a thread on its 4 warps
 MLA_MAX_SPLITS = 32
 
