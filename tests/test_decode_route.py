@@ -229,6 +229,10 @@ TABLE = [
     ('H200', 32, '8k', 'contig', 'bf16', 0, {'d': 192, 'dv': 128}, 'mla splits=1 m=16 n=64 warps=4 stages=2'),
     ('H200', 32, '8k', 'contig', 'bf16', 0, {'qv': True}, 'mla splits=1 m=16 n=64 warps=4 stages=2'),
     ('interp', 3, 64, 'contig', 'fp32', 0, dict(MLA, h=16, d=16, dv=64), 'mla splits=2 m=16 n=16 warps=4 stages=1'),
+    ('interp', 3, 64, 'p4', 'fp32', 0, dict(MLA, h=16, d=16, dv=64),
+     'mla splits=2 m=16 n=16 warps=4 stages=1 gather=4'),
+    ('H200', 32, '8k', 'p16', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('H200', 32, '8k', 'p16', 'bf16', 0, dict(MLA, h=16), 'mla splits=4 m=16 n=64 warps=4 stages=2 merge_pdl gather=4'),
 ]
 
 

@@ -114,6 +114,7 @@ CASES = {
     "decode_b1_h4_full_cache": dict(b=1, h=4, s_new=0, seqlens=None),
     "paged_16_b3_h16": dict(h=16, page=16),  # pages of whole 16-key tiles
     "paged_5_b3_h4": dict(h=4, page=5, s_new=2),  # every key looks its page up
+    "paged_4_b3_h16": dict(h=16, page=4, s_new=2, cap=70),  # 4 pages a 16-key tile: one table read a page
     "paged_64_b1_h16_causal": dict(b=1, h=16, page=64, cap=150, sq=2, s_new=2, causal=True),
     "causal_b3_h4_sq3": dict(h=4, sq=3, s_new=3, causal=True),
     "causal_b3_h16_sq2": dict(h=16, sq=2, s_new=2, causal=True),  # 32 rows: two row blocks of 16

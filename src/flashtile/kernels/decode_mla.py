@@ -16,9 +16,10 @@ side, so the second read of a key block comes from L2, not HBM.
 ``_mla_decode_kernel`` reads lengths on the device and cuts the visible key blocks in three (masked left
 edge, unmasked interior, masked right edge) and ``NUM_SPLITS`` ways, as the split kernel does; split
 partials are merged by ``kernels/decode.py::_combine_kernel``. Masks, softcap, ALiBi, cache_batch_idx,
-left padding, rotary on q (qv is not rotated: it pairs with v) and paged caches of any page size are
-those of the split kernel. ``_kv_append_dv_kernel`` appends new keys (rotated) and values whose head dims
-differ, before the decode kernel runs.
+left padding, rotary on q (qv is not rotated: it pairs with v) and paged caches of any page size (with the
+by-page gather of power-of-two pages smaller than a tile, PAGES_PER_TILE) are those of the split kernel.
+``_kv_append_dv_kernel`` appends new keys (rotated) and values whose head dims differ, before the decode
+kernel runs.
 """
 
 import triton
@@ -37,7 +38,7 @@ def _mla_inner(acc, m_i, l_i, q, qv, K, V, BLOCK_TABLE, b, cache_row, blk_lo, bl
                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_QV: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
     """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
 
     The value tile [BLOCK_N, BLOCK_DV] is loaded once: transposed, it is the latent half of the key for
@@ -46,14 +47,14 @@ def _mla_inner(acc, m_i, l_i, q, qv, K, V, BLOCK_TABLE, b, cache_row, blk_lo, bl
     BLOCK_DV: tl.constexpr = offs_dv.shape[0]
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
-    # only the interior loop is pipelined: an edge range holds at most two blocks, and a pipelined loop's
-    # prologue runs even when the loop is empty (kernels/decode.py measured it)
+    # only the interior loop is pipelined: an edge range holds a few blocks at most (a program's rows span at most
+    # 64 tokens), and a pipelined loop's prologue runs even when the loop is empty (kernels/decode.py measured it)
     for blk in tl.range(blk_lo, blk_hi, num_stages=1 if MASK else None):
         start_n = blk * BLOCK_N
         cols = start_n + offs_n
         k_off, v_off = _key_offsets(BLOCK_TABLE, b, cache_row, start_n, cols, leftpad, seqlen_k, page_size,
                                     stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
-                                    PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK)
+                                    PAGED, PAGE_ALIGNED, PAGE_SHIFT, MASK, PAGES_PER_TILE)
         k_ptrs = K + k_off[None, :] + offs_d[:, None]
         v_ptrs = V + v_off[:, None] + offs_dv[None, :]
         if MASK:
@@ -124,7 +125,7 @@ def _mla_decode_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait, before the first read, for the kernel before
@@ -209,7 +210,7 @@ def _mla_decode_kernel(
         tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, offs_dv, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         False, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_QV, HAS_LEFT, HAS_RIGHT,
-        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, PAGES_PER_TILE)
     acc, m_i, l_i = _mla_inner(
         acc, m_i, l_i, q, qv, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_hi, s_lo),
         tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, offs_dv, leftpad, seqlen_q, seqlen_k, page_size,

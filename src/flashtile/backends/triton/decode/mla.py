@@ -69,6 +69,7 @@ def decode(q, qv, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache
             BLOCK_DV=max(16, next_pow2(dv)), NUM_SPLITS=splits, PAGED=paged,
             PAGE_ALIGNED=paged and page_size % route.block_n == 0 and cache_leftpad is None,
             PAGE_SHIFT=page_size.bit_length() - 1 if paged and page_size & (page_size - 1) == 0 else -1,
+            PAGES_PER_TILE=route.pages_per_tile,
             HAS_QV=has_qv, HAS_SEQLENS=cache_seqlens is not None, HAS_BATCH_IDX=cache_batch_idx is not None,
             HAS_LEFTPAD=cache_leftpad is not None, HAS_LEFT=window_left >= 0, HAS_RIGHT=window_right >= 0,
             HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, ROTARY_DIM=rotary_dim,

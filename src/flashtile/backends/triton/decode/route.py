@@ -362,10 +362,17 @@ def split(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps
     pdl_on = _use_pdl(s, dtype, props, pdl, appending=s.new_tokens > 0)
     return Route("split", splits=splits, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
                  tma=_use_tma(s, dtype, paged, page_aligned, per_program, block_d == s.head_dim, props, tma),
-                 pages_per_tile=(block_n // page_size if paged and not s.leftpad and 0 < page_size < block_n
-                                 and page_size & (page_size - 1) == 0 else 0),
+                 pages_per_tile=_pages_per_tile(s, paged, page_size, block_n),
                  pdl=pdl_on, merge_pdl=_merge_pdl(pdl_on, splits, fp8, props, pdl),
                  append_pdl=_append_pdl(s, dtype, props, pdl))
+
+
+def _pages_per_tile(s: DecodeShape, paged: bool, page_size: int, block_n: int) -> int:
+    """Table entries an unmasked tile reads (the by-page gather): power-of-two pages smaller than a tile, no left
+    padding (which would shift tiles off pages); 0 otherwise."""
+    if paged and not s.leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0:
+        return block_n // page_size
+    return 0
 
 
 def _use_tma(s: DecodeShape, dtype, paged: bool, page_aligned: bool, per_program: int, d_fills_block: bool,
@@ -469,8 +476,12 @@ def mla(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps, 
     splits = s.num_splits if s.num_splits > 0 else num_splits_heuristic(programs, key_blocks, props.sm_count,
                                                                         MLA_MAX_SPLITS)
     splits = max(1, min(splits, MAX_SPLITS, key_blocks))
+    # the by-page gather's registers would make the 64-row Hopper build (8 warps at 255 registers) spill inside its
+    # key loop (ptxas: 20 stores and 58 loads a tile at 16-token pages), so it looks each key's page up instead
+    gather = 0 if arch(props) == "sm90" and block_m == 64 else _pages_per_tile(s, paged, page_size, block_n)
     pdl_on = _use_pdl(s, dtype, props, pdl, appending=s.new_tokens > 0)
-    return Route("mla", splits=splits, block_m=block_m, block_n=block_n, warps=warps, stages=stages, pdl=pdl_on,
+    return Route("mla", splits=splits, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+                 pages_per_tile=gather, pdl=pdl_on,
                  merge_pdl=_merge_pdl(pdl_on, splits, False, props, pdl), append_pdl=_append_pdl(s, dtype, props, pdl))
 
 
