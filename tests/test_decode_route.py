@@ -3,7 +3,8 @@
 Each row is a call (device, batch, cache capacity, cache layout, dtype, new tokens, other shape fields) and the route
 it takes, written as ``kernel`` and its knobs. The H200 and H100 rows are the routes the kernels were measured on
 (32 query / 8 kv heads of d = 128 unless a row says otherwise; docs/inference.md, 'Routes'); an A100 stands for
-GPUs without Hopper's kernels, and the interpreter for the CPU suite.
+GPUs without Hopper's kernels, and the interpreter for the CPU suite. Calls with ``qv`` or a value head dim of their own
+(``MLA``: DeepSeek's latent head, one kv head of d = 64 and dv = 512 for 128 query heads) take the MLA kernel.
 """
 
 import pytest
@@ -19,12 +20,14 @@ PROPS = {
     "interp": R.INTERPRETER,
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
-KEYS = {"8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536, "96k": 98304, "128k": 131072}
+KEYS = {"4k": 4096, "8k": 8192, "16k": 16384, "32k": 32768, "64k": 65536, "96k": 98304, "128k": 131072}
+MLA = {"h": 128, "h_k": 1, "d": 64, "dv": 512, "qv": True}
 
 
 def describe(r: R.Route) -> str:
     parts = [r.kernel] + [f"heads={r.heads}"] * (r.kernel == "rows") + [f"splits={r.splits}"]
-    parts += [f"m={r.block_m}"] * (r.kernel == "split") + [f"n={r.block_n}", f"warps={r.warps}", f"stages={r.stages}"]
+    parts += [f"m={r.block_m}"] * (r.kernel in ("split", "mla"))
+    parts += [f"n={r.block_n}", f"warps={r.warps}", f"stages={r.stages}"]
     parts += [f for f in ("tma", "pdl", "merge_pdl", "append_pdl", "append_in_kernel") if getattr(r, f)]
     return " ".join(parts + [f"gather={r.pages_per_tile}"] * bool(r.pages_per_tile))
 
@@ -34,7 +37,7 @@ def route_of(device, b, keys, cache="contig", dtype="bf16", new=0, extra=None, *
     page = 0 if cache == "contig" else int(cache[1:])
     shape = R.DecodeShape(b, extra.pop("sq", 1), extra.pop("h", 32), extra.pop("h_k", 8), extra.pop("d", 128),
                           KEYS.get(keys, keys), new, extra.pop("num_splits", 0), extra.pop("plain", True),
-                          extra.pop("leftpad", False))
+                          extra.pop("leftpad", False), head_dim_v=extra.pop("dv", 0), qv=extra.pop("qv", False))
     assert not extra, extra
     return R.select_route(shape, DTYPES[dtype], page > 0, page, PROPS[device], **settings)
 
@@ -207,6 +210,29 @@ TABLE = [
      'split splits=16 m=16 n=128 warps=4 stages=5 pdl merge_pdl'),
     ('H200', 32, '8k', 'contig', 'bf16', 0, {'d': 64, 'h': 16, 'h_k': 4},
      'split splits=1 m=16 n=128 warps=4 stages=3 tma pdl merge_pdl'),
+    # MLA: every device, 64 rows a program (128 heads: two programs side by side), tiles within shared memory
+    ('H200', 32, '4k', 'contig', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 pdl merge_pdl'),
+    ('H200', 32, '32k', 'contig', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('H200', 32, '32k', 'p64', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('H200', 32, '8k', 'contig', 'bf16', 1, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('H200', 64, '8k', 'contig', 'bf16', 0, MLA, 'mla splits=1 m=64 n=64 warps=8 stages=2'),
+    ('H200', 128, '32k', 'p64', 'bf16', 0, MLA, 'mla splits=1 m=64 n=64 warps=8 stages=2'),
+    ('H200', 1, '32k', 'contig', 'bf16', 0, MLA, 'mla splits=32 m=64 n=64 warps=8 stages=2 pdl merge_pdl'),
+    ('H200', 32, '8k', 'contig', 'bf16', 2, dict(MLA, sq=2), 'mla splits=1 m=64 n=64 warps=8 stages=2'),
+    ('H200', 32, '8k', 'contig', 'bf16', 0, dict(MLA, h=16), 'mla splits=4 m=16 n=64 warps=4 stages=2 merge_pdl'),
+    ('H200', 32, '8k', 'contig', 'bf16', 0, dict(MLA, h=32), 'mla splits=4 m=32 n=64 warps=4 stages=2 merge_pdl'),
+    ('H200', 32, '8k', 'contig', 'fp32', 0, MLA, 'mla splits=2 m=64 n=16 warps=8 stages=2 merge_pdl'),
+    ('H100', 32, '16k', 'p64', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('A100', 32, '8k', 'contig', 'bf16', 0, MLA, 'mla splits=5 m=64 n=32 warps=8 stages=2'),
+    ('A100', 32, '8k', 'p64', 'bf16', 0, dict(MLA, h=16), 'mla splits=10 m=16 n=32 warps=4 stages=2'),
+    ('A100', 32, '8k', 'contig', 'fp32', 0, MLA, 'mla splits=1 m=32 n=16 warps=8 stages=1'),
+    ('H200', 32, '8k', 'contig', 'bf16', 0, {'d': 192, 'dv': 128}, 'mla splits=1 m=16 n=64 warps=4 stages=2'),
+    ('H200', 32, '8k', 'contig', 'bf16', 0, {'qv': True}, 'mla splits=1 m=16 n=64 warps=4 stages=2'),
+    ('interp', 3, 64, 'contig', 'fp32', 0, dict(MLA, h=16, d=16, dv=64), 'mla splits=2 m=16 n=16 warps=4 stages=1'),
+    ('interp', 3, 64, 'p4', 'fp32', 0, dict(MLA, h=16, d=16, dv=64),
+     'mla splits=2 m=16 n=16 warps=4 stages=1 gather=4'),
+    ('H200', 32, '8k', 'p16', 'bf16', 0, MLA, 'mla splits=2 m=64 n=64 warps=8 stages=2 merge_pdl'),
+    ('H200', 32, '8k', 'p16', 'bf16', 0, dict(MLA, h=16), 'mla splits=4 m=16 n=64 warps=4 stages=2 merge_pdl gather=4'),
 ]
 
 
@@ -263,6 +289,21 @@ def test_forced_route_refusals_name_the_setting(name, device, cache, dtype, matc
     with pytest.raises(ValueError, match="FLASHTILE_DECODE_ROUTE") as info:
         route_of(device, 32, "32k", cache, dtype, forced=name)
     assert match in str(info.value) and "split, rows, gluon" in str(info.value)
+
+
+def test_other_routes_refuse_mla_calls():
+    """A forced route other than mla refuses a call with qv or a value head dim of its own, naming mla; mla refuses
+    every other call."""
+    shape = R.DecodeShape(32, 1, 128, 1, 64, 32768, head_dim_v=512, qv=True)
+    props = PROPS["H200"]
+    for name in ("split", "rows", "gluon"):
+        with pytest.raises(ValueError, match=f"{name}' cannot take this call .*routes for this call: mla "):
+            R.select_route(shape, torch.bfloat16, False, 0, props, forced=name)
+    assert R.select_route(shape, torch.bfloat16, False, 0, props, forced="mla").kernel == "mla"
+    assert R.select_route(shape._replace(qv=False), torch.bfloat16, True, 64, props).kernel == "mla"
+    plain = R.DecodeShape(32, 1, 32, 8, 128, 32768)
+    with pytest.raises(ValueError, match="'mla' cannot take this call; routes for this call: split, "):
+        R.select_route(plain, torch.bfloat16, False, 0, props, forced="mla")
 
 
 def test_settings_the_tests_pin():

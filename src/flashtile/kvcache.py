@@ -28,6 +28,8 @@ from flashtile.validation import (
     window_tuple,
 )
 
+# v_cache's head dim may differ from k_cache's (FlashAttention-3): up to 512, the latent width of DeepSeek's MLA
+MAX_V_HEAD_DIM = 512
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_DTYPE)
 _DTYPES = _KERNEL_DTYPES + (torch.float64,)  # float64 only on the CPU path
 
@@ -79,15 +81,17 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-         alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None):
-    """The checked call on the backend dispatch picks; returns (out (b, sq, h, d), lse (b, h, sq))."""
+         alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None, qv=None):
+    """The checked call on the backend dispatch picks; returns (out (b, sq, h, dv), lse (b, h, sq))."""
     if q.device.type != "cpu" and q.dtype not in _KERNEL_DTYPES:
         _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 and "
               "float8_e4m3fn on CUDA; the PyTorch path takes CPU tensors)", TypeError)
+    # qv only when given: every backend's kvcache takes it, and a call without it passes exactly what it did before
+    extra = {} if qv is None else {"qv": qv}
     return dispatch.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
                             window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                            descales=(q_descale, k_descale, v_descale))
+                            descales=(q_descale, k_descale, v_descale), **extra)
 
 
 # The custom op: torch.compile sees one opaque node that mutates the caches; eager calls skip the
@@ -100,35 +104,37 @@ def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                     window_right: int, softcap: float, rotary_interleaved: bool,
                     alibi_slopes: torch.Tensor | None, num_splits: int, q_descale: torch.Tensor | None,
-                    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None
+                    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, qv: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                    softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale)
+                    softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv)
     return out.contiguous(), lse.contiguous()
 
 
 @_kvcache_fwd_op.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits, q_descale, k_descale, v_descale):
+      alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv=None):
     b, sq, h, _ = q.shape
     dtype = torch.bfloat16 if q.dtype == FP8_DTYPE else q.dtype
-    return q.new_empty(q.shape, dtype=dtype), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=dtype), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            q_descale=None, k_descale=None, v_descale=None):
+                            q_descale=None, k_descale=None, v_descale=None, qv=None):
     """Attention of q to a KV cache, after appending new keys/values to it in place.
 
-    Shapes (b = batch, sq = new query tokens, h / h_k = query / kv heads, h % h_k == 0, d <= 256):
+    Shapes (b = batch, sq = new query tokens, h / h_k = query / kv heads, h % h_k == 0, d <= 256,
+    dv = v_cache's head dim <= 512, d unless given otherwise):
         q: (b, sq, h, d).
-        k_cache, v_cache: (b_cache, s_cache, h_k, d); paged (``block_table`` given):
-            (num_blocks, page_size, h_k, d), any page size. Updated in place.
-        k, v: (b, s_new, h_k, d) or None: written at ``cache_seqlens .. cache_seqlens + s_new``.
+        k_cache: (b_cache, s_cache, h_k, d), v_cache: (b_cache, s_cache, h_k, dv); paged
+            (``block_table`` given): (num_blocks, page_size, h_k, d / dv), any page size. Updated in place.
+        k: (b, s_new, h_k, d), v: (b, s_new, h_k, dv), or None: written at ``cache_seqlens ..
+            cache_seqlens + s_new``.
         rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2), rotary_dim <= d, seqlen_ro >= cache
             capacity. Rotate the new k at positions ``cache_seqlens + t`` and q at ``cache_seqlens + t``
             when causal or local, else all of q at ``cache_seqlens``. Need k and v.
@@ -146,8 +152,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             ``torch.float8_e4m3fn`` q, caches and new k/v, fp32 (b, h_k) descales (None = 1.0);
             attention runs on ``x.float() * x_descale[batch row, kv head]`` and out is bf16. The
             new k/v are appended as they are (quantise them with the cache row's scale). No
-            rotary with fp8.
-    Returns out (b, sq, h, d), or (out, softmax_lse) with lse fp32 (b, h, sq) when
+            rotary, ``qv`` or dv != d with fp8.
+        qv: keyword-only, FlashAttention-3's multi-head latent attention (MLA) in absorbed form:
+            (b, sq, h, dv) in q's dtype, or None. The scores are ``(q . k + qv . v) * softmax_scale``
+            (v serves as the latent half of the key and as the value; qv is not rotated), and
+            softmax_scale defaults to ``1 / sqrt(d + dv)``. DeepSeek's layout: one kv head (the
+            latent cache) shared by all query heads, d = 64 rope dims, dv = 512 latent dims.
+    Returns out (b, sq, h, dv), or (out, softmax_lse) with lse fp32 (b, h, sq) when
     ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf.
 
     Values inside index tensors (cache_seqlens + s_new <= capacity, cache_leftpad <= cache_seqlens,
@@ -174,13 +185,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             # the cache is written in place, so a copy would lose the update
             _fail(f"{name} must have a contiguous last dim (stride 1), got strides {tuple(x.stride())}")
     b, sq, h, d = q.shape
-    if v_cache.shape != k_cache.shape:
-        _fail(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        _fail(f"v_cache must have k_cache's shape but for its head dim, {tuple(k_cache.shape[:3])} + (dv,), got "
+              f"{tuple(v_cache.shape)}")
     h_k = k_cache.shape[2]
+    dv = v_cache.shape[3]
     if k_cache.shape[3] != d:
         _fail(f"k_cache head dim {k_cache.shape[3]} does not match q head dim {d}")
     if d < 1 or d > MAX_HEAD_DIM:
         _fail(f"head dim d={d} is not supported; flashtile supports 1 <= d <= {MAX_HEAD_DIM}")
+    if dv < 1 or dv > MAX_V_HEAD_DIM:
+        _fail(f"v_cache head dim dv={dv} is not supported; flashtile supports 1 <= dv <= {MAX_V_HEAD_DIM}")
+    if dv != d and q.dtype == FP8_DTYPE:
+        _fail(f"v_cache head dim dv={dv} must equal d={d} with fp8 (e4m3) caches")
     if h_k < 1 or h % h_k != 0:
         _fail(f"number of query heads h={h} must be a multiple of the cache's kv heads h_k={h_k}")
     q = last_dim_contiguous(q)
@@ -220,11 +237,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 _fail(f"{name} must have q's dtype {q.dtype}, got {x.dtype}", TypeError)
             if x.device != q.device:
                 _fail(f"{name} must be on q's device {q.device}, got {x.device}")
-            if x.dim() != 4 or x.shape[0] != b or x.shape[2] != h_k or x.shape[3] != d:
-                _fail(f"{name} must have shape (b, s_new, h_k, d) = ({b}, s_new, {h_k}, {d}) to match q and "
-                      f"the cache, got {tuple(x.shape)}")
-        if v.shape != k.shape:
-            _fail(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+            width, dim = ("d", d) if name == "k" else ("dv", dv)
+            if x.dim() != 4 or x.shape[0] != b or x.shape[2] != h_k or x.shape[3] != dim:
+                _fail(f"{name} must have shape (b, s_new, h_k, {width}) = ({b}, s_new, {h_k}, {dim}) to match q "
+                      f"and the cache, got {tuple(x.shape)}")
+        if v.shape[1] != k.shape[1]:
+            _fail(f"v must have k's s_new = {k.shape[1]} new tokens, got shape {tuple(v.shape)}")
         if cache_seqlens is None:
             _fail("cache_seqlens must be given with new k/v (it says where to append them)")
         k, v = last_dim_contiguous(k), last_dim_contiguous(v)
@@ -258,6 +276,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail("rotary_cos/rotary_sin are not supported with fp8 (e4m3) inputs yet: rotate q and the new k "
               "before quantising them")
 
+    # -- qv (multi-head latent attention) ---------------------------------------------------------
+    if qv is not None:
+        if not isinstance(qv, torch.Tensor):
+            _fail(f"qv must be a torch.Tensor or None, got {type(qv).__name__}", TypeError)
+        if q.dtype == FP8_DTYPE:
+            _fail("qv is not supported with fp8 (e4m3) inputs", TypeError)
+        if qv.dtype != q.dtype:
+            _fail(f"qv must have q's dtype {q.dtype}, got {qv.dtype}", TypeError)
+        if qv.device != q.device:
+            _fail(f"qv must be on q's device {q.device}, got {qv.device}")
+        if tuple(qv.shape) != (b, sq, h, dv):
+            _fail(f"qv must have shape (b, sq, h, dv) = ({b}, {sq}, {h}, {dv}) (dv: v_cache's head dim), got "
+                  f"{tuple(qv.shape)}")
+        qv = last_dim_contiguous(qv)
+
     # -- rotary -----------------------------------------------------------------------------------
     if (rotary_cos is None) != (rotary_sin is None):
         _fail("rotary_cos and rotary_sin must be given together")
@@ -283,7 +316,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     # -- scalars ----------------------------------------------------------------------------------
     if softmax_scale is None:
-        softmax_scale = d ** -0.5
+        softmax_scale = (d if qv is None else d + dv) ** -0.5
     elif isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale):
         _fail(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
@@ -298,7 +331,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                        block_table)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
             cache_leftpad, block_table, float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-            bool(rotary_interleaved), alibi_slopes, num_splits, q_descale, k_descale, v_descale)
+            bool(rotary_interleaved), alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtile.kvcache_fwd(*args)
     else:

@@ -64,15 +64,19 @@ def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, p
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True,
-                q_descale=None, k_descale=None, v_descale=None):
+                q_descale=None, k_descale=None, v_descale=None, qv=None):
     """Reference ``flash_attn_with_kvcache``: updates ``k_cache``/``v_cache`` in place, returns ``(out, lse)``.
 
-    Shapes as in the contract: q (b, sq, h, d); caches (b_cache, s_cache, h_k, d), or paged
-    (num_blocks, page_size, h_k, d) with ``block_table`` int (b, max_blocks); new k/v (b, s_new, h_k, d);
-    ``cache_seqlens`` int or int (b,) tensor (None: every row holds the full capacity);
-    ``cache_batch_idx``/``cache_leftpad`` int (b,). out (b, sq, h, d), lse fp32 (b, h, sq).
-    Arguments are assumed valid (``flashtile.kvcache`` checks them). Reads index tensors' values
-    on the host, so it is for CPU tensors and tests, not a CUDA hot path.
+    Shapes as in the contract: q (b, sq, h, d); k_cache (b_cache, s_cache, h_k, d) and v_cache
+    (b_cache, s_cache, h_k, dv), or paged (num_blocks, page_size, h_k, d / dv) with ``block_table`` int
+    (b, max_blocks); new k (b, s_new, h_k, d) and v (b, s_new, h_k, dv); ``cache_seqlens`` int or int
+    (b,) tensor (None: every row holds the full capacity); ``cache_batch_idx``/``cache_leftpad`` int
+    (b,). out (b, sq, h, dv), lse fp32 (b, h, sq). Arguments are assumed valid (``flashtile.kvcache``
+    checks them). Reads index tensors' values on the host, so it is for CPU tensors and tests, not a
+    CUDA hot path.
+
+    ``qv`` (b, sq, h, dv): multi-head latent attention in absorbed form, as ``attention_ref`` takes
+    it: the scores gain ``qv . v`` (qv is not rotated) and the default scale is 1 / sqrt(d + dv).
 
     fp8 (e4m3) q, caches and new k/v: the append copies the e4m3 bytes, and attention runs on the
     dequantised values (``x.float() * x_descale[batch row, kv head]``, descales fp32 (b, h_k) or
@@ -132,16 +136,16 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     values = v_cache[i0, i1]
     return attention_ref(q, keys, values, causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
-                         seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast)
+                         seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast, qv=qv)
 
 
 def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-            alibi_slopes, num_splits, descales=(None, None, None)):
+            alibi_slopes, num_splits, descales=(None, None, None), qv=None):
     """Dispatch's "kvcache" op on CPU tensors: a checked call (the Triton backend's arguments) on the reference.
     ``num_splits`` changes nothing here; ``cache_len_const`` (-1: none) stands for an int ``cache_seqlens``."""
     seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
     q_descale, k_descale, v_descale = descales
     return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv)

@@ -23,6 +23,10 @@ An H100 SXM (132 SMs, 80 GB) differs in one cell: b = 32 on a contiguous cache t
 and whole rows from there (``WHOLE_ROW_BAND``). Other GPUs (and Triton's interpreter) take the split kernel. The
 split kernel's own knobs (tiles, split count, 8 warps for long programs, 2 stages for grids of more than one wave,
 TMA, the by-page gather, programmatic dependent launch) follow the rules in ``split``.
+
+Calls with ``qv`` (multi-head latent attention) or a value head dim of their own (v_cache's last dim differs from
+k_cache's) take the MLA kernel on every device, and only it (``mla``): the other kernels read K and V with one head
+dim and no ``qv`` term.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import torch
 
 from flashtile.backends.triton.host import SM90_SHARED_PER_SM, cdiv, next_pow2
 from flashtile.kernels.decode import MAX_BLOCK_M, decode_config
+from flashtile.kernels.decode_mla import MLA_MAX_BLOCK_M, mla_config
 
 FP8 = torch.float8_e4m3fn
-ROUTE_NAMES = ("split", "rows", "gluon")
+ROUTE_NAMES = ("split", "rows", "gluon", "mla")
 SETTING = "FLASHTILE_DECODE_ROUTE"
 
 
@@ -98,15 +103,22 @@ class DecodeShape(NamedTuple):
     leftpad: bool = False
     aligned: bool = True  # caches with 16-byte bases and outer strides multiples of 16 elements (Gluon's copies)
     tma_ok: bool = True  # caches a tensor descriptor can address (tma.tma_ok)
+    head_dim_v: int = 0  # v_cache's head dim; 0: the same as head_dim
+    qv: bool = False  # the call passes qv (multi-head latent attention)
+
+
+def is_mla(s: DecodeShape) -> bool:
+    """A call only the MLA kernel computes: it passes qv, or its values have a head dim of their own."""
+    return s.qv or s.head_dim_v not in (0, s.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class Route:
     """A decode kernel and its launch knobs."""
 
-    kernel: str  # "split", "rows" or "gluon"
+    kernel: str  # "split", "rows", "gluon" or "mla"
     splits: int = 1  # key splits, merged by the combine kernel when more than one ("rows": always merged)
-    block_m: int = 16  # query rows a program ("split")
+    block_m: int = 16  # query rows a program ("split", "mla")
     block_n: int = 16  # keys a tile
     warps: int = 4
     stages: int = 1  # as launched
@@ -180,7 +192,7 @@ def _gluon_covers(s: DecodeShape, dtype, paged: bool, props: DeviceProps) -> boo
     heads a kv head, a plain contiguous bf16 / fp16 cache with aligned rows, d = 64 or 128."""
     return (arch(props) == "sm90" and dtype in (torch.bfloat16, torch.float16) and s.head_dim in GLUON_HEAD_DIMS
             and s.seqlen_q == 1 and s.heads // s.kv_heads <= GLUON_MAX_GROUP and not paged and s.plain
-            and s.aligned)
+            and s.aligned and not is_mla(s))
 
 
 def _gluon_rule(s: DecodeShape, programs: int, props: DeviceProps) -> bool:
@@ -223,7 +235,7 @@ def _gluon_route(s: DecodeShape, dtype, splits: int, props: DeviceProps, pdl: bo
 def _row_heads(s: DecodeShape, paged: bool, page_size: int, props: DeviceProps) -> int:
     """Heads a program where the whole-row kernel's rule takes the call; 0 where it does not."""
     if (arch(props) != "sm90" or s.kv_heads != ROWS_KV_HEADS or s.head_dim != ROWS_HEAD_DIM or s.num_splits != 0
-            or not s.plain):
+            or not s.plain or is_mla(s)):
         return 0
     per_sm = s.batch * s.kv_heads / props.sm_count
     band = WHOLE_ROW_BAND.get(memory_class(props))
@@ -242,7 +254,8 @@ def _row_heads(s: DecodeShape, paged: bool, page_size: int, props: DeviceProps) 
 
 def _rows_cover(s: DecodeShape, dtype, paged: bool, page_size: int, heads: int) -> bool:
     """Calls the whole-row kernel computes with ``heads`` kv heads a program (pages of whole tiles only)."""
-    if heads not in ROW_CONFIGS or s.kv_heads % heads or (paged and page_size % _row_config(heads, True)[0]):
+    if (heads not in ROW_CONFIGS or s.kv_heads % heads or (paged and page_size % _row_config(heads, True)[0])
+            or is_mla(s)):
         return False
     return (s.seqlen_q == 1 and s.heads // s.kv_heads <= 16 and s.head_dim in ROW_HEAD_DIMS and s.plain
             and dtype in (torch.bfloat16, torch.float16))
@@ -349,10 +362,17 @@ def split(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps
     pdl_on = _use_pdl(s, dtype, props, pdl, appending=s.new_tokens > 0)
     return Route("split", splits=splits, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
                  tma=_use_tma(s, dtype, paged, page_aligned, per_program, block_d == s.head_dim, props, tma),
-                 pages_per_tile=(block_n // page_size if paged and not s.leftpad and 0 < page_size < block_n
-                                 and page_size & (page_size - 1) == 0 else 0),
+                 pages_per_tile=_pages_per_tile(s, paged, page_size, block_n),
                  pdl=pdl_on, merge_pdl=_merge_pdl(pdl_on, splits, fp8, props, pdl),
                  append_pdl=_append_pdl(s, dtype, props, pdl))
+
+
+def _pages_per_tile(s: DecodeShape, paged: bool, page_size: int, block_n: int) -> int:
+    """Table entries an unmasked tile reads (the by-page gather): power-of-two pages smaller than a tile, no left
+    padding (which would shift tiles off pages); 0 otherwise."""
+    if paged and not s.leftpad and 0 < page_size < block_n and page_size & (page_size - 1) == 0:
+        return block_n // page_size
+    return 0
 
 
 def _use_tma(s: DecodeShape, dtype, paged: bool, page_aligned: bool, per_program: int, d_fills_block: bool,
@@ -374,7 +394,7 @@ def _pdl_capable(props: DeviceProps) -> bool:
 
 
 def _kv_bytes(s: DecodeShape, dtype) -> int:
-    return 2 * s.batch * s.capacity * s.kv_heads * s.head_dim * dtype.itemsize
+    return s.batch * s.capacity * s.kv_heads * (s.head_dim + (s.head_dim_v or s.head_dim)) * dtype.itemsize
 
 
 def _use_pdl(s: DecodeShape, dtype, props: DeviceProps, forced: bool | None, appending: bool) -> bool:
@@ -398,8 +418,76 @@ def _append_pdl(s: DecodeShape, dtype, props: DeviceProps, forced: bool | None) 
     return s.new_tokens > 0 and _use_pdl(s, dtype, props, forced, appending=True)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# The MLA kernel (kernels/decode_mla.py): calls with qv or a value head dim of their own. A program covers at most
+# MLA_MAX_BLOCK_M query rows of one kv head (all 64 heads of a latent head in one program; 128 in two, side by side);
+# its tiles come from the kernel's table, shrunk until K, V and the query block fit the device's shared memory:
+# the largest allocation a block may make, by compute capability (Hopper and datacenter Blackwell, the A100), and
+# the least (sm_86 / sm_89 / sm_120's) on any other device.
+MLA_SHARED_BYTES = {(9, 0): SM90_SHARED_PER_SM, (10, 0): SM90_SHARED_PER_SM, (8, 0): 163 * 1024}
+MLA_SHARED_LEAST = 99 * 1024
+# The merge holds splits x dv fp32 partials in registers: 32 x 512 is 128 a thread on its 4 warps
+MLA_MAX_SPLITS = 32
+
+
+def mla_shared_bytes(block_m: int, block_n: int, stages: int, block_d: int, block_dv: int, itemsize: int) -> int:
+    """Shared memory of an MLA launch, at most: ``stages`` buffers of BLOCK_N keys of K and V, and the query block
+    (q and qv), which Hopper's warp-group dots read from shared memory."""
+    return (stages * block_n + block_m) * (block_d + block_dv) * itemsize
+
+
+def _mla_tiles(block_m: int, block_d: int, block_dv: int, itemsize: int, props: DeviceProps) -> tuple:
+    """(BLOCK_M, BLOCK_N, warps, stages): the table's row for ``block_m`` rows, with fewer keys a tile, then fewer
+    stages, then fewer rows, until it fits the device's shared memory (wide heads, fp32 caches)."""
+    a = arch(props)
+    block_n, warps, stages = mla_config(a, block_m)
+    if a == "interpret":
+        return block_m, block_n, warps, stages
+    budget = MLA_SHARED_BYTES.get(props.capability, MLA_SHARED_LEAST)
+    while mla_shared_bytes(block_m, block_n, stages, block_d, block_dv, itemsize) > budget:
+        if block_n > 16:
+            block_n //= 2
+        elif stages > 1:
+            stages -= 1
+        elif block_m > 16:
+            block_m //= 2
+        else:
+            break
+    return block_m, block_n, warps, stages
+
+
+def mla(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps, pdl: bool | None = None, *,
+        tiles: tuple | None = None) -> Route | None:
+    """Calls with qv or a value head dim of their own, on every device: one program per (batch row, kv head, key
+    split, block of at most MLA_MAX_BLOCK_M query rows). ``tiles``: the test setting decode_tiles (largest BLOCK_M,
+    BLOCK_N, warps, stages)."""
+    if not is_mla(s):
+        return None
+    block_d = max(16, next_pow2(s.head_dim))
+    block_dv = max(16, next_pow2(s.head_dim_v or s.head_dim))
+    rows_ = s.seqlen_q * (s.heads // s.kv_heads)
+    block_m = min(tiles[0] if tiles else MLA_MAX_BLOCK_M, max(16, next_pow2(rows_)))
+    if tiles:
+        block_n, warps, stages = tiles[1:]
+    else:
+        block_m, block_n, warps, stages = _mla_tiles(block_m, block_d, block_dv, dtype.itemsize, props)
+    programs = s.batch * s.kv_heads * cdiv(rows_, block_m)  # a split's
+    key_blocks = cdiv(max(s.capacity, 1), block_n)
+    splits = s.num_splits if s.num_splits > 0 else num_splits_heuristic(programs, key_blocks, props.sm_count,
+                                                                        MLA_MAX_SPLITS)
+    splits = max(1, min(splits, MAX_SPLITS, key_blocks))
+    # the by-page gather's registers would make the 64-row Hopper build (8 warps at 255 registers) spill inside its
+    # key loop (ptxas: 20 stores and 58 loads a tile at 16-token pages), so it looks each key's page up instead
+    gather = 0 if arch(props) == "sm90" and block_m == 64 else _pages_per_tile(s, paged, page_size, block_n)
+    pdl_on = _use_pdl(s, dtype, props, pdl, appending=s.new_tokens > 0)
+    return Route("mla", splits=splits, block_m=block_m, block_n=block_n, warps=warps, stages=stages,
+                 pages_per_tile=gather, pdl=pdl_on,
+                 merge_pdl=_merge_pdl(pdl_on, splits, False, props, pdl), append_pdl=_append_pdl(s, dtype, props, pdl))
+
+
 # The routes, in order: the first that takes the call runs it.
 ROUTES = (
+    ("mla", mla),  # every device: calls with qv or a value head dim of their own, and only those
     ("gluon", gluon_split),  # Hopper, plain contiguous d = 128, b x h_k below ~2 an SM, >= 32k keys: split to it
     ("rows", rows),  # Hopper, 8 kv heads of d = 128, long caches on large batches (ROW_BOUNDS, WHOLE_ROW_BAND)
     ("gluon", gluon_unsplit),  # Hopper, plain contiguous d = 128, b x h_k >= ~2 an SM, >= 8k keys
@@ -416,7 +504,9 @@ def select_route(shape: DecodeShape, dtype: torch.dtype, paged: bool, page_size:
     ``decode_tiles``, ``decode_pdl`` and ``tma`` (None: the rules')."""
     if forced:
         return _forced(forced, shape, dtype, paged, page_size, props, pdl, tiles, tma)
-    for _, rule in ROUTES[:-1]:
+    if is_mla(shape):
+        return mla(shape, dtype, paged, page_size, props, pdl, tiles=tiles)
+    for _, rule in ROUTES[1:-1]:
         route = rule(shape, dtype, paged, page_size, props, pdl)
         if route is not None:
             return route
@@ -426,7 +516,14 @@ def select_route(shape: DecodeShape, dtype: torch.dtype, paged: bool, page_size:
 def _forced(name: str, s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps, pdl: bool | None,
             tiles: tuple | None, tma: bool | None) -> Route:
     """The route ``name`` for this call: rows with the rule's heads (else whole rows), Gluon split to its rule's
-    grid where the grid is smaller; ValueError where it cannot take the call."""
+    grid where the grid is smaller; ValueError where it cannot take the call. A call with qv or a value head dim
+    of its own takes the MLA route only, and only such a call does."""
+    if is_mla(s):
+        if name == "mla":
+            return mla(s, dtype, paged, page_size, props, pdl, tiles=tiles)
+        what = "is not a decode route" if name not in ROUTE_NAMES else \
+            "cannot take this call (it has qv or a value head dim of its own)"
+        raise ValueError(f"{SETTING}={name!r} {what}; routes for this call: mla (all routes: {', '.join(ROUTE_NAMES)})")
     gluon_ok = _gluon_covers(s, dtype, paged, props) and s.num_splits <= 1
     heads = _row_heads(s, paged, page_size, props) or s.kv_heads
     rows_ok = _rows_cover(s, dtype, paged, page_size, heads)
