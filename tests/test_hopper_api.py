@@ -155,3 +155,17 @@ def test_compat_makes_flash_attn_interface_resolve_here():
     finally:
         flashtile.compat.uninstall()
     assert "flash_attn_interface" not in sys.modules
+
+
+def test_kvcache_mla_qv_through_fa3s_signature():
+    # MLA in absorbed form: q / k with 16 rope dims, qv / v with a 32-dim latent, one latent head for 4 query heads
+    torch.manual_seed(1)
+    q, qv = torch.randn(2, 1, 4, 16, dtype=torch.float64), torch.randn(2, 1, 4, 32, dtype=torch.float64)
+    k_cache = torch.randn(2, 24, 1, 16, dtype=torch.float64)
+    v_cache = torch.randn(2, 24, 1, 32, dtype=torch.float64)
+    lens = torch.tensor([9, 24], dtype=torch.int32)
+    out = hopper.flash_attn_with_kvcache(q, k_cache, v_cache, qv=qv, cache_seqlens=lens)
+    assert out.shape == (2, 1, 4, 32)
+    for i, n in enumerate(lens.tolist()):  # the default scale is 1 / sqrt(d + dv)
+        ref, _ = attention_ref(q[i:i + 1], k_cache[i:i + 1, :n], v_cache[i:i + 1, :n], qv=qv[i:i + 1])
+        torch.testing.assert_close(out[i:i + 1], ref)
