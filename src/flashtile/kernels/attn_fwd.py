@@ -271,7 +271,7 @@ def _attn_fwd_kernel(
     HEAD_DIM_V: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0,
     HAS_SINK: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
 ):
-    DV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
+    HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
     BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
@@ -325,21 +325,21 @@ def _attn_fwd_kernel(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, lo, full_lo,
         offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
         window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
-        True, HEAD_DIM, DV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        True, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES)
     # interior of the band: no masking work
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_lo, full_hi,
         offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
         window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
-        False, HEAD_DIM, DV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        False, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK)
     # right edge: causal diagonal / window end / ragged end of the keys, masked
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_hi, hi,
         offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
         window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
-        True, HEAD_DIM, DV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        True, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES)
 
     # rows that saw no key: output 0 and lse = +inf (the contract's rule; with a sink l >= 1, see above)
@@ -353,7 +353,7 @@ def _attn_fwd_kernel(
     row_ok = offs_m < seqlen_q
     o_ptrs = (O + b.to(tl.int64) * stride_ob + q_row0.to(tl.int64) * stride_om + h * stride_oh
               + offs_m[:, None] * stride_om + offs_dv[None, :])
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HDV))
     lse_ptrs = LSE + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
     tl.store(lse_ptrs, lse, mask=row_ok)
 
