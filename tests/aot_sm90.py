@@ -32,7 +32,7 @@ from gluon_aot import ptxas_log  # this script runs from tests/ (its folder is o
 
 FLOATS = {"qk_scale", "softcap", "dropout_p", "grad_scale"}
 INT_POINTERS = {"CU_SEQLENS_Q", "CU_SEQLENS_K", "SEQUSED_Q", "SEQUSED_K"}
-FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS"}
+FP32_POINTERS = {"LSE", "DELTA", "ALIBI", "PROBS", "SINK"}
 TILE_COPY = re.compile(r"cp\.async\.c[ag]\.shared\.global[^;]*, 0x10")  # a 16-byte async copy
 PIPELINE_BUFFER = re.compile(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<[^>]*mutable>")  # allocated, not stored
 LABEL = re.compile(r"^(\$L__BB\d+_\d+):")

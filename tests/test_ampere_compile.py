@@ -98,3 +98,29 @@ def test_decode_route_and_kernels_compile(tmp_path, arch, paged):
     cx = dict(HEAD_DIM=d, BLOCK_H=8, BLOCK_D=d, HAS_SEQLENS=True, HAS_BATCH_IDX=False, PAGED=paged, ROTARY_DIM=64,
               INTERLEAVED=True)
     _compile(tmp_path, arch, "_kv_append_kernel", "flashtile.kernels.kv_append", cx, DECODE_INTS, 4, 1)
+
+
+@pytest.mark.parametrize("kernel", ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"])
+def test_head_dim_of_v_sink_and_chunk_compile(tmp_path, kernel):
+    """DeepSeek-V3's head dims (q/k 192, v 128) with a learnable sink and attention_chunk, causal, at the tiles
+    the launchers pick off Hopper (the "default" rows, the bucket of the wider tile: 256). sm_80 and sm_89 take
+    the same tiles and the same build (mma.sync, cp.async), so one sm_80 build is checked against both GPUs'
+    shared memory."""
+    from flashtile.backends.triton.host import arch_of
+    from flashtile.kernels.attn_bwd import bwd_configs
+    from flashtile.kernels.attn_fwd import fwd_config
+
+    assert {_arch_name(arch, arch_of) for arch in ARCHS} == {"default"}
+    d, dv, block_d, block_dv = 192, 128, 256, 128
+    new = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv, BLOCK_DV=block_dv, HAS_CHUNK=True)
+    if kernel == "_attn_fwd_kernel":
+        bm, bn, warps, stages = fwd_config("default", max(block_d, block_dv), True, 4096)
+        cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn, RETURN_PROBS=False, USE_TMA=False, HAS_SINK=True)
+        module = "flashtile.kernels.attn_fwd"
+    else:
+        kv_cfg, q_cfg = bwd_configs("default", max(block_d, block_dv), causal=True, max_seqlen=4096)
+        bm, bn, warps, stages = kv_cfg if kernel == "_attn_bwd_dkdv_kernel" else q_cfg
+        cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn)
+        module = "flashtile.kernels.attn_bwd"
+    fields = _compile(tmp_path, 80, kernel, module, cx, {}, warps, stages)
+    assert int(fields["SHARED"]) <= min(MAX_SHARED.values()), fields

@@ -323,3 +323,26 @@ def test_small_kernels_compile_for_sm90(tmp_path, kernel, module, cx, types, war
     _compile(tmp_path, kernel, module, cx, types, warps, stages, fields_out=fields)
     # it builds and loads
     assert fields["LD_GLOBAL"] + fields["CP_ASYNC_16"] > 0, fields
+
+
+@pytest.mark.parametrize("kernel", ["_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"])
+def test_head_dim_of_v_sink_and_chunk_compile_for_sm90(tmp_path, kernel):
+    """DeepSeek-V3's head dims (q/k 192, v 128) with a learnable sink and attention_chunk, causal, at the tiles
+    the launchers pick on sm_90 (the tables' bucket of the wider tile, 256): they build through ptxas with
+    their dots on warp-group MMA, within shared memory; the forward on tensor descriptors, v's its own width."""
+    from flashtile.kernels.attn_bwd import bwd_configs
+    from flashtile.kernels.attn_fwd import fwd_config
+
+    d, dv, block_d, block_dv = 192, 128, 256, 128
+    new = dict(HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv, BLOCK_DV=block_dv, HAS_CHUNK=True)
+    if kernel == "_attn_fwd_kernel":
+        bm, bn, warps, stages = fwd_config("sm90", max(block_d, block_dv), True, 4096)
+        cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn, RETURN_PROBS=False, USE_TMA=True, HAS_SINK=True)
+        types = dict(desc_q=_desc(bm, block_d), desc_k=_desc(bn, block_d), desc_v=_desc(bn, block_dv))
+        assert _compile(tmp_path, kernel, "flashtile.kernels.attn_fwd", cx, types, warps, stages, bulk=True) == 6
+        return
+    kv_cfg, q_cfg = bwd_configs("sm90", max(block_d, block_dv), causal=True, max_seqlen=4096)
+    bm, bn, warps, stages = kv_cfg if kernel == "_attn_bwd_dkdv_kernel" else q_cfg
+    dots = 12 if kernel == "_attn_bwd_dkdv_kernel" else 9
+    cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn)
+    assert _compile(tmp_path, kernel, "flashtile.kernels.attn_bwd", cx, {}, warps, stages) == dots

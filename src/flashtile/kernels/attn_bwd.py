@@ -11,6 +11,12 @@ With S the (softcapped, biased) scores, P = exp(S - lse), Z the dropout keep-mas
     dX = dS * (1 - tanh^2)   (softcap only; X = scale * q.k is the pre-cap score),
     dQ = scale * dX K,  dK = scale * dX^T Q.
 Fully masked rows have lse = +inf, so P = 0 and their gradients are exactly 0.
+
+Beyond FlashAttention 2: v's own head dim (HEAD_DIM_V / BLOCK_DV: dO, dV and the dO V^T contraction
+are dv wide) and chunked attention (HAS_CHUNK: the mask and both kernels' block ranges). A learnable
+sink needs nothing here: the forward's lse includes it, so P = exp(S - lse) is already the
+probability with the sink in the denominator, and delta = rowsum(dO * O) is still sum_j P dP (the sink
+has no value); the sink's own gradient is the autograd layer's.
 """
 
 import triton
@@ -19,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.kernels.attn_fwd import (
     SHORT_SEQLEN,
+    _chunk_start,
     _heavy_rows_first,
     _key_block_ranges,
     _sequence_bounds,
@@ -31,7 +38,8 @@ from flashtile.kernels.philox import philox_uniform
 # stay specialised: Triton vectorises a load (16-byte cp.async) only when it can prove every term of
 # the address 16-byte aligned, and an unspecialised batch stride made all q/k/v/dO loads 2-byte ones
 # (about half the backward's speed). At most two variants per stride (divisible by 16 or not).
-_BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset"]
+_BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi", "rng_offset",
+                      "attention_chunk"]
 
 
 @triton.jit
@@ -64,7 +72,8 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q,
 @triton.jit
 def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, softcap, slope,
                            window_left, window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
-                           HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                           HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                           chunk=0, HAS_CHUNK: tl.constexpr = False):
     """P = exp(S - lse) for a tile in either orientation (rows/cols broadcast to the tile's shape),
     and the softcap chain factor (1 - tanh^2), or 1.0 without softcap."""
     factor = 1.0
@@ -83,6 +92,9 @@ def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, s
             ok = ok & (cols >= diag - window_left)
         if HAS_RIGHT:
             ok = ok & (cols <= diag + window_right)
+        if HAS_CHUNK:
+            start = _chunk_start(diag, chunk)
+            ok = ok & (cols >= start) & (cols < start + chunk)
         s = tl.where(ok, s, float("-inf"))
     return tl.math.exp2(s - lse2), factor
 
@@ -90,9 +102,14 @@ def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, s
 @triton.jit
 def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-                        HAS_RIGHT: tl.constexpr):
+                        HAS_RIGHT: tl.constexpr, chunk=0, HAS_CHUNK: tl.constexpr = False):
     """For the key block at start_n: query blocks [lo, full_lo) masked, [full_lo, full_hi) unmasked,
-    [full_hi, hi) masked; query blocks outside [lo, hi) cannot see any of its keys."""
+    [full_hi, hi) masked; query blocks outside [lo, hi) cannot see any of its keys.
+
+    The diagonals that see column j form one interval: from max(j - right, c) to min(j + left, c +
+    chunk - 1), c the start of j's own chunk (a diagonal sees j only in j's chunk). Both ends grow with
+    j, so the block's first column bounds the left edge and the interior's right edge, its last
+    column the others (the forward's _key_block_ranges, transposed)."""
     shift = seqlen_k - seqlen_q
     first_col = start_n
     last_col = start_n + BLOCK_N - 1
@@ -106,6 +123,13 @@ def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
     if HAS_LEFT:  # ... and i <= j - shift + left
         hi = tl.minimum(hi, tl.cdiv(tl.maximum(last_col - shift + window_left + 1, 0), BLOCK_M))
         full_hi = tl.maximum(first_col - shift + window_left + 1, 0) // BLOCK_M
+    if HAS_CHUNK:  # columns are >= 0: their chunk starts need no floor correction
+        c_first = first_col - first_col % chunk
+        c_last = last_col - last_col % chunk
+        lo = tl.maximum(lo, tl.maximum(c_first - shift, 0) // BLOCK_M)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c_last - shift, 0), BLOCK_M))
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(c_last + chunk - shift, 0), BLOCK_M))
+        full_hi = tl.minimum(full_hi, tl.maximum(c_first + chunk - shift, 0) // BLOCK_M)
     # a ragged key block needs the column mask everywhere
     full_hi = tl.where(last_col >= seqlen_k, full_lo, full_hi)
     hi = tl.maximum(hi, lo)
@@ -126,10 +150,11 @@ def _load_rows(base, start, offs, offs_d, n_rows, stride_row, HEAD_DIM: tl.const
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_hi,
-                offs_m_base, cols, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom,
-                qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr,
-                HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                offs_m_base, cols, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom,
+                qk_scale, softcap, slope, window_left, window_right, chunk, dropout_p, seed_lo, seed_hi, rng_offset,
+                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_CHUNK: tl.constexpr,
                 PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dK/dV (transposed orientation: tiles are [BLOCK_N, BLOCK_M]) over query blocks.
 
@@ -139,14 +164,14 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_h
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q
         q = _load_rows(Q, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_qm, HEAD_DIM)
-        do = _load_rows(DO, blk * BLOCK_M, offs_m_base, offs_d, seqlen_q, stride_dom, HEAD_DIM)
+        do = _load_rows(DO, blk * BLOCK_M, offs_m_base, offs_dv, seqlen_q, stride_dom, HEAD_DIM_V)
         # rows past the sequence get lse = +inf, which zeroes their probabilities
         lse2 = tl.load(LSE + lse_base + offs_m, mask=row_ok, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + lse_base + offs_m, mask=row_ok, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         p_t, factor = _probs_and_grad_factor(qk_t, offs_m[None, :], cols[:, None], lse2[None, :], seqlen_q,
                                              seqlen_k, qk_scale, softcap, slope, window_left, window_right,
-                                             MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+                                             MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, chunk, HAS_CHUNK)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[None, :], cols[:, None]) >= dropout_p
@@ -164,8 +189,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_h
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, attention_chunk,
+    grad_scale, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dkb, stride_dkn, stride_dkh, stride_dvb, stride_dvn, stride_dvh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -174,8 +199,12 @@ def _attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
+    # v's head dim and its padded tile width (0: q/k's); attention_chunk is None without HAS_CHUNK
+    HEAD_DIM_V: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0, HAS_CHUNK: tl.constexpr = False,
 ):
     """dK and dV of one key block of one (batch, kv head), summed over the group's query heads."""
+    HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
+    BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
     if LAUNCH_DEPENDENTS:
         # programmatic dependent launch (backends/triton/attn_bwd.py use_bwd_pdl): the dQ kernel,
         # which reads nothing this kernel writes, may be scheduled once every program here started,
@@ -190,17 +219,20 @@ def _attn_bwd_dkdv_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         offs_m_base = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BDV)
         kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+        v_mask = (offs_n[:, None] < seqlen_k) & (offs_dv[None, :] < HDV)
         b64 = b.to(tl.int64)
         k_rows = (k_row0 + offs_n).to(tl.int64)
         k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + k_rows[:, None] * stride_vn + offs_dv[None, :],
+                    mask=v_mask, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BDV], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
-                                                       BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                       BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk,
+                                                       HAS_CHUNK)
         for g in range(0, group):
             h = kv_head * group + g
             slope = 0.0
@@ -212,44 +244,45 @@ def _attn_bwd_dkdv_kernel(
             lse_base = b64 * stride_lse_b + h * stride_lse_h + q_row0
             # left edge (masked), interior (unmasked), right edge (masked)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, lo, full_lo, offs_m_base,
-                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
-                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM,
-                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                                 PIPELINE_EDGES=PIPELINE_EDGES)
+                                 offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap,
+                                 slope, window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi,
+                                 rng_offset, True, HEAD_DIM, HDV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                 HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES=PIPELINE_EDGES)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, full_lo, full_hi, offs_m_base,
-                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
-                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM,
-                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                                 PIPELINE_EDGES=PIPELINE_EDGES)
+                                 offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap,
+                                 slope, window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi,
+                                 rng_offset, False, HEAD_DIM, HDV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                 HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES=PIPELINE_EDGES)
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE, DELTA, lse_base, bh, full_hi, hi, offs_m_base,
-                                 offs_n, offs_d, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap, slope,
-                                 window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM,
-                                 BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION,
-                                 PIPELINE_EDGES=PIPELINE_EDGES)
+                                 offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, qk_scale, softcap,
+                                 slope, window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi,
+                                 rng_offset, True, HEAD_DIM, HDV, BLOCK_M, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                 HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES=PIPELINE_EDGES)
         dk = dk * grad_scale
         tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + k_rows[:, None] * stride_dkn + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_dv[None, :],
+                 dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs_n_base, offs_d, seqlen_q,
-              seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right, dropout_p,
+def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs_n_base, offs_d, offs_dv, seqlen_q,
+              seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left, window_right, chunk, dropout_p,
               seed_lo, seed_hi, rng_offset,
-              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
-              HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
+              MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_CHUNK: tl.constexpr,
+              PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N]); PIPELINE_EDGES as
     in _dkdv_inner."""
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         cols = blk * BLOCK_N + offs_n_base
         k = _load_rows(K, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn, HEAD_DIM)
-        v = _load_rows(V, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_vn, HEAD_DIM)
+        v = _load_rows(V, blk * BLOCK_N, offs_n_base, offs_dv, seqlen_k, stride_vn, HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                            qk_scale, softcap, slope, window_left, window_right, MASK,
-                                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+                                           HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, chunk, HAS_CHUNK)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
             keep = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :]) >= dropout_p
@@ -263,8 +296,8 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, grad_scale,
-    seqlen_q, seqlen_k, num_heads, group,
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, attention_chunk,
+    grad_scale, seqlen_q, seqlen_k, num_heads, group,
     stride_qb, stride_qm, stride_qh, stride_kb, stride_kn, stride_kh, stride_vb, stride_vn, stride_vh,
     stride_dob, stride_dom, stride_doh, stride_dqb, stride_dqm, stride_dqh,
     stride_lse_b, stride_lse_h, stride_alibi_b,
@@ -273,8 +306,11 @@ def _attn_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
+    HEAD_DIM_V: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0, HAS_CHUNK: tl.constexpr = False,
 ):
     """dQ of one query block of one (batch, head)."""
+    HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
+    BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
@@ -285,13 +321,14 @@ def _attn_bwd_dq_kernel(
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_n_base = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BDV)
         b64 = b.to(tl.int64)
         rows = (q_row0 + offs_m).to(tl.int64)
         q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qm + offs_d[None, :],
                     mask=q_mask, other=0.0)
-        do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_d[None, :],
-                     mask=q_mask, other=0.0)
+        do = tl.load(DO + b64 * stride_dob + h * stride_doh + rows[:, None] * stride_dom + offs_dv[None, :],
+                     mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HDV), other=0.0)
         lse_ptr = b64 * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
         lse2 = tl.load(LSE + lse_ptr, mask=offs_m < seqlen_q, other=float("inf")) * 1.4426950408889634
         delta = tl.load(DELTA + lse_ptr, mask=offs_m < seqlen_q, other=0.0)
@@ -303,20 +340,24 @@ def _attn_bwd_dq_kernel(
         v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k,
-                                                     window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                     window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
+                                                     attention_chunk, HAS_CHUNK)
         # left edge (masked), interior (unmasked), right edge (masked)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d,
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
-                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT,
-                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d,
+                       window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, HDV,
+                       BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
+                       PIPELINE_EDGES=PIPELINE_EDGES)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
-                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, BLOCK_N, HAS_LEFT,
-                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d,
+                       window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, HDV,
+                       BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
+                       PIPELINE_EDGES=PIPELINE_EDGES)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
-                       window_right, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, BLOCK_N, HAS_LEFT,
-                       HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES=PIPELINE_EDGES)
+                       window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, HDV,
+                       BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
+                       PIPELINE_EDGES=PIPELINE_EDGES)
         dq = dq * grad_scale
         tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -8,6 +8,11 @@ the band are never visited, so a window of width w costs O(s * w).
 Softmax runs in base 2 with the scale folded into one multiply (``exp2``); the accumulator is
 fp32 and is normalised once at the end. Dropout draws from a counter-based Philox stream keyed by
 (seed, offset, batch*head, row, col), so the backward pass regenerates the same mask.
+
+Beyond FlashAttention 2 (each behind a constexpr whose default compiles to the plain kernel): v may
+have its own head dim (HEAD_DIM_V / BLOCK_DV), a learnable sink joins every row's denominator
+(HAS_SINK: the running max and sum start from it), and chunked attention limits a row to its
+diagonal's chunk of keys (HAS_CHUNK: in the mask and in the block ranges).
 """
 
 import triton
@@ -71,10 +76,24 @@ def _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, seqlen
 
 
 @triton.jit
+def _chunk_start(diag, chunk):
+    """First key of diagonal ``diag``'s chunk: diag - diag mod chunk with a floored mod, so a negative
+    diagonal (a query above the first key) falls in the chunk below 0. Triton's % truncates toward 0,
+    as C's does, hence the correction."""
+    r = diag % chunk
+    return diag - tl.where(r < 0, r + chunk, r)
+
+
+@triton.jit
 def _key_block_ranges(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right,
-                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                      chunk=0, HAS_CHUNK: tl.constexpr = False):
     """For query rows [first_row, last_row]: key-block indices [lo, full_lo) masked,
-    [full_lo, full_hi) unmasked, [full_hi, hi) masked; blocks outside [lo, hi) are invisible."""
+    [full_lo, full_hi) unmasked, [full_hi, hi) masked; blocks outside [lo, hi) are invisible.
+
+    A row's first visible key (max of the window's left bound and its chunk's start) and last one
+    (min of the window's right bound and its chunk's end) never decrease with the row, so the first
+    row bounds the band's left edge and the interior's right edge, the last row the others."""
     shift = seqlen_k - seqlen_q  # bottom-right alignment: row i's diagonal is column i + shift
     lo = 0
     hi = tl.cdiv(seqlen_k, BLOCK_N)
@@ -86,6 +105,13 @@ def _key_block_ranges(first_row, last_row, seqlen_q, seqlen_k, window_left, wind
     if HAS_RIGHT:
         hi = tl.minimum(hi, tl.cdiv(tl.maximum(last_row + shift + window_right + 1, 0), BLOCK_N))
         full_hi = tl.minimum(full_hi, tl.maximum(first_row + shift + window_right + 1, 0) // BLOCK_N)
+    if HAS_CHUNK:  # a row sees [c, c + chunk) of its diagonal's chunk start c, on top of the window
+        c_first = _chunk_start(first_row + shift, chunk)
+        c_last = _chunk_start(last_row + shift, chunk)
+        lo = tl.maximum(lo, tl.maximum(c_first, 0) // BLOCK_N)
+        full_lo = tl.maximum(full_lo, tl.cdiv(tl.maximum(c_last, 0), BLOCK_N))
+        hi = tl.minimum(hi, tl.cdiv(tl.maximum(c_last + chunk, 0), BLOCK_N))
+        full_hi = tl.minimum(full_hi, tl.maximum(c_first + chunk, 0) // BLOCK_N)
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
@@ -136,7 +162,7 @@ def _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_
 @triton.jit
 def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left, window_right,
             MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr, chunk=0, HAS_CHUNK: tl.constexpr = False):
     """Scores of a tile in the log2 domain (scaled, softcapped, ALiBi-biased, masked to -inf)."""
     qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
@@ -154,6 +180,9 @@ def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, w
             ok = ok & (cols[None, :] >= diag - window_left)
         if HAS_RIGHT:
             ok = ok & (cols[None, :] <= diag + window_right)
+        if HAS_CHUNK:
+            start = _chunk_start(diag, chunk)
+            ok = ok & (cols[None, :] >= start) & (cols[None, :] < start + chunk)
         s = tl.where(ok, s, float("-inf"))
     return s
 
@@ -177,13 +206,15 @@ def _softmax_update(s, m_i, l_i, acc, MASK: tl.constexpr, P_SHIFT: tl.constexpr)
 
 @triton.jit
 def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, bh, block_lo, block_hi,
-                    offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn,
-                    qk_scale, softcap, slope, window_left, window_right, dropout_p, seed_lo, seed_hi,
+                    offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn,
+                    qk_scale, softcap, slope, window_left, window_right, chunk, dropout_p, seed_lo, seed_hi,
                     rng_offset,
-                    MASK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                     IS_VARLEN: tl.constexpr, USE_TMA: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, PIPELINE_EDGES: tl.constexpr = True):
+                    HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                    PIPELINE_EDGES: tl.constexpr = True):
     """Online-softmax update over key blocks [block_lo, block_hi).
 
     PIPELINE_EDGES = False (backends/triton/attn_fwd.py edge_setting): a masked range (MASK) loads its few
@@ -196,13 +227,13 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
                           HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, MASK)
         cols = start_n + offs_n
         s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
-                    window_right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                    window_right, MASK, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, chunk, HAS_CHUNK)
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
         if HAS_DROPOUT:
             u = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :])
             p = tl.where(u >= dropout_p, p, 0.0)
-        v = _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_vn,
-                         HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, MASK)
+        v = _load_v_tile(V, desc_v, k_row0, kv_head, b, start_n, offs_n, offs_dv, seqlen_k, stride_vn,
+                         HEAD_DIM_V, BLOCK_N, BLOCK_DV, IS_VARLEN, USE_TMA, MASK)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -212,13 +243,14 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
 # specialised: an unspecialised batch stride hides the 16-byte alignment of every pointer-path load
 # and Triton falls back to 2-byte loads (see kernels/attn_bwd.py).
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "window_left", "window_right", "seed_lo", "seed_hi",
-                              "rng_offset"])
+                              "rng_offset", "attention_chunk"])
 def _attn_fwd_kernel(
-    # pointers (desc_* are tensor descriptors when USE_TMA, else the same tensors again)
+    # pointers (desc_* are tensor descriptors when USE_TMA, else the same tensors again; SINK is None
+    # without a sink)
     Q, K, V, O, LSE, PROBS, desc_q, desc_k, desc_v,
-    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI,
-    # scalars
-    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right,
+    CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K, ALIBI, SINK,
+    # scalars (attention_chunk is None without a chunk)
+    qk_scale, softcap, dropout_p, seed_lo, seed_hi, rng_offset, window_left, window_right, attention_chunk,
     # sizes
     seqlen_q, seqlen_k, num_heads, group,
     # strides
@@ -235,7 +267,12 @@ def _attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, RETURN_PROBS: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAVY_FIRST: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
+    # v's head dim and its padded tile width; 0: the same as q/k's (HEAD_DIM, BLOCK_D)
+    HEAD_DIM_V: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0,
+    HAS_SINK: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
 ):
+    HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
+    BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
     pid_m = _heavy_rows_first(pid_m, seqlen_q, BLOCK_M, HAS_RIGHT, HEAVY_FIRST)
 
@@ -249,6 +286,7 @@ def _attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BDV)
     # 64-bit offsets: packed varlen batches can exceed 2**31 elements
     q_base = Q + b.to(tl.int64) * stride_qb + q_row0.to(tl.int64) * stride_qm + h * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
@@ -268,35 +306,43 @@ def _attn_fwd_kernel(
         slope = tl.load(ALIBI + b * stride_alibi_b + h)
     bh = b * num_heads + h
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_SINK:
+        # the sink is one more logit of every row, with no value: starting the running max at it and the
+        # running sum at its exp2(sink - max) = 1 puts it in the denominator (and in lse) for free; a row
+        # that sees no key keeps m = sink, l = 1, so lse = sink and its output is 0 / 1
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BDV], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,
-                                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                 window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk,
+                                                 HAS_CHUNK)
     # left edge of the band (window start), masked
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, lo, full_lo,
-        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-        True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES)
+        offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
+        True, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES)
     # interior of the band: no masking work
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_lo, full_hi,
-        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-        False, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION)
+        offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
+        False, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK)
     # right edge: causal diagonal / window end / ragged end of the keys, masked
     acc, m_i, l_i = _attn_fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, desc_k, desc_v, k_row0, kv_head, b, bh, full_hi, hi,
-        offs_m, offs_n, offs_d, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
-        window_left, window_right, dropout_p, seed_lo, seed_hi, rng_offset,
-        True, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, PIPELINE_EDGES)
+        offs_m, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope,
+        window_left, window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset,
+        True, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+        HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES)
 
-    # rows that saw no key: output 0 and lse = +inf (the contract's rule)
+    # rows that saw no key: output 0 and lse = +inf (the contract's rule; with a sink l >= 1, see above)
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
     if HAS_DROPOUT:
@@ -306,8 +352,8 @@ def _attn_fwd_kernel(
 
     row_ok = offs_m < seqlen_q
     o_ptrs = (O + b.to(tl.int64) * stride_ob + q_row0.to(tl.int64) * stride_om + h * stride_oh
-              + offs_m[:, None] * stride_om + offs_d[None, :])
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+              + offs_m[:, None] * stride_om + offs_dv[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HDV))
     lse_ptrs = LSE + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
     tl.store(lse_ptrs, lse, mask=row_ok)
 
@@ -321,7 +367,8 @@ def _attn_fwd_kernel(
             kt = _load_k_tile(k_base, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k,
                               stride_kn, HEAD_DIM, BLOCK_N, BLOCK_D, IS_VARLEN, False, True)
             s = _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, window_left,
-                        window_right, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+                        window_right, True, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION,
+                        attention_chunk, HAS_CHUNK)
             pr = tl.math.exp2(s - lse2[:, None])
             if HAS_DROPOUT:
                 u = philox_uniform(seed_lo, seed_hi, rng_offset, bh, offs_m[:, None], cols[None, :])

@@ -118,14 +118,17 @@ def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
 
 def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     varlen = p.varlen  # a property: read once
-    d = q.shape[-1]
+    d, dv_dim = q.shape[-1], v.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
+    block_dv = max(16, next_pow2(dv_dim))
+    # the tables are keyed by one head-dim bucket: the wider of q/k's and v's tiles sets the shared memory
+    block_wide = max(block_d, block_dv)
     max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if varlen else max(q.shape[1], k.shape[1])
     arch = arch_of(q.device)
     settings = config.get()
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = settings.bwd_tiles or bwd_configs(
-        arch, block_d, config_overrides(), p.causal, max_seqlen)
+        arch, block_wide, config_overrides(), p.causal, max_seqlen)
     if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
@@ -157,19 +160,28 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     so = _strides3(out, varlen)
     sdo = _strides3(dout, varlen)
     pre_m = 64
+    # delta = rowsum(dO * O) runs over v's head dim
     run_kernel(_attn_bwd_preprocess_kernel, (cdiv(max(seqlen_q, 1), pre_m) * b * h,),
         out, dout, delta, cu_q, used_q, seqlen_q, h, *so, *sdo, lse_b, lse_h,
-        HEAD_DIM=d, BLOCK_M=pre_m, BLOCK_D=block_d, IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
+        HEAD_DIM=dv_dim, BLOCK_M=pre_m, BLOCK_D=block_dv, IS_VARLEN=varlen, HAS_SEQUSED_Q=p.seqused_q is not None)
 
     qk_scale = p.softmax_scale / p.softcap if p.softcap > 0 else p.softmax_scale * LOG2E
+    # the learnable sink needs nothing here: lse includes it (kernels/attn_bwd.py). attention_chunk is None
+    # without a chunk: a None argument is a constexpr, so such calls compile to the plain kernels
+    chunk = p.attention_chunk if p.attention_chunk > 0 else None
     common = (qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
-              p.offset & 0xFFFFFFFF, p.window_left, p.window_right, p.softmax_scale)
+              p.offset & 0xFFFFFFFF, p.window_left, p.window_right, chunk, p.softmax_scale)
     sq_, sk_, sv_ = _strides3(q, varlen), _strides3(k, varlen), _strides3(v, varlen)
     feature_flags = dict(HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
                          HAS_ALIBI=p.alibi_slopes is not None, HAS_DROPOUT=p.dropout_p > 0,
                          DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    feature_flags.update(edge_setting(arch, block_d, p.window_left >= 0 or p.window_right >= 0, q.element_size(),
-                                      p.dropout_p > 0))
+    if dv_dim != d:
+        feature_flags.update(HEAD_DIM_V=dv_dim, BLOCK_DV=block_dv)
+    if chunk is not None:
+        feature_flags["HAS_CHUNK"] = True
+    # a chunk bands the scores as a window does
+    feature_flags.update(edge_setting(arch, block_wide, p.window_left >= 0 or p.window_right >= 0 or chunk is not None,
+                                      q.element_size(), p.dropout_p > 0))
     # the Gluon dK/dV kernel where its route table takes the call (gluon_bwd.py), else the Triton one
     gluon_dkdv = gluon_bwd.use_gluon_bwd(q, k, v, dout, dk, dv, p)
     # the rule's "causal" is the plain causal mask, as the Gluon route's (a banded window is not)

@@ -49,16 +49,19 @@ def attn_fwd(q, k, v, p: AttnParams):
 
 def _attn_fwd(q, k, v, p: AttnParams):
     varlen = p.varlen  # a property: read once
-    d = q.shape[-1]
+    d, dv = q.shape[-1], v.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(16, next_pow2(d))
+    block_dv = max(16, next_pow2(dv))
+    # the tables are keyed by one head-dim bucket: the wider of q/k's and v's tiles sets the shared memory
+    block_wide = max(block_d, block_dv)
     arch = arch_of(q.device)
     max_k = p.max_seqlen_k if varlen else k.shape[1]
     settings = config.get()
     block_m, block_n, num_warps, num_stages = settings.fwd_tiles or fwd_config(
-        arch, block_d, p.causal, max_k, config_overrides())
+        arch, block_wide, p.causal, max_k, config_overrides())
     tma = use_tma(q, k, v)
-    if tma and (block_d * q.element_size()) < 16:
+    if tma and (min(block_d, block_dv) * q.element_size()) < 16:
         tma = False
 
     out = torch.empty(*q.shape[:-1], v.shape[-1], device=q.device, dtype=q.dtype)
@@ -99,7 +102,7 @@ def _attn_fwd(q, k, v, p: AttnParams):
     if tma:
         desc_q = _descriptor(q, block_m, block_d)
         desc_k = _descriptor(k, block_n, block_d)
-        desc_v = _descriptor(v, block_n, block_d)
+        desc_v = _descriptor(v, block_n, block_dv)
     else:
         desc_q, desc_k, desc_v = q, k, v
 
@@ -113,15 +116,27 @@ def _attn_fwd(q, k, v, p: AttnParams):
     grid = (cdiv(max(seqlen_q, 1), block_m) * b * h,)  # flat: the kernel splits it
     if b * h == 0 or seqlen_q == 0:
         return out, lse, probs
+    # calls without v's own head dim, a sink or a chunk pass exactly the plain kernel's constexprs (None
+    # arguments are constexprs too), so they compile to the plain kernel
+    extra = {}
+    if dv != d:
+        extra.update(HEAD_DIM_V=dv, BLOCK_DV=block_dv)
+    sink = p.learnable_sink
+    if sink is not None:
+        sink = sink.contiguous()  # (h,): indexed by the query head
+        extra["HAS_SINK"] = True
+    chunk = p.attention_chunk if p.attention_chunk > 0 else None
+    if chunk is not None:
+        extra["HAS_CHUNK"] = True
     launch(
         _attn_fwd_kernel, grid,
         q, k, v, out, lse, probs_arg, desc_q, desc_k, desc_v,
         p.cu_seqlens_q if varlen else dummy, p.cu_seqlens_k if varlen else dummy,
         p.seqused_q if p.seqused_q is not None else dummy,
         p.seqused_k if p.seqused_k is not None else dummy,
-        alibi if alibi is not None else dummy,
+        alibi if alibi is not None else dummy, sink,
         qk_scale, p.softcap, p.dropout_p, p.seed & 0xFFFFFFFF, (p.seed >> 32) & 0xFFFFFFFF,
-        p.offset & 0xFFFFFFFF, p.window_left, p.window_right,
+        p.offset & 0xFFFFFFFF, p.window_left, p.window_right, chunk,
         seqlen_q, seqlen_k, h, h // h_k,
         sq_b, sq_m, sq_h, sk_b, sk_n, sk_h, sv_b, sv_n, sv_h, so_b, so_m, so_h,
         lse_b, lse_h, alibi_stride_b, pb, ph, pm,
@@ -130,7 +145,8 @@ def _attn_fwd(q, k, v, p: AttnParams):
         HAS_LEFT=p.window_left >= 0, HAS_RIGHT=p.window_right >= 0, HAS_SOFTCAP=p.softcap > 0,
         HAS_ALIBI=alibi is not None, HAS_DROPOUT=p.dropout_p > 0, RETURN_PROBS=want_probs, USE_TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", HEAVY_FIRST=settings.heavy_first,
-        num_warps=num_warps, num_stages=num_stages, **edge_setting(arch, block_d, max_k, q.element_size()),
+        num_warps=num_warps, num_stages=num_stages, **edge_setting(arch, block_wide, max_k, q.element_size()),
+        **extra,
     )
     return out, lse, probs
 

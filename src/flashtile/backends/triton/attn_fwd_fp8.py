@@ -32,6 +32,18 @@ def _use_tma(q, k, vt) -> bool:
     return aligned
 
 
+def unsupported_fp8_feature(q, v, p: AttnParams) -> str | None:
+    """The issue-48 feature of this call the fp8 kernel lacks (its V^T tiles share q/k's head dim, and its
+    softmax has no sink or chunk mask), named as the API argument; None if there is none."""
+    if v.shape[-1] != q.shape[-1]:
+        return "head dim of v different from q/k's (dv != d)"
+    if p.learnable_sink is not None:
+        return "learnable_sink"
+    if p.attention_chunk > 0:
+        return "attention_chunk"
+    return None
+
+
 def attn_fwd_fp8(q, k, v, p: AttnParams):
     """fp8 forward on e4m3 q (b, sq, h, d) / (total_q, h, d); returns (out bf16, lse fp32, None)."""
     with device_guard(q):  # Triton launches on the current device: make it q's
@@ -41,6 +53,9 @@ def attn_fwd_fp8(q, k, v, p: AttnParams):
 def _attn_fwd_fp8(q, k, v, p: AttnParams):
     if p.dropout_p > 0:
         raise ValueError("flashtile: the fp8 forward has no dropout (dropout_p must be 0)")
+    unsupported = unsupported_fp8_feature(q, v, p)
+    if unsupported:
+        raise ValueError(f"flashtile: the fp8 forward has no {unsupported} (the bf16/fp16 kernels have it)")
     d = q.shape[-1]
     h, h_k = q.shape[-2], k.shape[-2]
     block_d = max(32, next_pow2(d))  # fp8 dots need a reduction dim >= 32

@@ -50,6 +50,13 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it)."""
     if q.dim() != 4 or p.varlen:
         return "varlen (packed) calls"
+    # issue 48's features are the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py)
+    if v.shape[-1] != q.shape[-1]:
+        return "v's head dim differing from q/k's (dv != d)"
+    if p.learnable_sink is not None:
+        return "learnable_sink"
+    if p.attention_chunk > 0:
+        return "attention_chunk"
     if k.shape != v.shape or q.shape[-1] not in dims:
         return f"head_dim other than {dims}, or k and v of different shapes"
     if q.shape[1] != k.shape[1]:
