@@ -1,6 +1,7 @@
-"""Calls with issue 48's features (v's own head dim, a learnable sink, attention_chunk) route to the Triton
-kernels, which have them, never to the Gluon kernels or the fp8 forward, which do not; checked on CPU with an
-sm_90 GPU faked (as tests/test_gluon_route.py does)."""
+"""Calls with v's own head dim or attention_chunk route to the Triton kernels, which have them, never to the
+Gluon kernels or the fp8 forward, which do not; a learnable sink takes the Gluon routes (the bf16 forward folds
+it in, the backward needs nothing) and stays off the fp8 forward. Checked on CPU with an sm_90 GPU faked (as
+tests/test_gluon_route.py does)."""
 
 import pytest
 import torch
@@ -11,9 +12,10 @@ from flashtile.backends.triton import attn_fwd as fwd_launcher
 from flashtile.backends.triton import attn_fwd_fp8, gluon_bwd, gluon_route
 from flashtile.params import AttnParams
 
+SINK = (dict(learnable_sink=torch.zeros(4)), 128)
+# the features the Gluon kernels lack
 FEATURES = {
     "dv": (dict(), 64),
-    "learnable_sink": (dict(learnable_sink=torch.zeros(4)), 128),
     "attention_chunk": (dict(attention_chunk=256), 128),
 }
 
@@ -70,9 +72,24 @@ def test_the_backward_keeps_the_triton_dkdv_kernel(monkeypatch, name, forced):
         assert gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p())
 
 
-@pytest.mark.parametrize("name", FEATURES)
+@pytest.mark.parametrize("forced", [None, True], ids=["table", "forced"])
+def test_a_sink_takes_the_gluon_routes(monkeypatch, forced):
+    kw, dv = SINK
+    taken = []
+    monkeypatch.setattr(gluon_route, "gluon_fwd", lambda *a: taken.append("gluon"))
+    monkeypatch.setattr(fwd_launcher, "attn_fwd", lambda *a: taken.append("triton"))
+    _on_sm90(monkeypatch)
+    with config.override(gluon_fwd=forced, gluon_bwd=forced):
+        assert gluon_route.refusal(*_qkv(dv), _p(**kw)) is None
+        triton_backend.fwd(*_qkv(dv), _p(**kw))
+        q, k, v = _qkv(dv, s=2048)
+        assert gluon_bwd.use_gluon_bwd(q, k, v, q, k, v, _p(**kw))
+    assert taken == ["gluon"]
+
+
+@pytest.mark.parametrize("name", [*FEATURES, "learnable_sink"])
 def test_fp8_forward_names_what_it_lacks(monkeypatch, name):
-    kw, dv = FEATURES[name]
+    kw, dv = FEATURES.get(name, SINK)
     q, k, v = _qkv(dv, s=64, dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="learnable_sink" if name == "learnable_sink" else
                        "attention_chunk" if name == "attention_chunk" else r"dv != d"):

@@ -43,6 +43,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (takes {DTYPES})"
     dims = (64, 128, 256) if q.dtype == torch.float8_e4m3fn else (64, 128)
+    if q.dtype == torch.float8_e4m3fn and p.learnable_sink is not None:
+        return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
     return coverage_refusal(q, k, v, p, dims)
 
 
@@ -50,11 +52,12 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it)."""
     if q.dim() != 4 or p.varlen:
         return "varlen (packed) calls"
-    # issue 48's features are the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py)
+    # v's own head dim and attention_chunk are the Triton kernels' only (kernels/attn_fwd.py,
+    # kernels/attn_bwd.py). A learnable sink is covered: the bf16 forward folds it into the denominator
+    # after its key loop, and the backward needs nothing since the lse includes it (the fp8 forward
+    # has none: refusal() keeps such calls off it).
     if v.shape[-1] != q.shape[-1]:
         return "v's head dim differing from q/k's (dv != d)"
-    if p.learnable_sink is not None:
-        return "learnable_sink"
     if p.attention_chunk > 0:
         return "attention_chunk"
     if k.shape != v.shape or q.shape[-1] not in dims:
