@@ -219,3 +219,26 @@ def test_hopper_signature_passes_sink_and_chunk():
                                               learnable_sink=args["learnable_sink"])
     assert (out.double() - ref_out).abs().max().item() <= 2e-5
     assert (lse.double() - ref_lse).abs().max().item() <= 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sm_90 builds through ptxas (tests/aot_sm90.py): the GPU-only compile errors the interpreter misses
+
+
+def test_sink_and_chunk_builds_compile_for_sm90(tmp_path):
+    from test_mla_compile import TYPES
+    from test_sm90_compile import DECODE_INTS, _compile
+
+    d = 128
+    cx = dict(HEAD_DIM=d, BLOCK_M=16, BLOCK_N=128, BLOCK_D=d, NUM_SPLITS=1, PAGED=False, PAGE_ALIGNED=False,
+              PAGE_SHIFT=-1, HAS_SEQLENS=True, HAS_BATCH_IDX=False, HAS_LEFTPAD=True, HAS_LEFT=True, HAS_RIGHT=True,
+              HAS_SOFTCAP=False, HAS_ALIBI=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False, ROTARY_PER_TOKEN=True,
+              DOT_PRECISION="tf32", IS_FP8=False, USE_PDL=True, HAS_SINK=True, HAS_CHUNK=True)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", cx, DECODE_INTS, 4, 3)
+    _compile(tmp_path, "_decode_kernel", "flashtile.kernels.decode", dict(cx, NUM_SPLITS=4, HAS_SINK=False),
+             DECODE_INTS, 4, 3)
+    _compile(tmp_path, "_combine_kernel", "flashtile.kernels.decode", dict(HEAD_DIM=d, BLOCK_S=4, BLOCK_D=d,
+             USE_PDL=True, HAS_SINK=True), {"O_PART": "*fp32", "LSE_PART": "*fp32"}, 1, 1)
+    cx = dict(cx, HEAD_DIM=64, HEAD_DIM_V=512, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BLOCK_DV=512, HAS_QV=True)
+    del cx["IS_FP8"]
+    _compile(tmp_path, "_mla_decode_kernel", "flashtile.kernels.decode_mla", cx, TYPES, 8, 2)
