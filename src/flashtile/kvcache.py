@@ -23,7 +23,9 @@ from flashtile.validation import (
     MAX_HEAD_DIM,
     bad_pages_in_use,
     check_alibi,
+    check_chunk,
     check_descale,
+    check_sink,
     last_dim_contiguous,
     window_tuple,
 )
@@ -81,13 +83,19 @@ def _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capaci
 
 def _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
          cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-         alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None, qv=None):
+         alibi_slopes, num_splits, q_descale=None, k_descale=None, v_descale=None, qv=None, learnable_sink=None,
+         attention_chunk=0):
     """The checked call on the backend dispatch picks; returns (out (b, sq, h, dv), lse (b, h, sq))."""
     if q.device.type != "cpu" and q.dtype not in _KERNEL_DTYPES:
         _fail(f"no backend runs {q.dtype} tensors on {q.device} (the Triton kernels take fp16, bf16, fp32 and "
               "float8_e4m3fn on CUDA; the PyTorch path takes CPU tensors)", TypeError)
-    # qv only when given: every backend's kvcache takes it, and a call without it passes exactly what it did before
+    # qv, the sink and the chunk only when given: every backend's kvcache takes them, and a call without them passes
+    # exactly what it did before they existed
     extra = {} if qv is None else {"qv": qv}
+    if learnable_sink is not None:
+        extra["learnable_sink"] = learnable_sink
+    if attention_chunk:
+        extra["attention_chunk"] = attention_chunk
     return dispatch.kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                             cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
                             window_right, softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -104,18 +112,20 @@ def _kvcache_fwd_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_table: torch.Tensor | None, softmax_scale: float, causal: bool, window_left: int,
                     window_right: int, softcap: float, rotary_interleaved: bool,
                     alibi_slopes: torch.Tensor | None, num_splits: int, q_descale: torch.Tensor | None,
-                    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, qv: torch.Tensor | None = None
+                    k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, qv: torch.Tensor | None = None,
+                    learnable_sink: torch.Tensor | None = None, attention_chunk: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left, window_right,
-                    softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv)
+                    softcap, rotary_interleaved, alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv,
+                    learnable_sink, attention_chunk)
     return out.contiguous(), lse.contiguous()
 
 
 @_kvcache_fwd_op.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
       cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-      alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv=None):
+      alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv=None, learnable_sink=None, attention_chunk=0):
     b, sq, h, _ = q.shape
     dtype = torch.bfloat16 if q.dtype == FP8_DTYPE else q.dtype
     return q.new_empty((b, sq, h, v_cache.shape[-1]), dtype=dtype), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -125,7 +135,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False, *,
-                            q_descale=None, k_descale=None, v_descale=None, qv=None):
+                            q_descale=None, k_descale=None, v_descale=None, qv=None, learnable_sink=None,
+                            attention_chunk=0):
     """Attention of q to a KV cache, after appending new keys/values to it in place.
 
     Shapes (b = batch, sq = new query tokens, h / h_k = query / kv heads, h % h_k == 0, d <= 256,
@@ -158,8 +169,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             (v serves as the latent half of the key and as the value; qv is not rotated), and
             softmax_scale defaults to ``1 / sqrt(d + dv)``. DeepSeek's layout: one kv head (the
             latent cache) shared by all query heads, d = 64 rope dims, dv = 512 latent dims.
+        learnable_sink: keyword-only, attention sinks (gpt-oss; FlashAttention-CuTe's argument): (h,)
+            float32 or q's dtype, or None. One logit per query head, in score units (after
+            softmax_scale and softcap), that joins every row's softmax denominator with no value: out
+            shrinks by the sink's share and lse includes it. Not with fp8.
+        attention_chunk: keyword-only, Llama 4's chunked attention: an int >= 0 (0 = none). A query
+            sees only the keys of its diagonal's chunk ``[c, c + attention_chunk)``, ``c = diag - diag
+            mod attention_chunk`` (floored mod; positions counted from ``cache_leftpad`` as every mask
+            here), on top of causal / window_size. Not with fp8.
     Returns out (b, sq, h, dv), or (out, softmax_lse) with lse fp32 (b, h, sq) when
-    ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf.
+    ``return_softmax_lse``; a row that sees no key gives out 0 and lse +inf (lse = the sink with
+    ``learnable_sink``).
 
     Values inside index tensors (cache_seqlens + s_new <= capacity, cache_leftpad <= cache_seqlens,
     cache_batch_idx and the block_table pages in use within range) are checked on CPU. On CUDA that
@@ -326,12 +346,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
     window_left, window_right = normalize_window(window_tuple(window_size), bool(causal), capacity)
     alibi_slopes = check_alibi(alibi_slopes, q.device, b, h)
+    learnable_sink = check_sink(learnable_sink, q)  # both refuse fp8, as flash_attn_func does
+    attention_chunk = check_chunk(attention_chunk, q)
 
     _check_host_values(q, k_cache, cache_seqlens, cache_len_const, s_new, capacity, cache_batch_idx, cache_leftpad,
                        block_table)
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
             cache_leftpad, block_table, float(softmax_scale), bool(causal), window_left, window_right, float(softcap),
-            bool(rotary_interleaved), alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv)
+            bool(rotary_interleaved), alibi_slopes, num_splits, q_descale, k_descale, v_descale, qv, learnable_sink,
+            attention_chunk)
     if torch.compiler.is_compiling():
         out, lse = torch.ops.flashtile.kvcache_fwd(*args)
     else:

@@ -64,7 +64,7 @@ def _cache_index(abs_pos: torch.Tensor, batch_rows: torch.Tensor, block_table, p
 def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                 cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                 window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, upcast=True,
-                q_descale=None, k_descale=None, v_descale=None, qv=None):
+                q_descale=None, k_descale=None, v_descale=None, qv=None, learnable_sink=None, attention_chunk=0):
     """Reference ``flash_attn_with_kvcache``: updates ``k_cache``/``v_cache`` in place, returns ``(out, lse)``.
 
     Shapes as in the contract: q (b, sq, h, d); k_cache (b_cache, s_cache, h_k, d) and v_cache
@@ -77,6 +77,9 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
 
     ``qv`` (b, sq, h, dv): multi-head latent attention in absorbed form, as ``attention_ref`` takes
     it: the scores gain ``qv . v`` (qv is not rotated) and the default scale is 1 / sqrt(d + dv).
+
+    ``learnable_sink`` (h,) and ``attention_chunk`` as ``attention_ref`` takes them, on each row's gathered keys: a
+    chunk is counted in those keys' positions, from ``cache_leftpad``, as every mask is (not with fp8).
 
     fp8 (e4m3) q, caches and new k/v: the append copies the e4m3 bytes, and attention runs on the
     dequantised values (``x.float() * x_descale[batch row, kv head]``, descales fp32 (b, h_k) or
@@ -136,16 +139,18 @@ def kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin
     values = v_cache[i0, i1]
     return attention_ref(q, keys, values, causal=causal, window_size=window_size, softcap=softcap,
                          alibi_slopes=alibi_slopes, softmax_scale=softmax_scale,
-                         seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast, qv=qv)
+                         seqused_k=seqlen_k.clamp(min=0).to(torch.int32), upcast=upcast, qv=qv,
+                         learnable_sink=learnable_sink, attention_chunk=attention_chunk)
 
 
 def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_len_const, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-            alibi_slopes, num_splits, descales=(None, None, None), qv=None):
+            alibi_slopes, num_splits, descales=(None, None, None), qv=None, learnable_sink=None, attention_chunk=0):
     """Dispatch's "kvcache" op on CPU tensors: a checked call (the Triton backend's arguments) on the reference.
     ``num_splits`` changes nothing here; ``cache_len_const`` (-1: none) stands for an int ``cache_seqlens``."""
     seqlens = cache_seqlens if cache_seqlens is not None else (None if cache_len_const < 0 else cache_len_const)
     q_descale, k_descale, v_descale = descales
     return kvcache_ref(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
-                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv)
+                       alibi_slopes, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv,
+                       learnable_sink=learnable_sink, attention_chunk=attention_chunk)

@@ -20,13 +20,19 @@ row's *actual* blocks (lengths are read on the device, so the grid never depends
 decode step can be captured in a CUDA graph). With one split the kernel writes the final output;
 otherwise each split writes fp32 partial output and lse and ``_combine_kernel`` merges them.
 New keys are in the cache before the kernel runs (the append kernel, kernels/kv_append.py).
+
+A learnable sink (HAS_SINK, one logit a query head) joins every row's softmax denominator: an unsplit
+launch starts each row's running max at it and its running sum at 1, as the prefill kernel does; a
+split launch leaves the partials alone and the merge adds the sink once (``_combine_kernel``), so the
+key loop costs nothing more either way. A chunk (HAS_CHUNK, Llama 4's chunked attention) is one more
+left and right bound of each row's keys, in the band's block ranges and in the edge masks.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
+from flashtile.kernels.attn_fwd import _chunk_start, _key_block_ranges, _softmax_update, _tanh
 from flashtile.kernels.decode_keys import _key_offsets
 from flashtile.kernels.kv_append import _rotary_rows
 
@@ -43,8 +49,9 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                   PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_LEFT: tl.constexpr,
                   HAS_RIGHT: tl.constexpr,
                   HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
-    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
+                  USE_TMA: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0, chunk=0,
+                  HAS_CHUNK: tl.constexpr = False):
+    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band, chunk and length masks.
 
     USE_TMA (contiguous or page-aligned caches, unmasked blocks only): K and V tiles come by tensor
     descriptor (DESC_K / DESC_V over the whole (batch, capacity, kv heads, d) cache, or its (pages,
@@ -99,6 +106,9 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
                 ok = ok & (cols[None, :] >= diag - window_left)
             if HAS_RIGHT:
                 ok = ok & (cols[None, :] <= diag + window_right)
+            if HAS_CHUNK:
+                start = _chunk_start(diag, chunk)
+                ok = ok & (cols[None, :] >= start) & (cols[None, :] < start + chunk)
             s = tl.where(ok, s, float("-inf"))
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
         if MASK:
@@ -115,13 +125,13 @@ def _decode_inner(acc, m_i, l_i, q, K, V, DESC_K, DESC_V, kv_head, BLOCK_TABLE, 
 # Lengths and window bounds change between calls; specialising on them would only recompile (and
 # would make a captured decode step depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "num_m_blocks"])
+                              "seqlen_ro", "num_m_blocks", "attention_chunk"])
 def _decode_kernel(
-    # pointers
+    # pointers (SINK: None unless HAS_SINK)
     Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    Q_DESCALE, K_DESCALE, V_DESCALE, DESC_K, DESC_V,
-    # scalars
-    qk_scale, softcap, window_left, window_right,
+    Q_DESCALE, K_DESCALE, V_DESCALE, DESC_K, DESC_V, SINK,
+    # scalars (attention_chunk: None unless HAS_CHUNK)
+    qk_scale, softcap, window_left, window_right, attention_chunk,
     # sizes
     cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks,
     # strides
@@ -141,7 +151,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
     IS_FP8: tl.constexpr, USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
-    PAGES_PER_TILE: tl.constexpr = 0,
+    PAGES_PER_TILE: tl.constexpr = 0, HAS_SINK: tl.constexpr = False, HAS_CHUNK: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait here, before the first read, until the
@@ -206,7 +216,7 @@ def _decode_kernel(
     t_first = (pid_m * BLOCK_M) // group
     t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk, HAS_CHUNK)
     # this split's equal share of the band
     per_split = tl.cdiv(hi - lo, NUM_SPLITS)
     s_lo = lo + split * per_split
@@ -214,15 +224,22 @@ def _decode_kernel(
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:
+        # unsplit launches only (split ones fold the sink in the merge): the sink is one more logit of
+        # every row, with no value, so the running max starts at it and the running sum at its
+        # exp2(0) = 1; a row that sees no key keeps them and ends with out 0, lse = sink
+        m_i = tl.load(SINK + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
         tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size, qk_scale,
         softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, USE_TMA)
+        DOT_PRECISION, USE_TMA, chunk=attention_chunk, HAS_CHUNK=HAS_CHUNK)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row,
         tl.maximum(full_lo, s_lo), tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k,
@@ -235,7 +252,7 @@ def _decode_kernel(
         tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, leftpad, seqlen_q, seqlen_k, page_size, qk_scale, softcap,
         window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-        DOT_PRECISION, USE_TMA)
+        DOT_PRECISION, USE_TMA, chunk=attention_chunk, HAS_CHUNK=HAS_CHUNK)
 
     if USE_PDL:
         # the next kernel (the split merge) may start launching; it waits for this grid's end itself
@@ -262,15 +279,20 @@ def _decode_kernel(
 
 @triton.jit
 def _combine_kernel(
-    O_PART, LSE_PART, O, LSE,
+    O_PART, LSE_PART, O, LSE, SINK,
     num_splits, seqlen_q, num_heads,
     stride_ops, stride_opb, stride_opm, stride_oph,
     stride_lps, stride_lpb, stride_lph, stride_lpm,
     stride_ob, stride_om, stride_oh,
     stride_lse_b, stride_lse_h, stride_lse_m,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    HAS_SINK: tl.constexpr = False,
 ):
     """out = sum_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, for one (b, token, head).
+
+    HAS_SINK: SINK (h,) holds a learnable sink, one more term of lse with no value (the split kernels
+    leave it out of their partials), so lse = logsumexp(lse_s..., sink) and a row no split saw a key
+    of gets out 0, lse = sink. Without it SINK is None.
 
     Flat grid (axis 0): program = (b * seqlen_q + t) * num_heads + h. Offsets are int64: a split's
     stride times the split index passes 2^31 on large partial outputs. USE_PDL: launched early
@@ -296,11 +318,17 @@ def _combine_kernel(
     o_part = tl.load(O_PART + offs_s[:, None] * stride_ops + b * stride_opb + t * stride_opm + h * stride_oph
                      + offs_d[None, :], mask=s_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     lse_max = tl.max(lse_s, 0)
+    if HAS_SINK:
+        sink = tl.load(SINK + h).to(tl.float32)
+        lse_max = tl.maximum(lse_max, sink)
     empty = lse_max == float("-inf")
     w = tl.exp(lse_s - tl.where(empty, 0.0, lse_max))
     w_sum = tl.sum(w, 0)
+    if HAS_SINK:
+        w_sum += tl.exp(sink - tl.where(empty, 0.0, lse_max))
     out = tl.sum(o_part * w[:, None], 0) / tl.where(empty, 1.0, w_sum)
-    lse = tl.where(empty, float("inf"), lse_max + tl.log(tl.where(empty, 1.0, w_sum)))
+    # no key and no sink term (a sink of -inf): lse +inf, the contract's rule, or the sink's -inf
+    lse = tl.where(empty, sink if HAS_SINK else float("inf"), lse_max + tl.log(tl.where(empty, 1.0, w_sum)))
     tl.store(O + b * stride_ob + t * stride_om + h * stride_oh + offs_d, out.to(O.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
     tl.store(LSE + b * stride_lse_b + h * stride_lse_h + t * stride_lse_m, lse)

@@ -17,7 +17,8 @@ side, so the second read of a key block comes from L2, not HBM.
 edge, unmasked interior, masked right edge) and ``NUM_SPLITS`` ways, as the split kernel does; split
 partials are merged by ``kernels/decode.py::_combine_kernel``. Masks, softcap, ALiBi, cache_batch_idx,
 left padding, rotary on q (qv is not rotated: it pairs with v) and paged caches of any page size (with the
-by-page gather of power-of-two pages smaller than a tile, PAGES_PER_TILE) are those of the split kernel.
+by-page gather of power-of-two pages smaller than a tile, PAGES_PER_TILE), learnable sinks (HAS_SINK, unsplit
+launches; the merge adds it to split ones) and chunks (HAS_CHUNK) are those of the split kernel.
 ``_kv_append_dv_kernel`` appends new keys (rotated) and values whose head dims differ, before the decode
 kernel runs.
 """
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.attn_fwd import _key_block_ranges, _softmax_update, _tanh
+from flashtile.kernels.attn_fwd import _chunk_start, _key_block_ranges, _softmax_update, _tanh
 from flashtile.kernels.decode_keys import _key_offsets
 from flashtile.kernels.kv_append import _rotary_rows
 
@@ -38,8 +39,9 @@ def _mla_inner(acc, m_i, l_i, q, qv, K, V, BLOCK_TABLE, b, cache_row, blk_lo, bl
                MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                PAGED: tl.constexpr, PAGE_ALIGNED: tl.constexpr, PAGE_SHIFT: tl.constexpr, HAS_QV: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0):
-    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band and length masks.
+               DOT_PRECISION: tl.constexpr, PAGES_PER_TILE: tl.constexpr = 0, chunk=0,
+               HAS_CHUNK: tl.constexpr = False):
+    """Online softmax (base 2) over key blocks [blk_lo, blk_hi); MASK adds the band, chunk and length masks.
 
     The value tile [BLOCK_N, BLOCK_DV] is loaded once: transposed, it is the latent half of the key for
     ``qv``; as it is, the right operand of ``P V``."""
@@ -90,6 +92,9 @@ def _mla_inner(acc, m_i, l_i, q, qv, K, V, BLOCK_TABLE, b, cache_row, blk_lo, bl
                 ok = ok & (cols[None, :] >= diag - window_left)
             if HAS_RIGHT:
                 ok = ok & (cols[None, :] <= diag + window_right)
+            if HAS_CHUNK:
+                start = _chunk_start(diag, chunk)
+                ok = ok & (cols[None, :] >= start) & (cols[None, :] < start + chunk)
             s = tl.where(ok, s, float("-inf"))
         p, m_new, l_i, acc = _softmax_update(s, m_i, l_i, acc, MASK, 0)
         acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PRECISION)
@@ -100,12 +105,12 @@ def _mla_inner(acc, m_i, l_i, q, qv, K, V, BLOCK_TABLE, b, cache_row, blk_lo, bl
 # Lengths and window bounds change between calls: not specialised (a captured decode step must not
 # depend on them). Strides stay specialised so loads vectorise.
 @triton.jit(do_not_specialize=["cache_len_const", "s_new", "window_left", "window_right", "seqlen_q",
-                              "seqlen_ro", "num_m_blocks"])
+                              "seqlen_ro", "num_m_blocks", "attention_chunk"])
 def _mla_decode_kernel(
-    # pointers
-    Q, QV, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN,
-    # scalars
-    qk_scale, softcap, window_left, window_right,
+    # pointers (SINK: None unless HAS_SINK)
+    Q, QV, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BATCH_IDX, LEFTPAD, BLOCK_TABLE, ALIBI, COS, SIN, SINK,
+    # scalars (attention_chunk: None unless HAS_CHUNK)
+    qk_scale, softcap, window_left, window_right, attention_chunk,
     # sizes
     cache_len_const, s_new, seqlen_q, num_kv_heads, group, page_size, seqlen_ro, num_m_blocks,
     # strides
@@ -125,7 +130,8 @@ def _mla_decode_kernel(
     HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, ROTARY_DIM: tl.constexpr,
     ROTARY_INTERLEAVED: tl.constexpr, ROTARY_PER_TOKEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False, PAGES_PER_TILE: tl.constexpr = 0, HAS_SINK: tl.constexpr = False,
+    HAS_CHUNK: tl.constexpr = False,
 ):
     if USE_PDL:
         # launched early (programmatic dependent launch): wait, before the first read, for the kernel before
@@ -189,22 +195,28 @@ def _mla_decode_kernel(
     t_first = (pid_m * BLOCK_M) // group
     t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
     lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk, HAS_CHUNK)
     per_split = tl.cdiv(hi - lo, NUM_SPLITS)
     s_lo = lo + split * per_split
     s_hi = tl.minimum(s_lo + per_split, hi)
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINK:
+        # unsplit launches only (the merge adds it to split ones): the running max starts at the sink and the
+        # running sum at 1, as in the split kernel; a row that sees no key ends with out 0, lse = sink
+        m_i = tl.load(SINK + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, m_i, l_i = _mla_inner(
         acc, m_i, l_i, q, qv, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),
         tl.minimum(full_lo, s_hi), t, slope, offs_n, offs_d, offs_dv, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_QV, HAS_LEFT, HAS_RIGHT,
-        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, chunk=attention_chunk, HAS_CHUNK=HAS_CHUNK)
     acc, m_i, l_i = _mla_inner(
         acc, m_i, l_i, q, qv, k_base, v_base, BLOCK_TABLE, b, cache_row, tl.maximum(full_lo, s_lo),
         tl.minimum(full_hi, s_hi), t, slope, offs_n, offs_d, offs_dv, leftpad, seqlen_q, seqlen_k, page_size,
@@ -216,7 +228,7 @@ def _mla_decode_kernel(
         tl.minimum(hi, s_hi), t, slope, offs_n, offs_d, offs_dv, leftpad, seqlen_q, seqlen_k, page_size,
         qk_scale, softcap, window_left, window_right, stride_kb, stride_kn, stride_vb, stride_vn, stride_bt_b,
         True, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, PAGE_ALIGNED, PAGE_SHIFT, HAS_QV, HAS_LEFT, HAS_RIGHT,
-        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION)
+        HAS_SOFTCAP, HAS_ALIBI, DOT_PRECISION, chunk=attention_chunk, HAS_CHUNK=HAS_CHUNK)
 
     if USE_PDL:
         # the next kernel (the split merge) may start launching; it waits for this grid's end itself

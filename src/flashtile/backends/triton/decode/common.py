@@ -38,24 +38,31 @@ def split_partials(num_splits: int, b: int, sq: int, h: int, d: int, device: tor
             torch.empty(num_splits, b, h, sq, device=device, dtype=torch.float32))
 
 
-def combine(out_partial, lse_partial, out, lse, pdl: bool = False):
+def features(sink_in_kernel: bool, attention_chunk: int) -> dict:
+    """The split and MLA kernels' HAS_SINK / HAS_CHUNK constexprs, given only when on: a call without them
+    launches the very build (and launch-cache key) it did before they existed."""
+    return {**({"HAS_SINK": True} if sink_in_kernel else {}), **({"HAS_CHUNK": True} if attention_chunk else {})}
+
+
+def combine(out_partial, lse_partial, out, lse, pdl: bool = False, sink=None):
     """Merge splits: out_partial (ns, b, sq, h, d), lse_partial (ns, b, h, sq) -> out (b, sq, h, d), lse (b, h, sq).
 
-    ``pdl``: launch it as a programmatic dependent of the split kernel just launched (Route.merge_pdl)."""
+    ``pdl``: launch it as a programmatic dependent of the split kernel just launched (Route.merge_pdl).
+    ``sink``: a learnable sink (h,) (any float dtype) the partials leave out, added to every row's lse here."""
     ns, b, sq, h, d = out_partial.shape
     if b * sq * h == 0:
         return out, lse
     extra = dict(USE_PDL=True, launch_pdl=True) if pdl else {}
     with device_guard(out):
         run_kernel(_combine_kernel, (b * sq * h,),  # flat grid: the batch on axis 1 would be capped at 65535
-            out_partial, lse_partial, out, lse,
+            out_partial, lse_partial, out, lse, sink,
             ns, sq, h,
             *out_partial.stride()[:4],
             *lse_partial.stride()[:4],
             *out.stride()[:3],
             *lse.stride(),
             HEAD_DIM=d, BLOCK_S=max(2, next_pow2(ns)), BLOCK_D=max(16, next_pow2(d)),
-            num_warps=combine_warps(ns, d), **extra,
+            num_warps=combine_warps(ns, d), **extra, **({"HAS_SINK": True} if sink is not None else {}),
         )
     return out, lse
 

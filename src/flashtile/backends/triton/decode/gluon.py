@@ -1,6 +1,7 @@
 """Launcher of the Gluon warps-along-keys decode kernel (kernels/gluon_decode_warp_keys.py), cuDNN's warp shape on
 Hopper. The route (route.gluon_unsplit, route.gluon_split) takes it for plain one-token calls on contiguous bf16 /
-fp16 caches with about two programs on every SM, unsplit, or split up to that grid."""
+fp16 caches with about two programs on every SM, unsplit, or split up to that grid. Split launches take a learnable
+sink, which the merge adds; the unsplit kernel has none (its route leaves such calls to the others)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ def merge_rows(group: int) -> int:
 
 
 def decode(q, k_cache, v_cache, route: Route, *, cache_seqlens, cache_len_const, s_new, softmax_scale, k_new=None,
-           v_new=None):
+           v_new=None, learnable_sink=None):
     """Attention of q (b, 1, h, d) over the contiguous (b, capacity, h_k, d) cache holding cache_seqlens + s_new keys
     a row: out (b, 1, h, d), lse (b, h, 1). With k_new / v_new ((b, s_new, h_k, d), unsplit routes only) the kernel
     first appends them at cache_seqlens; without, the cache already holds them. ``route.splits`` > 1: each row's keys
-    in that many programs, merged by the combine kernel."""
+    in that many programs, merged by the combine kernel, which adds ``learnable_sink`` (h,) when given (split
+    launches only)."""
     from flashtile.kernels.gluon_decode_warp_keys import _gluon_decode_warp_keys_kernel
 
     b, _, h, d = q.shape
@@ -35,6 +37,8 @@ def decode(q, k_cache, v_cache, route: Route, *, cache_seqlens, cache_len_const,
     fused = k_new is not None and s_new > 0
     if fused and splits > 1:
         raise ValueError("gluon decode: a split launch reads the new keys from the cache (append them first)")
+    if learnable_sink is not None and splits == 1:
+        raise ValueError("gluon decode: an unsplit launch has no learnable sink (the route takes split launches only)")
     if b == 0:
         return out, lse
     has_seqlens = cache_seqlens is not None
@@ -58,5 +62,5 @@ def decode(q, k_cache, v_cache, route: Route, *, cache_seqlens, cache_len_const,
             GROUP_ROWS=merge_rows(h // h_k), EARLY_TILES=splits == 1,
             **({} if splits == 1 else dict(NUM_SPLITS=splits, MERGE_EARLY=route.merge_pdl)), num_warps=4)
         if splits > 1:
-            combine(o_dst, lse_dst, out, lse, pdl=route.merge_pdl)
+            combine(o_dst, lse_dst, out, lse, pdl=route.merge_pdl, sink=learnable_sink)
     return out, lse

@@ -1,6 +1,7 @@
 """Launcher of the MLA decode kernel (kernels/decode_mla.py): calls with ``qv`` (multi-head latent attention in
 absorbed form) or a value head dim of their own, with every feature of the split kernel but fp8 (paged caches of any
-page size, cache_batch_idx, left padding, windows, softcap, ALiBi, rotary on q, several query tokens), on any GPU and
+page size, cache_batch_idx, left padding, windows, softcap, ALiBi, rotary on q, several query tokens, learnable sinks,
+chunks), on any GPU and
 in Triton's interpreter. The route (route.mla) fixes its tiles, split count and programmatic dependent launch; the
 splits are merged by the combine kernel (common.combine)."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtile.backends.triton.decode.common import LOG2E, combine, split_partials
+from flashtile.backends.triton.decode.common import LOG2E, combine, features, split_partials
 from flashtile.backends.triton.decode.route import Route
 from flashtile.backends.triton.host import cdiv, device_guard, launch, next_pow2
 from flashtile.kernels.decode_mla import _mla_decode_kernel
@@ -16,9 +17,10 @@ from flashtile.kernels.decode_mla import _mla_decode_kernel
 
 def decode(q, qv, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx,
            cache_leftpad, block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
-           window_left, window_right, softcap, alibi_slopes):
+           window_left, window_right, softcap, alibi_slopes, learnable_sink=None, attention_chunk=0):
     """Attention of q (b, sq, h, d) and qv (b, sq, h, dv) or None over the (already updated) caches, k_cache's head
-    dim d and v_cache's dv: scores (q . k + qv . v) * softmax_scale. Returns out (b, sq, h, dv), lse (b, h, sq)."""
+    dim d and v_cache's dv: scores (q . k + qv . v) * softmax_scale. Returns out (b, sq, h, dv), lse (b, h, sq).
+    ``learnable_sink`` (h,) or None (in the kernel when unsplit, in the merge when split); ``attention_chunk``."""
     b, sq, h, d = q.shape
     dv = v_cache.shape[-1]
     h_k = k_cache.shape[2]
@@ -57,7 +59,8 @@ def decode(q, qv, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache
             block_table if paged else dummy,
             alibi_slopes if alibi_slopes is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
-            qk_scale, softcap, window_left, window_right,
+            learnable_sink if splits == 1 else None,
+            qk_scale, softcap, window_left, window_right, attention_chunk or None,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
             # one stride() call per tensor: each stride(i) call costs host time on every decode step
             *q.stride()[:3], *(qv.stride()[:3] if has_qv else (0, 0, 0)), *k_cache.stride()[:3],
@@ -76,7 +79,8 @@ def decode(q, qv, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache
             ROTARY_INTERLEAVED=bool(rotary_interleaved), ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=route.warps, num_stages=route.stages, **pdl,
+            **features(learnable_sink is not None and splits == 1, attention_chunk),
         )
     if splits > 1:
-        combine(o_part, lse_part, out, lse, pdl=route.merge_pdl)
+        combine(o_part, lse_part, out, lse, pdl=route.merge_pdl, sink=learnable_sink)
     return out, lse

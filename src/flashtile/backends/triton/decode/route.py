@@ -27,6 +27,12 @@ TMA, the by-page gather, programmatic dependent launch) follow the rules in ``sp
 Calls with ``qv`` (multi-head latent attention) or a value head dim of their own (v_cache's last dim differs from
 k_cache's) take the MLA kernel on every device, and only it (``mla``): the other kernels read K and V with one head
 dim and no ``qv`` term.
+
+A learnable sink changes no cell: every route whose kernel is merged by the combine kernel (rows, Gluon split, and
+the split and MLA kernels when split) has the merge add it, and the unsplit split and MLA kernels start their
+softmax from it; only the unsplit Gluon kernel has none, so such calls go on down the table (to the split kernel).
+An attention chunk is a bound of each row's keys that only the split and MLA kernels apply: chunked calls skip the
+rows and Gluon routes.
 """
 
 from __future__ import annotations
@@ -105,6 +111,8 @@ class DecodeShape(NamedTuple):
     tma_ok: bool = True  # caches a tensor descriptor can address (tma.tma_ok)
     head_dim_v: int = 0  # v_cache's head dim; 0: the same as head_dim
     qv: bool = False  # the call passes qv (multi-head latent attention)
+    sink: bool = False  # the call passes a learnable sink
+    chunk: bool = False  # the call passes attention_chunk > 0
 
 
 def is_mla(s: DecodeShape) -> bool:
@@ -189,10 +197,11 @@ PDL_APPEND_MAX_KV_BYTES = 1 << 30
 # ---------------------------------------------------------------------------------------------------------------
 def _gluon_covers(s: DecodeShape, dtype, paged: bool, props: DeviceProps) -> bool:
     """Calls the Gluon kernel computes (whatever the split count): Hopper, one query token of at most 16 query
-    heads a kv head, a plain contiguous bf16 / fp16 cache with aligned rows, d = 64 or 128."""
+    heads a kv head, a plain contiguous bf16 / fp16 cache with aligned rows, d = 64 or 128, no chunk (a learnable
+    sink only split: the merge adds it)."""
     return (arch(props) == "sm90" and dtype in (torch.bfloat16, torch.float16) and s.head_dim in GLUON_HEAD_DIMS
             and s.seqlen_q == 1 and s.heads // s.kv_heads <= GLUON_MAX_GROUP and not paged and s.plain
-            and s.aligned and not is_mla(s))
+            and s.aligned and not is_mla(s) and not s.chunk)
 
 
 def _gluon_rule(s: DecodeShape, programs: int, props: DeviceProps) -> bool:
@@ -220,8 +229,10 @@ def gluon_split(s: DecodeShape, dtype, paged: bool, page_size: int, props: Devic
 
 def gluon_unsplit(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps,
                   pdl: bool | None = None) -> Route | None:
-    """Grids of about two programs an SM (b = 32 and up with 8 kv heads) from 8k keys, unsplit."""
-    if s.num_splits > 1 or not _gluon_covers(s, dtype, paged, props) or not _gluon_rule(s, s.batch * s.kv_heads, props):
+    """Grids of about two programs an SM (b = 32 and up with 8 kv heads) from 8k keys, unsplit (no learnable sink:
+    the unsplit kernel has no merge to add it in)."""
+    if (s.num_splits > 1 or s.sink or not _gluon_covers(s, dtype, paged, props)
+            or not _gluon_rule(s, s.batch * s.kv_heads, props)):
         return None
     return _gluon_route(s, dtype, 1, props, pdl)
 
@@ -253,12 +264,13 @@ def _row_heads(s: DecodeShape, paged: bool, page_size: int, props: DeviceProps) 
 
 
 def _rows_cover(s: DecodeShape, dtype, paged: bool, page_size: int, heads: int) -> bool:
-    """Calls the whole-row kernel computes with ``heads`` kv heads a program (pages of whole tiles only)."""
+    """Calls the whole-row kernel computes with ``heads`` kv heads a program (pages of whole tiles only; no chunk,
+    while a learnable sink is the merge's)."""
     if (heads not in ROW_CONFIGS or s.kv_heads % heads or (paged and page_size % _row_config(heads, True)[0])
             or is_mla(s)):
         return False
     return (s.seqlen_q == 1 and s.heads // s.kv_heads <= 16 and s.head_dim in ROW_HEAD_DIMS and s.plain
-            and dtype in (torch.bfloat16, torch.float16))
+            and not s.chunk and dtype in (torch.bfloat16, torch.float16))
 
 
 def rows(s: DecodeShape, dtype, paged: bool, page_size: int, props: DeviceProps,
@@ -524,14 +536,15 @@ def _forced(name: str, s: DecodeShape, dtype, paged: bool, page_size: int, props
         what = "is not a decode route" if name not in ROUTE_NAMES else \
             "cannot take this call (it has qv or a value head dim of its own)"
         raise ValueError(f"{SETTING}={name!r} {what}; routes for this call: mla (all routes: {', '.join(ROUTE_NAMES)})")
-    gluon_ok = _gluon_covers(s, dtype, paged, props) and s.num_splits <= 1
+    pairs = s.batch * s.kv_heads
+    small = s.num_splits == 0 and 0 < pairs < GLUON_PROGRAMS_PER_SM * props.sm_count
+    gluon_splits = min(GLUON_FORCED_MAX_SPLITS, _fewest_gluon_splits(pairs, props)) if small else 1
+    # a learnable sink needs the merge (a split launch)
+    gluon_ok = _gluon_covers(s, dtype, paged, props) and s.num_splits <= 1 and not (s.sink and gluon_splits == 1)
     heads = _row_heads(s, paged, page_size, props) or s.kv_heads
     rows_ok = _rows_cover(s, dtype, paged, page_size, heads)
     if name == "gluon" and gluon_ok:
-        pairs = s.batch * s.kv_heads
-        small = s.num_splits == 0 and 0 < pairs < GLUON_PROGRAMS_PER_SM * props.sm_count
-        splits = min(GLUON_FORCED_MAX_SPLITS, _fewest_gluon_splits(pairs, props)) if small else 1
-        return _gluon_route(s, dtype, splits, props, pdl)
+        return _gluon_route(s, dtype, gluon_splits, props, pdl)
     if name == "rows" and rows_ok:
         return _rows_route(s, dtype, paged, heads, props, pdl)
     if name == "split":

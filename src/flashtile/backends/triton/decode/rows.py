@@ -1,6 +1,7 @@
 """Launcher of the whole-row decode kernel (kernels/decode_rows.py): one program per (batch row, group of adjacent kv
 heads, key split), the splits merged by the combine kernel. The route (route.rows) takes it for long caches on large
-batches on Hopper, contiguous or paged with pages of whole tiles; new keys are appended by the append kernel first."""
+batches on Hopper, contiguous or paged with pages of whole tiles; new keys are appended by the append kernel first.
+A learnable sink costs the kernel nothing: the merge adds it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from flashtile.kernels.decode_rows import _decode_rows_kernel
 
 
 def decode(q, k_cache, v_cache, route: Route, *, cache_seqlens, cache_len_const, s_new, softmax_scale,
-           block_table=None):
+           block_table=None, learnable_sink=None):
     """Attention of q (b, 1, h, d) over the (b, capacity, h_k, d) cache holding cache_seqlens (or cache_len_const)
     + s_new keys a row: out (b, 1, h, d), lse (b, h, 1). With ``block_table`` (b, pages a row), int32, the caches are
-    (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists."""
+    (pages, page_size, h_k, d) pools and row i's keys lie in the pages block_table[i] lists. ``learnable_sink`` (h,)
+    or None: added to every row's softmax denominator by the merge."""
     b, _, h, d = q.shape
     h_k = k_cache.shape[2]
     out, lse = one_token_outputs(q)
@@ -39,4 +41,4 @@ def decode(q, k_cache, v_cache, route: Route, *, cache_seqlens, cache_len_const,
             **(dict(USE_PDL=True, launch_pdl=True) if route.pdl else {}),
             **({} if block_table is None else dict(PAGE_SIZE=k_cache.shape[1])),
         )
-    return combine(o_part, lse_part, out, lse, pdl=route.merge_pdl)
+    return combine(o_part, lse_part, out, lse, pdl=route.merge_pdl, sink=learnable_sink)

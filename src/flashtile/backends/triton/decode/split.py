@@ -1,12 +1,12 @@
 """Launcher of the Triton split-KV decode kernel (kernels/decode.py): every feature of the call (paged caches of any
-page size, cache_batch_idx, left padding, windows, softcap, ALiBi, rotary, several query tokens, fp8), on any GPU and
-in Triton's interpreter. The route (route.split) fixes its tiles, split count, TMA and PDL."""
+page size, cache_batch_idx, left padding, windows, softcap, ALiBi, rotary, several query tokens, fp8, learnable sinks,
+chunks), on any GPU and in Triton's interpreter. The route (route.split) fixes its tiles, split count, TMA and PDL."""
 
 from __future__ import annotations
 
 import torch
 
-from flashtile.backends.triton.decode.common import LOG2E, combine, split_partials
+from flashtile.backends.triton.decode.common import LOG2E, combine, features, split_partials
 from flashtile.backends.triton.decode.route import Route
 from flashtile.backends.triton.host import cdiv, device_guard, launch, next_pow2
 from flashtile.fp8 import FP8_DTYPE
@@ -30,11 +30,13 @@ def cache_descriptor(x: torch.Tensor, block_n: int, block_d: int):
 
 def decode(q, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache_len_const, cache_batch_idx,
            cache_leftpad, block_table, rotary_cos, rotary_sin, rotary_interleaved, rotary_per_token, softmax_scale,
-           window_left, window_right, softcap, alibi_slopes, descales=(None, None, None)):
+           window_left, window_right, softcap, alibi_slopes, descales=(None, None, None), learnable_sink=None,
+           attention_chunk=0):
     """Attention of q (b, sq, h, d) over the (already updated) cache; returns out (b, sq, h, d), lse (b, h, sq).
 
     fp8 (e4m3) q and caches take ``descales`` = (q, k, v) fp32 (b, h_k) tensors or None (= 1); the output is then
-    bf16."""
+    bf16. ``learnable_sink`` (h,) or None: in the kernel when unsplit, in the merge when split.
+    ``attention_chunk`` > 0: each row's keys end at its diagonal's chunk."""
     b, sq, h, d = q.shape
     h_k = k_cache.shape[2]
     group = h // h_k
@@ -84,8 +86,8 @@ def decode(q, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache_len
             block_table if paged else dummy,
             alibi_slopes if alibi_slopes is not None else dummy,
             rotary_cos if rotary_dim else dummy, rotary_sin if rotary_dim else dummy,
-            q_ds, k_ds, v_ds, desc_k, desc_v,
-            qk_scale, softcap, window_left, window_right,
+            q_ds, k_ds, v_ds, desc_k, desc_v, learnable_sink if splits == 1 else None,
+            qk_scale, softcap, window_left, window_right, attention_chunk or None,
             cache_len_const, s_new, sq, h_k, group, page_size, rotary_cos.shape[0] if rotary_dim else 0, m_blocks,
             # one stride() call per tensor: each stride(i) call costs host time on every decode step
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
@@ -104,7 +106,8 @@ def decode(q, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache_len
             ROTARY_PER_TOKEN=bool(rotary_per_token),
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", IS_FP8=is_fp8,
             num_warps=route.warps, num_stages=route.stages, **pdl, **({"USE_TMA": True} if route.tma else {}),
+            **features(learnable_sink is not None and splits == 1, attention_chunk),
         )
     if splits > 1:
-        combine(o_part, lse_part, out, lse, pdl=route.merge_pdl)
+        combine(o_part, lse_part, out, lse, pdl=route.merge_pdl, sink=learnable_sink)
     return out, lse
