@@ -12,17 +12,23 @@ Helpers: :func:`shard`, :func:`unshard`, :func:`shard_hybrid`, :func:`varlen_sha
 :func:`simulated_ring_attention` (the ring's math in one process).
 """
 
+from flashtile.distributed.allgather import kv_allgather_flash_attn_func
+from flashtile.distributed.hybrid import hybrid_flash_attn_func
 from flashtile.distributed.ring import ring_flash_attn_func
 from flashtile.distributed.sharding import LAYOUTS, shard, shard_hybrid, unshard, varlen_shard_meta
 from flashtile.distributed.simulate import simulated_ring_attention
+from flashtile.distributed.ulysses import ulysses_flash_attn_func
 from flashtile.distributed.zigzag import zigzag_ring_flash_attn_func
 
 __all__ = [
     "LAYOUTS",
+    "hybrid_flash_attn_func",
+    "kv_allgather_flash_attn_func",
     "ring_flash_attn_func",
     "shard",
     "shard_hybrid",
     "simulated_ring_attention",
+    "ulysses_flash_attn_func",
     "unshard",
     "varlen_shard_meta",
     "zigzag_ring_flash_attn_func",

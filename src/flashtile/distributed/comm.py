@@ -65,15 +65,15 @@ class Pending:
 def all_gather_seq(x: Tensor, group) -> list[Tensor]:
     """Every rank's ``x`` (same shape everywhere), as a list indexed by rank."""
     world = dist.get_world_size(group)
-    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    _ALL_GATHER(out, x.contiguous(), group=group)
-    return list(out.unbind(0))
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _ALL_GATHER(out, x.contiguous(), group=group)  # ranks' tensors end to end along dim 0
+    return list(out.view(world, *x.shape).unbind(0))
 
 
 def reduce_scatter_seq(parts: list[Tensor], group) -> Tensor:
     """Sum over ranks of ``parts[rank]`` for this rank (``parts[r]`` is this rank's share for rank ``r``)."""
-    stacked = torch.stack(parts)
-    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    stacked = torch.cat(parts)  # ranks' shares end to end along dim 0
+    out = torch.empty(parts[0].shape, dtype=stacked.dtype, device=stacked.device)
     _REDUCE_SCATTER(out, stacked, group=group)
     return out
 

@@ -13,6 +13,10 @@ only the *ends* move the kernel's diagonal (``sk - sq``) without moving the band
 or columns at the end until the diagonal lies inside the band, then states the band relative to it.
 Trimmed rows see no key of the block, trimmed columns are seen by no row: nothing is lost. A rectangle
 with no visible pair is skipped, which is what makes causal ring steps cheap.
+
+One more rule of the kernels shapes the plan: FlashAttention reads a window bound ``>= sk`` as unbounded.
+A rectangle taller than wide can need a right bound that large which still masks its first rows; such a
+rectangle is cut in two row ranges, each of which then states its band in the kernels' terms.
 """
 
 from __future__ import annotations
@@ -103,6 +107,25 @@ def band_piece(q_pos: int, nq: int, k_pos: int, nk: int, left: int, right: int) 
     return rows, cols, kl, kr
 
 
+def band_pieces(q_pos: int, nq: int, k_pos: int, nk: int, left: int,
+                right: int) -> list[tuple[int, int, int, int, int]]:
+    """:func:`band_piece` in rectangles the kernels read as meant: ``(row0, rows, cols, left', right')``.
+
+    A right bound at or past the rectangle's width reads as unbounded in the kernels; when it is not
+    (rows before ``t`` still see fewer keys), rows ``[0, t)`` and ``[t, nq)`` become separate rectangles.
+    """
+    band = band_piece(q_pos, nq, k_pos, nk, left, right)
+    if band is None:
+        return []
+    rows, cols, kl, kr = band
+    if kr == UNBOUNDED or kr < cols:
+        return [(0, rows, cols, kl, kr)]
+    t = rows - 1 - kr  # row t is the first whose band reaches the last key
+    head = band_pieces(q_pos, t, k_pos, nk, left, right)
+    tail = band_pieces(q_pos + t, nq - t, k_pos, nk, left, right)
+    return head + [(t + r0, *rest) for r0, *rest in tail]
+
+
 def _doc_cuts(lo: int, hi: int, docs: tuple[int, ...] | None) -> list[tuple[int, int]]:
     """``[lo, hi)`` cut at document boundaries (``docs`` = cumulative lengths, or None for one document)."""
     if docs is None:
@@ -136,12 +159,9 @@ def plan_pieces(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | N
                     k_lo, k_hi = max(k_lo, docs[doc]), min(k_hi, docs[doc + 1])
                 if k_lo >= k_hi:
                     continue
-                band = band_piece(q_lo, q_hi - q_lo, k_lo, k_hi - k_lo, left, right)
-                if band is None:
-                    continue
-                rows, cols, kl, kr = band
-                q0, k0 = qs.local + q_lo - qs.start, ks.local + k_lo - ks.start
-                pieces.append(Piece(q0, q0 + rows, k0, k0 + cols, kl, kr))
+                for r0, rows, cols, kl, kr in band_pieces(q_lo, q_hi - q_lo, k_lo, k_hi - k_lo, left, right):
+                    q0, k0 = qs.local + q_lo - qs.start + r0, ks.local + k_lo - ks.start
+                    pieces.append(Piece(q0, q0 + rows, k0, k0 + cols, kl, kr))
     return _merge_full(pieces)
 
 
