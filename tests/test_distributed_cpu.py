@@ -51,7 +51,7 @@ def _check(results: dict, case) -> None:
         got = per_case[case.name]
         assert "crashed" not in got, f"rank {rank}: {got['crashed']}"
         if case.raises:
-            assert case.raises in got.get("raised", ""), f"rank {rank}: expected an error naming {case.raises!r}, got {got}"
+            assert case.raises in got.get("raised", ""), f"rank {rank}: expected an error with {case.raises!r}: {got}"
             continue
         assert "raised" not in got, f"rank {rank}: {got['raised']}"
         bad = {k: v for k, v in got.items() if not v <= ATOL}
