@@ -54,6 +54,8 @@ def test_zigzag_steps_balance_work():
     c = total // (2 * world)
     for rank in range(world):
         plan = ring_plan("zigzag", total, world, rank, -1, 0, None)
+        assert [(p.q0, p.q1, p.k0, p.k1, p.left, p.right) for c in plan[0] for p in c.pieces] == \
+            [(0, 2 * c, 0, 2 * c, -1, 0)]  # own step: one causal call over both chunks
         for step in plan[1:]:
             assert len(step) == 1 and step[0].left == step[0].right == -1
             p = step[0].pieces[0]
