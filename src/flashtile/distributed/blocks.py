@@ -61,17 +61,18 @@ def bind(calls: list[Call], batch: int, nq: int, nk: int, device) -> list[Bound]
         if len(call.pieces) == 1:
             bound.append(Bound(call))
             continue
-        q_idx, k_idx, cu_q, cu_k = [], [], [0], [0]
-        for b in range(batch):
-            for p in call.pieces:
-                q_idx.extend(range(b * nq + p.q0, b * nq + p.q1))
-                k_idx.extend(range(b * nk + p.k0, b * nk + p.k1))
-                cu_q.append(cu_q[-1] + p.q1 - p.q0)
-                cu_k.append(cu_k[-1] + p.k1 - p.k0)
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
-        as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-        bound.append(Bound(call, as_long(q_idx), as_long(k_idx), as_i32(cu_q), as_i32(cu_k),
-                           max(p.q1 - p.q0 for p in call.pieces), max(p.k1 - p.k0 for p in call.pieces)))
+        pieces = call.pieces
+        q_one = torch.cat([torch.arange(p.q0, p.q1) for p in pieces])  # one batch row's rows, piece by piece
+        k_one = torch.cat([torch.arange(p.k0, p.k1) for p in pieces])
+        rows = torch.arange(batch)[:, None]
+        q_idx = (rows * nq + q_one).flatten()
+        k_idx = (rows * nk + k_one).flatten()
+        lens_q = torch.tensor([p.q1 - p.q0 for p in pieces]).repeat(batch)
+        lens_k = torch.tensor([p.k1 - p.k0 for p in pieces]).repeat(batch)
+        cu_q = torch.cat([lens_q.new_zeros(1), lens_q.cumsum(0)]).to(torch.int32)
+        cu_k = torch.cat([lens_k.new_zeros(1), lens_k.cumsum(0)]).to(torch.int32)
+        bound.append(Bound(call, *(x.to(device) for x in (q_idx, k_idx, cu_q, cu_k)),
+                           max(p.q1 - p.q0 for p in pieces), max(p.k1 - p.k0 for p in pieces)))
     return bound
 
 
