@@ -30,6 +30,7 @@ LAYERS = [
     ("flashtile.hopper", 5),  # FlashAttention-3's API, beside FlashAttention 2's
     ("flashtile", 5),  # the package's __init__
     ("flashtile.layers", 6),
+    ("flashtile.distributed", 6),  # context parallelism: on the public API, under the modules
     ("flashtile.modules", 7),
     ("flashtile.integrations", 8),
     ("flashtile.bench", 9),

@@ -24,6 +24,8 @@ COMMANDS: dict[str, Command] = {
     "models": Command("flashtile.bench.models", "newer models' variants (v head dim 128 under q/k's 192, "
                                                 "learnable sink, attention chunk) against their bars"),
     "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128), paged too"),
+    "cp": Command("flashtile.bench.cp", "context-parallel attention over torchrun's ranks (ring, zigzag, "
+                                        "Ulysses, hybrid, K/V all-gather): per-GPU throughput, scaling, overlap"),
     "plot": Command("flashtile.bench.plot", "re-plot a saved results JSON: plot RESULTS.json OUT.png"),
 }
 

@@ -1,0 +1,114 @@
+"""Ring attention: K/V blocks travel around the ring while each rank attends its queries to them.
+
+Step ``s`` of ``W``: rank ``r`` holds the K/V shard of rank ``r - s``; it posts the send of that block to
+``r + 1`` (and the receive of the next one from ``r - 1``) before computing on it, so the transfer runs
+under the kernels. The step's kernel calls come from the planner (plan.py): a causal step against an
+earlier rank's block is unmasked, the own block is causal, a later rank's block is skipped. Results merge
+by lse (merge.py).
+
+Backward: K/V go around again; each rank adds its share of dK/dV for the block it holds into a partial
+sum that travels with the block, so after ``W`` hops every block's gradient arrives back at its owner.
+The partial sums travel in fp32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+
+from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
+from flashtile.distributed.comm import Ring, resolve_group
+from flashtile.distributed.common import CallSpec, check_call, result
+from flashtile.distributed.merge import to_fa_lse
+from flashtile.distributed.plan import Call, plan_calls, segments
+from flashtile.distributed.sharding import layout_runs
+
+
+@lru_cache(maxsize=256)
+def ring_plan(layout: str, total: int, world: int, rank: int, left: int, right: int,
+              docs: tuple[int, ...] | None) -> tuple[tuple[Call, ...], ...]:
+    """The kernel calls of each step of ``rank`` (step ``s`` attends to rank ``(rank - s) % world``'s block)."""
+    mine = segments(layout_runs(layout, total, world, rank))
+    return tuple(tuple(plan_calls(mine, segments(layout_runs(layout, total, world, (rank - s) % world)),
+                                  left, right, docs))
+                 for s in range(world))
+
+
+class RingAttention(torch.autograd.Function):
+    """Forward and backward of ring attention over ``ring`` with the steps' bound calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, steps, opt):
+        acc_out, acc_lse = accumulators(q, v.shape[-1])
+        kb, vb = k, v
+        for s in range(ring.world):
+            pending = ring.exchange([kb, vb], tag=0) if s + 1 < ring.world else None
+            forward_step(acc_out, acc_lse, q, kb, vb, steps[s], opt)
+            if pending is not None:
+                kb, vb = pending.wait()
+        out = acc_out.to(q.dtype)
+        lse = to_fa_lse(acc_lse.transpose(1, 2).contiguous())
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.steps, ctx.opt = ring, steps, opt
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, world = ctx.ring, ctx.ring.world
+        dq = grad_buffer(q)
+        kb, vb, pending_grad = k, v, None
+        for s in range(world):
+            pending_kv = ring.exchange([kb, vb], tag=0) if s + 1 < world else None
+            dk, dv = grad_buffer(k), grad_buffer(v)
+            backward_step(dq, dk, dv, dout, q, kb, vb, out, lse, ctx.steps[s], ctx.opt)
+            if pending_grad is not None:  # the partial sums of this block from the ranks before
+                got_k, got_v = pending_grad.wait()
+                dk += got_k
+                dv += got_v
+            if world > 1:
+                pending_grad = ring.exchange([dk, dv], tag=1)
+            if pending_kv is not None:
+                kb, vb = pending_kv.wait()
+        if world > 1:  # the last hop brings this rank's own block home
+            dk, dv = pending_grad.wait()
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, group, layout: str, spec: CallSpec):
+    """Run the ring over a resolved group: ``(out, lse)``."""
+    ring = Ring(group)
+    plan = ring_plan(layout, spec.total, ring.world, ring.rank, spec.left, spec.right, spec.docs)
+    n = q.shape[1]
+    steps = [bind(list(calls), q.shape[0], n, n, q.device) for calls in plan]
+    return RingAttention.apply(q, k, v, ring, steps, spec.opt)
+
+
+def ring_call(fn: str, layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+              alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens):
+    group = resolve_group(group)
+    spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, dist.get_world_size(group), layout, cu_seqlens, fn)
+    out, lse = ring_attention(q, k, v, group, layout, spec)
+    return result(out, lse, return_attn_probs)
+
+
+def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                         softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                         group=None, cu_seqlens=None):
+    """Ring attention over contiguous shards: rank ``r`` of ``W`` holds tokens ``[r*n, (r+1)*n)``.
+
+    q: (b, n, h, d), k / v: (b, n, h_k, d) / (b, n, h_k, dv), this rank's shards; ``group``: a process
+    group or 1-D DeviceMesh (default: the world). ``cu_seqlens`` (int32 ``(docs+1,)``, list or tensor; a
+    CPU one avoids a device sync): documents packed along the *whole* sequence of ``W*n`` tokens, the same
+    for every batch row; attention stays within each document. Other arguments as flash_attn_func (dropout
+    and ALiBi refused). Returns this rank's ``out`` (b, n, h, dv), or ``(out, lse (b, h, n), empty)`` when
+    ``return_attn_probs``. Under a causal mask later ranks do more work: :func:`zigzag_ring_flash_attn_func`
+    balances it.
+    """
+    return ring_call("ring_flash_attn_func", "contiguous", q, k, v, dropout_p, softmax_scale, causal,
+                     window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens)

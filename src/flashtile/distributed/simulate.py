@@ -1,0 +1,58 @@
+"""The ring schedule with its ranks simulated in one process: no process group, same per-step math.
+
+:func:`simulated_ring_attention` shards full tensors, runs every rank's steps with blocks.py (the code the
+process-group functions run) and reassembles the full output, lse and gradients. Tests check the schedule
+on one GPU or CPU with it, and it shows what a ring computes without launching ranks.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
+from flashtile.distributed.common import check_call
+from flashtile.distributed.merge import to_fa_lse
+from flashtile.distributed.ring import ring_plan
+from flashtile.distributed.sharding import shard, unshard
+
+
+def simulated_ring_attention(q: Tensor, k: Tensor, v: Tensor, world: int, layout: str = "contiguous",
+                             dout: Tensor | None = None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, cu_seqlens=None):
+    """Full-sequence q ``(b, s, h, d)``, k / v ``(b, s, h_k, d)`` through a simulated ring of ``world`` ranks.
+
+    Returns ``(out, lse)`` (``out`` (b, s, h, dv), ``lse`` (b, h, s)), and with ``dout`` also
+    ``(dq, dk, dv)``: ``(out, lse, dq, dk, dv)``.
+    """
+    qs = [shard(q, world, r, layout) for r in range(world)]
+    ks = [shard(k, world, r, layout) for r in range(world)]
+    vs = [shard(v, world, r, layout) for r in range(world)]
+    spec = check_call(qs[0], ks[0], vs[0], 0.0, softmax_scale, causal, window_size, softcap, None, False, world,
+                      layout, cu_seqlens, "simulated_ring_attention")
+    b, n = qs[0].shape[:2]
+    steps = []
+    for r in range(world):
+        plan = ring_plan(layout, spec.total, world, r, spec.left, spec.right, spec.docs)
+        steps.append([bind(list(calls), b, n, n, q.device) for calls in plan])
+    outs, lses = [], []
+    for r in range(world):
+        acc_out, acc_lse = accumulators(qs[r], v.shape[-1])
+        for s in range(world):
+            src = (r - s) % world
+            forward_step(acc_out, acc_lse, qs[r], ks[src], vs[src], steps[r][s], spec.opt)
+        outs.append(acc_out.to(q.dtype))
+        lses.append(to_fa_lse(acc_lse.transpose(1, 2).contiguous()))
+    out, lse = unshard(outs, layout), unshard(lses, layout, dim=2)
+    if dout is None:
+        return out, lse
+    douts = [shard(dout, world, r, layout) for r in range(world)]
+    dqs = [grad_buffer(x) for x in qs]
+    dks = [grad_buffer(x) for x in ks]
+    dvs = [grad_buffer(x) for x in vs]
+    for r in range(world):
+        for s in range(world):
+            src = (r - s) % world
+            backward_step(dqs[r], dks[src], dvs[src], douts[r], qs[r], ks[src], vs[src], outs[r], lses[r],
+                          steps[r][s], spec.opt)
+    grads = [unshard([g.to(x.dtype) for g in gs], layout) for gs, x in ((dqs, q), (dks, k), (dvs, v))]
+    return (out, lse, *grads)

@@ -1,0 +1,71 @@
+"""Ulysses (DeepSpeed's sequence parallelism): trade sequence shards for head shards and back.
+
+An all-to-all turns each rank's ``(b, n, h, d)`` sequence shard into the whole sequence for ``h / W`` of
+the heads; the rank runs ordinary flash attention on it (every mask and feature of the single-device call,
+since the rank sees the whole sequence); a second all-to-all returns the output to sequence shards. The
+traffic is a constant share of q, k, v and out per rank, whatever ``W``, but ``W`` cannot exceed the heads.
+K/V heads fewer than ``W`` (GQA) are repeated up to ``W`` before the exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flashtile.distributed.comm import HeadsToSeq, SeqToHeads, lse_heads_to_seq, resolve_group
+from flashtile.distributed.common import check_call, result
+from flashtile.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+
+
+def split_heads_check(q, k, v, world: int, fn: str, what: str = "group"):
+    """Check that the heads split over ``world`` ranks; repeat K/V heads when there are fewer than ``world``."""
+    h, hk = q.shape[2], k.shape[2]
+    if h % world:
+        raise ValueError(f"flashtile.{fn}: q's heads ({h}) must be divisible by the Ulysses {what} size ({world})")
+    if hk % world == 0:
+        return k, v
+    if world % hk:
+        raise ValueError(f"flashtile.{fn}: k's heads ({hk}) must divide or be divisible by the Ulysses {what} "
+                         f"size ({world})")
+    rep = world // hk  # query head i uses kv head i // (h / hk); after repeating, i // (h / W)
+    return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+
+
+def local_attention(q, k, v, spec):
+    """Flash attention over a whole sequence (``(b, s, h, d)``); packed documents through the varlen call."""
+    opt = spec.opt
+    if spec.docs is None:
+        out, lse, _ = flash_attn_func(q, k, v, 0.0, opt.softmax_scale, False, (spec.left, spec.right),
+                                      opt.softcap, None, opt.deterministic, True)
+        return out, lse
+    b, s = q.shape[:2]
+    cu = torch.tensor([c + i * s for i in range(b) for c in spec.docs[:-1]] + [b * s], dtype=torch.int32,
+                      device=q.device)
+    longest = max(e - a for a, e in zip(spec.docs, spec.docs[1:]))
+    flat = [x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)]
+    out, lse, _ = flash_attn_varlen_func(*flat, cu, cu, longest, longest, 0.0, opt.softmax_scale, False,
+                                         (spec.left, spec.right), opt.softcap, None, opt.deterministic, True)
+    return out.reshape(b, s, *out.shape[1:]), lse.reshape(lse.shape[0], b, s).transpose(0, 1)
+
+
+def ulysses_attention(q, k, v, group, spec, return_lse: bool):
+    """Both all-to-alls around :func:`local_attention`: ``(out, lse or None)`` of this rank's shard."""
+    q2, k2, v2 = (SeqToHeads.apply(x, group) for x in (q, k, v))
+    out2, lse2 = local_attention(q2, k2, v2, spec)
+    out = HeadsToSeq.apply(out2, group)
+    return out, (lse_heads_to_seq(lse2, group) if return_lse else None)
+
+
+def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                            group=None, cu_seqlens=None):
+    """Ulysses attention over contiguous sequence shards; q's heads (and k's, or ``W`` a multiple of them)
+    must divide by the group size ``W``. Arguments and returns as :func:`ring_flash_attn_func`."""
+    fn = "ulysses_flash_attn_func"
+    group = resolve_group(group)
+    world = dist.get_world_size(group)
+    spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic, world, "contiguous", cu_seqlens, fn)
+    k, v = split_heads_check(q, k, v, world, fn)
+    out, lse = ulysses_attention(q, k, v, group, spec, return_attn_probs)
+    return result(out, lse, return_attn_probs)

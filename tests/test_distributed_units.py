@@ -1,0 +1,149 @@
+"""flashtile.distributed without processes: the step planner, the lse merge, sharding, argument errors and
+the simulated ring (the schedule's math in one process) against flash_attn_func."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import flashtile.distributed as cp
+from distributed_cases import reference
+from flashtile.backends.masking import normalize_window, visible
+from flashtile.distributed.common import check_call
+from flashtile.distributed.merge import merge_all, to_merge_lse
+from flashtile.distributed.plan import band_pieces, plan_calls, plan_pieces, segments
+from flashtile.distributed.ring import ring_plan
+
+
+def _band(q_pos, nq, k_pos, nk, left, right):
+    i = torch.arange(nq)[:, None] + q_pos
+    j = torch.arange(nk)[None, :] + k_pos
+    ok = torch.ones(nq, nk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i - left
+    if right >= 0:
+        ok &= j <= i + right
+    return ok
+
+
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (3, 0), (2, 5), (0, 0), (7, -1), (-1, 4)])
+def test_band_piece_reproduces_the_band(left, right):
+    """Every rectangle offset: the kernels' mask (their window normalisation included) on the planned
+    rectangles equals the global band, and what the rectangles leave out holds no visible pair."""
+    for q_pos, k_pos, nq, nk in itertools.product(range(0, 24, 3), range(0, 24, 5), (1, 4, 7, 12), (1, 5, 8)):
+        want = _band(q_pos, nq, k_pos, nk, left, right)
+        got = torch.zeros_like(want)
+        for r0, rows, cols, kl, kr in band_pieces(q_pos, nq, k_pos, nk, left, right):
+            kl, kr = normalize_window((kl, kr), False, cols)
+            mask = visible(torch.arange(rows)[:, None], torch.arange(cols)[None, :], rows, cols, kl, kr)
+            got[r0:r0 + rows, :cols] |= mask
+        assert torch.equal(got, want), (q_pos, k_pos, nq, nk)
+
+
+def test_causal_ring_steps_are_full_diagonal_or_skipped():
+    plan = ring_plan("contiguous", 64, 4, 2, -1, 0, None)
+    kinds = [[(c.left, c.right) for c in step] for step in plan]
+    assert kinds == [[(-1, 0)], [(-1, -1)], [(-1, -1)], []]  # own (causal), ranks 1 and 0 (full), rank 3 (none)
+
+
+def test_zigzag_steps_balance_work():
+    """Zigzag causal: every rank's later steps cover the same number of pairs (one chunk squared, twice)."""
+    world, total = 4, 64
+    c = total // (2 * world)
+    for rank in range(world):
+        plan = ring_plan("zigzag", total, world, rank, -1, 0, None)
+        assert [(p.q0, p.q1, p.k0, p.k1, p.left, p.right) for c in plan[0] for p in c.pieces] == \
+            [(0, 2 * c, 0, 2 * c, -1, 0)]  # own step: one causal call over both chunks
+        for step in plan[1:]:
+            assert len(step) == 1 and step[0].left == step[0].right == -1
+            p = step[0].pieces[0]
+            assert (p.q1 - p.q0) * (p.k1 - p.k0) == 2 * c * c
+
+
+def test_varlen_pieces_stay_in_their_documents():
+    docs = (0, 5, 13, 14, 27, 32)
+    mine = segments([(8, 8)])
+    calls = plan_calls(mine, segments([(0, 32)]), -1, 0, docs)
+    # docs [5, 13), [13, 14), [14, 27) meet [8, 16): each piece's keys run from its document's start
+    got = sorted((p.q0, p.q1, p.k0, p.k1) for c in calls for p in c.pieces)
+    assert got == [(0, 5, 5, 13), (5, 6, 13, 14), (6, 8, 14, 16)]
+    assert len(calls) == 2  # the two causal pieces share one varlen call; the 1-token one is unmasked
+    pieces = plan_pieces(mine, segments([(0, 8)]), -1, -1, docs)
+    assert [(p.q0, p.q1, p.k0, p.k1) for p in pieces] == [(0, 5, 5, 8)]  # only doc [5, 13) crosses
+
+
+def test_merge_matches_softmax_over_the_union():
+    torch.manual_seed(0)
+    s = torch.randn(3, 2, 10, dtype=torch.float64)
+    vals = torch.randn(10, 4, dtype=torch.float64)
+    full = torch.softmax(s, -1) @ vals
+    parts = [(0, 4), (4, 4), (4, 10)]  # the empty middle part must not disturb anything
+    outs, lses = [], []
+    for a, b in parts:
+        lse = torch.logsumexp(s[..., a:b], -1) if b > a else torch.full(s.shape[:-1], float("inf"), dtype=s.dtype)
+        out = torch.softmax(s[..., a:b], -1) @ vals[a:b] if b > a else torch.zeros(3, 2, 4, dtype=s.dtype)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = merge_all(outs, lses)
+    assert torch.allclose(out, full) and torch.allclose(lse, torch.logsumexp(s, -1))
+    out, lse = merge_all([outs[1]], [lses[1]])  # a row that saw nothing stays empty: out 0, lse -inf
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, to_merge_lse(lses[1]))
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+def test_shard_unshard_round_trip(layout):
+    x = torch.arange(2 * 24).reshape(2, 24)
+    shards = [cp.shard(x, 3, r, layout) for r in range(3)]
+    assert torch.equal(cp.unshard(shards, layout), x)
+    if layout == "zigzag":
+        assert shards[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+
+
+def test_shard_hybrid_and_varlen_meta():
+    x = torch.arange(16)[None]
+    # zigzag over 2 ring ranks: ring rank 1 holds chunks 1 and 2 ([4, 8) + [8, 12)); its 2nd Ulysses part is [8, 12)
+    assert cp.shard_hybrid(x, 2, 1, 2, 1, "zigzag").tolist() == [[8, 9, 10, 11]]
+    cu, pos = cp.varlen_shard_meta([0, 5, 13, 16], 2, 0, "zigzag")  # rank 0: tokens 0-3 and 12-15
+    assert cu.tolist() == [0, 4, 5, 8] and pos.tolist() == [0, 1, 2, 3, 7, 0, 1, 2]
+
+
+def test_errors_name_the_argument():
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, 2, 16)
+    args = (0.0, None, True, (-1, -1), 0.0, None, False)
+    with pytest.raises(ValueError, match="dropout_p"):
+        check_call(q, k, k, 0.5, *args[1:], 2, "contiguous", None, "f")
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        check_call(q, k, k, *args[:5], torch.ones(4), False, 2, "contiguous", None, "f")
+    with pytest.raises(ValueError, match="k's local seqlen"):
+        check_call(q, k[:, :4], k[:, :4], *args, 2, "contiguous", None, "f")
+    with pytest.raises(ValueError, match="divisible by 2"):
+        check_call(q[:, :7], k[:, :7], k[:, :7], *args, 2, "zigzag", None, "f")
+    with pytest.raises(ValueError, match="cu_seqlens ends at 12"):
+        check_call(q, k, k, *args, 2, "contiguous", [0, 12], "f")
+    with pytest.raises(ValueError, match="layout"):
+        cp.shard(q, 2, 0, "spiral")
+    with pytest.raises(ValueError, match="divisible by 6"):
+        cp.shard(torch.randn(1, 8), 3, 0, "zigzag")
+
+
+@pytest.mark.parametrize("layout,world,kw", [
+    ("contiguous", 3, dict(causal=True, window_size=(5, 0))),
+    ("zigzag", 2, dict(causal=True, softcap=2.0)),
+    ("zigzag", 4, dict(window_size=(3, 6), cu_seqlens=[0, 9, 10, 32])),
+])
+def test_simulated_ring_matches_flash_attn_func(layout, world, kw):
+    q, k, v = (torch.randn(1, 24 if world == 3 else 32, h, 16, dtype=torch.float64) for h in (4, 2, 2))
+    dout = torch.randn_like(q)
+    out, lse, dq, dk, dv = cp.simulated_ring_attention(q, k, v, world, layout, dout=dout, **kw)
+    kw = dict(kw)
+    docs = kw.pop("cu_seqlens", None)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = reference(*full, kw, docs)
+    ref_out.backward(dout)
+    ref_grads = [x.grad for x in full]
+    assert torch.allclose(out, ref_out, atol=1e-10) and torch.allclose(lse, ref_lse, atol=1e-10)
+    for got, want in zip((dq, dk, dv), ref_grads):
+        assert torch.allclose(got, want, atol=1e-10)
