@@ -1,9 +1,10 @@
 """flashtile.flex in PyTorch: the mods evaluated on index grids, attention materialised.
 
 This is the CPU path of ``flashtile.flex`` (any device, float32 accumulation, float64 for float64
-inputs) and the way block masks are built: ``torch.vmap`` runs a mod once per (b, h, q_idx, kv_idx),
-as FlexAttention's own reference does, so a mod written for FlexAttention runs unchanged. Autograd
-flows through the mods, captured tensors included.
+inputs) and the way block masks are built. A mod is called once on index tensors shaped to broadcast
+over (B, H, L, S) (b as (B, 1, 1, 1), q_idx as (1, 1, L, 1), ...): the elementwise ops and indexing that
+tracing accepts broadcast the same way, and no torch.vmap is needed, which a custom op's implementation
+could not always run. Autograd flows through the mods, captured tensors included.
 """
 
 from __future__ import annotations
@@ -12,35 +13,25 @@ import torch
 from torch import Tensor
 
 
-def vmap_bhqkv(fn, with_score: bool):
-    """``fn`` vectorised over (b, h, q_idx, kv_idx) index vectors (and a score of shape (B, H, L, S)): the
-    result has shape (B, H, L, S)."""
-    lead = (0,) if with_score else ()
-    # innermost first: kv_idx, q_idx, h, b
-    for pos in (3, 2, 1, 0):
-        dims = lead + tuple(0 if i == pos else None for i in range(4))
-        fn = torch.vmap(fn, in_dims=dims, out_dims=0)
-    return fn
-
-
 def _grid(B: int, H: int, L: int, S: int, device) -> tuple[Tensor, ...]:
-    return tuple(torch.arange(n, device=device, dtype=torch.int32) for n in (B, H, L, S))
+    """b, h, q_idx, kv_idx as int32 index tensors shaped to broadcast over (B, H, L, S)."""
+    return tuple(torch.arange(n, device=device, dtype=torch.int32).view([n if i == d else 1 for i in range(4)])
+                 for d, n in enumerate((B, H, L, S)))
 
 
 def evaluate_mask(mask_mod, B: int, H: int, L: int, S: int, device, q_start: int = 0, q_stop: int | None = None
                   ) -> Tensor:
     """mask_mod on rows [q_start, q_stop) of the (B, H, L, S) grid, as bool (B, H, rows, S)."""
     b, h, q, kv = _grid(B, H, L, S, device)
-    q = q[q_start:q_stop]
-    out = vmap_bhqkv(mask_mod, with_score=False)(b, h, q, kv)
-    return out.to(torch.bool).expand(B, H, q.numel(), S)
+    q = q[:, :, q_start:q_stop]
+    return torch.as_tensor(mask_mod(b, h, q, kv), device=device).to(torch.bool).expand(B, H, q.numel(), S)
 
 
 def apply_score_mod(score_mod, scores: Tensor) -> Tensor:
     """score_mod on a (B, H, L, S) score tensor."""
     B, H, L, S = scores.shape
     b, h, q, kv = _grid(B, H, L, S, scores.device)
-    return vmap_bhqkv(score_mod, with_score=True)(scores, b, h, q, kv)
+    return score_mod(scores, b, h, q, kv).expand(B, H, L, S)
 
 
 def flex_attention_dense(q: Tensor, k: Tensor, v: Tensor, score_mod, mask_mod, scale: float,

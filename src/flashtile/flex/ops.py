@@ -91,8 +91,10 @@ def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     _, vjp = torch.func.vjp(lambda qq, kk, vv: cpu_forward(qq, kk, vv, block[:4], entry, scale,
                                                            (block_q, block_kv))[0], q, k, v)
     dq, dk, dv = vjp(dout.to(q.dtype))
-    dbufs = [torch.zeros(entry.buffers[i].shape, dtype=torch.float32) for i in entry.grad_buffers] \
-        if buffer_grads else []
+    if buffer_grads:
+        raise NotImplementedError("flashtile.flex: the CPU path's op differentiates q, k and v only; captured "
+                                  "tensors get gradients from eager CPU calls (autograd) or the Triton kernels")
+    dbufs = []
     return dq, dk, dv, dbufs
 
 
