@@ -31,8 +31,14 @@ def _captured(key: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _full_mask(L: int, S: int, device: torch.device) -> BlockMask:
+def _full_mask_cached(L: int, S: int, device: torch.device) -> BlockMask:
     return full_block_mask(1, 1, L, S, device)
+
+
+@torch.compiler.assume_constant_result
+def _full_mask_tensors(L: int, S: int, device: torch.device) -> tuple:
+    """The all-visible mask's tensors (constants under torch.compile, cached per shape in eager calls)."""
+    return _full_mask_cached(L, S, device).tensors()
 
 
 def _check(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool, block_mask: BlockMask | None) -> None:
@@ -84,18 +90,17 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     if scale is None:
         scale = 1.0 / math.sqrt(E)
     if block_mask is None:
-        block_mask = _full_mask(L, S, query.device)
-        mask_mod = None
+        tensors, block_size, mask_mod = _full_mask_tensors(L, S, query.device), (128, 128), None
     else:
+        tensors, block_size = block_mask.tensors(), block_mask.BLOCK_SIZE
         mask_mod = None if block_mask.mask_mod is None or _is_noop(block_mask.mask_mod) else block_mask.mask_mod
     k = _register(score_mod, mask_mod)
     bufs = list(_captured(k))
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if use_triton(q) or torch.compiler.is_compiling():
-        out, lse = flex_fwd(q, kk, v, *block_mask.tensors(), bufs, float(scale), k, *block_mask.BLOCK_SIZE)
+        out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size)
     else:  # eager CPU: plain autograd through the mods, captured tensors included
-        out, lse = cpu_forward(q, kk, v, block_mask.tensors()[:4], registry.get(k), float(scale),
-                               block_mask.BLOCK_SIZE)
+        out, lse = cpu_forward(q, kk, v, tensors[:4], registry.get(k), float(scale), block_size)
     if not return_lse:
         return out
     # FlexAttention's convention for a row that sees no key: -inf (the kernels store +inf)

@@ -221,6 +221,12 @@ def _convert_call(bld: _Builder, n: torch.fx.Node, consts: dict) -> None:
         lim = (args[1], None) if name == "clamp_min" else (None, args[1])
         bld.ids[n] = bld.add(Node("clamp", (x,), dtype, lim))
         return
+    if name == "div" and overload in ("Tensor_mode", "Scalar_mode"):
+        mode = n.kwargs.get("rounding_mode")
+        a, b = bld.value(args[0], what), bld.value(args[1], what)
+        op = {"floor": "floor_divide", "trunc": "trunc_divide", None: "div"}[mode]
+        bld.ids[n] = bld.add(Node(op, (a, b), dtype))
+        return
     if name in _UNARY and len(args) == 1:
         bld.ids[n] = bld.add(Node(_UNARY[name], (bld.value(args[0], what),), dtype))
         return
@@ -230,12 +236,6 @@ def _convert_call(bld: _Builder, n: torch.fx.Node, consts: dict) -> None:
         if n.kwargs.get("alpha", 1) != 1:
             raise ModCompileError(f"{what} with alpha cannot be compiled; write x + alpha * y")
         bld.ids[n] = bld.add(Node(_BINARY[name], (a, b), dtype))
-        return
-    if name == "div" and overload in ("Tensor_mode", "Scalar_mode"):
-        mode = n.kwargs.get("rounding_mode")
-        a, b = bld.value(args[0], what), bld.value(args[1], what)
-        op = {"floor": "floor_divide", "trunc": "trunc_divide", None: "div"}[mode]
-        bld.ids[n] = bld.add(Node(op, (a, b), dtype))
         return
     raise ModCompileError(f"{what} cannot be compiled into a flex kernel (supported: {', '.join(OPS)}, "
                           "indexing a captured tensor, casts and constants)")
