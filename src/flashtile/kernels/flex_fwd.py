@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashtile.kernels.attn_fwd import _softmax_update
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jit code may read no other global
 
 
 @triton.jit
