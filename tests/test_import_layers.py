@@ -28,6 +28,10 @@ LAYERS = [
     ("flashtile.flash_attn_interface", 5),
     ("flashtile.compat", 5),
     ("flashtile.hopper", 5),  # FlashAttention-3's API, beside FlashAttention 2's
+    ("flashtile.flex.registry", 2),  # mods by key: the bridge from functions to op schemas
+    ("flashtile.flex.ops", 3),
+    ("flashtile.flex.autograd", 4),
+    ("flashtile.flex", 5),  # FlexAttention's API
     ("flashtile", 5),  # the package's __init__
     ("flashtile.layers", 6),
     ("flashtile.distributed", 6),  # context parallelism: on the public API, under the modules

@@ -1,0 +1,36 @@
+"""Autograd of ``flashtile::flex_fwd``: its backward is ``flashtile::flex_bwd``, registered on the op so
+eager calls and compiled graphs differentiate alike. Gradients reach q, k, v and the captured tensors
+that require grad (``Entry.grad_buffers``); the lse output is not differentiated (its gradient must be
+None or zero)."""
+
+from __future__ import annotations
+
+import torch
+
+from flashtile.flex import ops, registry
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *block8 = inputs[:11]
+    bufs, scale, key, block_q, block_kv = inputs[11:]
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, *block8, *bufs)
+    ctx.n_bufs = len(bufs)
+    ctx.args = (scale, key, block_q, block_kv)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    block8, bufs = rest[:8], rest[8:]
+    scale, key, block_q, block_kv = ctx.args
+    entry = registry.get(key)
+    want = bool(entry.grad_buffers)
+    dq, dk, dv, dbufs = ops.flex_bwd(dout.contiguous(), q, k, v, out, lse, *block8, list(bufs), scale, key, block_q,
+                                     block_kv, want)
+    buf_grads = [None] * ctx.n_bufs
+    for i, g in zip(entry.grad_buffers if want else (), dbufs):
+        buf_grads[i] = g.to(bufs[i].dtype)
+    return dq, dk, dv, *([None] * 8), buf_grads, None, None, None, None
+
+
+torch.library.register_autograd("flashtile::flex_fwd", _backward, setup_context=_setup_context)

@@ -1,0 +1,228 @@
+"""Backward of programmable attention (flashtile.flex): a dK/dV kernel and a dQ kernel.
+
+Both recompute S = score_mod(scale * q.k) and P = exp(S - lse) from the saved lse. With
+delta = rowsum(dO * O) (the plain backward's preprocess kernel), dS = P * (dP - delta) is the gradient
+of the mod's output; SCORE_GRAD (generated: reverse-mode through the traced mod) turns it into the
+gradient of the mod's input X = scale * q.k, and dQ = scale * dX K, dK = scale * dX^T Q.
+
+The dK/dV program owns one key tile of one (batch, kv head) and walks, for each query head of its
+group, the query blocks the block mask's transposed lists give (Q_NUM / Q_IDX partial, FULL_Q_* full).
+Every (query, key) pair is visited by exactly one dK/dV program, so gradients into captured tensors
+(a learnable bias table) are added there, atomically (HAS_BUFFER_GRADS), and the dQ kernel skips them.
+"""
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels.flex_fwd import LOG2E, _bounded, _flex_coords
+
+
+@triton.jit
+def _flex_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, IDX, n_listed, b, h, offs_m_base, cols, kv_idx, offs_d,
+                     offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS,
+                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                     APPLY_MASK: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_BUFFER_GRADS: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                     SPARSE_Q: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """dK/dV over the listed query blocks; tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
+    SUBS: tl.constexpr = SPARSE_Q // BLOCK_M
+    for j in tl.range(0, n_listed * SUBS):
+        blk = tl.load(IDX + j // SUBS)
+        start_m = blk * SPARSE_Q + (j % SUBS) * BLOCK_M
+        offs_m = start_m + offs_m_base
+        q_mask = offs_d[None, :] < HEAD_DIM
+        do_mask = offs_dv[None, :] < HEAD_DIM_V
+        if not EVEN_M:
+            q_mask = q_mask & (offs_m[:, None] < seqlen_q)
+            do_mask = do_mask & (offs_m[:, None] < seqlen_q)
+        q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=do_mask, other=0.0)
+        # rows past the sequence get lse = +inf, which zeroes their probabilities
+        lse2 = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
+        delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
+        x = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_N, BLOCK_M]
+        q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[None, :]
+        if HAS_SCORE_MOD:
+            s = SCORE_MOD(x, b, h, q_idx, kv_idx, BUFS) * LOG2E
+        else:
+            s = x * LOG2E
+        valid = (q_idx >= 0) & (kv_idx >= 0)
+        if APPLY_MASK:
+            valid = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
+        if not EVEN_M:
+            valid = valid & (offs_m[None, :] < seqlen_q)
+        if not EVEN_N:
+            valid = valid & (cols[:, None] < seqlen_k)
+        p = tl.math.exp2(tl.where(valid, s, float("-inf")) - lse2[None, :])
+        dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[None, :])
+        if HAS_SCORE_MOD:
+            ds = SCORE_GRAD(x, b, h, q_idx, kv_idx, ds, valid, BUFS, GRADS, HAS_BUFFER_GRADS)
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _flex_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, Q_NUM, Q_IDX, FULL_Q_NUM, FULL_Q_IDX, BUFS, GRADS,
+    sm_scale, seqlen_q, seqlen_k, num_heads, num_kv_heads, group,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_lse_b, stride_lse_h, stride_nb, stride_nh, stride_nn, stride_ib, stride_ih, stride_in,
+    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
+    HAS_BUFFER_GRADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_Q: tl.constexpr,
+    SPARSE_KV: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK and dV of BLOCK_N keys of one (batch, kv head), summed over the group's query heads."""
+    pid_n, b, kv_head = _flex_coords(seqlen_k, num_kv_heads, BLOCK_N)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m_base = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    kv_ok = offs_n[:, None] < seqlen_k
+    k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :],
+                mask=kv_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    kv_idx = _bounded(offs_n, seqlen_k, EVEN_N)[:, None]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    kv_block = start_n // SPARSE_KV
+    for g in range(0, group):
+        h = kv_head * group + g
+        q_ptr = Q + b64 * stride_qb + h * stride_qh
+        do_ptr = DO + b64 * stride_dob + h * stride_doh
+        lse_off = b64 * stride_lse_b + h * stride_lse_h
+        row = b * stride_nb + h * stride_nh + kv_block * stride_nn
+        idx_row = b * stride_ib + h * stride_ih + kv_block * stride_in
+        dk, dv = _flex_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + lse_off, DELTA + lse_off, Q_IDX + idx_row,
+                                  tl.load(Q_NUM + row), b, h, offs_m_base, offs_n, kv_idx, offs_d, offs_dv,
+                                  seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS, SCORE_MOD,
+                                  SCORE_GRAD, MASK_MOD, True, HAS_SCORE_MOD, HAS_BUFFER_GRADS, HEAD_DIM,
+                                  HEAD_DIM_V, BLOCK_M, SPARSE_Q, EVEN_M, EVEN_N, DOT_PRECISION)
+        dk, dv = _flex_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + lse_off, DELTA + lse_off,
+                                  FULL_Q_IDX + idx_row, tl.load(FULL_Q_NUM + row), b, h, offs_m_base, offs_n,
+                                  kv_idx, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale,
+                                  BUFS, GRADS, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, HAS_SCORE_MOD,
+                                  HAS_BUFFER_GRADS, HEAD_DIM, HEAD_DIM_V, BLOCK_M, SPARSE_Q, EVEN_M, EVEN_N,
+                                  DOT_PRECISION)
+    tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_ok & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _flex_dq_inner(dq, q, do, lse2, delta, K, V, IDX, n_listed, b, h, offs_m, q_idx, offs_n, offs_d, offs_dv,
+                   seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
+                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                   APPLY_MASK: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr,
+                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dQ over the listed key blocks; tiles are [BLOCK_M, BLOCK_N]."""
+    SUBS: tl.constexpr = SPARSE_KV // BLOCK_N
+    for j in tl.range(0, n_listed * SUBS):
+        blk = tl.load(IDX + j // SUBS)
+        cols = blk * SPARSE_KV + (j % SUBS) * BLOCK_N + offs_n
+        k_mask = offs_d[None, :] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if not EVEN_N:
+            k_mask = k_mask & (cols[:, None] < seqlen_k)
+            v_mask = v_mask & (cols[:, None] < seqlen_k)
+        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
+        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+        kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
+        if HAS_SCORE_MOD:
+            s = SCORE_MOD(x, b, h, q_idx, kv_idx, BUFS) * LOG2E
+        else:
+            s = x * LOG2E
+        valid = (q_idx >= 0) & (kv_idx >= 0)
+        if APPLY_MASK:
+            valid = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
+        if not EVEN_N:
+            valid = valid & (cols[None, :] < seqlen_k)
+        if not EVEN_M:
+            valid = valid & (offs_m[:, None] < seqlen_q)
+        p = tl.math.exp2(tl.where(valid, s, float("-inf")) - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SCORE_MOD:
+            ds = SCORE_GRAD(x, b, h, q_idx, kv_idx, ds, valid, BUFS, BUFS, False)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _flex_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, BUFS,
+    sm_scale, seqlen_q, seqlen_k, num_heads, group,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_lse_b, stride_lse_h,
+    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ of BLOCK_M query rows of one (batch, head)."""
+    pid_m, b, h = _flex_coords(seqlen_q, num_heads, BLOCK_M)
+    kv_head = h // group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    row_ok = offs_m < seqlen_q
+    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    lse_ptr = b64 * stride_lse_b + h * stride_lse_h + offs_m
+    lse2 = tl.load(LSE + lse_ptr, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + lse_ptr, mask=row_ok, other=0.0)
+    k_base = K + b64 * stride_kb + kv_head * stride_kh
+    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    row = b * stride_nb + h * stride_nh + (start_m // SPARSE_Q) * stride_nm
+    idx_row = b * stride_ib + h * stride_ih + (start_m // SPARSE_Q) * stride_im
+    dq = _flex_dq_inner(dq, q, do, lse2, delta, k_base, v_base, KV_IDX + idx_row, tl.load(KV_NUM + row), b, h,
+                        offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale,
+                        BUFS, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                        SPARSE_KV, EVEN_M, EVEN_N, DOT_PRECISION)
+    dq = _flex_dq_inner(dq, q, do, lse2, delta, k_base, v_base, FULL_IDX + idx_row, tl.load(FULL_NUM + row), b, h,
+                        offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale,
+                        BUFS, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
+                        SPARSE_KV, EVEN_M, EVEN_N, DOT_PRECISION)
+    tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+
+
+# ((dK/dV BLOCK_M, BLOCK_N, warps, stages), (dQ BLOCK_M, BLOCK_N, warps, stages)) by (arch, head-dim
+# bucket); not yet tuned on a GPU (docs/programmable.md, "Measured"). The sm90 d = 128 row is the
+# largest of the plain backward's shapes that ptxas builds without spills with a table-reading mod and its
+# atomic gradient (tests/test_flex_sm90_compile.py): 8 warps, dK/dV 32 x 64, dQ 64 x 64.
+FLEX_BWD_CONFIGS = {
+    ("sm90", 64): ((32, 128, 4, 2), (128, 64, 4, 3)),
+    ("sm90", 128): ((32, 64, 8, 2), (64, 64, 8, 3)),
+    ("sm90", 256): ((32, 32, 4, 1), (64, 32, 4, 1)),
+    ("default", 64): ((64, 64, 4, 2), (64, 64, 4, 2)),
+    ("default", 128): ((64, 64, 4, 1), (64, 64, 4, 1)),
+    ("default", 256): ((32, 32, 4, 1), (32, 32, 4, 1)),
+    ("interpret", 0): ((16, 16, 4, 1), (16, 16, 4, 1)),
+}
+
+
+def flex_bwd_configs(arch: str, block_d: int) -> tuple:
+    if arch == "interpret":
+        return FLEX_BWD_CONFIGS[("interpret", 0)]
+    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    return FLEX_BWD_CONFIGS.get((arch, bucket), FLEX_BWD_CONFIGS[("default", bucket)])

@@ -1,0 +1,152 @@
+"""Forward of programmable attention (flashtile.flex): one program computes BLOCK_M query rows of one
+(batch, head) over the key blocks its block mask lists.
+
+The mods arrive as constexpr jit functions (generated per mod, backends/triton/flex/codegen.py):
+``SCORE_MOD(score, b, h, q_idx, kv_idx, BUFS)`` on the scaled score tile and ``MASK_MOD(b, h, q_idx,
+kv_idx, BUFS)``; ``BUFS`` is the tuple of tensors the mods captured. The block mask lists, per
+(batch, head, query block of SPARSE_Q rows), the key blocks (SPARSE_KV keys) that are partly visible
+(mask_mod runs on them) and those fully visible (no mask work); every other block is skipped. A
+sparse block is walked in BLOCK_N-key tiles, flattened into one loop so the pipeliner sees one range.
+
+Layout: (batch, heads, seq, dim) tensors with a unit last stride; lse (b, h, sq) fp32, natural log,
++inf for a row that sees no key (its output is 0).
+"""
+
+import triton
+import triton.language as tl
+
+from flashtile.kernels.attn_fwd import _softmax_update
+
+LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jit code may read no other global
+
+
+@triton.jit
+def _flex_coords(seqlen, num_heads, BLOCK: tl.constexpr):
+    """(block, batch, head) of this program: one flat grid axis, blocks fastest (neighbours share K/V in L2)."""
+    pid = tl.program_id(0)
+    n_blocks = tl.cdiv(seqlen, BLOCK)
+    bh = pid // n_blocks
+    return pid % n_blocks, bh // num_heads, bh % num_heads
+
+
+@triton.jit
+def _bounded(offs, n, EVEN: tl.constexpr):
+    """Indices handed to the mods: past the end they repeat the last one, so a mod that reads a captured
+    tensor never reads past it (those lanes are masked out anyway)."""
+    if EVEN:
+        return offs
+    return tl.minimum(offs, n - 1)
+
+
+@triton.jit
+def _flex_fwd_inner(acc, m_i, l_i, q, K, V, IDX, n_listed, b, h, offs_m, q_idx, offs_n, offs_d, offs_dv,
+                    seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
+                    HAS_SCORE_MOD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, EVEN_N: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Online softmax over the listed key blocks (IDX[0 : n_listed], each SPARSE_KV // BLOCK_N tiles)."""
+    SUBS: tl.constexpr = SPARSE_KV // BLOCK_N
+    for j in tl.range(0, n_listed * SUBS):
+        blk = tl.load(IDX + j // SUBS)
+        start_n = blk * SPARSE_KV + (j % SUBS) * BLOCK_N
+        cols = start_n + offs_n
+        k_mask = offs_d[:, None] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if not EVEN_N:
+            k_mask = k_mask & (cols[None, :] < seqlen_k)
+            v_mask = v_mask & (cols[:, None] < seqlen_k)
+        kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=k_mask, other=0.0)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
+        if HAS_SCORE_MOD:
+            s = SCORE_MOD(qk * sm_scale, b, h, q_idx, kv_idx, BUFS) * LOG2E
+        else:
+            s = qk * (sm_scale * LOG2E)
+        if APPLY_MASK:
+            ok = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
+            if not EVEN_N:
+                ok = ok & (cols[None, :] < seqlen_k)
+            s = tl.where(ok, s, float("-inf"))
+        elif not EVEN_N:
+            s = tl.where(cols[None, :] < seqlen_k, s, float("-inf"))
+        # MASK=True: a row may have seen only -inf so far (a mask, or a score_mod returning -inf)
+        p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, True, 0)
+        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
+def _flex_fwd_kernel(
+    Q, K, V, O, LSE, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, BUFS,
+    sm_scale, seqlen_q, seqlen_k, num_heads, group,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om, stride_lse_b, stride_lse_h,
+    stride_nb, stride_nh, stride_nm, stride_ib, stride_ih, stride_im,
+    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Out and lse of BLOCK_M query rows of one (batch, head). The block-mask tensors (KV_NUM (b, h, nq),
+    KV_IDX (b, h, nq, nk), and FULL_*) come expanded to (b, h): a broadcast dimension has stride 0."""
+    pid_m, b, h = _flex_coords(seqlen_q, num_heads, BLOCK_M)
+    kv_head = h // group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64 = b.to(tl.int64)
+    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
+                other=0.0)
+    k_base = K + b64 * stride_kb + kv_head * stride_kh
+    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[:, None]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    row = b * stride_nb + h * stride_nh + (start_m // SPARSE_Q) * stride_nm
+    idx_row = b * stride_ib + h * stride_ih + (start_m // SPARSE_Q) * stride_im
+    # partly visible blocks: mask_mod decides per element
+    acc, m_i, l_i = _flex_fwd_inner(acc, m_i, l_i, q, k_base, v_base, KV_IDX + idx_row, tl.load(KV_NUM + row), b, h,
+                                    offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_k, stride_kn, stride_vn,
+                                    sm_scale, BUFS, SCORE_MOD, MASK_MOD, True, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V,
+                                    BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
+    # fully visible blocks: no mask work
+    acc, m_i, l_i = _flex_fwd_inner(acc, m_i, l_i, q, k_base, v_base, FULL_IDX + idx_row, tl.load(FULL_NUM + row),
+                                    b, h, offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_k, stride_kn, stride_vn,
+                                    sm_scale, BUFS, SCORE_MOD, MASK_MOD, False, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V,
+                                    BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
+
+    empty = l_i == 0.0
+    out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    row_ok = offs_m < seqlen_q
+    tl.store(O + b64 * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :],
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(LSE + b64 * stride_lse_b + h * stride_lse_h + offs_m, lse, mask=row_ok)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by (arch, head-dim bucket). Not yet tuned on a GPU
+# (docs/programmable.md, "Measured"); the sm90 row is the plain forward's non-causal d = 128 shape
+# with 64-key tiles, which leaves registers for the mods' arithmetic.
+FLEX_FWD_CONFIGS = {
+    ("sm90", 64): (128, 64, 4, 3),
+    ("sm90", 128): (128, 64, 8, 3),
+    ("sm90", 256): (64, 32, 4, 2),
+    ("default", 64): (64, 64, 4, 2),
+    ("default", 128): (64, 64, 4, 2),
+    ("default", 256): (32, 32, 4, 1),
+    ("interpret", 0): (16, 16, 4, 1),
+}
+
+
+def flex_fwd_config(arch: str, block_d: int) -> tuple:
+    if arch == "interpret":
+        return FLEX_FWD_CONFIGS[("interpret", 0)]
+    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    return FLEX_FWD_CONFIGS.get((arch, bucket), FLEX_FWD_CONFIGS[("default", bucket)])
