@@ -168,3 +168,17 @@ def test_second_call_with_the_same_mod_does_not_regenerate():
     # a new function object with the same graph shares the generated module
     e3 = registry.entry_for(lambda s, b, h, q, kv: s - slope * (q - kv).abs(), None)
     assert e3.kernels().module is k1.module and modules.stats["generated"] == gen
+
+
+def test_mods_trace_on_the_device_of_their_captured_tensors():
+    # a CUDA call's mod indexes a CUDA table; "meta" stands in for it on CPU: traced with indices on the
+    # call's device the graph builds, with CPU indices tracing fails (as it did on the GPU before)
+
+    table = torch.zeros(16, device="meta")
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx + 8]
+
+    assert len(trace(bias, "score", device="meta").buffers) == 1
+    with pytest.raises(ModCompileError, match="device"):
+        trace(bias, "score")

@@ -15,9 +15,10 @@ from flashtile.flex.ops import cpu_forward, flex_fwd, use_triton
 
 
 @torch.compiler.assume_constant_result
-def _register(score_mod, mask_mod) -> str:
-    """The registry key of a pair; under torch.compile it runs once at trace time and the key is a constant."""
-    entry = registry.entry_for(score_mod, mask_mod)
+def _register(score_mod, mask_mod, device: str) -> str:
+    """The registry key of a pair; under torch.compile it runs once at trace time and the key is a constant.
+    ``device``: the call's device, where the mods are traced (their captured tensors live there)."""
+    entry = registry.entry_for(score_mod, mask_mod, device)
     if torch.compiler.is_compiling() and entry.grad_buffers:
         raise NotImplementedError("flashtile.flex: under torch.compile, tensors captured by a score_mod cannot "
                                   "receive gradients (they are read as constants); train them in eager mode or "
@@ -94,7 +95,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     else:
         tensors, block_size = block_mask.tensors(), block_mask.BLOCK_SIZE
         mask_mod = None if block_mask.mask_mod is None or _is_noop(block_mask.mask_mod) else block_mask.mask_mod
-    k = _register(score_mod, mask_mod)
+    k = _register(score_mod, mask_mod, str(query.device))
     bufs = list(_captured(k))
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if use_triton(q) or torch.compiler.is_compiling():

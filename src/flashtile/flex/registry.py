@@ -63,11 +63,11 @@ def _captured_ids(fn) -> tuple:
     return tuple(out)
 
 
-def traced(fn, kind: str) -> ModGraph:
+def traced(fn, kind: str, device="cpu") -> ModGraph:
     cache_key = (fn, _captured_ids(fn), kind)
     graph = _traces.get(cache_key)
     if graph is None:
-        graph = trace(fn, kind)
+        graph = trace(fn, kind, device)
         stats["traced"] += 1
         _traces[cache_key] = graph
         if len(_traces) > _TRACE_CACHE_SIZE:
@@ -77,11 +77,11 @@ def traced(fn, kind: str) -> ModGraph:
     return graph
 
 
-def entry_for(score_mod, mask_mod) -> Entry:
+def entry_for(score_mod, mask_mod, device="cpu") -> Entry:
     """The registered entry of a pair (either may be None); raises ModCompileError for a mod that cannot
-    be compiled."""
-    sg = traced(score_mod, "score") if score_mod is not None else None
-    mg = traced(mask_mod, "mask") if mask_mod is not None else None
+    be compiled. ``device``: the call's, where the mods are traced."""
+    sg = traced(score_mod, "score", device) if score_mod is not None else None
+    mg = traced(mask_mod, "mask", device) if mask_mod is not None else None
     buffers = tuple(sg.buffers if sg else ()) + tuple(mg.buffers if mg else ())
     n_score = len(sg.buffers) if sg else 0
     grads = tuple(i for i in range(n_score) if buffers[i].requires_grad and buffers[i].is_floating_point())

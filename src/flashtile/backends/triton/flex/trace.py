@@ -241,10 +241,13 @@ def _convert_call(bld: _Builder, n: torch.fx.Node, consts: dict) -> None:
                           "indexing a captured tensor, casts and constants)")
 
 
-def trace(fn, kind: str) -> ModGraph:
-    """The :class:`ModGraph` of ``fn`` (``kind``: "score" or "mask"); raises :class:`ModCompileError`."""
+def trace(fn, kind: str, device="cpu") -> ModGraph:
+    """The :class:`ModGraph` of ``fn`` (``kind``: "score" or "mask"); raises :class:`ModCompileError`.
+    ``device``: the call's, where the tensors a mod captures live (a mod that indexes a CUDA table with
+    CPU indices would not trace); the graph itself does not depend on it."""
     names = SCORE_ARGS if kind == "score" else MASK_ARGS
-    args = [torch.zeros(_TRACE_LEN, dtype=torch.float32 if a == "score" else torch.int32) for a in names]
+    args = [torch.zeros(_TRACE_LEN, dtype=torch.float32 if a == "score" else torch.int32, device=device)
+            for a in names]
     try:
         gm = make_fx(fn)(*args)
     except ModCompileError:
