@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 # this test enforces for the docs) does not find the rule itself
 DIARY_WORDS = r"\b(" + "ses" + "sion|le" + "ase)s?\b"
 README = (ROOT / "README.md").read_text()
-DOCS = {p: p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))}
+DOCS = {p: p.read_text() for p in sorted((ROOT / "docs").rglob("*.md"))}
 
 
 def test_readme_usage_example_runs():

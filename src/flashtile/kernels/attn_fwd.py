@@ -84,6 +84,7 @@ def _chunk_start(diag, chunk):
     return diag - tl.where(r < 0, r + chunk, r)
 
 
+# --8<-- [start:key_block_ranges]
 @triton.jit
 def _key_block_ranges(first_row, last_row, seqlen_q, seqlen_k, window_left, window_right,
                       BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -116,6 +117,7 @@ def _key_block_ranges(first_row, last_row, seqlen_q, seqlen_k, window_left, wind
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+# --8<-- [end:key_block_ranges]
 
 
 @triton.jit
@@ -187,6 +189,7 @@ def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, w
     return s
 
 
+# --8<-- [start:softmax_update]
 @triton.jit
 def _softmax_update(s, m_i, l_i, acc, MASK: tl.constexpr, P_SHIFT: tl.constexpr):
     """One online-softmax step in base 2 over a score tile: returns the tile's probabilities (times
@@ -202,6 +205,7 @@ def _softmax_update(s, m_i, l_i, acc, MASK: tl.constexpr, P_SHIFT: tl.constexpr)
         p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     return p, m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None]
+# --8<-- [end:softmax_update]
 
 
 @triton.jit
@@ -221,6 +225,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
     blocks directly instead of through the software pipeline, whose prologue runs even when the range is
     empty (docs/forward.md, "Edge ranges load directly at short lengths").
     """
+    # --8<-- [start:inner_loop]
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         start_n = blk * BLOCK_N
         kt = _load_k_tile(K, desc_k, k_row0, kv_head, b, start_n, offs_n, offs_d, seqlen_k, stride_kn,
@@ -237,6 +242,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, K, V, desc_k, desc_v, k_row0, kv_head, b, 
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+    # --8<-- [end:inner_loop]
 
 
 # Lengths and seeds change every call; specialising on them would only recompile. Strides stay
@@ -342,6 +348,7 @@ def _attn_fwd_kernel(
         True, HEAD_DIM, HDV, BLOCK_N, BLOCK_D, BDV, IS_VARLEN, USE_TMA, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
         HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK, PIPELINE_EDGES)
 
+    # --8<-- [start:epilogue]
     # rows that saw no key: output 0 and lse = +inf (the contract's rule; with a sink l >= 1, see above)
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))
@@ -356,6 +363,7 @@ def _attn_fwd_kernel(
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HDV))
     lse_ptrs = LSE + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + q_row0 + offs_m
     tl.store(lse_ptrs, lse, mask=row_ok)
+    # --8<-- [end:epilogue]
 
     if RETURN_PROBS:
         # testing aid: normalised probabilities, dropped ones negated (FlashAttention's convention)
