@@ -9,6 +9,8 @@
 #   sanitize   compute-sanitizer memcheck over one call down every kernel route (scripts/sanitize_routes.py);
 #              fails unless the sanitizer reports zero errors
 #   bench-fwd  bench-bwd  bench-decode  bench-fp8   the README's tables (python -m flashtile.bench ...)
+#   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
+#                                                   docs/programmable.md's table
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 # Results and logs go under $OUT (default: a fresh temporary directory).
 set -uo pipefail
@@ -47,6 +49,10 @@ run_step() {
                     --batch 1 8 32 --out "$OUT/decode.json" ;;
     bench-fp8) step bench-fp8 python -m flashtile.bench fwd --dtype fp8 --d 64 128 256 --seqlens 1024 4096 16384 \
                  --peers cudnn --out "$OUT/fp8.json" ;;
+    bench-models) step bench-models python -m flashtile.bench models --rounds 3 --out "$OUT/models.json" \
+                    --plot "$OUT/models.png" ;;
+    bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
+    bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
