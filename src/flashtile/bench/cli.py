@@ -25,7 +25,8 @@ COMMANDS: dict[str, Command] = {
                                                 "learnable sink, attention chunk) against their bars"),
     "flex": Command("flashtile.bench.flex", "programmable attention (flashtile.flex) beside FlexAttention: "
                                             "causal, window, prefix-LM, documents, ALiBi, softcap, bias table"),
-    "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128), paged too"),
+    "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128, paged too; "
+                                                "--mla: h 128 on one latent head, d 64 / dv 512)"),
     "cp": Command("flashtile.bench.cp", "context-parallel attention over torchrun's ranks (ring, zigzag, "
                                         "Ulysses, hybrid, K/V all-gather): per-GPU throughput, scaling, overlap"),
     "plot": Command("flashtile.bench.plot", "re-plot a saved results JSON: plot RESULTS.json OUT.png"),
