@@ -72,3 +72,36 @@ def test_broadcast_dims_and_helpers():
 def test_block_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="BLOCK_SIZE"):
         create_block_mask(noop_mask, None, None, 32, 32, device="cpu", BLOCK_SIZE=24)
+
+
+def test_from_kv_blocks_round_trips_and_takes_padded_lists():
+    from flashtile.flex import BlockMask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    made = create_block_mask(causal, 1, 2, 64, 64, device="cpu", BLOCK_SIZE=16)
+    again = BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                     made.full_kv_indices, BLOCK_SIZE=16, mask_mod=causal)
+    assert again.shape == made.shape and again.BLOCK_SIZE == made.BLOCK_SIZE
+    for got, want in zip(again.tensors(), made.tensors()):
+        assert torch.equal(got, want)
+    # FlexAttention-style lists padded with zeros past each row's count (block 0 repeated): query block i sees
+    # key blocks 0..i, the diagonal one partly
+    nq = 4
+    num = torch.arange(nq, dtype=torch.int32).view(1, 1, nq)                 # full blocks: 0 .. i-1
+    idx = torch.zeros(1, 1, nq, nq, dtype=torch.int32)
+    for i in range(nq):
+        idx[0, 0, i, :i] = torch.arange(i)
+    diag = torch.arange(nq, dtype=torch.int32).view(1, 1, nq, 1).expand(1, 1, nq, nq).contiguous()
+    mask = BlockMask.from_kv_blocks(torch.ones(1, 1, nq, dtype=torch.int32), diag, num, idx, BLOCK_SIZE=16)
+    assert mask.shape == (1, 1, 64, 64)
+    assert torch.equal(mask.to_dense()[0, 0], torch.ones(nq, nq, dtype=torch.bool).tril())
+    assert torch.equal(mask.full_q_num_blocks[0, 0], torch.tensor([3, 2, 1, 0], dtype=torch.int32))
+    flat = mask.as_tuple()
+    assert flat[:2] == (64, 64) and flat[-3:] == (16, 16, None) and len(flat) == 13
+    assert mask.as_tuple(flatten=False)[0] == (64, 64)
+    with pytest.raises(ValueError, match="both partly"):
+        BlockMask.from_kv_blocks(num.clone().fill_(1), idx, num.clone().fill_(1), idx)
+    with pytest.raises(ValueError, match="kv_indices must be"):
+        BlockMask.from_kv_blocks(num, idx[0])

@@ -63,6 +63,16 @@ def _lists(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return num, order.contiguous()
 
 
+def _dense(num: Tensor, indices: Tensor, nk: int) -> Tensor:
+    """Bool (..., nk): the first ``num`` entries of each ``indices`` row marked (the inverse of ``_lists``).
+    Entries past ``num`` are padding of any value (FlexAttention's lists repeat or zero them), so they are
+    sent to block 0 with weight 0, and marks are counted, not scattered, since a padded row may repeat one."""
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num.unsqueeze(-1)
+    idx = torch.where(listed, indices.long(), 0)
+    counts = torch.zeros((*indices.shape[:-1], nk), dtype=torch.int32, device=indices.device)
+    return counts.scatter_add(-1, idx, listed.to(torch.int32)) > 0
+
+
 @dataclasses.dataclass(repr=False)
 class BlockMask:
     """A block-sparse attention mask (FlexAttention's fields). Shapes: ``kv_num_blocks`` (B, H, nq),
@@ -90,6 +100,41 @@ class BlockMask:
         fq_num, fq_idx = _lists(full.transpose(-1, -2))
         return cls(tuple(seq_lengths), kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx,
                    tuple(block_size), mask_mod)
+
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Tensor | None = None,
+                       full_kv_indices: Tensor | None = None, BLOCK_SIZE=_DEFAULT_BLOCK, mask_mod=None,
+                       seq_lengths=None) -> BlockMask:
+        """A BlockMask from its key-side lists (FlexAttention's ``BlockMask.from_kv_blocks``), the query-side
+        transposes derived. ``kv_num_blocks`` (B, H, nq) int, ``kv_indices`` (B, H, nq, nk) int: per query
+        block, how many and which key blocks are partly visible (mask_mod runs there; None: every key of
+        them visible); the ``full_*`` pair likewise for fully visible blocks (None: none). ``seq_lengths``
+        (Q_LEN, KV_LEN) defaults to the blocks' extent."""
+        if kv_indices.dim() != 4 or kv_num_blocks.shape != kv_indices.shape[:3]:
+            raise ValueError(f"BlockMask.from_kv_blocks: kv_indices must be (B, H, nq, nk) and kv_num_blocks "
+                             f"(B, H, nq), got {tuple(kv_indices.shape)} and {tuple(kv_num_blocks.shape)}")
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("BlockMask.from_kv_blocks: give full_kv_num_blocks and full_kv_indices together")
+        if full_kv_indices is not None and (full_kv_indices.shape != kv_indices.shape
+                                            or full_kv_num_blocks.shape != kv_num_blocks.shape):
+            raise ValueError("BlockMask.from_kv_blocks: full_kv_num_blocks / full_kv_indices must have the shapes "
+                             "of kv_num_blocks / kv_indices")
+        block = _block_size(BLOCK_SIZE)
+        nq, nk = kv_indices.shape[-2:]
+        partial = _dense(kv_num_blocks, kv_indices, nk)
+        full = (_dense(full_kv_num_blocks, full_kv_indices, nk) if full_kv_indices is not None
+                else torch.zeros_like(partial))
+        if bool((partial & full).any()):
+            raise ValueError("BlockMask.from_kv_blocks: a block is listed both partly (kv_indices) and fully "
+                             "(full_kv_indices) visible")
+        lengths = tuple(seq_lengths) if seq_lengths is not None else (nq * block[0], nk * block[1])
+        return cls.from_blocks(partial, full, lengths, block, mask_mod)
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """FlexAttention's flat form: (Q_LEN, KV_LEN, the eight index tensors as :meth:`tensors`, BLOCK_SIZE's
+        two sizes, mask_mod); with ``flatten=False`` the lengths and the block size stay pairs."""
+        lengths, block = (self.seq_lengths, self.BLOCK_SIZE) if flatten else ((self.seq_lengths,), (self.BLOCK_SIZE,))
+        return (*lengths, *self.tensors(), *block, self.mask_mod)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -121,12 +166,8 @@ class BlockMask:
     def to_dense(self) -> Tensor:
         """Bool (B, H, nq, nk): blocks the kernels visit (partly or fully visible)."""
         nk = self.kv_indices.shape[-1]
-        ar = torch.arange(nk, device=self.device)
-        dense = torch.zeros(self.kv_indices.shape, dtype=torch.bool, device=self.device)
-        for num, idx in ((self.kv_num_blocks, self.kv_indices), (self.full_kv_num_blocks, self.full_kv_indices)):
-            listed = ar < num.unsqueeze(-1)
-            dense |= torch.zeros_like(dense).scatter(-1, idx.long(), listed)
-        return dense
+        return (_dense(self.kv_num_blocks, self.kv_indices, nk)
+                | _dense(self.full_kv_num_blocks, self.full_kv_indices, nk))
 
     def to_string(self, limit: int = 16) -> str:
         """Block picture of batch 0, head 0: '#' full, '+' partial, '.' skipped (first ``limit`` blocks)."""
