@@ -34,6 +34,7 @@ class Case:
     docs: tuple | None = None
     raises: str | None = None  # a substring of the expected error
     extra: dict = field(default_factory=dict)  # keywords that break the call (error cases)
+    sink: bool = False  # a learnable sink, its gradient summed over the ranks
 
 
 CAUSAL = {"causal": True}
@@ -59,6 +60,10 @@ CASES = {
         Case("ulysses_causal", "ulysses", kw=CAUSAL),
         Case("ulysses_gqa_repeat_window", "ulysses", kw=CWIN, hk=1),
         Case("ulysses_varlen_softcap", "ulysses", kw={"causal": True, "softcap": 3.0}, docs=DOCS),
+        Case("ring_sink_causal_window", "ring", kw=CWIN, hk=2, sink=True),
+        Case("zigzag_sink_varlen", "zigzag", "zigzag", kw=CAUSAL, docs=DOCS, sink=True),
+        Case("allgather_sink_window", "allgather", "zigzag", kw=WIN, hk=1, sink=True),
+        Case("ulysses_sink_causal", "ulysses", kw=CAUSAL, hk=2, sink=True),
         Case("mha_zigzag", "mha", "zigzag", kw=CAUSAL, hk=2),
         Case("error_dropout", "ring", kw=CAUSAL, raises="dropout_p", extra={"dropout_p": 0.1}),
         Case("error_ulysses_heads", "ulysses", h=3, hk=3, raises="heads (3)"),
@@ -72,14 +77,16 @@ CASES = {
         Case("ulysses_causal_gqa", "ulysses", kw=CAUSAL, hk=2),
         Case("hybrid_causal", "hybrid", kw=CAUSAL),
         Case("hybrid_zigzag_varlen_gqa", "hybrid", "zigzag", kw=CWIN, hk=2, docs=DOCS),
+        Case("hybrid_sink_causal", "hybrid", "zigzag", kw=CAUSAL, sink=True),
         Case("error_hybrid_groups", "hybrid_bad", kw=CAUSAL, raises="must share exactly"),
     ],
 }
 SEQ = 32
 
 
-def reference(q, k, v, kw, docs):
+def reference(q, k, v, kw, docs, sink=None):
     """Single-process flash attention on the full sequence: (out, lse (b, h, s)) with autograd."""
+    kw = dict(kw, learnable_sink=sink)
     if docs is None:
         out, lse, _ = flash_attn_func(q, k, v, **kw, return_attn_probs=True)
         return out, lse
@@ -104,8 +111,10 @@ def _shard(x, case, rank, world):
     return cp.shard(x, world, rank, case.layout)
 
 
-def _call(case, q, k, v, rank, world, groups):
+def _call(case, q, k, v, rank, world, groups, sink=None):
     kw = dict(case.kw, return_attn_probs=True)
+    if sink is not None:
+        kw["learnable_sink"] = sink
     kw.update({key: val for key, val in case.extra.items() if key != "trim"})
     cu = None if case.docs is None else torch.tensor(case.docs, dtype=torch.int32)
     if case.fn == "ring":
@@ -150,18 +159,25 @@ def run_case(case: Case, rank: int, world: int, groups) -> dict:
     if "trim" in case.extra:
         shards = [x[:, case.extra["trim"]:] for x in shards]
     shards = [x.requires_grad_() for x in shards]
+    sink = torch.randn(case.h, dtype=torch.float64) if case.sink else None
+    mine_sink = sink.clone().requires_grad_() if case.sink else None
     try:
-        out, lse, _ = _call(case, *shards, rank, world, groups)
+        out, lse, _ = _call(case, *shards, rank, world, groups, mine_sink)
     except (ValueError, RuntimeError) as e:
         return {"raised": str(e)}
     out.backward(_shard(dout, case, rank, world))
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = reference(*full, case.kw, case.docs)
+    ref_sink = sink.clone().requires_grad_() if case.sink else None
+    ref_out, ref_lse = reference(*full, case.kw, case.docs, ref_sink)
     ref_out.backward(dout)
     lse_shard = _shard(ref_lse.transpose(1, 2), case, rank, world).transpose(1, 2)
     errs = {"out": _err(out, _shard(ref_out, case, rank, world)), "lse": _lse_err(lse, lse_shard)}
     for name, mine, ref in zip(("dq", "dk", "dv"), shards, full):
         errs[name] = _err(mine.grad, _shard(ref.grad, case, rank, world))
+    if case.sink:  # each rank's gradient is its share of the rows (and heads): the sum over ranks is the whole
+        dsink = mine_sink.grad.clone()
+        dist.all_reduce(dsink)
+        errs["dsink"] = _err(dsink, ref_sink.grad)
     return errs
 
 

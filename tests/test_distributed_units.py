@@ -147,3 +147,23 @@ def test_simulated_ring_matches_flash_attn_func(layout, world, kw):
     assert torch.allclose(out, ref_out, atol=1e-10) and torch.allclose(lse, ref_lse, atol=1e-10)
     for got, want in zip((dq, dk, dv), ref_grads):
         assert torch.allclose(got, want, atol=1e-10)
+
+
+def test_fold_sink_is_a_valueless_part():
+    from flashtile.distributed.merge import fold_sink_
+
+    out = torch.randn(2, 3, 4, 8, dtype=torch.float64)
+    lse = torch.randn(2, 3, 4, dtype=torch.float64)
+    lse[0, 0] = float("-inf")  # a row that saw no key
+    out[0, 0] = 0
+    sink = torch.randn(4, dtype=torch.float64)
+    want_out, want_lse = merge_all([out, torch.zeros_like(out)], [lse, sink.expand_as(lse)])
+    got_out, got_lse = out.clone(), lse.clone()
+    fold_sink_(got_out, got_lse, sink)
+    torch.testing.assert_close(got_out, want_out)
+    torch.testing.assert_close(got_lse, want_lse)
+    assert torch.equal(got_lse[0, 0], sink) and not got_out[0, 0].any()  # empty rows: out 0, lse = sink
+    empty = torch.full((1, 1, 4), float("-inf"), dtype=torch.float64)
+    fold_sink_(torch.zeros(1, 1, 4, 2, dtype=torch.float64), empty, torch.full((4,), float("-inf"),
+                                                                                dtype=torch.float64))
+    assert empty.isneginf().all()  # a -inf sink on an empty row: no NaN

@@ -139,7 +139,8 @@ def _overlap(q, k, v, causal, layout, device, iters):
     plan = ring_plan(layout, total, ring.world, ring.rank, -1, 0 if causal else -1, None)
     steps = [bind(list(c), q.shape[0], q.shape[1], q.shape[1], q.device) for c in plan]
     opt = Options(q.shape[-1] ** -0.5)
-    kernels = _timed(lambda: RingAttention.apply(q, k, v, _NoComm(ring.world, ring.rank), steps, opt), device, iters)
+    no_comm = _NoComm(ring.world, ring.rank)
+    kernels = _timed(lambda: RingAttention.apply(q, k, v, None, no_comm, steps, opt), device, iters)
 
     def hops():
         kb, vb = k, v

@@ -18,9 +18,11 @@ import torch.distributed as dist
 from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import all_gather_seq, reduce_scatter_seq, resolve_group
 from flashtile.distributed.common import check_call, result
-from flashtile.distributed.merge import to_fa_lse
+from flashtile.distributed.merge import fold_sink_, to_fa_lse
 from flashtile.distributed.plan import Call, Segment, plan_calls, segments
 from flashtile.distributed.sharding import check_layout, layout_runs, shard, unshard
+from flashtile.ops import sink_grad
+from flashtile.validation import check_sink
 
 
 @lru_cache(maxsize=256)
@@ -37,13 +39,15 @@ def _gather(x, group, layout):
 
 class KVAllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, bound, opt):
+    def forward(ctx, q, k, v, sink, group, layout, bound, opt):
         kf, vf = _gather(k, group, layout), _gather(v, group, layout)
         acc_out, acc_lse = accumulators(q, v.shape[-1])
         forward_step(acc_out, acc_lse, q, kf, vf, bound, opt)
+        if sink is not None:
+            fold_sink_(acc_out, acc_lse, sink)
         out = acc_out.to(q.dtype)
         lse = to_fa_lse(acc_lse.transpose(1, 2).contiguous())
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.group, ctx.layout, ctx.bound, ctx.opt = group, layout, bound, opt
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -51,7 +55,7 @@ class KVAllGatherAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         group, layout = ctx.group, ctx.layout
         world = dist.get_world_size(group)
         kf, vf = _gather(k, group, layout), _gather(v, group, layout)
@@ -59,12 +63,13 @@ class KVAllGatherAttention(torch.autograd.Function):
         backward_step(dq, dkf, dvf, dout, q, kf, vf, out, lse, ctx.bound, ctx.opt)
         dk = reduce_scatter_seq([shard(dkf, world, r, layout) for r in range(world)], group)
         dv = reduce_scatter_seq([shard(dvf, world, r, layout) for r in range(world)], group)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsink = sink_grad(sink, lse, dout, out, varlen=False) if sink is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None, None
 
 
 def kv_allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                 group=None, layout="contiguous", cu_seqlens=None):
+                                 group=None, layout="contiguous", cu_seqlens=None, learnable_sink=None):
     """Context-parallel attention that all-gathers K/V (the cheaper exchange when ``h_k`` is small).
 
     ``layout``: how the shards were cut, ``"contiguous"`` or ``"zigzag"`` (sharding.py). Other arguments
@@ -77,5 +82,6 @@ def kv_allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, cau
                       deterministic, world, layout, cu_seqlens, "kv_allgather_flash_attn_func")
     plan = gather_plan(layout, spec.total, world, dist.get_rank(group), spec.left, spec.right, spec.docs)
     bound = bind(list(plan), q.shape[0], q.shape[1], spec.total, q.device)
-    out, lse = KVAllGatherAttention.apply(q, k, v, group, layout, bound, spec.opt)
+    sink = check_sink(learnable_sink, q)
+    out, lse = KVAllGatherAttention.apply(q, k, v, sink, group, layout, bound, spec.opt)
     return result(out, lse, return_attn_probs)

@@ -40,6 +40,16 @@ def merge_(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor) -> None
     lse.copy_(new)
 
 
+def fold_sink_(out: Tensor, lse: Tensor, sink: Tensor) -> None:
+    """Fold a learnable sink (``(h,)`` logits) into merged results, in place: a part with no value whose lse
+    is the sink, so ``lse = logaddexp(lse, sink)`` and ``out`` shrinks by ``exp(old lse - lse)``. A row that
+    saw no key ends with out 0 and lse = its sink (the contract's rule)."""
+    new = torch.logaddexp(lse, sink.to(lse.dtype))
+    shift = new.masked_fill(new == -INF, 0.0)  # a -inf sink on an empty row: no NaN
+    out.mul_(torch.exp(lse - shift).unsqueeze(-1))
+    lse.copy_(new)
+
+
 def merge_all(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Merge several parts of the same rows (merge lse convention): returns ``(out, lse)`` in fp32 (fp64
     for fp64 parts)."""

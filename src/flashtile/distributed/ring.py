@@ -21,9 +21,11 @@ import torch.distributed as dist
 from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import Ring, resolve_group
 from flashtile.distributed.common import CallSpec, check_call, result
-from flashtile.distributed.merge import to_fa_lse
+from flashtile.distributed.merge import fold_sink_, to_fa_lse
 from flashtile.distributed.plan import Call, plan_calls, segments
 from flashtile.distributed.sharding import layout_runs
+from flashtile.ops import sink_grad
+from flashtile.validation import check_sink
 
 
 @lru_cache(maxsize=256)
@@ -40,7 +42,7 @@ class RingAttention(torch.autograd.Function):
     """Forward and backward of ring attention over ``ring`` with the steps' bound calls."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, steps, opt):
+    def forward(ctx, q, k, v, sink, ring: Ring, steps, opt):
         acc_out, acc_lse = accumulators(q, v.shape[-1])
         kb, vb = k, v
         for s in range(ring.world):
@@ -48,9 +50,11 @@ class RingAttention(torch.autograd.Function):
             forward_step(acc_out, acc_lse, q, kb, vb, steps[s], opt)
             if pending is not None:
                 kb, vb = pending.wait()
+        if sink is not None:
+            fold_sink_(acc_out, acc_lse, sink)
         out = acc_out.to(q.dtype)
         lse = to_fa_lse(acc_lse.transpose(1, 2).contiguous())
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.ring, ctx.steps, ctx.opt = ring, steps, opt
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -58,7 +62,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sink = ctx.saved_tensors
         ring, world = ctx.ring, ctx.ring.world
         dq = grad_buffer(q)
         kb, vb, pending_grad = k, v, None
@@ -76,39 +80,45 @@ class RingAttention(torch.autograd.Function):
                 kb, vb = pending_kv.wait()
         if world > 1:  # the last hop brings this rank's own block home
             dk, dv = pending_grad.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        # with the sink in the saved lse the steps' gradients are already right (as in the kernels); the
+        # sink's own is this rank's rows' share
+        dsink = sink_grad(sink, lse, dout, out, varlen=False) if sink is not None else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None, None, None
 
 
-def ring_attention(q, k, v, group, layout: str, spec: CallSpec):
-    """Run the ring over a resolved group: ``(out, lse)``."""
+def ring_attention(q, k, v, group, layout: str, spec: CallSpec, sink=None):
+    """Run the ring over a resolved group: ``(out, lse)``; ``sink``: a checked learnable sink or None."""
     ring = Ring(group)
     plan = ring_plan(layout, spec.total, ring.world, ring.rank, spec.left, spec.right, spec.docs)
     n = q.shape[1]
     steps = [bind(list(calls), q.shape[0], n, n, q.device) for calls in plan]
-    return RingAttention.apply(q, k, v, ring, steps, spec.opt)
+    return RingAttention.apply(q, k, v, sink, ring, steps, spec.opt)
 
 
 def ring_call(fn: str, layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-              alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens):
+              alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens, learnable_sink=None):
     group = resolve_group(group)
     spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, dist.get_world_size(group), layout, cu_seqlens, fn)
-    out, lse = ring_attention(q, k, v, group, layout, spec)
+    out, lse = ring_attention(q, k, v, group, layout, spec, check_sink(learnable_sink, q))
     return result(out, lse, return_attn_probs)
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                         group=None, cu_seqlens=None):
+                         group=None, cu_seqlens=None, learnable_sink=None):
     """Ring attention over contiguous shards: rank ``r`` of ``W`` holds tokens ``[r*n, (r+1)*n)``.
 
     q: (b, n, h, d), k / v: (b, n, h_k, d) / (b, n, h_k, dv), this rank's shards; ``group``: a process
     group or 1-D DeviceMesh (default: the world). ``cu_seqlens`` (int32 ``(docs+1,)``, list or tensor; a
     CPU one avoids a device sync): documents packed along the *whole* sequence of ``W*n`` tokens, the same
     for every batch row; attention stays within each document. Other arguments as flash_attn_func (dropout
-    and ALiBi refused). Returns this rank's ``out`` (b, n, h, dv), or ``(out, lse (b, h, n), empty)`` when
+    and ALiBi refused). ``learnable_sink`` ``(h,)``: as flash_attn_func's, the same on every rank; its
+    gradient on a rank is that rank's rows' share (sum it over the group, as any parameter's). Returns
+    this rank's ``out`` (b, n, h, dv), or ``(out, lse (b, h, n), empty)`` when
     ``return_attn_probs``. Under a causal mask later ranks do more work: :func:`zigzag_ring_flash_attn_func`
     balances it.
     """
     return ring_call("ring_flash_attn_func", "contiguous", q, k, v, dropout_p, softmax_scale, causal,
-                     window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens)
+                     window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens,
+                     learnable_sink)

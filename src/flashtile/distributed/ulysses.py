@@ -15,6 +15,7 @@ import torch.distributed as dist
 from flashtile.distributed.comm import HeadsToSeq, SeqToHeads, lse_heads_to_seq, resolve_group
 from flashtile.distributed.common import check_call, result
 from flashtile.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from flashtile.validation import check_sink
 
 
 def split_heads_check(q, k, v, world: int, fn: str, what: str = "group"):
@@ -31,12 +32,18 @@ def split_heads_check(q, k, v, world: int, fn: str, what: str = "group"):
     return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
 
-def local_attention(q, k, v, spec):
+def head_shard(sink, heads: int, group):
+    """This rank's heads of a learnable sink after Ulysses' all-to-all (rank ``r`` holds heads
+    ``[r * heads, (r + 1) * heads)``); a view, so the gradient reaches the full sink."""
+    return None if sink is None else sink.narrow(0, dist.get_rank(group) * heads, heads)
+
+
+def local_attention(q, k, v, spec, sink=None):
     """Flash attention over a whole sequence (``(b, s, h, d)``); packed documents through the varlen call."""
     opt = spec.opt
     if spec.docs is None:
         out, lse, _ = flash_attn_func(q, k, v, 0.0, opt.softmax_scale, False, (spec.left, spec.right),
-                                      opt.softcap, None, opt.deterministic, True)
+                                      opt.softcap, None, opt.deterministic, True, learnable_sink=sink)
         return out, lse
     b, s = q.shape[:2]
     cu = torch.tensor([c + i * s for i in range(b) for c in spec.docs[:-1]] + [b * s], dtype=torch.int32,
@@ -44,28 +51,31 @@ def local_attention(q, k, v, spec):
     longest = max(e - a for a, e in zip(spec.docs, spec.docs[1:]))
     flat = [x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)]
     out, lse, _ = flash_attn_varlen_func(*flat, cu, cu, longest, longest, 0.0, opt.softmax_scale, False,
-                                         (spec.left, spec.right), opt.softcap, None, opt.deterministic, True)
+                                         (spec.left, spec.right), opt.softcap, None, opt.deterministic, True,
+                                         learnable_sink=sink)
     return out.reshape(b, s, *out.shape[1:]), lse.reshape(lse.shape[0], b, s).transpose(0, 1)
 
 
-def ulysses_attention(q, k, v, group, spec, return_lse: bool):
+def ulysses_attention(q, k, v, group, spec, return_lse: bool, sink=None):
     """Both all-to-alls around :func:`local_attention`: ``(out, lse or None)`` of this rank's shard."""
     q2, k2, v2 = (SeqToHeads.apply(x, group) for x in (q, k, v))
-    out2, lse2 = local_attention(q2, k2, v2, spec)
+    out2, lse2 = local_attention(q2, k2, v2, spec, head_shard(sink, q2.shape[2], group))
     out = HeadsToSeq.apply(out2, group)
     return out, (lse_heads_to_seq(lse2, group) if return_lse else None)
 
 
 def ulysses_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                            group=None, cu_seqlens=None):
+                            group=None, cu_seqlens=None, learnable_sink=None):
     """Ulysses attention over contiguous sequence shards; q's heads (and k's, or ``W`` a multiple of them)
-    must divide by the group size ``W``. Arguments and returns as :func:`ring_flash_attn_func`."""
+    must divide by the group size ``W``. Arguments and returns as :func:`ring_flash_attn_func` (a rank's
+    ``learnable_sink`` gradient holds its heads' share)."""
     fn = "ulysses_flash_attn_func"
     group = resolve_group(group)
     world = dist.get_world_size(group)
     spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, world, "contiguous", cu_seqlens, fn)
+    sink = check_sink(learnable_sink, q)
     k, v = split_heads_check(q, k, v, world, fn)
-    out, lse = ulysses_attention(q, k, v, group, spec, return_attn_probs)
+    out, lse = ulysses_attention(q, k, v, group, spec, return_attn_probs, sink)
     return result(out, lse, return_attn_probs)
