@@ -204,10 +204,11 @@ def _run_mha(case, rank, world, dout):
             "dWqkv": _err(wgrad, ref.Wqkv.weight.grad)}
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def worker(rank: int, world: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rendezvous file, not a TCP port: a port picked free by the parent can be taken by another test
+    # process (pytest-xdist runs several) before the workers bind it
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{outdir}/rendezvous")
     groups = _groups(world) if world == 4 else None
     results = {}
     for case in CASES[world]:

@@ -8,7 +8,6 @@ path, where the distributed schedule and the single-process call differ only by 
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 import pytest
@@ -19,14 +18,8 @@ from distributed_cases import CASES, worker
 ATOL = 1e-9
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, tmp_path) -> dict:
-    ctx = mp.spawn(worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False)
+    ctx = mp.spawn(worker, args=(world, str(tmp_path)), nprocs=world, join=False)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
+import tempfile
 import time
 
 import torch
@@ -68,11 +68,9 @@ def _init(device: str) -> bool:
     backend = "nccl" if device == "cuda" else "gloo"
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group(backend)
-    else:  # a one-rank group on a free local port
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    else:  # a one-rank group through a fresh rendezvous file (a port picked free could be taken meanwhile)
+        rendezvous = os.path.join(tempfile.mkdtemp(prefix="flashtile-cp-"), "rendezvous")
+        dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=0, world_size=1)
     return True
 
 
