@@ -18,7 +18,7 @@ import torch.distributed as dist
 from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import all_gather_seq, reduce_scatter_seq, resolve_group
 from flashtile.distributed.common import check_call, result
-from flashtile.distributed.merge import fold_sink_, to_fa_lse
+from flashtile.distributed.merge import finish
 from flashtile.distributed.plan import Call, Segment, plan_calls, segments
 from flashtile.distributed.sharding import check_layout, layout_runs, shard, unshard
 from flashtile.ops import sink_grad
@@ -43,10 +43,7 @@ class KVAllGatherAttention(torch.autograd.Function):
         kf, vf = _gather(k, group, layout), _gather(v, group, layout)
         acc_out, acc_lse = accumulators(q, v.shape[-1])
         forward_step(acc_out, acc_lse, q, kf, vf, bound, opt)
-        if sink is not None:
-            fold_sink_(acc_out, acc_lse, sink)
-        out = acc_out.to(q.dtype)
-        lse = to_fa_lse(acc_lse.transpose(1, 2).contiguous())
+        out, lse = finish(acc_out, acc_lse, sink, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.group, ctx.layout, ctx.bound, ctx.opt = group, layout, bound, opt
         ctx.mark_non_differentiable(lse)

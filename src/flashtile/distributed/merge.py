@@ -50,6 +50,14 @@ def fold_sink_(out: Tensor, lse: Tensor, sink: Tensor) -> None:
     lse.copy_(new)
 
 
+def finish(acc_out: Tensor, acc_lse: Tensor, sink: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """A scheme's merged accumulators as its result: the sink folded in (when given), ``out`` in the inputs'
+    dtype, lse ``(b, h, n)`` in FlashAttention's convention."""
+    if sink is not None:
+        fold_sink_(acc_out, acc_lse, sink)
+    return acc_out.to(dtype), to_fa_lse(acc_lse.transpose(1, 2).contiguous())
+
+
 def merge_all(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor]:
     """Merge several parts of the same rows (merge lse convention): returns ``(out, lse)`` in fp32 (fp64
     for fp64 parts)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import Ring, resolve_group
 from flashtile.distributed.common import CallSpec, check_call, result
-from flashtile.distributed.merge import fold_sink_, to_fa_lse
+from flashtile.distributed.merge import finish
 from flashtile.distributed.plan import Call, plan_calls, segments
 from flashtile.distributed.sharding import layout_runs
 from flashtile.ops import sink_grad
@@ -50,10 +50,7 @@ class RingAttention(torch.autograd.Function):
             forward_step(acc_out, acc_lse, q, kb, vb, steps[s], opt)
             if pending is not None:
                 kb, vb = pending.wait()
-        if sink is not None:
-            fold_sink_(acc_out, acc_lse, sink)
-        out = acc_out.to(q.dtype)
-        lse = to_fa_lse(acc_lse.transpose(1, 2).contiguous())
+        out, lse = finish(acc_out, acc_lse, sink, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sink)
         ctx.ring, ctx.steps, ctx.opt = ring, steps, opt
         ctx.mark_non_differentiable(lse)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.common import check_call
-from flashtile.distributed.merge import to_fa_lse
+from flashtile.distributed.merge import finish
 from flashtile.distributed.ring import ring_plan
 from flashtile.distributed.sharding import shard, unshard
 
@@ -40,8 +40,9 @@ def simulated_ring_attention(q: Tensor, k: Tensor, v: Tensor, world: int, layout
         for s in range(world):
             src = (r - s) % world
             forward_step(acc_out, acc_lse, qs[r], ks[src], vs[src], steps[r][s], spec.opt)
-        outs.append(acc_out.to(q.dtype))
-        lses.append(to_fa_lse(acc_lse.transpose(1, 2).contiguous()))
+        o, lse_r = finish(acc_out, acc_lse, None, q.dtype)
+        outs.append(o)
+        lses.append(lse_r)
     out, lse = unshard(outs, layout), unshard(lses, layout, dim=2)
     if dout is None:
         return out, lse
