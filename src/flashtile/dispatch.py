@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from flashtile import config
+from flashtile import chunk_batch, config
 from flashtile.params import AttnParams
 
 # Backends in order of preference, by op; modules are imported lazily so a missing triton does not
@@ -86,6 +86,14 @@ def forward(q, k, v, p: AttnParams):
     applied, so it needs no fp8 code of its own; the output is cast to bf16, FlashAttention-3's fp8
     output dtype.
     """
+    n = chunk_batch.plan(q, p, k, v)
+    if n == 1:  # the chunk spans the whole sequence
+        p = replace(p, attention_chunk=0)
+    elif n > 1:
+        b = q.shape[0]
+        fq, fk, fv = (chunk_batch.fold(x, n) for x in (q, k, v))
+        out, lse, probs = forward(fq, fk, fv, chunk_batch.params_for(p, n, b))
+        return out.view(b, q.shape[1], *out.shape[2:]), chunk_batch.unfold_lse(lse, n), probs
     mod = choose("fwd", q, p)
     if q.dtype != torch.float8_e4m3fn or getattr(mod, "FP8_FWD", False):
         return mod.fwd(q, k, v, p)
@@ -97,6 +105,21 @@ def forward(q, k, v, p: AttnParams):
     v = dequantize(v, p.v_descale, cu_seqlens=cu_k)
     out, lse, probs = mod.fwd(q, k, v, replace(p, q_descale=None, k_descale=None, v_descale=None))
     return out.to(torch.bfloat16), lse, probs
+
+
+def backward(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv) -> None:
+    """Write dq, dk, dv on the chosen backend (chunked calls that are a batch of shorter sequences run
+    folded, as their forward did: chunk_batch.py)."""
+    n = chunk_batch.plan(q, p, k, v, out, dout, dq, dk, dv)
+    if n == 1:
+        p = replace(p, attention_chunk=0)
+    elif n > 1:
+        fold = [chunk_batch.fold(x, n) for x in (dout, q, k, v, out)]
+        grads = [chunk_batch.fold(x, n) for x in (dq, dk, dv)]
+        p = chunk_batch.params_for(p, n, q.shape[0])
+        choose("bwd", q, p).bwd(*fold, chunk_batch.fold_lse(lse, n), p, *grads)
+        return
+    choose("bwd", q, p).bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
 
 
 def kvcache(q, *args, **kwargs):

@@ -197,7 +197,7 @@ def _bwd_params(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, 
 def _backend_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     """Write dq, dk, dv (unpacked views) on the chosen backend."""
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    dispatch.choose("bwd", q, p).bwd(dout, q, k, v, out, lse, p, dq, dk, dv)
+    dispatch.backward(dout, q, k, v, out, lse, p, dq, dk, dv)
 
 
 def _packed_bwd(dout, q, k, v, out, lse, p: AttnParams, packing: int):
@@ -280,7 +280,12 @@ def _attn_bwd_into_fake(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_se
 def sink_grad(learnable_sink, lse, dout, out, varlen: bool):
     """The gradient of ``learnable_sink`` ``(h,)``: out = sum_j P_j v_j with the sink in the denominator, so
     d out / d sink = -P_sink * out and d loss / d sink = -sum over rows of exp(sink - lse) * rowsum(dout * out).
-    Rows that saw nothing have lse = +inf (no sink) or out = 0, and add 0."""
+    Rows that saw nothing have lse = +inf (no sink) or out = 0, and add 0. Where the Triton backend runs
+    the backward, one kernel pass computes it (kernels/sink_grad.py); else PyTorch does."""
+    if out.dtype != torch.float64 and dispatch.choose("bwd", out, None).NAME == "triton":
+        from flashtile.backends.triton.sink_grad import sink_grad_triton
+
+        return sink_grad_triton(learnable_sink, lse, dout, out, varlen)
     acc = torch.promote_types(lse.dtype, torch.float32)  # fp64 for gradcheck's fp64 inputs
     delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (b, sq, h) or (total_q, h)
     delta = delta.t() if varlen else delta.transpose(1, 2)
