@@ -64,7 +64,8 @@ def variants(B, H, L, S, device="cpu", window=9, prefix=7, docs=(0, 3, 11), tabl
 
 def dense_reference(q, k, v, variant, meta, scale=None, dtype=torch.float64):
     """Attention from the dense definition computed in ``dtype`` (float64: the reference; the inputs' dtype:
-    PyTorch's own error, FlashAttention's bar); returns (out, lse) with lse -inf on empty rows."""
+    PyTorch's own error, FlashAttention's bar); returns (out, lse) with lse -inf on empty rows (out 0 there),
+    both differentiable."""
     _, _, bias, keep, table = variant
     q, k, v = (t.to(dtype) for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
@@ -79,6 +80,15 @@ def dense_reference(q, k, v, variant, meta, scale=None, dtype=torch.float64):
         s = s + bias.to(dtype)
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s.float(), -1).to(dtype)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    lse = logsumexp(s.to(torch.float64 if dtype == torch.float64 else torch.float32)).to(dtype)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])  # 0 on a row that sees no key
     return p.to(dtype) @ v, lse
+
+
+def logsumexp(s):
+    """Natural-log logsumexp over the last dim, -inf on a row of -inf only; differentiable, with a zero (not
+    NaN) gradient on such a row, so a loss on the lse can be checked there too."""
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    z = torch.exp(s - m).sum(-1)
+    return torch.where(z > 0, m.squeeze(-1) + torch.log(torch.where(z > 0, z, 1.0)), float("-inf"))

@@ -56,7 +56,9 @@ def flex_attention_dense(q: Tensor, k: Tensor, v: Tensor, score_mod, mask_mod, s
     elif mask_mod is not None:
         keep = evaluate_mask(mask_mod, B, Hq, L, S, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
-    m = scores.amax(-1, keepdim=True)
+    # the row max only shifts the exponent (out and lse do not depend on it): detached, autograd gives lse's
+    # gradient as exactly P, and skips amax's backward
+    m = scores.amax(-1, keepdim=True).detach()
     empty = m == float("-inf")
     p = torch.exp(scores - torch.where(empty, torch.zeros_like(m), m))
     denom = p.sum(-1, keepdim=True)

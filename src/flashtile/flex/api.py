@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from flashtile.flex import autograd as _autograd  # noqa: F401  (registers the op's backward)
-from flashtile.flex import registry
+from flashtile.flex import options, registry
 from flashtile.flex.block_mask import BlockMask, full_block_mask
 from flashtile.flex.ops import cpu_forward, flex_fwd, use_triton
 
@@ -82,8 +82,12 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev); Hkv divides Hq with ``enable_gqa``.
     ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites each scaled score (``scale`` default 1/sqrt(E));
     ``block_mask`` (create_block_mask) hides what its mask_mod hides and skips empty blocks. Returns
-    ``out`` (B, Hq, L, Ev) and, with ``return_lse``, the natural-log logsumexp (B, Hq, L) fp32, -inf on a
-    row that sees no key (whose output is 0). ``kernel_options`` is accepted and ignored.
+    ``out`` (B, Hq, L, Ev) and, with ``return_lse``, the natural-log logsumexp (B, Hq, L) fp32 of the scaled,
+    modded scores, -inf on a row that sees no key (whose output is 0); a loss may use both, gradients flow
+    through each. ``kernel_options`` (a dict, FlexAttention's keys) picks tiles: BLOCK_M / BLOCK_N and
+    num_warps / num_stages for the forward, BLOCK_M1 / BLOCK_N1 (dK/dV) and BLOCK_M2 / BLOCK_N2 (dQ) for
+    the backward, ``fwd_`` / ``bwd_`` prefixes as FlexAttention's; its other keys are accepted and ignored,
+    unknown keys and invalid values raise ValueError (flex/options.py).
     """
     _check(query, key, value, enable_gqa, block_mask)
     B, Hq, L, E = query.shape
@@ -95,16 +99,18 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     else:
         tensors, block_size = block_mask.tensors(), block_mask.BLOCK_SIZE
         mask_mod = None if block_mask.mask_mod is None or _is_noop(block_mask.mask_mod) else block_mask.mask_mod
+    tiles = list(options.tiles(kernel_options, block_size))
     k = _register(score_mod, mask_mod, str(query.device))
     bufs = list(_captured(k))
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if use_triton(q) or torch.compiler.is_compiling():
-        out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size)
+        out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size, tiles)
     else:  # eager CPU: plain autograd through the mods, captured tensors included
         out, lse = cpu_forward(q, kk, v, tensors[:4], registry.get(k), float(scale), block_size)
     if not return_lse:
         return out
-    # FlexAttention's convention for a row that sees no key: -inf (the kernels store +inf)
+    # FlexAttention's convention for a row that sees no key: -inf (the kernels store +inf); where() sends such
+    # a row a zero gradient, which it has (its probabilities are all 0)
     return out, torch.where(lse == float("inf"), float("-inf"), lse)
 
 

@@ -1,7 +1,8 @@
 """Autograd of ``flashtile::flex_fwd``: its backward is ``flashtile::flex_bwd``, registered on the op so
 eager calls and compiled graphs differentiate alike. Gradients reach q, k, v and the captured tensors
-that require grad (``Entry.grad_buffers``); the lse output is not differentiated (its gradient must be
-None or zero)."""
+that require grad (``Entry.grad_buffers``), from a loss on ``out``, on the returned lse, or on both:
+d lse_i / d s_ij = P_ij (the natural-log logsumexp of the modded scores), which the backward folds into
+its delta term."""
 
 from __future__ import annotations
 
@@ -12,25 +13,28 @@ from flashtile.flex import ops, registry
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *block8 = inputs[:11]
-    bufs, scale, key, block_q, block_kv = inputs[11:]
+    bufs, scale, key, block_q, block_kv, tiles = inputs[11:]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *block8, *bufs)
     ctx.n_bufs = len(bufs)
-    ctx.args = (scale, key, block_q, block_kv)
+    ctx.args = (scale, key, block_q, block_kv, list(tiles))
+    # an output the loss does not use gets None, not zeros: no lse term then, and no dO kernel work wasted
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     block8, bufs = rest[:8], rest[8:]
-    scale, key, block_q, block_kv = ctx.args
+    scale, key, block_q, block_kv, tiles = ctx.args
     entry = registry.get(key)
     want = bool(entry.grad_buffers)
-    dq, dk, dv, dbufs = ops.flex_bwd(dout.contiguous(), q, k, v, out, lse, *block8, list(bufs), scale, key, block_q,
-                                     block_kv, want)
+    dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+    dq, dk, dv, dbufs = ops.flex_bwd(dout, dlse, q, k, v, out, lse, *block8, list(bufs), scale, key, block_q,
+                                     block_kv, want, tiles)
     buf_grads = [None] * ctx.n_bufs
     for i, g in zip(entry.grad_buffers if want else (), dbufs):
         buf_grads[i] = g.to(bufs[i].dtype)
-    return dq, dk, dv, *([None] * 8), buf_grads, None, None, None, None
+    return dq, dk, dv, *([None] * 8), buf_grads, None, None, None, None, None
 
 
 torch.library.register_autograd("flashtile::flex_fwd", _backward, setup_context=_setup_context)

@@ -1,11 +1,13 @@
 """flashtile.flex's custom ops, so torch.compile(fullgraph=True) and CUDA graphs see one opaque call.
 
-``flashtile::flex_fwd(q, k, v, <block mask's eight tensors>, bufs, scale, key, block_q, block_kv)
--> (out, lse)`` and ``flashtile::flex_bwd(dout, q, k, v, out, lse, <eight>, bufs, scale, key, block_q,
-block_kv, buffer_grads) -> (dq, dk, dv, dbufs)``. The mods are functions, which an op schema cannot
-carry: ``key`` names their registry entry (flex/registry.py) and ``bufs`` are the tensors they
+``flashtile::flex_fwd(q, k, v, <block mask's eight tensors>, bufs, scale, key, block_q, block_kv, tiles)
+-> (out, lse)`` and ``flashtile::flex_bwd(dout, dlse, q, k, v, out, lse, <eight>, bufs, scale, key, block_q,
+block_kv, buffer_grads, tiles) -> (dq, dk, dv, dbufs)``. The mods are functions, which an op schema
+cannot carry: ``key`` names their registry entry (flex/registry.py) and ``bufs`` are the tensors they
 captured, passed so the compiler orders the call after whatever wrote them. ``dbufs`` holds one fp32
-gradient per captured tensor that gets one (``Entry.grad_buffers``), else an empty list.
+gradient per captured tensor that gets one (``Entry.grad_buffers``), else an empty list. ``dlse``, the
+lse output's gradient, is None when the caller's loss does not use lse; ``tiles`` are the 12 tile
+choices of ``kernel_options`` (flex/options.py; 0: the kernels' table decides).
 
 Which backend runs: CUDA tensors (or CPU tensors under ``FLASHTILE_INTERPRET=1``) the Triton kernels,
 other CPU tensors the materialised PyTorch path (backends/flex_cpu.py), which honours the block mask
@@ -55,42 +57,42 @@ def cpu_forward(q, k, v, block, entry, scale, block_size):
 @torch.library.custom_op("flashtile::flex_fwd", mutates_args=())
 def flex_fwd(q: Tensor, k: Tensor, v: Tensor, kv_num: Tensor, kv_idx: Tensor, full_num: Tensor, full_idx: Tensor,
              q_num: Tensor, q_idx: Tensor, full_q_num: Tensor, full_q_idx: Tensor, bufs: list[Tensor],
-             scale: float, key: str, block_q: int, block_kv: int) -> tuple[Tensor, Tensor]:
+             scale: float, key: str, block_q: int, block_kv: int, tiles: list[int]) -> tuple[Tensor, Tensor]:
     entry = registry.get(key)
     block = (kv_num, kv_idx, full_num, full_idx)
     if use_triton(q):
         from flashtile.backends.triton.flex.launch import flex_fwd as launch_fwd
 
-        return launch_fwd(q, k, v, block, entry.kernels(), scale, (block_q, block_kv))
+        return launch_fwd(q, k, v, block, entry.kernels(), scale, (block_q, block_kv), tuple(tiles[:4]))
     return cpu_forward(q, k, v, block, entry, scale, (block_q, block_kv))
 
 
 @flex_fwd.register_fake
 def _(q, k, v, kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx, bufs, scale, key,
-      block_q, block_kv):
+      block_q, block_kv, tiles):
     B, H, L, _ = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 and not use_triton(q) else torch.float32
     return q.new_empty(B, H, L, v.shape[3]), q.new_empty(B, H, L, dtype=lse_dtype)
 
 
 @torch.library.custom_op("flashtile::flex_bwd", mutates_args=())
-def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, kv_num: Tensor,
-             kv_idx: Tensor, full_num: Tensor, full_idx: Tensor, q_num: Tensor, q_idx: Tensor, full_q_num: Tensor,
-             full_q_idx: Tensor, bufs: list[Tensor], scale: float, key: str, block_q: int, block_kv: int,
-             buffer_grads: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             kv_num: Tensor, kv_idx: Tensor, full_num: Tensor, full_idx: Tensor, q_num: Tensor, q_idx: Tensor,
+             full_q_num: Tensor, full_q_idx: Tensor, bufs: list[Tensor], scale: float, key: str, block_q: int,
+             block_kv: int, buffer_grads: bool, tiles: list[int]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     entry = registry.get(key)
     block = (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx)
     if use_triton(q):
         from flashtile.backends.triton.flex.launch import flex_bwd as launch_bwd
 
-        return launch_bwd(dout, q, k, v, out, lse, block, entry.kernels(), scale, (block_q, block_kv), buffer_grads)
-    # CPU path: differentiate the materialised forward (autograd reaches the mods' captured tensors)
+        return launch_bwd(dout, dlse, q, k, v, out, lse, block, entry.kernels(), scale, (block_q, block_kv),
+                          buffer_grads, tuple(tiles[4:]))
     # CPU path (compiled graphs only: eager CPU calls differentiate cpu_forward with autograd directly, which
     # reaches captured tensors; compiled ones refuse those). torch.func.vjp, not torch.autograd: an op's
     # implementation runs below the autograd dispatch key.
-    _, vjp = torch.func.vjp(lambda qq, kk, vv: cpu_forward(qq, kk, vv, block[:4], entry, scale,
-                                                           (block_q, block_kv))[0], q, k, v)
-    dq, dk, dv = vjp(dout.to(q.dtype))
+    (o, lse_cpu), vjp = torch.func.vjp(
+        lambda qq, kk, vv: cpu_forward(qq, kk, vv, block[:4], entry, scale, (block_q, block_kv)), q, k, v)
+    dq, dk, dv = vjp((dout.to(o.dtype), torch.zeros_like(lse_cpu) if dlse is None else dlse.to(lse_cpu.dtype)))
     if buffer_grads:
         raise NotImplementedError("flashtile.flex: the CPU path's op differentiates q, k and v only; captured "
                                   "tensors get gradients from eager CPU calls (autograd) or the Triton kernels")
@@ -99,8 +101,8 @@ def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 
 @flex_bwd.register_fake
-def _(dout, q, k, v, out, lse, kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx, bufs,
-      scale, key, block_q, block_kv, buffer_grads):
+def _(dout, dlse, q, k, v, out, lse, kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx,
+      bufs, scale, key, block_q, block_kv, buffer_grads, tiles):
     entry = registry.get(key)
     dbufs = [q.new_empty(entry.buffers[i].shape, dtype=torch.float32) for i in entry.grad_buffers] \
         if buffer_grads else []

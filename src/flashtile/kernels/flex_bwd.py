@@ -1,8 +1,8 @@
 """Backward of programmable attention (flashtile.flex): a dK/dV kernel and a dQ kernel.
 
 Both recompute S = score_mod(scale * q.k) and P = exp(S - lse) from the saved lse. With
-delta = rowsum(dO * O) (the plain backward's preprocess kernel), dS = P * (dP - delta) is the gradient
-of the mod's output; SCORE_GRAD (generated: reverse-mode through the traced mod) turns it into the
+delta = rowsum(dO * O) - dlse (the plain backward's preprocess kernel, less the gradient of the lse output,
+since d lse_i / d S_ij = P_ij), dS = P * (dP - delta) is the gradient of the mod's output; SCORE_GRAD (generated: reverse-mode through the traced mod) turns it into the
 gradient of the mod's input X = scale * q.k, and dQ = scale * dX K, dK = scale * dX^T Q.
 
 The dK/dV program owns one key tile of one (batch, kv head) and walks, for each query head of its
@@ -14,53 +14,57 @@ Every (query, key) pair is visited by exactly one dK/dV program, so gradients in
 import triton
 import triton.language as tl
 
-from flashtile.kernels.flex_fwd import LOG2E, _bounded, _flex_coords
+from flashtile.kernels.flex_common import (
+    _block_list,
+    _bounded,
+    _flex_coords,
+    _flex_scores,
+    _list_offsets,
+    _listed_start,
+    _load_rows,
+    _q_rows,
+    _row_stats,
+)
 
 
 @triton.jit
-def _flex_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, IDX, n_listed, b, h, offs_m_base, cols, kv_idx, offs_d,
-                     offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS,
+def _flex_dscore(p, dp, delta, x, b, h, q_idx, kv_idx, valid, BUFS, GRADS, SCORE_GRAD: tl.constexpr,
+                 HAS_SCORE_MOD: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """The gradient of the score_mod's input x from dP: dS = P * (dP - delta) is the gradient of its output
+    (delta = rowsum(dO * O) - dlse carries the lse output's gradient), and SCORE_GRAD carries it through the
+    mod (ACCUMULATE: adding the captured tensors' gradients)."""
+    ds = p * (dp - delta)
+    if HAS_SCORE_MOD:
+        ds = SCORE_GRAD(x, b, h, q_idx, kv_idx, ds, valid, BUFS, GRADS, ACCUMULATE)
+    return ds
+
+
+@triton.jit
+def _flex_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, NUM, IDX, FULL_NUM, FULL_IDX, b, h, offs_m_base, cols, kv_idx,
+                     offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS,
                      SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                     APPLY_MASK: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HAS_BUFFER_GRADS: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
-                     SPARSE_Q: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-    """dK/dV over the listed query blocks; tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
-    SUBS: tl.constexpr = SPARSE_Q // BLOCK_M
-    for j in tl.range(0, n_listed * SUBS):
-        blk = tl.load(IDX + j // SUBS)
-        start_m = blk * SPARSE_Q + (j % SUBS) * BLOCK_M
-        offs_m = start_m + offs_m_base
-        q_mask = offs_d[None, :] < HEAD_DIM
-        do_mask = offs_dv[None, :] < HEAD_DIM_V
-        if not EVEN_M:
-            q_mask = q_mask & (offs_m[:, None] < seqlen_q)
-            do_mask = do_mask & (offs_m[:, None] < seqlen_q)
-        q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=do_mask, other=0.0)
-        # rows past the sequence get lse = +inf, which zeroes their probabilities
-        lse2 = tl.load(LSE + offs_m, mask=offs_m < seqlen_q, other=float("inf")) * LOG2E
-        delta = tl.load(DELTA + offs_m, mask=offs_m < seqlen_q, other=0.0)
-        x = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale  # [BLOCK_N, BLOCK_M]
-        q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[None, :]
-        if HAS_SCORE_MOD:
-            s = SCORE_MOD(x, b, h, q_idx, kv_idx, BUFS) * LOG2E
-        else:
-            s = x * LOG2E
-        valid = (q_idx >= 0) & (kv_idx >= 0)
-        if APPLY_MASK:
-            valid = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
-        if not EVEN_M:
-            valid = valid & (offs_m[None, :] < seqlen_q)
-        if not EVEN_N:
-            valid = valid & (cols[:, None] < seqlen_k)
-        p = tl.math.exp2(tl.where(valid, s, float("-inf")) - lse2[None, :])
-        dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
-        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[None, :])
-        if HAS_SCORE_MOD:
-            ds = SCORE_GRAD(x, b, h, q_idx, kv_idx, ds, valid, BUFS, GRADS, HAS_BUFFER_GRADS)
-        dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
+                     HAS_SCORE_MOD: tl.constexpr, HAS_BUFFER_GRADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE_Q: tl.constexpr, EVEN_M: tl.constexpr,
+                     EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """dK/dV over the key block's two query-block lists (partly visible: IDX[0 : NUM], mask_mod per element;
+    fully visible: FULL_IDX[0 : FULL_NUM]); tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
+    for phase in tl.static_range(2):
+        LIST, n_tiles = _block_list(phase, NUM, IDX, FULL_NUM, FULL_IDX, SPARSE_Q, BLOCK_M)
+        for j in tl.range(0, n_tiles):
+            offs_m = _listed_start(LIST, j, SPARSE_Q, BLOCK_M) + offs_m_base
+            q = _load_rows(Q, offs_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, not EVEN_M)
+            do = _load_rows(DO, offs_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, not EVEN_M)
+            lse2, delta = _row_stats(LSE, DELTA, offs_m, seqlen_q)
+            q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[None, :]
+            x, s, valid = _flex_scores(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION), sm_scale, b, h, q_idx,
+                                       kv_idx, offs_m[None, :] < seqlen_q, cols[:, None] < seqlen_k, BUFS, SCORE_MOD,
+                                       MASK_MOD, HAS_SCORE_MOD, phase == 0, not EVEN_M, not EVEN_N)
+            p = tl.math.exp2(s - lse2[None, :])
+            dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds = _flex_dscore(p, dp, delta[None, :], x, b, h, q_idx, kv_idx, valid, BUFS, GRADS, SCORE_GRAD,
+                              HAS_SCORE_MOD, HAS_BUFFER_GRADS)
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -84,33 +88,23 @@ def _flex_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    kv_ok = offs_n[:, None] < seqlen_k
-    k = tl.load(K + b64 * stride_kb + kv_head * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=kv_ok & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + b64 * stride_vb + kv_head * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :],
-                mask=kv_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    k = _load_rows(K + b64 * stride_kb + kv_head * stride_kh, offs_n, stride_kn, offs_d, seqlen_k, HEAD_DIM, True)
+    v = _load_rows(V + b64 * stride_vb + kv_head * stride_vh, offs_n, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, True)
     kv_idx = _bounded(offs_n, seqlen_k, EVEN_N)[:, None]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     kv_block = start_n // SPARSE_KV
     for g in range(0, group):
         h = kv_head * group + g
-        q_ptr = Q + b64 * stride_qb + h * stride_qh
-        do_ptr = DO + b64 * stride_dob + h * stride_doh
         lse_off = b64 * stride_lse_b + h * stride_lse_h
-        row = b * stride_nb + h * stride_nh + kv_block * stride_nn
-        idx_row = b * stride_ib + h * stride_ih + kv_block * stride_in
-        dk, dv = _flex_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + lse_off, DELTA + lse_off, Q_IDX + idx_row,
-                                  tl.load(Q_NUM + row), b, h, offs_m_base, offs_n, kv_idx, offs_d, offs_dv,
-                                  seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS, SCORE_MOD,
-                                  SCORE_GRAD, MASK_MOD, True, HAS_SCORE_MOD, HAS_BUFFER_GRADS, HEAD_DIM,
+        row, idx_row = _list_offsets(b, h, kv_block, stride_nb, stride_nh, stride_nn, stride_ib, stride_ih, stride_in)
+        dk, dv = _flex_dkdv_inner(dk, dv, k, v, Q + b64 * stride_qb + h * stride_qh, DO + b64 * stride_dob
+                                  + h * stride_doh, LSE + lse_off, DELTA + lse_off, Q_NUM + row, Q_IDX + idx_row,
+                                  FULL_Q_NUM + row, FULL_Q_IDX + idx_row, b, h, offs_m_base, offs_n, kv_idx, offs_d,
+                                  offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale, BUFS, GRADS,
+                                  SCORE_MOD, SCORE_GRAD, MASK_MOD, HAS_SCORE_MOD, HAS_BUFFER_GRADS, HEAD_DIM,
                                   HEAD_DIM_V, BLOCK_M, SPARSE_Q, EVEN_M, EVEN_N, DOT_PRECISION)
-        dk, dv = _flex_dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE + lse_off, DELTA + lse_off,
-                                  FULL_Q_IDX + idx_row, tl.load(FULL_Q_NUM + row), b, h, offs_m_base, offs_n,
-                                  kv_idx, offs_d, offs_dv, seqlen_q, seqlen_k, stride_qm, stride_dom, sm_scale,
-                                  BUFS, GRADS, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, HAS_SCORE_MOD,
-                                  HAS_BUFFER_GRADS, HEAD_DIM, HEAD_DIM_V, BLOCK_M, SPARSE_Q, EVEN_M, EVEN_N,
-                                  DOT_PRECISION)
+    kv_ok = offs_n[:, None] < seqlen_k
     tl.store(DK + b64 * stride_dkb + kv_head * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok & (offs_d[None, :] < HEAD_DIM))
     tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
@@ -118,43 +112,30 @@ def _flex_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _flex_dq_inner(dq, q, do, lse2, delta, K, V, IDX, n_listed, b, h, offs_m, q_idx, offs_n, offs_d, offs_dv,
-                   seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
+def _flex_dq_inner(dq, q, do, lse2, delta, K, V, NUM, IDX, FULL_NUM, FULL_IDX, b, h, offs_m, q_idx, offs_d,
+                   offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
                    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                   APPLY_MASK: tl.constexpr, HAS_SCORE_MOD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr,
-                   EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """dQ over the listed key blocks; tiles are [BLOCK_M, BLOCK_N]."""
-    SUBS: tl.constexpr = SPARSE_KV // BLOCK_N
-    for j in tl.range(0, n_listed * SUBS):
-        blk = tl.load(IDX + j // SUBS)
-        cols = blk * SPARSE_KV + (j % SUBS) * BLOCK_N + offs_n
-        k_mask = offs_d[None, :] < HEAD_DIM
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if not EVEN_N:
-            k_mask = k_mask & (cols[:, None] < seqlen_k)
-            v_mask = v_mask & (cols[:, None] < seqlen_k)
-        k = tl.load(K + cols[:, None] * stride_kn + offs_d[None, :], mask=k_mask, other=0.0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
-        x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-        kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
-        if HAS_SCORE_MOD:
-            s = SCORE_MOD(x, b, h, q_idx, kv_idx, BUFS) * LOG2E
-        else:
-            s = x * LOG2E
-        valid = (q_idx >= 0) & (kv_idx >= 0)
-        if APPLY_MASK:
-            valid = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
-        if not EVEN_N:
-            valid = valid & (cols[None, :] < seqlen_k)
-        if not EVEN_M:
-            valid = valid & (offs_m[:, None] < seqlen_q)
-        p = tl.math.exp2(tl.where(valid, s, float("-inf")) - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SCORE_MOD:
-            ds = SCORE_GRAD(x, b, h, q_idx, kv_idx, ds, valid, BUFS, BUFS, False)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+                   HAS_SCORE_MOD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, EVEN_M: tl.constexpr, EVEN_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """dQ over the query block's two key-block lists (as the forward walks them); tiles are [BLOCK_M, BLOCK_N]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for phase in tl.static_range(2):
+        LIST, n_tiles = _block_list(phase, NUM, IDX, FULL_NUM, FULL_IDX, SPARSE_KV, BLOCK_N)
+        for j in tl.range(0, n_tiles):
+            cols = _listed_start(LIST, j, SPARSE_KV, BLOCK_N) + offs_n
+            k = _load_rows(K, cols, stride_kn, offs_d, seqlen_k, HEAD_DIM, not EVEN_N)
+            v = _load_rows(V, cols, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, not EVEN_N)
+            kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
+            x, s, valid = _flex_scores(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), sm_scale, b, h, q_idx,
+                                       kv_idx, offs_m[:, None] < seqlen_q, cols[None, :] < seqlen_k, BUFS, SCORE_MOD,
+                                       MASK_MOD, HAS_SCORE_MOD, phase == 0, not EVEN_M, not EVEN_N)
+            p = tl.math.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            # the dK/dV kernel adds the captured tensors' gradients: every pair is visited once there
+            ds = _flex_dscore(p, dp, delta[:, None], x, b, h, q_idx, kv_idx, valid, BUFS, BUFS, SCORE_GRAD,
+                              HAS_SCORE_MOD, False)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
 
 
@@ -171,39 +152,25 @@ def _flex_bwd_dq_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """dQ of BLOCK_M query rows of one (batch, head)."""
-    pid_m, b, h = _flex_coords(seqlen_q, num_heads, BLOCK_M)
-    kv_head = h // group
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    b, h, kv_head, start_m, offs_m = _q_rows(seqlen_q, num_heads, group, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    row_ok = offs_m < seqlen_q
-    q_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
-                other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    lse_ptr = b64 * stride_lse_b + h * stride_lse_h + offs_m
-    lse2 = tl.load(LSE + lse_ptr, mask=row_ok, other=float("inf")) * LOG2E
-    delta = tl.load(DELTA + lse_ptr, mask=row_ok, other=0.0)
-    k_base = K + b64 * stride_kb + kv_head * stride_kh
-    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    q = _load_rows(Q + b64 * stride_qb + h * stride_qh, offs_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, True)
+    do = _load_rows(DO + b64 * stride_dob + h * stride_doh, offs_m, stride_dom, offs_dv, seqlen_q, HEAD_DIM_V, True)
+    lse_off = b64 * stride_lse_b + h * stride_lse_h
+    lse2, delta = _row_stats(LSE + lse_off, DELTA + lse_off, offs_m, seqlen_q)
     q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    row = b * stride_nb + h * stride_nh + (start_m // SPARSE_Q) * stride_nm
-    idx_row = b * stride_ib + h * stride_ih + (start_m // SPARSE_Q) * stride_im
-    dq = _flex_dq_inner(dq, q, do, lse2, delta, k_base, v_base, KV_IDX + idx_row, tl.load(KV_NUM + row), b, h,
-                        offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale,
-                        BUFS, SCORE_MOD, SCORE_GRAD, MASK_MOD, True, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                        SPARSE_KV, EVEN_M, EVEN_N, DOT_PRECISION)
-    dq = _flex_dq_inner(dq, q, do, lse2, delta, k_base, v_base, FULL_IDX + idx_row, tl.load(FULL_NUM + row), b, h,
-                        offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_q, seqlen_k, stride_kn, stride_vn, sm_scale,
-                        BUFS, SCORE_MOD, SCORE_GRAD, MASK_MOD, False, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N,
-                        SPARSE_KV, EVEN_M, EVEN_N, DOT_PRECISION)
+    row, idx_row = _list_offsets(b, h, start_m // SPARSE_Q, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih,
+                                 stride_im)
+    dq = _flex_dq_inner(dq, q, do, lse2, delta, K + b64 * stride_kb + kv_head * stride_kh,
+                        V + b64 * stride_vb + kv_head * stride_vh, KV_NUM + row, KV_IDX + idx_row, FULL_NUM + row,
+                        FULL_IDX + idx_row, b, h, offs_m, q_idx, offs_d, offs_dv, seqlen_q, seqlen_k,
+                        stride_kn, stride_vn, sm_scale, BUFS, SCORE_MOD, SCORE_GRAD, MASK_MOD, HAS_SCORE_MOD,
+                        HEAD_DIM, HEAD_DIM_V, BLOCK_N, SPARSE_KV, EVEN_M, EVEN_N, DOT_PRECISION)
     tl.store(DQ + b64 * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 # ((dK/dV BLOCK_M, BLOCK_N, warps, stages), (dQ BLOCK_M, BLOCK_N, warps, stages)) by (arch, head-dim

@@ -6,7 +6,8 @@ The mods arrive as constexpr jit functions (generated per mod, backends/triton/f
 kv_idx, BUFS)``; ``BUFS`` is the tuple of tensors the mods captured. The block mask lists, per
 (batch, head, query block of SPARSE_Q rows), the key blocks (SPARSE_KV keys) that are partly visible
 (mask_mod runs on them) and those fully visible (no mask work); every other block is skipped. A
-sparse block is walked in BLOCK_N-key tiles, flattened into one loop so the pipeliner sees one range.
+sparse block is walked in BLOCK_N-key tiles (kernels/flex_common.py holds the helpers shared with the
+backward).
 
 Layout: (batch, heads, seq, dim) tensors with a unit last stride; lse (b, h, sq) fp32, natural log,
 +inf for a row that sees no key (its output is 0).
@@ -16,64 +17,42 @@ import triton
 import triton.language as tl
 
 from flashtile.kernels.attn_fwd import _softmax_update
-
-LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jit code may read no other global
-
-
-@triton.jit
-def _flex_coords(seqlen, num_heads, BLOCK: tl.constexpr):
-    """(block, batch, head) of this program: one flat grid axis, blocks fastest (neighbours share K/V in L2)."""
-    pid = tl.program_id(0)
-    n_blocks = tl.cdiv(seqlen, BLOCK)
-    bh = pid // n_blocks
-    return pid % n_blocks, bh // num_heads, bh % num_heads
+from flashtile.kernels.flex_common import (
+    _block_list,
+    _bounded,
+    _flex_scores,
+    _list_offsets,
+    _listed_start,
+    _load_rows,
+    _q_rows,
+)
 
 
 @triton.jit
-def _bounded(offs, n, EVEN: tl.constexpr):
-    """Indices handed to the mods: past the end they repeat the last one, so a mod that reads a captured
-    tensor never reads past it (those lanes are masked out anyway)."""
-    if EVEN:
-        return offs
-    return tl.minimum(offs, n - 1)
-
-
-@triton.jit
-def _flex_fwd_inner(acc, m_i, l_i, q, K, V, IDX, n_listed, b, h, offs_m, q_idx, offs_n, offs_d, offs_dv,
+def _flex_fwd_inner(acc, m_i, l_i, q, K, V, NUM, IDX, FULL_NUM, FULL_IDX, b, h, q_idx, offs_d, offs_dv,
                     seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
-                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
-                    HAS_SCORE_MOD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPARSE_KV: tl.constexpr, EVEN_N: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Online softmax over the listed key blocks (IDX[0 : n_listed], each SPARSE_KV // BLOCK_N tiles)."""
-    SUBS: tl.constexpr = SPARSE_KV // BLOCK_N
-    for j in tl.range(0, n_listed * SUBS):
-        blk = tl.load(IDX + j // SUBS)
-        start_n = blk * SPARSE_KV + (j % SUBS) * BLOCK_N
-        cols = start_n + offs_n
-        k_mask = offs_d[:, None] < HEAD_DIM
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if not EVEN_N:
-            k_mask = k_mask & (cols[None, :] < seqlen_k)
-            v_mask = v_mask & (cols[:, None] < seqlen_k)
-        kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=k_mask, other=0.0)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
-        kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
-        if HAS_SCORE_MOD:
-            s = SCORE_MOD(qk * sm_scale, b, h, q_idx, kv_idx, BUFS) * LOG2E
-        else:
-            s = qk * (sm_scale * LOG2E)
-        if APPLY_MASK:
-            ok = MASK_MOD(b, h, q_idx, kv_idx, BUFS)
+                    SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                    SPARSE_KV: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over the query block's two key-block lists: the partly visible blocks (IDX[0 : NUM],
+    mask_mod decides per element), then the fully visible ones (FULL_IDX[0 : FULL_NUM], no mask work)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for phase in tl.static_range(2):
+        LIST, n_tiles = _block_list(phase, NUM, IDX, FULL_NUM, FULL_IDX, SPARSE_KV, BLOCK_N)
+        for j in tl.range(0, n_tiles):
+            cols = _listed_start(LIST, j, SPARSE_KV, BLOCK_N) + offs_n
+            k_mask = offs_d[:, None] < HEAD_DIM
             if not EVEN_N:
-                ok = ok & (cols[None, :] < seqlen_k)
-            s = tl.where(ok, s, float("-inf"))
-        elif not EVEN_N:
-            s = tl.where(cols[None, :] < seqlen_k, s, float("-inf"))
-        # MASK=True: a row may have seen only -inf so far (a mask, or a score_mod returning -inf)
-        p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, True, 0)
-        v = tl.load(V + cols[:, None] * stride_vn + offs_dv[None, :], mask=v_mask, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+                k_mask = k_mask & (cols[None, :] < seqlen_k)
+            kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=k_mask, other=0.0)
+            qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+            kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
+            _, s, _ = _flex_scores(qk, sm_scale, b, h, q_idx, kv_idx, q_idx >= 0, cols[None, :] < seqlen_k, BUFS,
+                                   SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, phase == 0, False, not EVEN_N)
+            # MASK=True: a row may have seen only -inf so far (a mask, or a score_mod returning -inf)
+            p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, True, 0)
+            v = _load_rows(V, cols, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, not EVEN_N)
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -91,36 +70,23 @@ def _flex_fwd_kernel(
 ):
     """Out and lse of BLOCK_M query rows of one (batch, head). The block-mask tensors (KV_NUM (b, h, nq),
     KV_IDX (b, h, nq, nk), and FULL_*) come expanded to (b, h): a broadcast dimension has stride 0."""
-    pid_m, b, h = _flex_coords(seqlen_q, num_heads, BLOCK_M)
-    kv_head = h // group
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
+    b, h, kv_head, start_m, offs_m = _q_rows(seqlen_q, num_heads, group, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64 = b.to(tl.int64)
-    q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b64 * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :], mask=q_mask,
-                other=0.0)
-    k_base = K + b64 * stride_kb + kv_head * stride_kh
-    v_base = V + b64 * stride_vb + kv_head * stride_vh
+    q = _load_rows(Q + b64 * stride_qb + h * stride_qh, offs_m, stride_qm, offs_d, seqlen_q, HEAD_DIM, True)
     q_idx = _bounded(offs_m, seqlen_q, EVEN_M)[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    row = b * stride_nb + h * stride_nh + (start_m // SPARSE_Q) * stride_nm
-    idx_row = b * stride_ib + h * stride_ih + (start_m // SPARSE_Q) * stride_im
-    # partly visible blocks: mask_mod decides per element
-    acc, m_i, l_i = _flex_fwd_inner(acc, m_i, l_i, q, k_base, v_base, KV_IDX + idx_row, tl.load(KV_NUM + row), b, h,
-                                    offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_k, stride_kn, stride_vn,
-                                    sm_scale, BUFS, SCORE_MOD, MASK_MOD, True, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V,
-                                    BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
-    # fully visible blocks: no mask work
-    acc, m_i, l_i = _flex_fwd_inner(acc, m_i, l_i, q, k_base, v_base, FULL_IDX + idx_row, tl.load(FULL_NUM + row),
-                                    b, h, offs_m, q_idx, offs_n, offs_d, offs_dv, seqlen_k, stride_kn, stride_vn,
-                                    sm_scale, BUFS, SCORE_MOD, MASK_MOD, False, HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V,
-                                    BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
+    row, idx_row = _list_offsets(b, h, start_m // SPARSE_Q, stride_nb, stride_nh, stride_nm, stride_ib, stride_ih,
+                                 stride_im)
+    acc, m_i, l_i = _flex_fwd_inner(acc, m_i, l_i, q, K + b64 * stride_kb + kv_head * stride_kh,
+                                    V + b64 * stride_vb + kv_head * stride_vh, KV_NUM + row, KV_IDX + idx_row,
+                                    FULL_NUM + row, FULL_IDX + idx_row, b, h, q_idx, offs_d, offs_dv,
+                                    seqlen_k, stride_kn, stride_vn, sm_scale, BUFS, SCORE_MOD, MASK_MOD,
+                                    HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
 
     empty = l_i == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]

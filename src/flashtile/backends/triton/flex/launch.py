@@ -1,7 +1,8 @@
 """Launchers of the flex kernels (kernels/flex_fwd.py, kernels/flex_bwd.py): allocation, strides, tiles, grid.
 
-Tiles come from the kernels' tables (or the ``fwd_tiles`` / ``bwd_tiles`` settings, which tests pin),
-clipped to the block mask's block sizes: a kernel tile must divide a sparse block, since a program
+Tiles come from the call's ``kernel_options`` (flex/options.py) where it gives them, else from the
+kernels' tables (or the ``fwd_tiles`` / ``bwd_tiles`` settings, which tests pin), clipped to the block
+mask's block sizes: a kernel tile must divide a sparse block, since a program
 walks each listed block in whole tiles. The block-mask tensors are expanded to (batch, heads), so a
 mask built with B or H None costs nothing per head (stride 0).
 """
@@ -29,6 +30,11 @@ def _fit(tile: int, sparse: int) -> int:
     return min(tile, sparse)
 
 
+def _chosen(given: tuple, default: tuple) -> tuple:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the call's values where given (non-zero), else the default's."""
+    return tuple(g or d for g, d in zip(given, default))
+
+
 def _expand(t: Tensor, B: int, H: int) -> Tensor:
     return t.expand(B, H, *t.shape[2:])
 
@@ -44,9 +50,10 @@ def _buffers(kernels: ModKernels, device) -> tuple:
 
 
 def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels, scale: float,
-             block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+             block_size: tuple[int, int], tiles: tuple = (0, 0, 0, 0)) -> tuple[Tensor, Tensor]:
     """out (B, Hq, L, Ev) in q's dtype and lse (B, Hq, L) fp32 (+inf on rows that see no key).
-    ``block``: (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)."""
+    ``block``: (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices); ``tiles``: the call's
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), 0 where the table decides."""
     B, H, L, E = q.shape
     S, Ev = k.shape[2], v.shape[3]
     out = torch.empty(B, H, L, Ev, device=q.device, dtype=q.dtype)
@@ -55,7 +62,7 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
         return out, lse
     bq, bkv = block_size
     bd, bdv = max(16, host.next_pow2(E)), max(16, host.next_pow2(Ev))
-    tiles = config.get().fwd_tiles or flex_fwd_config(host.arch_of(q.device), max(bd, bdv))
+    tiles = _chosen(tiles, config.get().fwd_tiles or flex_fwd_config(host.arch_of(q.device), max(bd, bdv)))
     bm, bn, warps, stages = _fit(tiles[0], bq), _fit(tiles[1], bkv), tiles[2], tiles[3]
     num, idx, fnum, fidx = (_expand(t, B, H) for t in block)
     grid = (host.cdiv(L, bm) * B * H,)
@@ -73,11 +80,13 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
     return out, lse
 
 
-def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: tuple,
-             kernels: ModKernels, scale: float, block_size: tuple[int, int], buffer_grads: bool
-             ) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+             block: tuple, kernels: ModKernels, scale: float, block_size: tuple[int, int], buffer_grads: bool,
+             tiles: tuple = (0,) * 8) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
     """(dq, dk, dv, grads of the captured tensors in ``kernels.grad_buffers`` order, fp32; empty when
-    ``buffer_grads`` is False). ``block``: the block mask's eight tensors (BlockMask.tensors())."""
+    ``buffer_grads`` is False). ``dlse``: the gradient of the lse output (None: none), zero on rows that see
+    no key. ``block``: the block mask's eight tensors (BlockMask.tensors()); ``tiles``: the call's dK/dV
+    then dQ (BLOCK_M, BLOCK_N, num_warps, num_stages), 0 where the table decides."""
     B, H, L, E = q.shape
     Hk, S, Ev = k.shape[1], k.shape[2], v.shape[3]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -91,6 +100,7 @@ def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     bd, bdv = max(16, host.next_pow2(E)), max(16, host.next_pow2(Ev))
     arch = host.arch_of(q.device)
     (kv_cfg, q_cfg) = config.get().bwd_tiles or flex_bwd_configs(arch, max(bd, bdv))
+    kv_cfg, q_cfg = _chosen(tiles[:4], kv_cfg), _chosen(tiles[4:], q_cfg)
     delta = torch.empty_like(lse)
     num, idx, fnum, fidx, qnum, qidx, fqnum, fqidx = (_expand(t, B, H) for t in block)
     bufs = _buffers(kernels, q.device)
@@ -103,6 +113,8 @@ def flex_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
                     out.stride(0), out.stride(2), out.stride(1), dout.stride(0), dout.stride(2), dout.stride(1),
                     lse.stride(0), lse.stride(1), HEAD_DIM=Ev, BLOCK_M=pre_m, BLOCK_D=bdv, IS_VARLEN=False,
                     HAS_SEQUSED_Q=False, num_warps=4, num_stages=1)
+        if dlse is not None:  # d lse_i / d S_ij = P_ij: dS = P * (dP - delta) + P * dlse folds into delta
+            delta.sub_(dlse)
         bm, bn = _fit(kv_cfg[0], bq), _fit(kv_cfg[1], bkv)
         host.launch(_flex_bwd_dkdv_kernel, (host.cdiv(S, bn) * B * Hk,), q, k, v, dout, lse, delta, dk, dv,
                     qnum, qidx, fqnum, fqidx, bufs, tuple(grads) if grads else bufs, scale, L, S, H, Hk, H // Hk,
