@@ -42,6 +42,7 @@ _BWD_NO_SPECIALIZE = ["seqlen_q", "seqlen_k", "window_left", "window_right", "se
                       "attention_chunk"]
 
 
+# --8<-- [start:preprocess]
 @triton.jit
 def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q, num_heads,
                                 stride_ob, stride_om, stride_oh, stride_dob, stride_dom, stride_doh,
@@ -67,8 +68,10 @@ def _attn_bwd_preprocess_kernel(O, DO, DELTA, CU_SEQLENS_Q, SEQUSED_Q, seqlen_q,
     delta = tl.sum(o * do, 1)
     tl.store(DELTA + b.to(tl.int64) * stride_lse_b + h * stride_lse_h + row0 + offs_m, delta,
              mask=offs_m < seqlen_q)
+# --8<-- [end:preprocess]
 
 
+# --8<-- [start:probs]
 @triton.jit
 def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, softcap, slope,
                            window_left, window_right, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -97,8 +100,10 @@ def _probs_and_grad_factor(qk, rows, cols, lse2, seqlen_q, seqlen_k, qk_scale, s
             ok = ok & (cols >= start) & (cols < start + chunk)
         s = tl.where(ok, s, float("-inf"))
     return tl.math.exp2(s - lse2), factor
+# --8<-- [end:probs]
 
 
+# --8<-- [start:query_block_ranges]
 @triton.jit
 def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -136,6 +141,7 @@ def _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, full_lo, full_hi, hi
+# --8<-- [end:query_block_ranges]
 
 
 @triton.jit
@@ -160,6 +166,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_h
 
     PIPELINE_EDGES = False (backends/triton/attn_bwd.py edge_setting): a masked range loads its few blocks
     directly, without the software pipeline's prologue, which runs even when the range is empty."""
+    # --8<-- [start:dkdv_inner]
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         offs_m = blk * BLOCK_M + offs_m_base
         row_ok = offs_m < seqlen_q
@@ -183,6 +190,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, lse_base, bh, block_lo, block_h
         ds_t = p_t * (dp_t - delta[None, :]) * factor
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
+    # --8<-- [end:dkdv_inner]
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
@@ -205,11 +213,13 @@ def _attn_bwd_dkdv_kernel(
     """dK and dV of one key block of one (batch, kv head), summed over the group's query heads."""
     HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
     BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
+    # --8<-- [start:dkdv_launch_dependents]
     if LAUNCH_DEPENDENTS:
         # programmatic dependent launch (backends/triton/attn_bwd.py use_bwd_pdl): the dQ kernel,
         # which reads nothing this kernel writes, may be scheduled once every program here started,
         # onto the SMs this grid's last wave leaves idle
         gdc_launch_dependents()
+    # --8<-- [end:dkdv_launch_dependents]
     pid_n, b, kv_head, _ = _tile_coords(seqlen_k, num_kv_heads, 1, BLOCK_N)
     q_row0, k_row0, seqlen_q, seqlen_k = _sequence_bounds(b, CU_SEQLENS_Q, CU_SEQLENS_K, SEQUSED_Q, SEQUSED_K,
                                                           seqlen_q, seqlen_k, IS_VARLEN, HAS_SEQUSED_Q,
@@ -230,6 +240,7 @@ def _attn_bwd_dkdv_kernel(
                     mask=v_mask, other=0.0)
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BDV], dtype=tl.float32)
+        # --8<-- [start:dkdv_groups]
         lo, full_lo, full_hi, hi = _query_block_ranges(start_n, seqlen_q, seqlen_k, window_left, window_right,
                                                        BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk,
                                                        HAS_CHUNK)
@@ -263,6 +274,7 @@ def _attn_bwd_dkdv_kernel(
                  dk.to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(DV + b64 * stride_dvb + kv_head * stride_dvh + k_rows[:, None] * stride_dvn + offs_dv[None, :],
                  dv.to(DV.dtype.element_ty), mask=v_mask)
+        # --8<-- [end:dkdv_groups]
 
 
 @triton.jit
@@ -275,6 +287,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
               PIPELINE_EDGES: tl.constexpr = True):
     """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N]); PIPELINE_EDGES as
     in _dkdv_inner."""
+    # --8<-- [start:dq_inner]
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         cols = blk * BLOCK_N + offs_n_base
         k = _load_rows(K, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn, HEAD_DIM)
@@ -290,6 +303,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
         ds = p * (dp - delta[:, None]) * factor
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     return dq
+    # --8<-- [end:dq_inner]
 
 
 @triton.jit(do_not_specialize=_BWD_NO_SPECIALIZE)
@@ -361,6 +375,7 @@ def _attn_bwd_dq_kernel(
         dq = dq * grad_scale
         tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
+    # --8<-- [start:dq_wait]
     if WAIT_AT_END:
         # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs
         # were all written before that kernel started, so no wait before reading. One program
@@ -369,6 +384,7 @@ def _attn_bwd_dq_kernel(
         # as soon as they are done
         if tl.program_id(0) == tl.num_programs(0) - 1:
             gdc_wait()
+    # --8<-- [end:dq_wait]
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) for the dK/dV and dQ kernels, keyed like FWD_CONFIGS.

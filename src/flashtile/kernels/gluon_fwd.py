@@ -38,6 +38,7 @@ def mma_layout(num_warps, n, k):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, k])
 
 
+# --8<-- [start:load_kv]
 @gluon.jit
 def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, block, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
              BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr):
@@ -54,8 +55,10 @@ def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, block, off_b, off
     else:
         tma.async_copy_global_to_shared(desc_v, [off_b, block * BLOCK_N, off_hk, 0], v_ready.index(slot),
                                         v_smem.index(slot))
+# --8<-- [end:load_kv]
 
 
+# --8<-- [start:issue_qk]
 @gluon.jit
 def _issue_qk(q_tile, k_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -66,6 +69,7 @@ def _issue_qk(q_tile, k_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFER
     # use_acc=False: the hardware ignores the accumulator, so no zero fill is paid per block
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     return warpgroup_mma(q_tile, k_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+# --8<-- [end:issue_qk]
 
 
 @gluon.jit
@@ -120,6 +124,7 @@ def _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, block, o_layout: gl.cons
     return _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS, BLOCK_N, HEAD_DIM, V_TRANSPOSED), p
 
 
+# --8<-- [start:key_block]
 @gluon.jit
 def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v, off_b, off_hk,
                n_blocks, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
@@ -151,6 +156,7 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_rea
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
                                  HEAD_DIM, V_TRANSPOSED)
     return s_next, o, p, m_i, l_i
+# --8<-- [end:key_block]
 
 
 @gluon.jit
@@ -198,6 +204,7 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     if HAS_V_DESCALE:
         v_scale = gl.load(V_DESCALE + kv_index)
 
+    # --8<-- [start:smem_and_barriers]
     # shared memory: Q (16-bit: later reused to stage O), a ring of K and V tiles, one barrier per tile.
     # The 4-D block [1, rows, 1, d] is what the (b, s, h, d) descriptors move; MMAs see a 2-D view.
     q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
@@ -212,6 +219,7 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
         mbarrier.init(v_ready.index(i), count=1)
     # barrier initialisation must be visible to the TMA unit (async proxy) before it signals them
     fence_async_shared()
+    # --8<-- [end:smem_and_barriers]
 
     if CAUSAL:
         # keys past the tile's last row are never visible: those blocks are skipped, not masked
