@@ -4,7 +4,8 @@ Step ``s`` of ``W``: rank ``r`` holds the K/V shard of rank ``r - s``; it posts 
 ``r + 1`` (and the receive of the next one from ``r - 1``) before computing on it, so the transfer runs
 under the kernels. The step's kernel calls come from the planner (plan.py): a causal step against an
 earlier rank's block is unmasked, the own block is causal, a later rank's block is skipped. Results merge
-by lse (merge.py).
+by lse (merge.py). Chunked attention and ALiBi come out of the same planner: a step whose queries and
+keys share no chunk has no piece and is skipped like a causal step's later block.
 
 Backward: K/V go around again; each rank adds its share of dK/dV for the block it holds into a partial
 sum that travels with the block, so after ``W`` hops every block's gradient arrives back at its owner.
@@ -18,7 +19,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
+from flashtile.distributed.blocks import acc_dtype, accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import Ring, resolve_group
 from flashtile.distributed.common import CallSpec, check_call, result
 from flashtile.distributed.merge import finish
@@ -30,11 +31,12 @@ from flashtile.validation import check_sink
 
 @lru_cache(maxsize=256)
 def ring_plan(layout: str, total: int, world: int, rank: int, left: int, right: int,
-              docs: tuple[int, ...] | None) -> tuple[tuple[Call, ...], ...]:
-    """The kernel calls of each step of ``rank`` (step ``s`` attends to rank ``(rank - s) % world``'s block)."""
+              docs: tuple[int, ...] | None, alibi: bool = False) -> tuple[tuple[Call, ...], ...]:
+    """The kernel calls of each step of ``rank`` (step ``s`` attends to rank ``(rank - s) % world``'s block);
+    ``docs``: the planner's boundaries (documents and chunks, ``CallSpec.plan_docs``)."""
     mine = segments(layout_runs(layout, total, world, rank))
     return tuple(tuple(plan_calls(mine, segments(layout_runs(layout, total, world, (rank - s) % world)),
-                                  left, right, docs))
+                                  left, right, docs, alibi))
                  for s in range(world))
 
 
@@ -86,36 +88,40 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group, layout: str, spec: CallSpec, sink=None):
     """Run the ring over a resolved group: ``(out, lse)``; ``sink``: a checked learnable sink or None."""
     ring = Ring(group)
-    plan = ring_plan(layout, spec.total, ring.world, ring.rank, spec.left, spec.right, spec.docs)
+    plan = ring_plan(layout, spec.total, ring.world, ring.rank, spec.left, spec.right, spec.plan_docs,
+                     spec.alibi is not None)
     n = q.shape[1]
-    steps = [bind(list(calls), q.shape[0], n, n, q.device) for calls in plan]
+    steps = [bind(list(calls), q.shape[0], n, n, q.device, spec.alibi, acc_dtype(q)) for calls in plan]
     return RingAttention.apply(q, k, v, sink, ring, steps, spec.opt)
 
 
 def ring_call(fn: str, layout: str, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-              alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens, learnable_sink=None):
+              alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens, learnable_sink=None,
+              attention_chunk=0):
     group = resolve_group(group)
     spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, dist.get_world_size(group), layout, cu_seqlens, fn)
+                      deterministic, dist.get_world_size(group), layout, cu_seqlens, fn, attention_chunk)
     out, lse = ring_attention(q, k, v, group, layout, spec, check_sink(learnable_sink, q))
     return result(out, lse, return_attn_probs)
 
 
 def ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                          softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                         group=None, cu_seqlens=None, learnable_sink=None):
+                         group=None, cu_seqlens=None, learnable_sink=None, attention_chunk=0):
     """Ring attention over contiguous shards: rank ``r`` of ``W`` holds tokens ``[r*n, (r+1)*n)``.
 
     q: (b, n, h, d), k / v: (b, n, h_k, d) / (b, n, h_k, dv), this rank's shards; ``group``: a process
     group or 1-D DeviceMesh (default: the world). ``cu_seqlens`` (int32 ``(docs+1,)``, list or tensor; a
     CPU one avoids a device sync): documents packed along the *whole* sequence of ``W*n`` tokens, the same
     for every batch row; attention stays within each document. Other arguments as flash_attn_func (dropout
-    and ALiBi refused). ``learnable_sink`` ``(h,)``: as flash_attn_func's, the same on every rank; its
-    gradient on a rank is that rank's rows' share (sum it over the group, as any parameter's). Returns
-    this rank's ``out`` (b, n, h, dv), or ``(out, lse (b, h, n), empty)`` when
-    ``return_attn_probs``. Under a causal mask later ranks do more work: :func:`zigzag_ring_flash_attn_func`
-    balances it.
+    refused); ``alibi_slopes`` fp32 ``(h,)`` / ``(b, h)`` measure distances between global positions.
+    ``learnable_sink`` ``(h,)``: as flash_attn_func's, the same on every rank; its gradient on a rank is
+    that rank's rows' share (sum it over the group, as any parameter's). ``attention_chunk`` (FlashAttention-3's):
+    > 0 limits each query to the keys of its chunk of that many tokens of the whole sequence (of its
+    document, with ``cu_seqlens``). Returns this rank's ``out`` (b, n, h, dv), or ``(out, lse (b, h, n),
+    empty)`` when ``return_attn_probs``. Under a causal mask later ranks do more work:
+    :func:`zigzag_ring_flash_attn_func` balances it.
     """
     return ring_call("ring_flash_attn_func", "contiguous", q, k, v, dropout_p, softmax_scale, causal,
                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens,
-                     learnable_sink)
+                     learnable_sink, attention_chunk)
