@@ -106,7 +106,8 @@ CASES = {
         Case("hybrid_causal", "hybrid", kw=CAUSAL),
         Case("hybrid_zigzag_varlen_gqa", "hybrid", "zigzag", kw=CWIN, hk=2, docs=DOCS),
         Case("hybrid_sink_causal", "hybrid", "zigzag", kw=CAUSAL, sink=True),
-        Case("ring_alibi_chunk_causal", "ring", kw=CHUNK, alibi="h"),
+        Case("ring_alibi_chunk_causal", "ring", kw=CHUNK, alibi="h"),  # 2 of the 4 steps
+        Case("ring_window_two_steps_gqa", "ring", kw=dict(CWIN, window_size=(5, 0)), hk=2, sink=True),
         Case("zigzag_chunk_window_gqa", "zigzag", "zigzag", kw={"window_size": (9, 4), "attention_chunk": 10}, hk=2),
         Case("allgather_alibi_window_varlen", "allgather", kw=WIN, docs=DOCS, alibi="bh", b=2),
         Case("ulysses_zigzag_alibi_gqa", "ulysses", "zigzag", kw=CAUSAL, alibi="h", hk=2),

@@ -16,7 +16,7 @@ from flashtile.distributed.band import band_pieces
 from flashtile.distributed.common import check_call
 from flashtile.distributed.merge import merge_all, to_merge_lse
 from flashtile.distributed.plan import chunk_docs, plan_calls, plan_pieces, segments
-from flashtile.distributed.ring import ring_plan
+from flashtile.distributed.ring import ring_plan, ring_steps
 from flashtile.distributed.sharding import layout_runs
 
 
@@ -99,6 +99,14 @@ def test_chunk_docs_cut_every_document_from_its_start():
     assert chunk_docs((0, 5, 13, 32), 32, 6) == (0, 5, 11, 13, 19, 25, 31, 32)
     # a contiguous ring of 2 ranks over chunks of 8: no chunk spans the shard boundary, remote steps vanish
     assert [len(step) for step in ring_plan("contiguous", 32, 2, 0, -1, -1, chunk_docs(None, 32, 8))] == [1, 0]
+
+
+def test_ring_stops_after_the_last_step_with_work():
+    assert ring_steps("contiguous", 32, 4, -1, 0, None) == 4  # causal: rank 3 needs every block
+    assert ring_steps("zigzag", 32, 4, -1, 0, None) == 4
+    assert ring_steps("contiguous", 32, 4, 5, 0, None) == 2  # a window of 5 reaches one shard of 8 back
+    assert ring_steps("contiguous", 32, 4, 9, 0, None) == 3
+    assert ring_steps("contiguous", 32, 2, -1, -1, chunk_docs(None, 32, 8)) == 1  # chunks inside the shards
 
 
 def test_causal_ring_steps_are_full_diagonal_or_skipped():
