@@ -19,7 +19,8 @@ from flashtile.distributed.sharding import shard, unshard
 def simulated_ring_attention(q: Tensor, k: Tensor, v: Tensor, world: int, layout: str = "contiguous",
                              dout: Tensor | None = None, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, cu_seqlens=None, alibi_slopes=None, attention_chunk=0):
-    """Full-sequence q ``(b, s, h, d)``, k / v ``(b, s, h_k, d)`` through a simulated ring of ``world`` ranks.
+    """Full-sequence q ``(b, s, h, d)``, k / v ``(b, s, h_k, d)`` through a simulated ring of ``world`` ranks
+    (keywords as :func:`ring_flash_attn_func`'s; ``cu_seqlens`` the whole sequence's documents).
 
     Returns ``(out, lse)`` (``out`` (b, s, h, dv), ``lse`` (b, h, s)), and with ``dout`` also
     ``(dq, dk, dv)``: ``(out, lse, dq, dk, dv)``.
