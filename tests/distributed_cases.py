@@ -2,8 +2,9 @@
 
 Each worker builds the same full-sequence inputs (seeded by the case name), runs the context-parallel
 function on its shard, and records the largest differences of out, lse, dq, dk, dv from the single-process
-flash_attn_func on the full sequence (fp64 on the CPU path, so the bar is a tight absolute one). Error cases
-record the message they raised. The parent asserts per case.
+flash_attn_func on the full sequence (fp64 on the CPU path, so the bar is a tight absolute one). An fp32 case
+records its error beside the error of flash_attn_func in fp32, both against fp64, for FlashAttention's 2x
+bar. Error cases record the message they raised. The parent asserts per case.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ class Case:
     raises: str | None = None  # a substring of the expected error
     extra: dict = field(default_factory=dict)  # keywords that break the call (error cases)
     sink: bool = False  # a learnable sink, its gradient summed over the ranks
+    alibi: str | None = None  # ALiBi slopes of shape (h,) ("h") or (b, h) ("bh")
+    dtype: str = "float64"  # "float32": FlashAttention's 2x bar against fp64 instead of the tight fp64 one
+    mha: dict = field(default_factory=dict)  # fn "mha": the MHA's keywords (cp_scheme, rotary, ALiBi, ...)
 
 
 CAUSAL = {"causal": True}
 WIN = {"window_size": (5, 3)}
 CWIN = {"causal": True, "window_size": (6, 0)}
+CHUNK = {"causal": True, "attention_chunk": 6}  # chunk bounds 6, 12, 18, ...: none on a shard boundary
 
 CASES = {
     2: [
@@ -65,6 +70,29 @@ CASES = {
         Case("allgather_sink_window", "allgather", "zigzag", kw=WIN, hk=1, sink=True),
         Case("ulysses_sink_causal", "ulysses", kw=CAUSAL, hk=2, sink=True),
         Case("mha_zigzag", "mha", "zigzag", kw=CAUSAL, hk=2),
+        Case("ring_chunk_causal", "ring", kw=CHUNK),
+        Case("ring_chunk_full_gqa", "ring", kw={"attention_chunk": 8}, hk=2, b=2),  # every remote step skipped
+        Case("zigzag_chunk_window_varlen", "zigzag", "zigzag", kw=dict(CWIN, attention_chunk=5), docs=DOCS),
+        Case("allgather_chunk_window", "allgather", "zigzag", kw=dict(WIN, attention_chunk=7), hk=1),
+        Case("ulysses_zigzag_chunk", "ulysses", "zigzag", kw=CHUNK),
+        Case("ring_alibi_full", "ring", alibi="h", b=2),
+        Case("ring_alibi_chunk_fp32", "ring", kw=CHUNK, alibi="h", dtype="float32"),
+        Case("zigzag_alibi_causal", "zigzag", "zigzag", kw=CAUSAL, alibi="bh", b=2),
+        Case("zigzag_alibi_window_varlen", "zigzag", "zigzag", kw=WIN, docs=DOCS, alibi="h", hk=2),
+        Case("allgather_alibi_full_gqa", "allgather", alibi="h", hk=2),
+        Case("allgather_zigzag_alibi_chunk", "allgather", "zigzag", kw=CHUNK, alibi="bh", b=2),
+        Case("ulysses_alibi_causal", "ulysses", kw=CAUSAL, alibi="h"),
+        Case("ulysses_zigzag_varlen_alibi", "ulysses", "zigzag", kw=CWIN, docs=DOCS, alibi="bh", b=2),
+        Case("mha_rotary_alibi_zigzag", "mha", mha=dict(cp_scheme="zigzag", rotary_emb_dim=8, use_alibi=True)),
+        Case("mha_rotary_xpos_ring", "mha", mha=dict(cp_scheme="ring", rotary_emb_dim=16, causal=False,
+                                                      rotary_emb_scale_base=64.0)),
+        Case("mha_rotary_varlen_ulysses_zigzag", "mha", hk=2, docs=DOCS,
+             mha=dict(cp_scheme="ulysses_zigzag", rotary_emb_dim=8, rotary_emb_interleaved=True)),
+        Case("mha_alibi_allgather_window", "mha", mha=dict(cp_scheme="allgather", use_alibi=True, window_size=(7, 0))),
+        Case("error_mha_generation", "mha", raises="inference_params", extra={"inference_params": True}),
+        Case("error_mha_padding_mask", "mha", raises="key_padding_mask", extra={"key_padding_mask": True}),
+        Case("error_chunk_negative", "ring", raises="attention_chunk", extra={"attention_chunk": -2}),
+        Case("error_alibi_shape", "zigzag", "zigzag", raises="alibi_slopes", extra={"alibi_slopes": "bad"}),
         Case("error_dropout", "ring", kw=CAUSAL, raises="dropout_p", extra={"dropout_p": 0.1}),
         Case("error_ulysses_heads", "ulysses", h=3, hk=3, raises="heads (3)"),
         Case("error_cu_seqlens_end", "ring", docs=(0, 5, 30), raises="cu_seqlens"),
@@ -78,6 +106,13 @@ CASES = {
         Case("hybrid_causal", "hybrid", kw=CAUSAL),
         Case("hybrid_zigzag_varlen_gqa", "hybrid", "zigzag", kw=CWIN, hk=2, docs=DOCS),
         Case("hybrid_sink_causal", "hybrid", "zigzag", kw=CAUSAL, sink=True),
+        Case("ring_alibi_chunk_causal", "ring", kw=CHUNK, alibi="h"),  # 2 of the 4 steps
+        Case("ring_window_two_steps_gqa", "ring", kw=dict(CWIN, window_size=(5, 0)), hk=2, sink=True),
+        Case("zigzag_chunk_window_gqa", "zigzag", "zigzag", kw={"window_size": (9, 4), "attention_chunk": 10}, hk=2),
+        Case("allgather_alibi_window_varlen", "allgather", kw=WIN, docs=DOCS, alibi="bh", b=2),
+        Case("ulysses_zigzag_alibi_gqa", "ulysses", "zigzag", kw=CAUSAL, alibi="h", hk=2),
+        Case("hybrid_zigzag_alibi_chunk", "hybrid", "zigzag", kw=CHUNK, alibi="bh", b=2),
+        Case("mha_hybrid_rotary_alibi", "mha", mha=dict(cp_scheme="hybrid_zigzag", rotary_emb_dim=8, use_alibi=True)),
         Case("error_hybrid_groups", "hybrid_bad", kw=CAUSAL, raises="must share exactly"),
     ],
 }
@@ -93,6 +128,9 @@ def reference(q, k, v, kw, docs, sink=None):
     b, s = q.shape[:2]
     cu = torch.tensor([c + i * s for i in range(b) for c in docs[:-1]] + [b * s], dtype=torch.int32)
     m = max(e - a for a, e in zip(docs, docs[1:]))
+    slopes = kw.get("alibi_slopes")
+    if slopes is not None and slopes.dim() == 2:  # varlen: one row of slopes per sequence
+        kw["alibi_slopes"] = slopes.repeat_interleave(len(docs) - 1, dim=0)
     flat = [x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)]
     out, lse, _ = flash_attn_varlen_func(*flat, cu, cu, m, m, **kw, return_attn_probs=True)
     return out.reshape(b, s, *out.shape[1:]), lse.reshape(lse.shape[0], b, s).transpose(0, 1)
@@ -105,14 +143,22 @@ def _groups(world):
     return rows, cols
 
 
+def _hybrid(case) -> bool:
+    return case.fn.startswith("hybrid") or case.mha.get("cp_scheme", "").startswith("hybrid")
+
+
+def _layout(case) -> str:
+    return "zigzag" if case.mha.get("cp_scheme", "").endswith("zigzag") else case.layout
+
+
 def _shard(x, case, rank, world):
-    if case.fn.startswith("hybrid"):
-        return cp.shard_hybrid(x, 2, rank // 2, 2, rank % 2, case.layout)
-    return cp.shard(x, world, rank, case.layout)
+    if _hybrid(case):
+        return cp.shard_hybrid(x, 2, rank // 2, 2, rank % 2, _layout(case))
+    return cp.shard(x, world, rank, _layout(case))
 
 
-def _call(case, q, k, v, rank, world, groups, sink=None):
-    kw = dict(case.kw, return_attn_probs=True)
+def _call(case, q, k, v, rank, world, groups, sink=None, slopes=None):
+    kw = dict(case.kw, return_attn_probs=True, alibi_slopes=slopes)
     if sink is not None:
         kw["learnable_sink"] = sink
     kw.update({key: val for key, val in case.extra.items() if key != "trim"})
@@ -128,7 +174,7 @@ def _call(case, q, k, v, rank, world, groups, sink=None):
     if case.fn == "allgather":
         return cp.kv_allgather_flash_attn_func(q, k, v, **kw, layout=case.layout, cu_seqlens=cu)
     if case.fn == "ulysses":
-        return cp.ulysses_flash_attn_func(q, k, v, **kw, cu_seqlens=cu)
+        return cp.ulysses_flash_attn_func(q, k, v, **kw, layout=case.layout, cu_seqlens=cu)
     rows, cols = groups
     if case.fn == "hybrid":
         return cp.hybrid_flash_attn_func(q, k, v, **kw, ulysses_group=rows[rank // 2], ring_group=cols[rank % 2],
@@ -154,54 +200,90 @@ def run_case(case: Case, rank: int, world: int, groups) -> dict:
     q, k, v = (torch.randn(case.b, SEQ, n, d, dtype=torch.float64) for n in (case.h, case.hk, case.hk))
     dout = torch.randn(case.b, SEQ, case.h, d, dtype=torch.float64)
     if case.fn == "mha":
-        return _run_mha(case, rank, world, dout)
+        return _run_mha(case, rank, world, groups)
+    slopes = None
+    if case.alibi:
+        slopes = torch.rand((case.h,) if case.alibi == "h" else (case.b, case.h)) + 0.05  # ALiBi slopes are fp32
+    dtype = getattr(torch, case.dtype)
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
     shards = [_shard(x, case, rank, world) for x in (q, k, v)]
     if "trim" in case.extra:
         shards = [x[:, case.extra["trim"]:] for x in shards]
     shards = [x.requires_grad_() for x in shards]
-    sink = torch.randn(case.h, dtype=torch.float64) if case.sink else None
+    sink = torch.randn(case.h, dtype=dtype) if case.sink else None
     mine_sink = sink.clone().requires_grad_() if case.sink else None
     try:
-        out, lse, _ = _call(case, *shards, rank, world, groups, mine_sink)
-    except (ValueError, RuntimeError) as e:
+        out, lse, _ = _call(case, *shards, rank, world, groups, mine_sink, slopes)
+    except (ValueError, RuntimeError, TypeError) as e:
         return {"raised": str(e)}
     out.backward(_shard(dout, case, rank, world))
-    full = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_sink = sink.clone().requires_grad_() if case.sink else None
-    ref_out, ref_lse = reference(*full, case.kw, case.docs, ref_sink)
-    ref_out.backward(dout)
-    lse_shard = _shard(ref_lse.transpose(1, 2), case, rank, world).transpose(1, 2)
-    errs = {"out": _err(out, _shard(ref_out, case, rank, world)), "lse": _lse_err(lse, lse_shard)}
-    for name, mine, ref in zip(("dq", "dk", "dv"), shards, full):
-        errs[name] = _err(mine.grad, _shard(ref.grad, case, rank, world))
+    kw = dict(case.kw, alibi_slopes=slopes)
+    refs = [_reference_run(q, k, v, dout, kw, case.docs, sink, torch.float64)]
+    if dtype != torch.float64:  # flash_attn_func in the same dtype: FlashAttention's bar is twice its error
+        refs.append(_reference_run(q, k, v, dout, kw, case.docs, sink, dtype))
+    errs = {}
+    for name, mine, *ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *(x.grad for x in shards)), *refs):
+        ref = [_shard(r.transpose(1, 2), case, rank, world).transpose(1, 2) if name == "lse" else
+               _shard(r, case, rank, world) for r in ref]
+        diff = _lse_err if name == "lse" else _err
+        errs[name] = [diff(mine, ref[0])] + [diff(r, ref[0]) for r in ref[1:]]
     if case.sink:  # each rank's gradient is its share of the rows (and heads): the sum over ranks is the whole
         dsink = mine_sink.grad.clone()
         dist.all_reduce(dsink)
-        errs["dsink"] = _err(dsink, ref_sink.grad)
+        errs["dsink"] = [_err(dsink, refs[0][-1])] + [_err(r[-1], refs[0][-1]) for r in refs[1:]]
     return errs
 
 
-def _run_mha(case, rank, world, dout):
+def _reference_run(q, k, v, dout, kw, docs, sink, dtype):
+    """flash_attn_func on the whole sequence in ``dtype``: [out, lse, dq, dk, dv] (and dsink with a sink)."""
+    full = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    ref_sink = None if sink is None else sink.to(dtype).requires_grad_()
+    out, lse = reference(*full, kw, docs, ref_sink)
+    out.backward(dout.to(dtype))
+    return [out, lse, *(x.grad for x in full)] + ([] if sink is None else [ref_sink.grad])
+
+
+def _run_mha(case, rank, world, groups):
     """MHA with cp_group against the same weights on the whole sequence: output shard, input gradient and
     weight gradients (summed over ranks)."""
     from flashtile.modules.mha import MHA
 
     e = case.h * 16
     x = torch.randn(1, SEQ, e, dtype=torch.float64)
-    ref = MHA(e, case.h, case.hk, causal=True, dtype=torch.float64)
-    mine = MHA(e, case.h, case.hk, causal=True, dtype=torch.float64, cp_group=dist.group.WORLD, cp_scheme="zigzag")
-    mine.load_state_dict(ref.state_dict())
     gy = torch.randn(1, SEQ, e, dtype=torch.float64)
+    kw = dict(dict(causal=True), **{key: val for key, val in case.mha.items() if key != "cp_scheme"})
+    scheme = case.mha.get("cp_scheme", "zigzag" if case.layout == "zigzag" else "ring")
+    group = (groups[0][rank // 2], groups[1][rank % 2]) if _hybrid(case) else dist.group.WORLD
+    ref = MHA(e, case.h, case.hk, dtype=torch.float64, **kw)
+    mine = MHA(e, case.h, case.hk, dtype=torch.float64, cp_group=group, cp_scheme=scheme, **kw)
+    mine.load_state_dict(ref.state_dict())
+    xs = _shard(x, case, rank, world).requires_grad_()
+    call = {}
+    if case.docs is not None:
+        call = dict(cu_seqlens=torch.tensor(case.docs, dtype=torch.int32),
+                    max_seqlen=max(b - a for a, b in zip(case.docs, case.docs[1:])))
+    if "inference_params" in case.extra:
+        from flashtile.modules.mha import InferenceParams
+
+        call["inference_params"] = InferenceParams(max_seqlen=SEQ, max_batch_size=1)
+    if "key_padding_mask" in case.extra:
+        call["key_padding_mask"] = torch.ones(1, xs.shape[1], dtype=torch.bool)
+    try:
+        y = mine(xs, **call)
+    except (ValueError, RuntimeError, TypeError) as err:
+        return {"raised": str(err)}
+    y.backward(_shard(gy, case, rank, world))
     xr = x.clone().requires_grad_()
-    ref(xr).backward(gy)
-    xs = cp.shard(x, world, rank, "zigzag").requires_grad_()
-    y = mine(xs)
-    y.backward(cp.shard(gy, world, rank, "zigzag"))
+    if case.docs is None:
+        yr = ref(xr)
+    else:  # the packed sequence through the module's varlen path: (total, e)
+        yr = ref(xr[0], cu_seqlens=call["cu_seqlens"], max_seqlen=call["max_seqlen"])[None]
+    yr.backward(gy)
     wgrad = mine.Wqkv.weight.grad.clone()
     dist.all_reduce(wgrad)
-    return {"out": _err(y, cp.shard(ref(x), world, rank, "zigzag")),
-            "dx": _err(xs.grad, cp.shard(xr.grad, world, rank, "zigzag")),
-            "dWqkv": _err(wgrad, ref.Wqkv.weight.grad)}
+    return {"out": [_err(y, _shard(yr, case, rank, world))],
+            "dx": [_err(xs.grad, _shard(xr.grad, case, rank, world))],
+            "dWqkv": [_err(wgrad, ref.Wqkv.weight.grad)]}
 
 
 def worker(rank: int, world: int, outdir: str) -> None:

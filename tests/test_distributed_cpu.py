@@ -2,7 +2,9 @@
 
 Each world size is spawned once; its workers run every case of tests/distributed_cases.py and report
 the largest differences per rank, which the tests below check case by case. Inputs are fp64 on the CPU
-path, where the distributed schedule and the single-process call differ only by summation order.
+path, where the distributed schedule and the single-process call differ only by summation order; fp32
+cases are held to FlashAttention's bar (twice flash_attn_func's own fp32 error against fp64, 3x for
+gradients, tests/tolerance.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 from distributed_cases import CASES, worker
 
 ATOL = 1e-9
+FA_ATOL = 1e-5  # tests/tolerance.py's slack
 
 
 def _spawn(world: int, tmp_path) -> dict:
@@ -47,8 +50,15 @@ def _check(results: dict, case) -> None:
             assert case.raises in got.get("raised", ""), f"rank {rank}: expected an error with {case.raises!r}: {got}"
             continue
         assert "raised" not in got, f"rank {rank}: {got['raised']}"
-        bad = {k: v for k, v in got.items() if not v <= ATOL}
-        assert not bad, f"rank {rank}: max |ours - flash_attn_func| above {ATOL}: {bad}"
+        bad = {name: errs for name, errs in got.items() if not errs[0] <= _bar(name, errs)}
+        assert not bad, f"rank {rank}: max |ours - flash_attn_func| above the bar: {bad}"
+
+
+def _bar(name: str, errs: list) -> float:
+    """fp64: ATOL; fp32 (errs = [ours, flash_attn_func's own]): FlashAttention's 2x rule, 3x for gradients."""
+    if len(errs) == 1:
+        return ATOL
+    return (2 if name in ("out", "lse") else 3) * errs[1] + FA_ATOL
 
 
 @pytest.mark.parametrize("case", CASES[2], ids=lambda c: c.name)

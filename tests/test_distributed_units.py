@@ -1,5 +1,6 @@
-"""flashtile.distributed without processes: the step planner, the lse merge, sharding, argument errors and
-the simulated ring (the schedule's math in one process) against flash_attn_func."""
+"""flashtile.distributed without processes: the step planner (ALiBi and chunks included), the lse merge,
+sharding, argument errors and the simulated ring (the schedule's math in one process) against
+flash_attn_func."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import torch
 import flashtile.distributed as cp
 from distributed_cases import reference
 from flashtile.backends.masking import normalize_window, visible
+from flashtile.distributed.band import band_pieces
 from flashtile.distributed.common import check_call
 from flashtile.distributed.merge import merge_all, to_merge_lse
-from flashtile.distributed.plan import band_pieces, plan_calls, plan_pieces, segments
-from flashtile.distributed.ring import ring_plan
+from flashtile.distributed.plan import chunk_docs, plan_calls, plan_pieces, segments
+from flashtile.distributed.ring import ring_plan, ring_steps
+from flashtile.distributed.sharding import layout_runs
 
 
 def _band(q_pos, nq, k_pos, nk, left, right):
@@ -40,6 +43,70 @@ def test_band_piece_reproduces_the_band(left, right):
             mask = visible(torch.arange(rows)[:, None], torch.arange(cols)[None, :], rows, cols, kl, kr)
             got[r0:r0 + rows, :cols] |= mask
         assert torch.equal(got, want), (q_pos, k_pos, nq, nk)
+
+
+def _planned(q_runs, k_runs, left, right, docs):
+    """What the ALiBi plan computes per (query, key) of the two shards: how many pieces see the pair, and
+    the bias a piece's kernel adds (slope 1) corrected by its shift (NaN where no piece sees it)."""
+    nq, nk = sum(n for _, n in q_runs), sum(n for _, n in k_runs)
+    seen = torch.zeros(nq, nk, dtype=torch.int64)
+    bias = torch.full((nq, nk), float("nan"), dtype=torch.float64)
+    for p in plan_pieces(segments(q_runs), segments(k_runs), left, right, docs, alibi=True):
+        rows, cols = p.q1 - p.q0, p.k1 - p.k0
+        kl, kr = normalize_window((p.left, p.right), False, cols)
+        i, j = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+        mask = visible(i, j, rows, cols, kl, kr)
+        seen[p.q0:p.q1, p.k0:p.k1] += mask
+        bias[p.q0:p.q1, p.k0:p.k1][mask] = (-p.sign * (i + cols - rows - j).abs() - p.shift).double()[mask]
+    return seen, bias
+
+
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (3, 0), (2, 5), (0, 2), (7, -1)])
+def test_alibi_plan_gives_global_distances(left, right):
+    """Under ALiBi each visible pair of every ring step and gather is seen once, and the kernels' bias with the
+    piece's slope sign and shift is ``-|query - key|`` in global positions (what flash_attn_func adds)."""
+    total = 24
+    for layout, world, docs in itertools.product(("contiguous", "zigzag"), (2, 3), (None, (0, 5, 13, 14, 24))):
+        for r, s in itertools.product(range(world), range(world + 1)):
+            q_runs = layout_runs(layout, total, world, r)
+            k_runs = [(0, total)] if s == world else layout_runs(layout, total, world, s)  # s == world: the gather
+            qpos = torch.tensor([p for a, n in q_runs for p in range(a, a + n)])[:, None]
+            kpos = torch.tensor([p for a, n in k_runs for p in range(a, a + n)])[None, :]
+            want = torch.ones(qpos.shape[0], kpos.shape[1], dtype=torch.bool)
+            if left >= 0:
+                want &= kpos >= qpos - left
+            if right >= 0:
+                want &= kpos <= qpos + right
+            if docs is not None:
+                bounds = torch.tensor(docs)
+                want &= torch.searchsorted(bounds, qpos, right=True) == torch.searchsorted(bounds, kpos, right=True)
+            seen, bias = _planned(q_runs, k_runs, left, right, docs)
+            assert torch.equal(seen, want.long()), (layout, world, r, s, docs)
+            assert torch.equal(bias[want], -(qpos - kpos).abs().double().expand_as(want)[want]), (layout, r, s)
+
+
+def test_alibi_shifts_far_blocks_and_keeps_the_own_block_aligned():
+    plan = ring_plan("contiguous", 32, 2, 1, -1, 0, None, True)
+    assert [(p.sign, p.shift) for c in plan[0] for p in c.pieces] == [(1, 0)]  # own block: the kernels' bias
+    # the block before: keys at or before the kernels' diagonal (slope as is, shifted by the 16 positions
+    # between the blocks) and past it (slope negated; its last row sees none, so 15 rows, shifted by 15)
+    assert sorted((p.sign, p.shift, p.q1 - p.q0) for c in plan[1] for p in c.pieces) == [(-1, 15, 15), (1, 16, 16)]
+
+
+def test_chunk_docs_cut_every_document_from_its_start():
+    assert chunk_docs(None, 32, 0) is None and chunk_docs(None, 32, 32) is None
+    assert chunk_docs(None, 32, 10) == (0, 10, 20, 30, 32)
+    assert chunk_docs((0, 5, 13, 32), 32, 6) == (0, 5, 11, 13, 19, 25, 31, 32)
+    # a contiguous ring of 2 ranks over chunks of 8: no chunk spans the shard boundary, remote steps vanish
+    assert [len(step) for step in ring_plan("contiguous", 32, 2, 0, -1, -1, chunk_docs(None, 32, 8))] == [1, 0]
+
+
+def test_ring_stops_after_the_last_step_with_work():
+    assert ring_steps("contiguous", 32, 4, -1, 0, None) == 4  # causal: rank 3 needs every block
+    assert ring_steps("zigzag", 32, 4, -1, 0, None) == 4
+    assert ring_steps("contiguous", 32, 4, 5, 0, None) == 2  # a window of 5 reaches one shard of 8 back
+    assert ring_steps("contiguous", 32, 4, 9, 0, None) == 3
+    assert ring_steps("contiguous", 32, 2, -1, -1, chunk_docs(None, 32, 8)) == 1  # chunks inside the shards
 
 
 def test_causal_ring_steps_are_full_diagonal_or_skipped():
@@ -116,7 +183,9 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="dropout_p"):
         check_call(q, k, k, 0.5, *args[1:], 2, "contiguous", None, "f")
     with pytest.raises(ValueError, match="alibi_slopes"):
-        check_call(q, k, k, *args[:5], torch.ones(4), False, 2, "contiguous", None, "f")
+        check_call(q, k, k, *args[:5], torch.ones(3), False, 2, "contiguous", None, "f")
+    with pytest.raises(TypeError, match="attention_chunk"):
+        check_call(q, k, k, *args, 2, "contiguous", None, "f", attention_chunk=1.5)
     with pytest.raises(ValueError, match="k's local seqlen"):
         check_call(q, k[:, :4], k[:, :4], *args, 2, "contiguous", None, "f")
     with pytest.raises(ValueError, match="divisible by 2"):
@@ -133,6 +202,8 @@ def test_errors_name_the_argument():
     ("contiguous", 3, dict(causal=True, window_size=(5, 0))),
     ("zigzag", 2, dict(causal=True, softcap=2.0)),
     ("zigzag", 4, dict(window_size=(3, 6), cu_seqlens=[0, 9, 10, 32])),
+    ("contiguous", 4, dict(attention_chunk=5, alibi_slopes=torch.tensor([0.5, 0.25, 0.9, 0.1]))),
+    ("zigzag", 2, dict(window_size=(7, 2), softcap=2.0, attention_chunk=11, alibi_slopes=torch.rand(4))),
 ])
 def test_simulated_ring_matches_flash_attn_func(layout, world, kw):
     q, k, v = (torch.randn(1, 24 if world == 3 else 32, h, 16, dtype=torch.float64) for h in (4, 2, 2))

@@ -13,6 +13,7 @@ import torch
 
 import flashtile.distributed as cp
 from flashtile.backends.reference import attention_ref
+from flashtile.modules.mha import get_alibi_slopes
 from tolerance import assert_fa_close
 
 pytestmark = pytest.mark.gpu
@@ -26,9 +27,15 @@ DOCS = [0, 300, 301, 1500, 2100, 4096]
     ("zigzag", 4, dict(causal=True, window_size=(700, 0)), None),
     ("contiguous", 4, dict(softcap=20.0, window_size=(256, 512)), None),
     ("zigzag", 4, dict(causal=True), DOCS),
-], ids=["ring-causal", "zigzag8-causal", "zigzag-window", "ring-softcap-window", "zigzag-varlen"])
+    ("contiguous", 4, dict(alibi=True, attention_chunk=1536), None),
+    ("zigzag", 4, dict(causal=True, alibi=True, window_size=(700, 0)), DOCS),
+], ids=["ring-causal", "zigzag8-causal", "zigzag-window", "ring-softcap-window", "zigzag-varlen", "ring-alibi-chunk",
+        "zigzag-alibi-varlen"])
 def test_simulated_ring_bf16(layout, world, kw, docs):
     b, s, h, hk, d = 1, 4096, 8, 2, 128
+    kw = dict(kw)
+    if kw.pop("alibi", False):  # the standard slopes: the largest, 1/2, is where the lse shift costs most
+        kw["alibi_slopes"] = torch.tensor(get_alibi_slopes(h), device="cuda")
     q, k, v = (torch.randn(b, s, n, d, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
     dout = torch.randn_like(q)
     out, lse, dq, dk, dv = cp.simulated_ring_attention(q, k, v, world, layout, dout=dout, cu_seqlens=docs, **kw)

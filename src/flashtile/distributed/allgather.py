@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
-from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
+from flashtile.distributed.blocks import acc_dtype, accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.comm import all_gather_seq, reduce_scatter_seq, resolve_group
 from flashtile.distributed.common import check_call, result
 from flashtile.distributed.merge import finish
@@ -27,10 +27,11 @@ from flashtile.validation import check_sink
 
 @lru_cache(maxsize=256)
 def gather_plan(layout: str, total: int, world: int, rank: int, left: int, right: int,
-                docs: tuple[int, ...] | None) -> tuple[Call, ...]:
-    """The kernel calls of ``rank``'s queries against the whole sequence's keys in natural order."""
+                docs: tuple[int, ...] | None, alibi: bool = False) -> tuple[Call, ...]:
+    """The kernel calls of ``rank``'s queries against the whole sequence's keys in natural order
+    (``docs``: the planner's boundaries, documents and chunks)."""
     mine = segments(layout_runs(layout, total, world, rank))
-    return tuple(plan_calls(mine, (Segment(0, total, 0),), left, right, docs))
+    return tuple(plan_calls(mine, (Segment(0, total, 0),), left, right, docs, alibi))
 
 
 def _gather(x, group, layout):
@@ -66,7 +67,8 @@ class KVAllGatherAttention(torch.autograd.Function):
 
 def kv_allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                  softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                 group=None, layout="contiguous", cu_seqlens=None, learnable_sink=None):
+                                 group=None, layout="contiguous", cu_seqlens=None, learnable_sink=None,
+                                 attention_chunk=0):
     """Context-parallel attention that all-gathers K/V (the cheaper exchange when ``h_k`` is small).
 
     ``layout``: how the shards were cut, ``"contiguous"`` or ``"zigzag"`` (sharding.py). Other arguments
@@ -76,9 +78,10 @@ def kv_allgather_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, cau
     group = resolve_group(group)
     world = dist.get_world_size(group)
     spec = check_call(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, world, layout, cu_seqlens, "kv_allgather_flash_attn_func")
-    plan = gather_plan(layout, spec.total, world, dist.get_rank(group), spec.left, spec.right, spec.docs)
-    bound = bind(list(plan), q.shape[0], q.shape[1], spec.total, q.device)
+                      deterministic, world, layout, cu_seqlens, "kv_allgather_flash_attn_func", attention_chunk)
+    plan = gather_plan(layout, spec.total, world, dist.get_rank(group), spec.left, spec.right, spec.plan_docs,
+                       spec.alibi is not None)
+    bound = bind(list(plan), q.shape[0], q.shape[1], spec.total, q.device, spec.alibi, acc_dtype(q))
     sink = check_sink(learnable_sink, q)
     out, lse = KVAllGatherAttention.apply(q, k, v, sink, group, layout, bound, spec.opt)
     return result(out, lse, return_attn_probs)

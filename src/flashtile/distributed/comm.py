@@ -38,15 +38,20 @@ class Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.world)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world)
 
-    def exchange(self, tensors: list[Tensor], tag: int) -> Pending:
-        """Start sending ``tensors`` to the next rank and receiving as many from the previous one.
+    def exchange(self, tensors: list[Tensor], tag: int, shift: int = 1) -> Pending:
+        """Start sending ``tensors`` to the next rank and receiving as many from the previous one (with
+        ``shift``: to rank ``+ shift`` and from rank ``- shift``).
 
         Every rank issues its exchanges in the same order; ``tag`` keeps the K/V stream apart from the
         gradient stream in the backward (gloo matches by tag, NCCL by order).
         """
+        to, src = self.next, self.prev
+        if shift % self.world != 1:
+            to = dist.get_global_rank(self.group, (self.rank + shift) % self.world)
+            src = dist.get_global_rank(self.group, (self.rank - shift) % self.world)
         bufs = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, b, self.prev, self.group, tag) for b in bufs]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), to, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, src, self.group, tag) for b in bufs]
         return Pending(dist.batch_isend_irecv(ops), bufs)
 
 

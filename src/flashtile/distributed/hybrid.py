@@ -16,7 +16,7 @@ from flashtile.distributed.common import check_call, check_shards, result
 from flashtile.distributed.ring import ring_attention
 from flashtile.distributed.sharding import check_layout
 from flashtile.distributed.ulysses import head_shard, split_heads_check
-from flashtile.validation import check_sink
+from flashtile.validation import check_alibi, check_sink
 
 
 def check_groups(ulysses_group, ring_group, fn: str) -> None:
@@ -32,13 +32,13 @@ def check_groups(ulysses_group, ring_group, fn: str) -> None:
 def hybrid_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                            ulysses_group=None, ring_group=None, layout="contiguous", cu_seqlens=None,
-                           learnable_sink=None):
+                           learnable_sink=None, attention_chunk=0):
     """Ulysses within ``ulysses_group`` and ring attention across ``ring_group`` (groups or 1-D meshes).
 
     q: (b, n, h, d) with h divisible by the Ulysses group size; ``layout`` is the ring's (contiguous or
     zigzag); ``cu_seqlens`` describes the whole packed sequence; ``learnable_sink`` as in
-    :func:`ring_flash_attn_func` (a rank's gradient: its heads' and rows' share). Returns as
-    :func:`ring_flash_attn_func`.
+    :func:`ring_flash_attn_func` (a rank's gradient: its heads' and rows' share); ``alibi_slopes`` and
+    ``attention_chunk`` as there. Returns as :func:`ring_flash_attn_func`.
     """
     fn = "hybrid_flash_attn_func"
     check_layout(layout)
@@ -49,10 +49,12 @@ def hybrid_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fa
     check_shards(q, k, v, fn)
     u = dist.get_world_size(ug)
     sink = check_sink(learnable_sink, q)
+    alibi = check_alibi(alibi_slopes, q.device, q.shape[0], q.shape[2])
     k, v = split_heads_check(q, k, v, u, fn, "ulysses_group")
     q2, k2, v2 = (SeqToHeads.apply(x, ug) for x in (q, k, v))
-    spec = check_call(q2, k2, v2, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, dist.get_world_size(rg), layout, cu_seqlens, fn)
+    spec = check_call(q2, k2, v2, dropout_p, softmax_scale, causal, window_size, softcap,
+                      head_shard(alibi, q2.shape[2], ug), deterministic, dist.get_world_size(rg), layout, cu_seqlens,
+                      fn, attention_chunk)
     out2, lse2 = ring_attention(q2, k2, v2, rg, layout, spec, head_shard(sink, q2.shape[2], ug))
     out = HeadsToSeq.apply(out2, ug)
     lse = lse_heads_to_seq(lse2, ug) if return_attn_probs else None

@@ -4,19 +4,9 @@ A rank's shard is a list of *segments*: runs of consecutive global positions, in
 stores them (contiguous sharding has one, zigzag two). A step attends the local queries to one block of
 keys (another rank's shard, or the whole gathered sequence); every (query segment, key segment) pair,
 cut further by document boundaries for packed (varlen) sequences, is a rectangle whose mask is a band
-``-left <= key_pos - query_pos <= right`` in global positions.
-
-The kernels align a band at the bottom-right corner (row ``i`` of ``sq`` sees keys ``j`` with
-``i + sk - sq - left' <= j <= i + sk - sq + right'``, ``left', right' >= 0`` or -1 for unbounded). Any
-band of a rectangle fits that form once the rectangle loses its fully masked last rows or last columns:
-only the *ends* move the kernel's diagonal (``sk - sq``) without moving the band, so a plan trims rows
-or columns at the end until the diagonal lies inside the band, then states the band relative to it.
-Trimmed rows see no key of the block, trimmed columns are seen by no row: nothing is lost. A rectangle
-with no visible pair is skipped, which is what makes causal ring steps cheap.
-
-One more rule of the kernels shapes the plan: FlashAttention reads a window bound ``>= sk`` as unbounded.
-A rectangle taller than wide can need a right bound that large which still masks its first rows; such a
-rectangle is cut in two row ranges, each of which then states its band in the kernels' terms.
+``-left <= key_pos - query_pos <= right`` in global positions, which band.py states in the kernels'
+terms. Chunked attention (``attention_chunk``) reaches the planner as more document boundaries
+(:func:`chunk_docs`); ALiBi as rectangles whose bias alibi.py reconciles with global positions.
 """
 
 from __future__ import annotations
@@ -24,7 +14,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-UNBOUNDED = -1
+from flashtile.distributed.alibi import alibi_bands, alibi_rects
+from flashtile.distributed.band import UNBOUNDED, band_pieces
 
 
 @dataclass(frozen=True)
@@ -48,7 +39,8 @@ def segments(runs: list[tuple[int, int]]) -> tuple[Segment, ...]:
 @dataclass(frozen=True)
 class Piece:
     """One kernel rectangle: local query rows ``[q0, q1)`` against local keys ``[k0, k1)`` of the block,
-    with the kernel's window ``(left, right)`` (bottom-right aligned; -1 unbounded)."""
+    with the kernel's window ``(left, right)`` (bottom-right aligned; -1 unbounded). Under ALiBi the kernel
+    runs with its slopes times ``sign`` and its lse is off by ``slope * shift`` (alibi.py)."""
 
     q0: int
     q1: int
@@ -56,6 +48,8 @@ class Piece:
     k1: int
     left: int
     right: int
+    sign: int = 1
+    shift: int = 0
 
     @property
     def full(self) -> bool:
@@ -78,54 +72,6 @@ class Call:
         return self.pieces[0].right
 
 
-def band_piece(q_pos: int, nq: int, k_pos: int, nk: int, left: int, right: int) -> tuple[int, int, int, int] | None:
-    """The kernel form of a band on one rectangle, or None when no pair is visible.
-
-    Queries at global positions ``[q_pos, q_pos + nq)``, keys at ``[k_pos, k_pos + nk)``; a pair is
-    visible when ``-left <= key - query <= right`` (-1 = unbounded). Returns ``(rows, cols, left', right')``:
-    the first ``rows`` queries against the first ``cols`` keys with the kernel's window.
-    """
-    d0 = q_pos - k_pos  # local (i, j) is visible when lo <= j - i <= hi
-    lo = None if left < 0 else d0 - left
-    hi = None if right < 0 else d0 + right
-    if (lo is not None and lo > nk - 1) or (hi is not None and hi < -(nq - 1)) or \
-            (lo is not None and hi is not None and lo > hi):
-        return None
-    rows, cols = nq, nk
-    if lo is not None and cols - rows < lo:
-        rows = cols - lo  # rows from here on would need keys at or past the block's end
-    elif hi is not None and cols - rows > hi:
-        cols = rows + hi  # keys from here on are past every row's band
-    diag = cols - rows
-    kl = UNBOUNDED if lo is None else diag - lo
-    kr = UNBOUNDED if hi is None else hi - diag
-    # a bound that masks nothing in this rectangle runs unmasked (the kernels skip mask work then)
-    if kl != UNBOUNDED and kl >= cols - 1:
-        kl = UNBOUNDED
-    if kr != UNBOUNDED and kr >= rows - 1:
-        kr = UNBOUNDED
-    return rows, cols, kl, kr
-
-
-def band_pieces(q_pos: int, nq: int, k_pos: int, nk: int, left: int,
-                right: int) -> list[tuple[int, int, int, int, int]]:
-    """:func:`band_piece` in rectangles the kernels read as meant: ``(row0, rows, cols, left', right')``.
-
-    A right bound at or past the rectangle's width reads as unbounded in the kernels; when it is not
-    (rows before ``t`` still see fewer keys), rows ``[0, t)`` and ``[t, nq)`` become separate rectangles.
-    """
-    band = band_piece(q_pos, nq, k_pos, nk, left, right)
-    if band is None:
-        return []
-    rows, cols, kl, kr = band
-    if kr == UNBOUNDED or kr < cols:
-        return [(0, rows, cols, kl, kr)]
-    t = rows - 1 - kr  # row t is the first whose band reaches the last key
-    head = band_pieces(q_pos, t, k_pos, nk, left, right)
-    tail = band_pieces(q_pos + t, nq - t, k_pos, nk, left, right)
-    return head + [(t + r0, *rest) for r0, *rest in tail]
-
-
 def _doc_cuts(lo: int, hi: int, docs: tuple[int, ...] | None) -> list[tuple[int, int]]:
     """``[lo, hi)`` cut at document boundaries (``docs`` = cumulative lengths, or None for one document)."""
     if docs is None:
@@ -142,14 +88,32 @@ def _doc_of(pos: int, docs: tuple[int, ...] | None) -> int:
     return 0 if docs is None else bisect.bisect_right(docs, pos) - 1
 
 
-def plan_pieces(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | None = None) -> list[Piece]:
+def chunk_docs(docs: tuple[int, ...] | None, total: int, chunk: int) -> tuple[int, ...] | None:
+    """Document boundaries with every document also cut into chunks of ``chunk`` tokens from its start.
+
+    FlashAttention-3's ``attention_chunk`` lets a query see only the keys of its own chunk (the chunk of
+    its diagonal, which for self-attention is its own position in the document): to the planner that is
+    one more document per chunk. ``chunk`` 0 leaves ``docs`` as it is.
+    """
+    if chunk <= 0:
+        return docs
+    bounds = docs if docs is not None else (0, total)
+    if docs is None and chunk >= total:
+        return None
+    cuts = [p for a, b in zip(bounds, bounds[1:]) for p in range(a, b, chunk)]
+    return tuple(cuts) + (total,)
+
+
+def plan_pieces(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | None = None,
+                alibi: bool = False) -> list[Piece]:
     """Every visible rectangle of local queries ``q_segs`` against the key block ``k_segs``.
 
     ``left``/``right`` are the call's normalised window (causal is ``right = 0``); ``docs`` the packed
-    sequence's cumulative document lengths (``cu_seqlens``), or None: queries see keys of their own
-    document only.
+    sequence's cumulative document lengths (``cu_seqlens``, with chunks cut in), or None: queries see keys
+    of their own document only. ``alibi``: the pieces carry the slope sign and lse shift that make the
+    kernels' ALiBi bias the global one (alibi.py).
     """
-    if _one_causal_rectangle(q_segs, k_segs, left, right, docs):
+    if not alibi and _one_causal_rectangle(q_segs, k_segs, left, right, docs):
         n = sum(sg.length for sg in q_segs)
         return [Piece(0, n, 0, n, UNBOUNDED, 0)]
     pieces = []
@@ -162,10 +126,23 @@ def plan_pieces(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | N
                     k_lo, k_hi = max(k_lo, docs[doc]), min(k_hi, docs[doc + 1])
                 if k_lo >= k_hi:
                     continue
-                for r0, rows, cols, kl, kr in band_pieces(q_lo, q_hi - q_lo, k_lo, k_hi - k_lo, left, right):
-                    q0, k0 = qs.local + q_lo - qs.start + r0, ks.local + k_lo - ks.start
-                    pieces.append(Piece(q0, q0 + rows, k0, k0 + cols, kl, kr))
-    return _merge_full(pieces)
+                pieces += _rectangle(qs, ks, q_lo, q_hi, k_lo, k_hi, left, right, alibi)
+    # joined pieces would move the kernels' diagonal, which ALiBi's bias is measured from
+    return sorted(pieces, key=lambda p: (p.q0, p.k0)) if alibi else _merge_full(pieces)
+
+
+def _rectangle(qs: Segment, ks: Segment, q_lo: int, q_hi: int, k_lo: int, k_hi: int, left: int, right: int,
+               alibi: bool) -> list[Piece]:
+    """The pieces of queries ``[q_lo, q_hi)`` of segment ``qs`` against keys ``[k_lo, k_hi)`` of ``ks``."""
+    rects = alibi_rects(q_lo, q_hi, k_lo, k_hi) if alibi else [(q_lo, q_hi, k_lo, k_hi)]
+    out = []
+    for a, a_end, b, b_end in rects:
+        for r0, rows, cols, kl, kr in band_pieces(a, a_end - a, b, b_end - b, left, right):
+            bands = alibi_bands(rows, cols, kl, kr, a + r0, b) if alibi else [(0, rows, cols, kl, kr, 1, 0)]
+            q0, k0 = qs.local + a - qs.start + r0, ks.local + b - ks.start
+            out += [Piece(q0 + r1, q0 + r1 + rr, k0, k0 + cc, l2, r2, sign, shift)
+                    for r1, rr, cc, l2, r2, sign, shift in bands]
+    return out
 
 
 def _one_causal_rectangle(q_segs, k_segs, left, right, docs) -> bool:
@@ -200,10 +177,12 @@ def _merge_full(pieces: list[Piece]) -> list[Piece]:
     return sorted(pieces, key=lambda p: (p.q0, p.k0))
 
 
-def plan_calls(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | None = None) -> list[Call]:
+def plan_calls(q_segs, k_segs, left: int, right: int, docs: tuple[int, ...] | None = None,
+               alibi: bool = False) -> list[Call]:
     """The kernel calls of one step: each piece alone for one document; for packed documents, pieces
-    with the same window and disjoint query rows share one varlen call."""
-    pieces = plan_pieces(q_segs, k_segs, left, right, docs)
+    with the same window and disjoint query rows share one varlen call (ALiBi's per-piece slope signs
+    and shifts ride along per sequence, blocks.py)."""
+    pieces = plan_pieces(q_segs, k_segs, left, right, docs, alibi)
     if docs is None:
         return [Call((p,)) for p in pieces]
     groups: list[list[Piece]] = []

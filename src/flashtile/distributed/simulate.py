@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from flashtile.distributed.blocks import accumulators, backward_step, bind, forward_step, grad_buffer
+from flashtile.distributed.blocks import acc_dtype, accumulators, backward_step, bind, forward_step, grad_buffer
 from flashtile.distributed.common import check_call
 from flashtile.distributed.merge import finish
 from flashtile.distributed.ring import ring_plan
@@ -18,8 +18,9 @@ from flashtile.distributed.sharding import shard, unshard
 
 def simulated_ring_attention(q: Tensor, k: Tensor, v: Tensor, world: int, layout: str = "contiguous",
                              dout: Tensor | None = None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, cu_seqlens=None):
-    """Full-sequence q ``(b, s, h, d)``, k / v ``(b, s, h_k, d)`` through a simulated ring of ``world`` ranks.
+                             softcap=0.0, cu_seqlens=None, alibi_slopes=None, attention_chunk=0):
+    """Full-sequence q ``(b, s, h, d)``, k / v ``(b, s, h_k, d)`` through a simulated ring of ``world`` ranks
+    (keywords as :func:`ring_flash_attn_func`'s; ``cu_seqlens`` the whole sequence's documents).
 
     Returns ``(out, lse)`` (``out`` (b, s, h, dv), ``lse`` (b, h, s)), and with ``dout`` also
     ``(dq, dk, dv)``: ``(out, lse, dq, dk, dv)``.
@@ -27,13 +28,13 @@ def simulated_ring_attention(q: Tensor, k: Tensor, v: Tensor, world: int, layout
     qs = [shard(q, world, r, layout) for r in range(world)]
     ks = [shard(k, world, r, layout) for r in range(world)]
     vs = [shard(v, world, r, layout) for r in range(world)]
-    spec = check_call(qs[0], ks[0], vs[0], 0.0, softmax_scale, causal, window_size, softcap, None, False, world,
-                      layout, cu_seqlens, "simulated_ring_attention")
+    spec = check_call(qs[0], ks[0], vs[0], 0.0, softmax_scale, causal, window_size, softcap, alibi_slopes, False,
+                      world, layout, cu_seqlens, "simulated_ring_attention", attention_chunk)
     b, n = qs[0].shape[:2]
     steps = []
     for r in range(world):
-        plan = ring_plan(layout, spec.total, world, r, spec.left, spec.right, spec.docs)
-        steps.append([bind(list(calls), b, n, n, q.device) for calls in plan])
+        plan = ring_plan(layout, spec.total, world, r, spec.left, spec.right, spec.plan_docs, spec.alibi is not None)
+        steps.append([bind(list(calls), b, n, n, q.device, spec.alibi, acc_dtype(q)) for calls in plan])
     outs, lses = [], []
     for r in range(world):
         acc_out, acc_lse = accumulators(qs[r], v.shape[-1])

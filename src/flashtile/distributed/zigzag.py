@@ -14,7 +14,7 @@ from flashtile.distributed.ring import ring_call
 
 def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                group=None, cu_seqlens=None, learnable_sink=None):
+                                group=None, cu_seqlens=None, learnable_sink=None, attention_chunk=0):
     """Ring attention over zigzag shards (``flashtile.distributed.shard(x, W, r, "zigzag")`` makes them).
 
     Arguments and returns as :func:`ring_flash_attn_func`; the local seqlen must be even. ``cu_seqlens``
@@ -22,4 +22,4 @@ def zigzag_ring_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, caus
     """
     return ring_call("zigzag_ring_flash_attn_func", "zigzag", q, k, v, dropout_p, softmax_scale, causal,
                      window_size, softcap, alibi_slopes, deterministic, return_attn_probs, group, cu_seqlens,
-                     learnable_sink)
+                     learnable_sink, attention_chunk)

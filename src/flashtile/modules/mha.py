@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from flashtile import distributed as cp
 from flashtile.bert_padding import pad_input, unpad_input
 from flashtile.flash_attn_interface import (
     flash_attn_func,
@@ -29,20 +28,9 @@ from flashtile.flash_attn_interface import (
     flash_attn_varlen_qkvpacked_func,
 )
 from flashtile.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from flashtile.modules.mha_cp import CP_SCHEMES, check_cp_args, cp_forward, refuse
 
 __all__ = ["CP_SCHEMES", "MHA", "InferenceParams", "get_alibi_slopes"]
-
-# MHA's cp_scheme names: the context-parallel function and its fixed keywords
-CP_SCHEMES = {
-    "ring": (cp.ring_flash_attn_func, {}),
-    "zigzag": (cp.zigzag_ring_flash_attn_func, {}),
-    "ulysses": (cp.ulysses_flash_attn_func, {}),
-    "allgather": (cp.kv_allgather_flash_attn_func, {"layout": "contiguous"}),
-    "allgather_zigzag": (cp.kv_allgather_flash_attn_func, {"layout": "zigzag"}),
-    "hybrid": (cp.hybrid_flash_attn_func, {"layout": "contiguous"}),
-    "hybrid_zigzag": (cp.hybrid_flash_attn_func, {"layout": "zigzag"}),
-}
-
 
 @dataclass
 class InferenceParams:
@@ -114,11 +102,11 @@ class MHA(nn.Module):
         cp_group: context parallelism (docs/distributed.md): x is then this rank's sequence shard
             (b, n, e) and attention runs through ``flashtile.distributed``; a process group or 1-D
             DeviceMesh, or ``(ulysses_group, ring_group)`` for the hybrid scheme.
-        cp_scheme: ``"ring"``, ``"zigzag"``, ``"ulysses"``, ``"allgather"`` (K/V all-gathered, contiguous
-            shards), ``"allgather_zigzag"``, ``"hybrid"`` or ``"hybrid_zigzag"``; shards must be cut to
-            match (``flashtile.distributed.shard`` / ``shard_hybrid``). Rotary, ALiBi, key_padding_mask,
-            generation and cross-attention are refused with it (rotary needs global positions: apply it
-            to the inputs' shards yourself).
+        cp_scheme: ``"ring"``, ``"zigzag"``, ``"ulysses"``, ``"ulysses_zigzag"``, ``"allgather"`` (K/V
+            all-gathered, contiguous shards), ``"allgather_zigzag"``, ``"hybrid"`` or ``"hybrid_zigzag"``;
+            shards must be cut to match (``flashtile.distributed.shard`` / ``shard_hybrid``). Rotary turns
+            each token by its global position, ALiBi measures global distances; cross-attention,
+            key_padding_mask and generation are refused with it (``mha_cp.py`` says why).
 
     The projection weights are ``Wqkv`` (e -> (h + 2*h_k) * d) for self-attention, ``Wq`` and ``Wkv``
     for cross-attention, and ``out_proj`` (h * d -> e), laid out as FlashAttention's MHA.
@@ -130,14 +118,7 @@ class MHA(nn.Module):
                  window_size=(-1, -1), rotary_emb_scale_base=None, device=None, dtype=None, cp_group=None,
                  cp_scheme="ring"):
         super().__init__()
-        if cp_scheme not in CP_SCHEMES:
-            raise ValueError(f"flashtile: cp_scheme must be one of {sorted(CP_SCHEMES)}, got {cp_scheme!r}")
-        hybrid = cp_scheme.startswith("hybrid")
-        if cp_group is not None and hybrid != isinstance(cp_group, (tuple, list)):
-            raise ValueError("flashtile: cp_group must be (ulysses_group, ring_group) exactly when cp_scheme is "
-                             f"hybrid, got {type(cp_group).__name__} for {cp_scheme!r}")
-        if cp_group is not None and (rotary_emb_dim > 0 or use_alibi or cross_attn):
-            raise ValueError("flashtile: cp_group cannot be combined with rotary_emb_dim, use_alibi or cross_attn")
+        check_cp_args(cp_group, cp_scheme, cross_attn)
         self.cp_group, self.cp_scheme = cp_group, cp_scheme
         factory = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -258,6 +239,9 @@ class MHA(nn.Module):
         Returns:
             (b, s, e), or (total, e) for varlen input.
         """
+        if self.cp_group is not None:
+            refuse(x_kv, key_padding_mask, inference_params)
+            return cp_forward(self, x, cu_seqlens, max_seqlen)
         varlen = cu_seqlens is not None
         if varlen and (key_padding_mask is not None or inference_params is not None):
             raise ValueError("flashtile: cu_seqlens cannot be combined with key_padding_mask or inference_params")
@@ -267,8 +251,6 @@ class MHA(nn.Module):
             raise NotImplementedError("flashtile: generation with key_padding_mask or cross-attention is not "
                                       "supported; use InferenceParams.lengths_per_sample for ragged batches")
         h, h_k, d = self.num_heads, self.num_heads_kv, self.head_dim
-        if self.cp_group is not None:
-            return self._context_parallel(x, cu_seqlens, key_padding_mask, inference_params, h, h_k, d)
         if self.cross_attn:
             out = self._cross(x, x if x_kv is None else x_kv, key_padding_mask, h, h_k, d)
             return self.out_proj(out.reshape(*x.shape[:-1], h * d))
@@ -286,22 +268,6 @@ class MHA(nn.Module):
                 qkv = self.rotary_emb(qkv, num_heads_q=h)
             out = self._padded_self(qkv, key_padding_mask, h, h_k, d)
         return self.out_proj(out.reshape(*lead, h * d))
-
-    def _context_parallel(self, x, cu_seqlens, key_padding_mask, inference_params, h, h_k, d):
-        """x (b, n, e) is this rank's shard; ``cu_seqlens`` (optional) the whole packed sequence's documents."""
-        if key_padding_mask is not None or inference_params is not None or x.dim() != 3:
-            raise ValueError("flashtile: with cp_group, x must be a (b, n, e) shard, without key_padding_mask "
-                             "or inference_params")
-        b, n = x.shape[:2]
-        q, k, v = self.Wqkv(x).view(b, n, h + 2 * h_k, d).split((h, h_k, h_k), dim=2)
-        kw = self._attn_kwargs()
-        del kw["alibi_slopes"]
-        fn, extra = CP_SCHEMES[self.cp_scheme]
-        group = self.cp_group
-        groups = dict(ulysses_group=group[0], ring_group=group[1]) if self.cp_scheme.startswith("hybrid") \
-            else dict(group=group)
-        out = fn(q, k, v, **kw, **groups, **extra, cu_seqlens=cu_seqlens)
-        return self.out_proj(out.reshape(b, n, h * d))
 
     def _padded_self(self, qkv, key_padding_mask, h, h_k, d):
         b, s = qkv.shape[:2]
