@@ -18,6 +18,7 @@ LAYERS = [
     ("flashtile.rotary_math", 0),
     ("flashtile.backends", 1),
     ("flashtile.fp8", 1),
+    ("flashtile.chunk_batch", 1),  # chunked calls as a batch of chunks: a rewrite the dispatcher applies
     ("flashtile.dispatch", 2),
     ("flashtile.validation", 2),
     ("flashtile.paged", 2),
