@@ -45,6 +45,7 @@ def main():
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     if rank == 0:
         print(f"{world} ranks, {s} tokens: max |out - single| = {errs[0]:.2e}, max |dq - single| = {errs[1]:.2e}")
+    dist.barrier()  # no rank tears its process group down while another still talks to it
     dist.destroy_process_group()
 
 
