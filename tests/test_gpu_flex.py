@@ -36,8 +36,17 @@ def _case(name, B, H, L, S, d, h_kv=None, block=128):
     ref_grads = torch.autograd.grad(ref, leaves, g.double())
     tflex, tmask = _flex()
     fmask = tmask(mask_mod, B, None, L, S, device=DEV) if mask_mod else None
-    pt = tflex(q, k, v, score_mod=score_mod, block_mask=fmask, enable_gqa=h_kv != H)
-    pt_grads = torch.autograd.grad(pt, leaves, g)
+    try:
+        pt = tflex(q, k, v, score_mod=score_mod, block_mask=fmask, enable_gqa=h_kv != H)
+        pt_grads = torch.autograd.grad(pt, leaves, g)
+    except Exception as e:  # noqa: BLE001 - the peer's own compile failing is not flashtile's result
+        # FlexAttention's backward for the table / softcap mods asks for more shared memory than an H100 has
+        # (233,472 of 232,448 bytes, "No valid triton configs"): the bar's same-dtype error then comes from the
+        # dense definition computed in bf16, which is FlashAttention's rule as stated
+        if "out of resource" not in str(e) and "No valid triton configs" not in str(e):
+            raise
+        pt, _ = dense_reference(q, k, v, var[name], var["_meta"], dtype=torch.bfloat16)
+        pt_grads = torch.autograd.grad(pt, leaves, g)
     assert_fa_close(out, ref, pt)
     for n, a, r, p in zip(("dq", "dk", "dv", "dtable"), grads, ref_grads, pt_grads):
         assert_fa_close(a, r, p, factor=3.0, atol=1e-4, name=n)
