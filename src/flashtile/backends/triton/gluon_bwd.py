@@ -19,7 +19,7 @@ from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor
 from flashtile.backends.triton.host import capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # (q / k head dim, v head dim)
 DTYPES = (torch.bfloat16, torch.float16)
 # (head_dim, plain causal mask) -> the shortest sequence whose dK/dV the Gluon kernel takes (bf16 and fp16)
 ROUTE_TABLE = {(128, False): 1024, (128, True): 1024, (256, False): 1024, (256, True): 1024}
