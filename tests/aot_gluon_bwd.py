@@ -38,14 +38,24 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
         layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, gl_name))
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
-    constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal)
+    from flashtile.backends.triton.gluon_bwd import V_HEAD_DIM
+    from flashtile.backends.triton.gluon_fwd import head_dim_split
+
+    # q / k of 192 columns arrive as 128 + 64; v has its own head dim (V_HEAD_DIM)
+    lead, tail = head_dim_split(d)
+    dv = V_HEAD_DIM[d]
+    constexprs = dict(HEAD_DIM=lead, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal, HEAD_DIM_TAIL=tail,
+                      HEAD_DIM_V=dv)
     constexprs["WARPS_N"] = rest[0] if rest else 1
     constexprs["ROTATED"] = bool(rest[1]) if len(rest) > 1 else True
     if len(rest) > 2:
         constexprs["LAUNCH_DEPENDENTS"] = bool(rest[2])
-    rows_m, rows_n = desc([1, bm, 1, d]), desc([1, bn, 1, d])
-    types = dict(desc_q=rows_m, desc_do=rows_m, desc_k=rows_n, desc_v=rows_n, desc_dk=rows_n, desc_dv=rows_n,
-                 LSE="*fp32", DELTA="*fp32", qk_scale="fp32", grad_scale="fp32")
+    rows_m, rows_n = desc([1, bm, 1, lead]), desc([1, bn, 1, lead])
+    rows_mv, rows_nv = desc([1, bm, 1, dv]), desc([1, bn, 1, dv])
+    tail_m, tail_n = desc([1, bm, 1, tail or lead]), desc([1, bn, 1, tail or lead])
+    types = dict(desc_q=rows_m, desc_do=rows_mv, desc_k=rows_n, desc_v=rows_nv, desc_dk=rows_n, desc_dv=rows_nv,
+                 desc_q2=tail_m, desc_k2=tail_n, desc_dk2=tail_n, LSE="*fp32", DELTA="*fp32", qk_scale="fp32",
+                 grad_scale="fp32")
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))

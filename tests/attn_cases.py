@@ -25,11 +25,12 @@ def keep_mask_from_probs(s_dmask):
 
 
 def check_padded(b, sq, sk, h, h_k, d, dtype, *, device="cpu", grads=True, alibi=None, dropout_p=0.0,
-                 grad_factor=3.0, **kw):
-    """flash_attn_func vs attention_ref (fp32 upcast and same-dtype runs), out, lse and grads."""
+                 grad_factor=3.0, dv=None, **kw):
+    """flash_attn_func vs attention_ref (fp32 upcast and same-dtype runs), out, lse and grads; v's head dim
+    is ``dv`` (default d)."""
     q = torch.randn(b, sq, h, d, device=device, dtype=dtype, requires_grad=grads)
     k = torch.randn(b, sk, h_k, d, device=device, dtype=dtype, requires_grad=grads)
-    v = torch.randn(b, sk, h_k, d, device=device, dtype=dtype, requires_grad=grads)
+    v = torch.randn(b, sk, h_k, dv or d, device=device, dtype=dtype, requires_grad=grads)
     slopes = make_alibi(alibi, b, h, device)
     out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=dropout_p, alibi_slopes=slopes,
                                                   return_attn_probs=True, **kw)

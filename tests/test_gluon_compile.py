@@ -75,13 +75,21 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
         layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, gl_name))
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
+    from flashtile.backends.triton.gluon_fwd import V_HEAD_DIMS, head_dim_split
+
+    # the 16-bit kernel takes q / k as a leading and a tail column range (192 = 128 + 64), and v's own head dim
+    lead, tail = (d, 0) if kind == "fp8" else head_dim_split(d)
+    dv = d if kind == "fp8" else V_HEAD_DIMS[d][0]
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal, HAS_Q_DESCALE=True,
                       HAS_K_DESCALE=True, HAS_V_DESCALE=True, HAS_SINK=kind == "bf16sink")
-    types = dict(desc_q=desc([1, bm, 1, d]), desc_k=desc([1, bn, 1, d]), desc_v=desc([1, bn, 1, d]),
+    if kind != "fp8":
+        constexprs.update(HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv)
+    types = dict(desc_q=desc([1, bm, 1, lead]), desc_k=desc([1, bn, 1, lead]), desc_v=desc([1, bn, 1, dv]),
+                 desc_q2=desc([1, bm, 1, tail or lead]), desc_k2=desc([1, bn, 1, tail or lead]),
                  desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",
                  V_DESCALE="*fp32", SINK="*fp32", qk_scale="fp32")
     # the fp8 kernel writes bf16
-    types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else types["desc_q"]
+    types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else desc([1, bm, 1, dv])
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, _tag(kind, d, causal, cfg))
@@ -106,7 +114,8 @@ def _loop_bodies(ttgir: str) -> list[list[str]]:
     return bodies
 
 
-def _check_ttgir_overlap(ttgir: str) -> None:
+def _check_ttgir_overlap(ttgir: str, qk_dots: int = 1) -> None:
+    """qk_dots: wgmmas per QK^T (2 where the head dim arrives as two column ranges)."""
     bodies = _loop_bodies(ttgir)
     assert bodies, "no key loop in the TTGIR"
     for body in bodies:
@@ -114,10 +123,11 @@ def _check_ttgir_overlap(ttgir: str) -> None:
                 else "exp2" if "math.exp2" in ln else "yield" if "scf.yield" in ln else None, ln) for ln in body]
         ops = [(kind, ln) for kind, ln in ops if kind]
         kinds = [kind for kind, _ in ops]
-        assert kinds.count("dot") == 2, f"expected QK^T and PV wgmmas in the loop, got {kinds}"
+        assert kinds.count("dot") == qk_dots + 1, f"expected QK^T and PV wgmmas in the loop, got {kinds}"
         first_dot, first_exp = kinds.index("dot"), kinds.index("exp2")
         # QK^T of the next block is issued before this block's softmax, and nothing waits for it first
         assert first_dot < first_exp and "wait" not in kinds[first_dot:first_exp], kinds
+        assert kinds[:first_exp].count("dot") == qk_dots, kinds
         assert "isAsync = true" in ops[first_dot][1]
         # PV is the last wgmma and nothing waits for it before the back edge
         last_dot = len(kinds) - 1 - kinds[::-1].index("dot")
@@ -175,7 +185,10 @@ def _check_compiled(out, summary, case):
     tag = _tag(*case)
     shared = summary[tag]["shared"]
     assert shared <= SM90_MAX_SHARED, f"{tag} needs {shared} bytes of shared memory"
-    _check_ttgir_overlap((out / f"{tag}.ttgir").read_text())
+    from flashtile.backends.triton.gluon_fwd import head_dim_split
+
+    split = case[0] != "fp8" and head_dim_split(case[1])[1] > 0
+    _check_ttgir_overlap((out / f"{tag}.ttgir").read_text(), 2 if split else 1)
     _ptxas_ok((out / f"{tag}.ptxas.log").read_text())
     ex2 = _max_ex2_under_wgmma((out / f"{tag}.sass").read_text())
     need = _min_overlapped_ex2(case[3])

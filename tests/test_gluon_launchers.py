@@ -22,6 +22,10 @@ def no_gpu_checks(monkeypatch):
     monkeypatch.setattr(launcher, "_descriptor", lambda x, block: (x, tuple(block)))
 
 
+def _same(view, x) -> bool:
+    return view.data_ptr() == x.data_ptr() and view.shape == x.shape and view.stride() == x.stride()
+
+
 def test_bf16_launcher_grid_outputs_and_arguments(monkeypatch):
     spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
     q = torch.empty(2, 300, 8, 128, dtype=torch.float16)
@@ -32,11 +36,31 @@ def test_bf16_launcher_grid_outputs_and_arguments(monkeypatch):
     (args, kw), = spy.calls
     bm = kw["BLOCK_M"]
     assert spy.grids == [(math.ceil(300 / bm), 2 * 8)]
-    assert args[0] == (q, (1, bm, 1, 128)) and args[3][0] is out and args[4] is lse
-    assert args[5] is lse and kw["HAS_SINK"] is False  # no sink: a dummy pointer
+    # desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o: no tail, so the tail descriptors repeat q's and k's
+    assert _same(args[0][0], q) and args[0][1] == (1, bm, 1, 128) and args[1] is args[0] and args[3] is args[2]
+    assert args[5][0] is out and args[6] is lse
+    assert args[7] is lse and kw["HAS_SINK"] is False  # no sink: a dummy pointer
     # seqlen, heads, heads per kv head, scale in base 2
-    assert args[8:12] == (300, 8, 4, pytest.approx(128 ** -0.5 * launcher.LOG2E))
-    assert kw["CAUSAL"] is True and kw["HEAD_DIM"] == 128
+    assert args[10:14] == (300, 8, 4, pytest.approx(128 ** -0.5 * launcher.LOG2E))
+    assert kw["CAUSAL"] is True and (kw["HEAD_DIM"], kw["HEAD_DIM_TAIL"], kw["HEAD_DIM_V"]) == (128, 0, 128)
+
+
+def test_bf16_launcher_splits_a_head_dim_of_192(monkeypatch):
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    q = torch.empty(1, 256, 4, 192, dtype=torch.bfloat16)
+    k = torch.empty(1, 256, 2, 192, dtype=torch.bfloat16)
+    v = torch.empty(1, 256, 2, 128, dtype=torch.bfloat16)
+    out, _ = launcher.gluon_attn_fwd(q, k, v)
+    assert out.shape == (1, 256, 4, 128)
+    (args, kw), = spy.calls
+    bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
+    # two descriptors per q / k: the first 128 columns and the 64 after them, over the same storage
+    assert _same(args[0][0], q[..., :128]) and args[0][1] == (1, bm, 1, 128)
+    assert _same(args[1][0], q[..., 128:]) and args[1][1] == (1, bm, 1, 64)
+    assert _same(args[2][0], k[..., :128]) and _same(args[3][0], k[..., 128:]) and args[3][1] == (1, bn, 1, 64)
+    assert args[4] == (v, (1, bn, 1, 128)) and args[5][1] == (1, bm, 1, 128)
+    assert (kw["HEAD_DIM"], kw["HEAD_DIM_TAIL"], kw["HEAD_DIM_V"]) == (128, 64, 128)
+    assert launcher.head_dim_split(192) == (128, 64) and launcher.head_dim_split(256) == (256, 0)
 
 
 def test_bf16_launcher_passes_the_sink(monkeypatch):
@@ -45,7 +69,7 @@ def test_bf16_launcher_passes_the_sink(monkeypatch):
     sink = torch.zeros(4)
     launcher.gluon_attn_fwd(q, k, v, learnable_sink=sink)
     (args, kw), = spy.calls
-    assert args[5] is sink and kw["HAS_SINK"] is True
+    assert args[7] is sink and kw["HAS_SINK"] is True
 
 
 def test_fp8_launcher_outputs_descales_and_scale(monkeypatch):

@@ -48,7 +48,7 @@ def _check(q, k, v, causal, scale=None, config=None):
     _poison()
     out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config)
     torch.cuda.synchronize()
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
     ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
     pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
@@ -102,7 +102,10 @@ def _config(c):
 def test_every_tuning_candidate(d, cfg):
     # scripts/tune_gluon.py may pick any of these: each must be right on a ragged causal case (masked
     # loop over several blocks when BLOCK_M != BLOCK_N) and a non-causal one
-    q, k, v = (torch.randn(2, 1000, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    from flashtile.backends.triton.gluon_fwd import V_HEAD_DIMS
+
+    q, k = (torch.randn(2, 1000, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 1000, 4, V_HEAD_DIMS[d][0], device=DEV, dtype=torch.bfloat16)
     _check(q, k, v, True, config=_config(cfg))
     _check(q, k, v, False, config=_config(cfg))
 
@@ -282,3 +285,23 @@ def test_fp8_refuses_bad_v_t_and_descales():
     vt = v8[:, :63].permute(0, 2, 3, 1).contiguous()
     with pytest.raises(ValueError, match="16-byte"):
         gluon_attn_fwd_fp8(q8[:, :63], k8[:, :63], vt, qd, kd, vd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("s", [1, 127, 1000, 4096])
+def test_q_k_192_with_v_128(s, causal, dtype):
+    # q / k arrive as 128 + 64 columns whose QK^T wgmmas accumulate into one score tile; out has v's 128
+    q, k = (torch.randn(2, s, 4, 192, device=DEV, dtype=dtype) for _ in range(2))
+    v = torch.randn(2, s, 4, 128, device=DEV, dtype=dtype)
+    _check(q, k, v, causal)
+
+
+def test_q_k_192_strided_with_gqa():
+    # views of one packed tensor (the tail columns' descriptor starts 256 bytes into each row), 2 heads per kv head
+    b, s, h, h_k = 2, 777, 4, 2
+    packed = torch.randn(b, s, h + h_k, 192, device=DEV, dtype=torch.bfloat16)
+    q, k = packed[:, :, :h], packed[:, :, h:]
+    v = torch.randn(b, s, h_k, 128, device=DEV, dtype=torch.bfloat16)
+    _check(q, k, v, causal=True)
+    _check(q, k, v, causal=False, scale=0.3)

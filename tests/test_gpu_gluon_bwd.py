@@ -32,6 +32,15 @@ def test_gluon_dkdv_grads(gluon_on, d, causal, s, h, h_k):
     assert gluon_on, "the Gluon dK/dV kernel did not run"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s,h,h_k", [(1, 2, 2), (77, 4, 2), (1000, 8, 8), (2048, 4, 1)])
+def test_gluon_dkdv_q_k_192_with_v_128(gluon_on, dtype, causal, s, h, h_k):
+    # q / k / dk as 128 + 64 columns (two score products summed, two dK accumulators), v / dv of 128
+    check_padded(2, s, s, h, h_k, 192, dtype, device=DEV, causal=causal, dv=128)
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
 @pytest.mark.parametrize("d", [128, 256])  # fp16 is routed by default at both
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_dkdv_fp16_and_long(gluon_on, d, causal):

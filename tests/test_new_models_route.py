@@ -100,3 +100,21 @@ def test_fp8_forward_names_what_it_lacks(monkeypatch, name):
     monkeypatch.setattr(gluon_route, "gluon_fwd", lambda *a: pytest.fail("the Gluon fp8 kernel took the call"))
     with pytest.raises(ValueError, match="fp8 forward has no"):
         triton_backend.fwd(q, k, v, _p(**kw))
+
+
+@pytest.mark.parametrize("forced", [None, True], ids=["table", "forced"])
+def test_q_k_192_with_v_128_takes_the_gluon_forward(monkeypatch, forced):
+    # DeepSeek-V3's training shape: the 16-bit Gluon kernel splits q / k's 192 columns into 128 + 64
+    taken = []
+    monkeypatch.setattr(gluon_route, "gluon_fwd", lambda *a: taken.append("gluon"))
+    monkeypatch.setattr(fwd_launcher, "attn_fwd", lambda *a: taken.append("triton"))
+    _on_sm90(monkeypatch)
+    q, k, v = _qkv(128, d=192)
+    with config.override(gluon_fwd=forced):
+        assert gluon_route.refusal(q, k, v, _p()) is None
+        triton_backend.fwd(q, k, v, _p())
+        # v of 192 columns, or fp8, stay on Triton
+        why = gluon_route.refusal(*_qkv(192, d=192), _p())
+        assert why is not None and "(192, 192)" in why
+        assert gluon_route.refusal(*_qkv(128, d=192, dtype=torch.float8_e4m3fn), _p()) is not None
+    assert taken == ["gluon"]

@@ -75,28 +75,48 @@ def _invalidate(pinned, ready, NUM_BUFFERS: gl.constexpr):
 
 @gluon.jit
 def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, step, off_b, h0, m_start, steps_per_head,
-               NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr):
+               NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr, desc_q2=None, q2_smem=None,
+               SPLIT: gl.constexpr = False):
+    """Step's Q and dO tiles into their ring slot (SPLIT: Q's tail columns too, on the same barrier)."""
     slot = step % NUM_BUFFERS
     head = h0 + step // steps_per_head
     m0 = (m_start + step % steps_per_head) * BLOCK_M
-    _load_pair(desc_q, desc_do, q_smem.index(slot), do_smem.index(slot), ready.index(slot), off_b, m0, head)
+    if SPLIT:
+        mbarrier.expect(ready.index(slot), desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                        + desc_q2.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [off_b, m0, head, 0], ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_do, [off_b, m0, head, 0], ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_q2, [off_b, m0, head, 0], ready.index(slot), q2_smem.index(slot))
+    else:
+        _load_pair(desc_q, desc_do, q_smem.index(slot), do_smem.index(slot), ready.index(slot), off_b, m0, head)
 
 
 @gluon.jit
 def _issue_scores(a1, a2, ring1, ring2, ready, step, out_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                  OUT_M: gl.constexpr, RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                  OUT_M: gl.constexpr, RING_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
     """Issue a1 ring1_step^T and a2 ring2_step^T (async) once step's ring slot has landed: a backward
-    step's two score products, [OUT_M, RING_ROWS] each. dK/dV kernel: S^T = K Q^T, dP^T = V dO^T
-    (the ring holds Q, dO); dQ kernel (gluon_bwd_dq.py): S = Q K^T, dP = dO V^T (the ring holds K, V)."""
+    step's two score products, [OUT_M, RING_ROWS] each: S^T = K Q^T over q / k's head dim, dP^T = V dO^T
+    over v's (the ring holds Q, dO)."""
     slot = step % NUM_BUFFERS
     # each slot's barrier completes once per use: its parity flips every NUM_BUFFERS steps
     mbarrier.wait(ready.index(slot), (step // NUM_BUFFERS) & 1)
     b1 = ring1.index(slot).reshape([RING_ROWS, HEAD_DIM])
-    b2 = ring2.index(slot).reshape([RING_ROWS, HEAD_DIM])
+    b2 = ring2.index(slot).reshape([RING_ROWS, HEAD_DIM_V])
     acc = gl.zeros([OUT_M, RING_ROWS], gl.float32, out_layout)
     s = warpgroup_mma(a1, b1.permute((1, 0)), acc, use_acc=False, is_async=True)
     dp = warpgroup_mma(a2, b2.permute((1, 0)), acc, use_acc=False, is_async=True)
     return s, dp
+
+
+@gluon.jit
+def _issue_score_tail(a1b, ring1b, step, out_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr, OUT_M: gl.constexpr,
+                      RING_ROWS: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr):
+    """S^T's share of q / k's tail columns (a head dim of 192 = 128 + 64), into an accumulator of its own that
+    the caller adds after the wait: chained into S^T's, ptxas waits for the pair right after issuing it. The
+    slot's barrier was waited for by _issue_scores."""
+    b1b = ring1b.index(step % NUM_BUFFERS).reshape([RING_ROWS, HEAD_DIM_TAIL])
+    acc = gl.zeros([OUT_M, RING_ROWS], gl.float32, out_layout)
+    return warpgroup_mma(a1b, b1b.permute((1, 0)), acc, use_acc=False, is_async=True)
 
 
 @gluon.constexpr_function
@@ -160,24 +180,36 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
 
 @gluon.jit
 def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, HEAD_DIM_V: gl.constexpr):
     """Issue dV += P^T dO and dK += dS^T Q of one step (async; every operand in shared memory)."""
     slot = step % NUM_BUFFERS
     q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM_V])
     dv = warpgroup_mma(p_buf, do_tile, dv, is_async=True)
     dk = warpgroup_mma(ds_buf, q_tile, dk, is_async=True)
     return dk, dv
 
 
 @gluon.jit
-def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, stride_lb, stride_lh,
-                                seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale, HEAD_DIM: gl.constexpr,
-                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-                                CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1, ROTATED: gl.constexpr = True,
-                                LAUNCH_DEPENDENTS: gl.constexpr = False):
-    """dK, dV (b, s, h_k, d) of q, k, v, dout (b, s, h[_k], d), lse and delta (b, h, s) fp32 (natural
-    log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
+def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
+                   HEAD_DIM_TAIL: gl.constexpr):
+    """dK's tail columns += dS^T Q_tail of one step (async)."""
+    q2_tile = q2_smem.index(step % NUM_BUFFERS).reshape([BLOCK_M, HEAD_DIM_TAIL])
+    return warpgroup_mma(ds_buf, q2_tile, dk2, is_async=True)
+
+
+@gluon.jit
+def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
+                                DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
+                                ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
+                                HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0):
+    """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
+    fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
+    d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
+    64-column tail (desc_q2 / desc_k2 / desc_dk2; with no tail they repeat the others and go unused), whose
+    products run beside the leading ones (plain order only). HEAD_DIM_V: v's head dim (0: HEAD_DIM).
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -190,11 +222,16 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
     NUM_WARPS: gl.constexpr = gl.num_warps()
+    SPLIT: gl.constexpr = HEAD_DIM_TAIL > 0
+    DV: gl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
     # each column group is whole warpgroups, and its share of a step's queries a wgmma width
     gl.static_assert((NUM_WARPS // WARPS_N) % 4 == 0)
     gl.static_assert(BLOCK_M % (8 * WARPS_N) == 0)
+    # the rotated schedule keeps one more score tile in flight: a split head dim's does not fit beside it
+    gl.static_assert(not (SPLIT and ROTATED))
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
-    acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK, dV: [BLOCK_N, HEAD_DIM]
+    acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
+    accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
     col_layout: gl.constexpr = gl.SliceLayout(0, st_layout)
     key_layout: gl.constexpr = gl.SliceLayout(1, st_layout)
     dtype: gl.constexpr = desc_q.dtype
@@ -226,14 +263,28 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         # the plain order retires a step's products before the next step writes: one buffer each
         p_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], ps_layout)
+    k2_smem = k_smem
+    q2_smem = q_smem
+    if SPLIT:
+        k2_smem = gl.allocate_shared_memory(dtype, desc_k2.block_type.shape, desc_k2.layout)
+        q2_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q2.block_type.shape, desc_q2.layout)
     kv_ready, ready = _barriers(NUM_BUFFERS)
-    _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, off_b, n0, off_hk)
+    if SPLIT:
+        mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes + desc_k2.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [off_b, n0, off_hk, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(desc_v, [off_b, n0, off_hk, 0], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(desc_k2, [off_b, n0, off_hk, 0], kv_ready, k2_smem)
+    else:
+        _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, off_b, n0, off_hk)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_steps:
             _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, off_b, h0, m_start, steps_per_head, NUM_BUFFERS,
-                       BLOCK_M)
+                       BLOCK_M, desc_q2, q2_smem, SPLIT)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
-    v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    v_tile = v_smem.reshape([BLOCK_N, DV])
+    k2_tile = k_tile
+    if SPLIT:
+        k2_tile = k2_smem.reshape([BLOCK_N, HEAD_DIM_TAIL])
     mbarrier.wait(kv_ready, 0)
 
     key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
@@ -242,13 +293,13 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         # when step j issues its scores, so the ring needs three slots at least
         gl.static_assert(NUM_BUFFERS >= 3)
         dk = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
-        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([BLOCK_N, DV], gl.float32, accv_layout))
         s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, 0, st_layout, NUM_BUFFERS, BLOCK_N, BLOCK_M,
-                                  HEAD_DIM)
+                                  HEAD_DIM, DV)
         s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
         for j in range(0, n_steps - 1):
             s_next, dp_next = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j + 1, st_layout, NUM_BUFFERS,
-                                            BLOCK_N, BLOCK_M, HEAD_DIM)
+                                            BLOCK_N, BLOCK_M, HEAD_DIM, DV)
             # the tensor cores hold dV/dK of step j-1 and the scores of step j+1: this runs under them.
             # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
             _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
@@ -261,42 +312,59 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                 _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, refill, off_b, h0, m_start, steps_per_head,
                            NUM_BUFFERS, BLOCK_M)
             dk, dv = _issue_grads(p_smem.index(j % 2), ds_smem.index(j % 2), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
-                                  BLOCK_M, HEAD_DIM)
+                                  BLOCK_M, HEAD_DIM, DV)
         last = n_steps - 1
         _grads_of_step(s_t, dp_t, p_smem.index(last % 2), ds_smem.index(last % 2), LSE, DELTA, last, off_b, h0, m_start,
                        steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         dk, dv = _issue_grads(p_smem.index(last % 2), ds_smem.index(last % 2), dk, dv, q_smem, do_smem, last,
-                              NUM_BUFFERS, BLOCK_M, HEAD_DIM)
+                              NUM_BUFFERS, BLOCK_M, HEAD_DIM, DV)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     else:
         gl.static_assert(NUM_BUFFERS >= 2)
         # plain tensors: the loop carries them waited for, not as in-flight accumulators
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK_N, DV], gl.float32, accv_layout)
+        if SPLIT:
+            acc2_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM_TAIL, 16)
+            dk2 = gl.zeros([BLOCK_N, HEAD_DIM_TAIL], gl.float32, acc2_layout)
         for j in range(0, n_steps):
             s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_N,
-                                      BLOCK_M, HEAD_DIM)
-            s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
+                                      BLOCK_M, HEAD_DIM, DV)
+            if SPLIT:
+                s_tail = _issue_score_tail(k2_tile, q2_smem, j, st_layout, NUM_BUFFERS, BLOCK_N, BLOCK_M,
+                                           HEAD_DIM_TAIL)
+                s_t, dp_t, s_tail = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t, s_tail))
+                s_t = s_t + s_tail
+            else:
+                s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
                                 BLOCK_M, CAUSAL)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
-                                  BLOCK_M, HEAD_DIM)
+                                  BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            if SPLIT:
+                dk2 = _issue_dk_tail(ds_smem.index(0), dk2, q2_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)
+                dk, dv, dk2 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dk2))
+            else:
+                dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             if j + NUM_BUFFERS < n_steps:  # step j's slot is free: load the step NUM_BUFFERS ahead
                 _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, j + NUM_BUFFERS, off_b, h0, m_start,
-                           steps_per_head, NUM_BUFFERS, BLOCK_M)
+                           steps_per_head, NUM_BUFFERS, BLOCK_M, desc_q2, q2_smem, SPLIT)
 
     _invalidate(kv_ready, ready, NUM_BUFFERS)
     # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores,
     # which also clip the key rows past the sequence
     k_tile.store((dk * grad_scale).to(dtype))
     v_tile.store(dv.to(dtype))
+    if SPLIT:
+        k2_tile.store((dk2 * grad_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_dk, [off_b, n0, off_hk, 0], k_smem)
     tma.async_copy_shared_to_global(desc_dv, [off_b, n0, off_hk, 0], v_smem)
+    if SPLIT:
+        tma.async_copy_shared_to_global(desc_dk2, [off_b, n0, off_hk, 0], k2_smem)
     tma.store_wait(pendings=0)
 
 
@@ -311,6 +379,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
 BWD_DKDV_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=4, num_warps=4),
     128: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
+    192: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
     256: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
 }
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")

@@ -40,11 +40,17 @@ def mma_layout(num_warps, n, k):
 
 # --8<-- [start:load_kv]
 @gluon.jit
-def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, block, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
-             BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr):
-    # K and V get a barrier each, so QK^T of a block never waits for that block's V
+def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, block, off_b, off_hk,
+             NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr, SPLIT: gl.constexpr):
+    # K and V get a barrier each, so QK^T of a block never waits for that block's V. A split head dim
+    # (SPLIT: K's tail columns through their own descriptor) lands both parts on K's one barrier.
     slot = block % NUM_BUFFERS
-    mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
+    if SPLIT:
+        mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes + desc_k2.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k2, [off_b, block * BLOCK_N, off_hk, 0], k_ready.index(slot),
+                                        k2_smem.index(slot))
+    else:
+        mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_k, [off_b, block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                     k_smem.index(slot))
     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
@@ -60,28 +66,36 @@ def _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, block, off_b, off
 
 # --8<-- [start:issue_qk]
 @gluon.jit
-def _issue_qk(q_tile, k_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr):
     slot = block % NUM_BUFFERS
     # each slot's barrier completes once per use of the slot: its parity flips every NUM_BUFFERS blocks
     mbarrier.wait(k_ready.index(slot), (block // NUM_BUFFERS) & 1)
     k_tile = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
     # use_acc=False: the hardware ignores the accumulator, so no zero fill is paid per block
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    return warpgroup_mma(q_tile, k_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma(q_tile, k_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    acc2 = acc
+    if HEAD_DIM_TAIL > 0:
+        # the tail columns' scores go to an accumulator of their own, added after the wait: chained into
+        # acc, ptxas waits for the pair right after issuing it and the softmax no longer overlaps them
+        k2_tile = k2_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_TAIL])
+        acc2 = warpgroup_mma(q2_tile, k2_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                             use_acc=False, is_async=True)
+    return acc, acc2
 # --8<-- [end:issue_qk]
 
 
 @gluon.jit
 def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr,
-              HEAD_DIM: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+              HEAD_DIM_V: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     slot = block % NUM_BUFFERS
     mbarrier.wait(v_ready.index(slot), (block // NUM_BUFFERS) & 1)
     if V_TRANSPOSED:
         # fp8 wgmma reads B K-major only: V^T's tile [d, BLOCK_N] (keys contiguous) seen as [BLOCK_N, d]
-        v_tile = v_smem.index(slot).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0))
+        v_tile = v_smem.index(slot).reshape([HEAD_DIM_V, BLOCK_N]).permute((1, 0))
     else:
-        v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM])
+        v_tile = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_V])
     # P stays in registers as wgmma's A operand: FlashAttention-3's trick that saves the smem round trip
     return warpgroup_mma(p, v_tile, o, is_async=True)
 
@@ -114,25 +128,26 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
 
 @gluon.jit
 def _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, block, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                          NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM_V: gl.constexpr,
                           V_TRANSPOSED: gl.constexpr):
     # O must be rescaled in registers before the wgmma accumulates into it: only legal once the
     # previous PV has retired, which is why every caller waits first
     o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     # P in V's dtype (bf16, fp16, or e4m3 with round-to-nearest-even as in the Triton fp8 kernel)
     p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    return _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS, BLOCK_N, HEAD_DIM, V_TRANSPOSED), p
+    return _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS, BLOCK_N, HEAD_DIM_V, V_TRANSPOSED), p
 
 
 # --8<-- [start:key_block]
 @gluon.jit
-def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v, off_b, off_hk,
-               n_blocks, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-               p_layout: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr,
-               V_TRANSPOSED: gl.constexpr):
+def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready, v_ready, desc_k,
+               desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout: gl.constexpr,
+               o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+               HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+               CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists."""
-    s_next = _issue_qk(q_tile, k_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
+    s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
+                               BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
                                        P_SHIFT)
@@ -145,29 +160,40 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_rea
         # (a hazard would make it serialise, which the compile test rejects)
         o, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, s_next))
     else:
-        o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
+        if HEAD_DIM_TAIL > 0:
+            o, p_prev, s_next, s_tail = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next, s_tail))
+            s_next = s_next + s_tail
+        else:
+            o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
     # block j-1's slot is free now (its K retired with S_{j-1}, its V with PV_{j-1}): refill it. The
     # CTA-wide barrier Triton puts before the TMA issue also covers the other warpgroup's reads.
     refill = j - 1 + NUM_BUFFERS
     if (j >= 1) & (refill < n_blocks):
-        _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk, NUM_BUFFERS, BLOCK_N,
-                 V_TRANSPOSED)
+        _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk,
+                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0)
     # PV_j stays in flight into the next iteration's softmax
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
-                                 HEAD_DIM, V_TRANSPOSED)
+                                 HEAD_DIM_V, V_TRANSPOSED)
     return s_next, o, p, m_i, l_i
 # --8<-- [end:key_block]
 
 
 @gluon.jit
-def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                   qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, SINK, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
+                   heads_per_kv, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, SINK, HEAD_DIM: gl.constexpr,
+                   HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
                    HAS_SINK: gl.constexpr):
     """The whole forward of one (query tile, batch, head). FP8 switches on V^T, the descales (contiguous
     (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer. HAS_SINK adds
-    the head's learnable sink logit (SINK, (h,)) to every row's denominator."""
+    the head's learnable sink logit (SINK, (h,)) to every row's denominator.
+
+    q / k's head dim is HEAD_DIM + HEAD_DIM_TAIL: Gluon tiles are powers of two, so a head dim such as
+    192 arrives as two column ranges (desc_q / desc_k the first HEAD_DIM columns, desc_q2 / desc_k2 the
+    HEAD_DIM_TAIL after them; with no tail they repeat desc_q / desc_k and go unused) whose QK^T
+    wgmmas accumulate into one score tile. v's and out's head dim is HEAD_DIM_V."""
+    SPLIT: gl.constexpr = HEAD_DIM_TAIL > 0
     # block j+NUM_BUFFERS-1 is loaded during iteration j, after which block j+1 must already be resident
     gl.static_assert(NUM_BUFFERS >= 3)
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -178,7 +204,7 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     # fp8: P in [0, 2**8] (exact max 256 < 448) keeps small probabilities out of e4m3's subnormals
     P_SHIFT: gl.constexpr = 8.0 if FP8 else 0.0
     s_layout: gl.constexpr = mma_layout(NUM_WARPS, BLOCK_N, MMA_K)
-    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM, MMA_K)
+    o_layout: gl.constexpr = mma_layout(NUM_WARPS, HEAD_DIM_V, MMA_K)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
@@ -209,6 +235,12 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     # The 4-D block [1, rows, 1, d] is what the (b, s, h, d) descriptors move; MMAs see a 2-D view.
     q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
+    q2_smem = q_smem
+    k2_smem = k_smem
+    if SPLIT:
+        q2_smem = gl.allocate_shared_memory(desc_q2.dtype, desc_q2.block_type.shape, desc_q2.layout)
+        k2_smem = gl.allocate_shared_memory(desc_k2.dtype, [NUM_BUFFERS] + desc_k2.block_type.shape,
+                                            desc_k2.layout)
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -230,27 +262,40 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
         n_blocks = gl.cdiv(seqlen, BLOCK_N)
         n_unmasked = seqlen // BLOCK_N
 
-    mbarrier.expect(q_ready, desc_q.block_type.nbytes)
+    if SPLIT:
+        mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_q2.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q2, [off_b, m0, off_h, 0], q_ready, q2_smem)
+    else:
+        mbarrier.expect(q_ready, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [off_b, m0, off_h, 0], q_ready, q_smem)
     # fill the ring; later refills happen inside the loop as slots drain
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
-            _load_kv(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, i, off_b, off_hk, NUM_BUFFERS, BLOCK_N, FP8)
+            _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, off_b, off_hk,
+                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
+    q2_tile = q_tile
+    if SPLIT:
+        q2_tile = q2_smem.reshape([BLOCK_M, HEAD_DIM_TAIL])
     mbarrier.wait(q_ready, 0)
 
     row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     # O is carried across iterations as an in-flight accumulator (PV_j completes in iteration j+1)
-    o = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout))
+    o = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM_V], gl.float32, o_layout))
     # P_{j-1} feeds the PV wgmma still in flight: it must stay alive (in registers) until that wgmma
     # retires, which is what passing it through warpgroup_mma_wait's deps guarantees
     p = gl.zeros([BLOCK_M, BLOCK_N], desc_v.dtype, p_layout)
 
-    s = _issue_qk(q_tile, k_smem, k_ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N, HEAD_DIM)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    s, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, 0, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N,
+                          HEAD_DIM, HEAD_DIM_TAIL)
+    if HEAD_DIM_TAIL > 0:
+        s, s_tail = warpgroup_mma_wait(num_outstanding=0, deps=(s, s_tail))
+        s = s + s_tail
+    else:
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
     # every block but the last, in two copies of the same pipelined loop: first the blocks that need
     # no mask, then the diagonal / ragged ones. The pipeline state (S_j ready, PV_{j-1} in flight)
@@ -258,15 +303,15 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     n_steady = n_blocks - 1
     n_fast = gl.minimum(n_unmasked, n_steady)
     for j in range(0, n_fast):
-        s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v,
-                                       off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout, o_layout,
-                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT,
-                                       FP8)
+        s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
+                                       v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
+                                       qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
+                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8)
     for j in range(n_fast, n_steady):
-        s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, k_smem, v_smem, k_ready, v_ready, desc_k, desc_v,
-                                       off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout, o_layout,
-                                       p_layout, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT,
-                                       FP8)
+        s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
+                                       v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
+                                       qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
+                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
@@ -279,7 +324,7 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     else:
         o, p = warpgroup_mma_wait(num_outstanding=0, deps=(o, p))
     o, p_last = _rescale_and_issue_pv(o, p_last, alpha, v_smem, v_ready, last, o_layout, p_layout, NUM_BUFFERS,
-                                      BLOCK_N, HEAD_DIM, FP8)
+                                      BLOCK_N, HEAD_DIM_V, FP8)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -306,11 +351,11 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
     lse = (m_i + gl.log2(l_i) - P_SHIFT) * 0.6931471805599453
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + row_idx, lse, mask=row_idx < seqlen)
-    if FP8:
-        # bf16 O is twice Q's bytes: it gets a buffer of its own (allocated here, after the ring is
-        # dead, so the allocator may overlap it with the ring)
+    if FP8 or HEAD_DIM_V != HEAD_DIM:
+        # O unlike Q's first tile (fp8: bf16 O is twice Q's bytes; or v's own head dim) gets a buffer of its
+        # own (allocated here, after the ring is dead, so the allocator may overlap it with the ring)
         o_smem = gl.allocate_shared_memory(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-        o_smem.reshape([BLOCK_M, HEAD_DIM]).store(o.to(desc_o.dtype))
+        o_smem.reshape([BLOCK_M, HEAD_DIM_V]).store(o.to(desc_o.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], o_smem)
     else:
@@ -324,14 +369,17 @@ def _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, se
 
 
 @gluon.jit
-def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh, seqlen, n_heads,
-                           heads_per_kv, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
+                           seqlen, n_heads, heads_per_kv, qk_scale, HEAD_DIM: gl.constexpr,
+                           HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_SINK: gl.constexpr):
-    """bf16 / fp16 forward (dtype from the descriptors): q, k, v, out (b, s, h, d); SINK (h,) when HAS_SINK."""
-    _attn_fwd_tile(desc_q, desc_k, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                   qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, False,
-                   False, False, HAS_SINK)
+    """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
+    desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
+    (h,) when HAS_SINK."""
+    _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
+                   heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
+                   BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per
@@ -341,6 +389,8 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, SINK, stride_lb,
 #   16-bit d = 64 / 128: the measured config (untuned for d = 64, which the route leaves to Triton).
 #   16-bit d = 256: one warpgroup, 32 keys per block: 128 x 64 tiles do not fit shared memory with
 #     a 3-slot ring, 64 x 64 spills (255 registers); 64 x 32 uses ~195 registers, ~160 KiB.
+#   16-bit d = 192 (q / k as 128 + 64 columns) with v's 128: 64-key blocks, the widest that fits a ring of
+#     >= 3 slots beside a 128-row Q tile (4 slots: ~208 KiB).
 #   fp8 d = 128 / 256: one warpgroup on 64 query rows, the sweep's winner at s = 4096, causal and not,
 #     by 10%-17% over 128-row tiles on two warpgroups (docs/gluon.md, "Configs"): small CTAs let two
 #     share an SM, so one's softmax hides under the other's MMAs as well.
@@ -348,6 +398,7 @@ def _gluon_attn_fwd_kernel(desc_q, desc_k, desc_v, desc_o, LSE, SINK, stride_lb,
 FWD_CONFIGS = {
     ("16bit", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
     ("16bit", 128): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
+    ("16bit", 192): dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8),
     ("16bit", 256): dict(BLOCK_M=64, BLOCK_N=32, NUM_BUFFERS=4, num_warps=4),
     ("fp8", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
     ("fp8", 128): dict(BLOCK_M=64, BLOCK_N=128, NUM_BUFFERS=3, num_warps=4),
@@ -361,6 +412,7 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
 TUNE_CANDIDATES = {
     ("16bit", 64): [(128, 128, 3, 8), (128, 128, 4, 8), (64, 128, 3, 4), (64, 128, 4, 4)],
     ("16bit", 128): [(128, 128, 3, 8), (64, 128, 3, 4)],
+    ("16bit", 192): [(128, 64, 4, 8), (128, 64, 3, 8), (64, 64, 3, 4), (64, 64, 4, 4)],
     ("16bit", 256): [(64, 32, 4, 4), (64, 32, 3, 4), (64, 32, 6, 4)],
     ("fp8", 64): [(128, 128, 3, 8), (128, 128, 4, 8), (128, 128, 6, 8), (64, 128, 3, 4), (64, 128, 4, 4)],
     ("fp8", 128): [(64, 128, 3, 4), (64, 128, 4, 4), (128, 128, 3, 8), (128, 128, 5, 8)],

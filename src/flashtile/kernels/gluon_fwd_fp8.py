@@ -29,6 +29,6 @@ def _gluon_attn_fwd_fp8_kernel(desc_q, desc_k, desc_vt, desc_o, LSE, Q_DESCALE, 
                                CAUSAL: gl.constexpr, HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr,
                                HAS_V_DESCALE: gl.constexpr):
     """e4m3 q (b, s, h, d), k (b, s, h_k, d), V^T (b, h_k, d, s); bf16 out (b, s, h, d)."""
-    _attn_fwd_tile(desc_q, desc_k, desc_vt, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads, heads_per_kv,
-                   qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, LSE, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL,
-                   True, HAS_Q_DESCALE, HAS_K_DESCALE, HAS_V_DESCALE, False)
+    _attn_fwd_tile(desc_q, desc_q, desc_k, desc_k, desc_vt, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
+                   heads_per_kv, qk_scale, Q_DESCALE, K_DESCALE, V_DESCALE, LSE, HEAD_DIM, 0, HEAD_DIM, BLOCK_M,
+                   BLOCK_N, NUM_BUFFERS, CAUSAL, True, HAS_Q_DESCALE, HAS_K_DESCALE, HAS_V_DESCALE, False)

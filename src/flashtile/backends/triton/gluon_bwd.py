@@ -15,14 +15,16 @@ import torch
 
 from flashtile import config
 from flashtile.backends.triton import gluon_route
-from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor
+from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor, head_dim_split
 from flashtile.backends.triton.host import capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (q / k head dim, v head dim)
+V_HEAD_DIM = dict(HEAD_DIMS)
 DTYPES = (torch.bfloat16, torch.float16)
 # (head_dim, plain causal mask) -> the shortest sequence whose dK/dV the Gluon kernel takes (bf16 and fp16)
-ROUTE_TABLE = {(128, False): 1024, (128, True): 1024, (256, False): 1024, (256, True): 1024}
+ROUTE_TABLE = {(128, False): 1024, (128, True): 1024, (192, False): 1024, (192, True): 1024, (256, False): 1024,
+               (256, True): 1024}
 # CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
 MAX_GRID_Y = 65535
 
@@ -83,25 +85,34 @@ def _check_stats(lse, delta) -> None:
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
                         config: dict | None = None, launch_dependents: bool = False) -> None:
-    """Write dk, dv (b, s, h_k, d) for q, dout (b, s, h, d), k, v (b, s, h_k, d), lse and delta
-    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). The caller checked ``refusal``;
+    """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
+    (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
+    columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
     ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
     is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl)."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     b, s, h, d = q.shape
-    h_k = k.shape[2]
+    h_k, dv_dim = k.shape[2], v.shape[-1]
     cfg = _config(BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
-    meta = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
+    lead, tail = head_dim_split(d)
+    meta = dict(HEAD_DIM=lead, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
                 num_warps=cfg["num_warps"])
+    if tail or dv_dim != d:  # absent, the kernel's defaults (no tail, v's head dim = d) apply
+        meta.update(HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv_dim)
     # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, the d = 128 / 256
     # table's choice) only when given: absent, the kernel's defaults (1, rotated) apply
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
     if launch_dependents:
         meta["LAUNCH_DEPENDENTS"] = True
+    desc_q, desc_k = _descriptor(q[..., :lead], [1, bm, 1, lead]), _descriptor(k[..., :lead], [1, bn, 1, lead])
+    desc_dk = _descriptor(dk[..., :lead], [1, bn, 1, lead])
+    # with no tail the kernel never reads its tail descriptors: it gets the leading ones again
+    tails = ((_descriptor(q[..., lead:], [1, bm, 1, tail]), _descriptor(k[..., lead:], [1, bn, 1, tail]),
+              _descriptor(dk[..., lead:], [1, bn, 1, tail])) if tail else (desc_q, desc_k, desc_dk))
     run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
-        _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
-        _descriptor(dout, [1, bm, 1, d]), _descriptor(dk, [1, bn, 1, d]), _descriptor(dv, [1, bn, 1, d]),
-        lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k, softmax_scale * LOG2E, softmax_scale, **meta)
+        desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
+        _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k,
+        softmax_scale * LOG2E, softmax_scale, **meta)

@@ -1,8 +1,10 @@
 """Launchers of the Gluon Hopper forward kernels (the route that picks them: gluon_route.py).
 
 ``gluon_attn_fwd(q, k, v, softmax_scale, causal) -> (out, lse)`` with FlashAttention's layout:
-q, k, v (batch, seqlen, heads, head_dim) bf16 or fp16, out likewise, lse (batch, heads, seqlen)
-fp32 in natural log.
+q, k (batch, seqlen, heads, head_dim), v (batch, seqlen, heads, head_dim_v) bf16 or fp16, out
+(batch, seqlen, heads, head_dim_v), lse (batch, heads, seqlen) fp32 in natural log. ``V_HEAD_DIMS``
+lists the head-dim pairs; a q / k head dim that is not a power of two (192) reaches the kernel as two
+column ranges (``head_dim_split``).
 
 ``gluon_attn_fwd_fp8(q, k, v_t, q_descale, k_descale, v_descale, softmax_scale, causal)`` takes
 e4m3 q, k and V^T as ``transpose_v`` (backends/triton/attn_fwd_fp8.py) makes it, and returns bf16
@@ -23,7 +25,10 @@ import torch
 from flashtile.backends.triton.host import capability, cdiv, device_guard, run_kernel
 
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # the fp8 kernel's
+# bf16 / fp16: q / k's head dim -> the v head dims the kernel takes with it (shared memory is sized per
+# q / k head dim in FWD_CONFIGS, for the v head dim listed)
+V_HEAD_DIMS = {64: (64,), 128: (128,), 192: (128,), 256: (256,)}
 DTYPES = (torch.bfloat16, torch.float16)
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -38,15 +43,22 @@ def _check_tma(fn: str, name: str, x: torch.Tensor) -> None:
                          f"{tuple(x.stride())}")
 
 
-def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+def head_dim_split(d: int) -> tuple[int, int]:
+    """(leading, tail) column ranges of a q / k head dim: Gluon tiles are powers of two, so 192 is 128 + 64
+    (tail 0: d itself is a power of two)."""
+    lead = 1 << (d.bit_length() - 1)
+    return lead, d - lead
+
+
+def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, dims=HEAD_DIMS) -> tuple[int, int, int, int, int]:
     b, sq, h, d = q.shape
     bk, sk, h_k, dk = k.shape
     if bk != b or dk != d:
         raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
     if sq != sk:
         raise ValueError(f"{fn}: needs seqlen_q == seqlen_k, got {sq} and {sk}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{fn}: head_dim must be one of {HEAD_DIMS}, got {d}")
+    if d not in dims:
+        raise ValueError(f"{fn}: head_dim must be one of {tuple(dims)}, got {d}")
     if h_k == 0 or h % h_k:
         raise ValueError(f"{fn}: heads of q ({h}) must be a multiple of heads of k/v ({h_k})")
     return b, sq, h, h_k, d
@@ -77,9 +89,10 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{fn}: {name} must be (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
-    _check_shapes(fn, q, k)
+    _check_shapes(fn, q, k, V_HEAD_DIMS)
+    if k.shape[:-1] != v.shape[:-1] or v.shape[-1] not in V_HEAD_DIMS[q.shape[-1]]:
+        raise ValueError(f"{fn}: v {tuple(v.shape)} must match k {tuple(k.shape)} but in its head dim, one of "
+                         f"{V_HEAD_DIMS[q.shape[-1]]} with q / k's {q.shape[-1]}")
     _check_device(fn, dict(q=q, k=k, v=v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tma(fn, name, x)
@@ -153,14 +166,14 @@ def _sizes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
 
 
 def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config: dict | None,
-             out_dtype: torch.dtype):
+             out_dtype: torch.dtype, dv: int):
     """What both launchers set up after validation: the scale (default 1/sqrt(d)), the config,
-    out (b, s, h, d) in out_dtype and lse (b, h, s) fp32."""
+    out (b, s, h, dv) in out_dtype and lse (b, h, s) fp32."""
     b, s, h, d = q.shape
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
     cfg = _resolve_config(d, causal, q.dtype, config)
-    out = torch.empty((b, s, h, d), dtype=out_dtype, device=q.device)
+    out = torch.empty((b, s, h, dv), dtype=out_dtype, device=q.device)
     lse = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     return softmax_scale, cfg, out, lse
 
@@ -174,27 +187,33 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     denominator (lse includes it).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
-    bf16 / fp16, head_dim other than 64 / 128 / 256, seqlen_q != seqlen_k, a GPU other than sm_90,
-    TMA-unfriendly strides.
+    bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, seqlen_q != seqlen_k, a GPU other than
+    sm_90, TMA-unfriendly strides.
     """
     _validate(q, k, v)
     b, s, h, h_k, d = _sizes(q, k)
-    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype)
+    dv = v.shape[-1]
+    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype, dv)
     if out.numel() == 0:
         return out, lse
 
     from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    lead, tail = head_dim_split(d)
+    desc_q, desc_k = _descriptor(q[..., :lead], [1, bm, 1, lead]), _descriptor(k[..., :lead], [1, bn, 1, lead])
+    # with no tail the kernel never reads its second descriptors: it gets the first ones again
+    desc_q2 = _descriptor(q[..., lead:], [1, bm, 1, tail]) if tail else desc_q
+    desc_k2 = _descriptor(k[..., lead:], [1, bn, 1, tail]) if tail else desc_k
     grid = (cdiv(s, bm), b * h)
     with device_guard(q):
         run_kernel(_gluon_attn_fwd_kernel, grid,
-            _descriptor(q, [1, bm, 1, d]), _descriptor(k, [1, bn, 1, d]), _descriptor(v, [1, bn, 1, d]),
-            _descriptor(out, [1, bm, 1, d]),
+            desc_q, desc_q2, desc_k, desc_k2, _descriptor(v, [1, bn, 1, dv]), _descriptor(out, [1, bm, 1, dv]),
             lse, lse if learnable_sink is None else learnable_sink, lse.stride(0), lse.stride(1), s, h, h // h_k,
             softmax_scale * LOG2E,
-            HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal),
-            HAS_SINK=learnable_sink is not None, num_warps=cfg["num_warps"])
+            HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
+            NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
+            num_warps=cfg["num_warps"])
     return out, lse
 
 
@@ -214,7 +233,7 @@ def gluon_attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, q_de
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _validate_fp8(q, k, v_t, descales)
     b, s, h, h_k, d = _sizes(q, k)
-    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, torch.bfloat16)
+    softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, torch.bfloat16, d)
     if out.numel() == 0:
         return out, lse
 

@@ -27,6 +27,7 @@ DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # 4096 tokens. Below these lengths the Triton kernel's short-sequence tiles keep the call.
 ROUTE_TABLE = {
     (torch.bfloat16, 128): {False: 1024, True: 2048},
+    (torch.bfloat16, 192): {False: 1024, True: 1024},
     (torch.float8_e4m3fn, 128): {False: 4096, True: 4096},
     (torch.float8_e4m3fn, 256): {False: 4096, True: 4096},
 }
@@ -42,26 +43,31 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     """Why the Gluon kernel cannot compute this call exactly (None: it can), device aside."""
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype} (takes {DTYPES})"
-    dims = (64, 128, 256) if q.dtype == torch.float8_e4m3fn else (64, 128)
-    if q.dtype == torch.float8_e4m3fn and p.learnable_sink is not None:
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
-    return coverage_refusal(q, k, v, p, dims)
+    return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS)
+
+
+# (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
 def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims) -> str | None:
-    """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it)."""
+    """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it). ``dims``: the
+    (q / k head dim, v head dim) pairs the kernel takes."""
     if q.dim() != 4 or p.varlen:
         return "varlen (packed) calls"
-    # v's own head dim and attention_chunk are the Triton kernels' only (kernels/attn_fwd.py,
-    # kernels/attn_bwd.py). A learnable sink is covered: the bf16 forward folds it into the denominator
-    # after its key loop, and the backward needs nothing since the lse includes it (the fp8 forward
-    # has none: refusal() keeps such calls off it).
-    if v.shape[-1] != q.shape[-1]:
-        return "v's head dim differing from q/k's (dv != d)"
+    # attention_chunk is the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py; a chunk that
+    # divides the sequence arrives here as a batch of chunks, chunk_batch.py). A learnable sink is covered:
+    # the bf16 forward folds it into the denominator after its key loop, and the backward needs nothing
+    # since the lse includes it (the fp8 forward has none: refusal() keeps such calls off it).
     if p.attention_chunk > 0:
         return "attention_chunk"
-    if k.shape != v.shape or q.shape[-1] not in dims:
-        return f"head_dim other than {dims}, or k and v of different shapes"
+    if k.shape[:-1] != v.shape[:-1] or (q.shape[-1], v.shape[-1]) not in dims:
+        return (f"head_dim and v's head_dim (d, dv) = {(q.shape[-1], v.shape[-1])}, not one of {dims}, or k and v of "
+                "different shapes")
     if q.shape[1] != k.shape[1]:
         return "seqlen_q != seqlen_k"
     # plain or causal attention: causal arrives as the window (-1, 0), and with seqlen_q ==
