@@ -2,8 +2,9 @@
 
 The backward with this kernel for dK/dV (dQ stays the Triton kernel) measured 1.08x-1.17x of the
 all-Triton backward at d = 128 and 1.43x-1.64x at d = 256 from s = 1024, bf16 and fp16; at d = 64 it was
-0.95x-1.05x, so d = 64 stays on Triton (docs/gluon.md, "The backward's dK/dV kernel"). s = 512 keeps the
-Triton kernel's short-sequence tiles.
+0.95x-1.05x, so d = 64 stays on Triton (docs/gluon.md, "The backward's dK/dV kernel"). q / k 192 with v 128:
+1.31x-1.41x of the all-Triton backward at s = 1024 / 4096 / 16384, causal and not (H100; docs/models.md,
+"Measured"). s = 512 keeps the Triton kernel's short-sequence tiles.
 
 ``config.gluon`` (FLASHTILE_GLUON=0) turns every Gluon route off; ``config.gluon_bwd`` forces this one on
 (wherever the kernel can run, d = 64 too) or off.

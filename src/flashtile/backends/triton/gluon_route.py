@@ -24,7 +24,9 @@ DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # (dtype, head_dim) -> {plain causal mask: the shortest sequence that takes the Gluon kernel}. bf16 d = 128:
 # 1.06x-1.12x of the Triton kernel from s = 1024 (causal 0.98x at 1024, faster from 2048); d = 64 measured
 # 0.87x-0.92x and stays on Triton. e4m3 d = 128 / 256: within 2% non-causal and 1%-12% ahead causal from
-# 4096 tokens. Below these lengths the Triton kernel's short-sequence tiles keep the call.
+# 4096 tokens. bf16 q / k 192 with v 128 (the only pair with d != dv the kernel takes): 1.14x-1.36x of the
+# Triton kernel from s = 1024, causal and not (H100; docs/models.md, "Measured"). Below these lengths the
+# Triton kernel's short-sequence tiles keep the call.
 ROUTE_TABLE = {
     (torch.bfloat16, 128): {False: 1024, True: 2048},
     (torch.bfloat16, 192): {False: 1024, True: 1024},
