@@ -28,8 +28,9 @@ import triton
 TOL = {"16bit": 2e-2, "fp8": 6e-2}
 
 
-def _inputs(dtype_cls: str, b: int, s: int, h: int, d: int):
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def _inputs(dtype_cls: str, b: int, s: int, h: int, d: int, dv: int):
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
     if dtype_cls == "16bit":
         return dict(q=q, k=k, v=v)
     from flashtile.backends.triton.attn_fwd_fp8 import transpose_v
@@ -65,13 +66,14 @@ def _triton_out(dtype_cls: str, x: dict, causal: bool) -> torch.Tensor:
 
 
 def main():
+    from flashtile.backends.triton.gluon_fwd import V_HEAD_DIMS
     from flashtile.bench.shapes import attention_flops
     from flashtile.kernels.gluon_fwd import CONFIG_KEYS, TUNE_CANDIDATES
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tune_gluon.json")
     ap.add_argument("--dtypes", nargs="+", default=["16bit", "fp8"], choices=["16bit", "fp8"])
-    ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 192, 256])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
@@ -86,11 +88,13 @@ def main():
             if not cands:
                 continue
             h = 2048 // d
+            # v's head dim: the 16-bit kernel's pair for d (192 takes v of 128), fp8's is d
+            dv = V_HEAD_DIMS[d][0] if dtype_cls == "16bit" else d
             for s in args.seqlens:
                 b = max(1, 16384 // s)
-                x = _inputs(dtype_cls, b, s, h, d)
+                x = _inputs(dtype_cls, b, s, h, d, dv)
                 for causal in causals:
-                    flops = attention_flops(b, h, s, d, causal)
+                    flops = attention_flops(b, h, s, d, causal, dv=dv)
                     key = f"{dtype_cls} d={d} causal={causal} s={s}"
                     base = None
                     for cand in cands:
