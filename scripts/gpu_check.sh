@@ -12,6 +12,7 @@
 #   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
 #                                                   docs/programmable.md's table
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
+#   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,9 @@ run_step() {
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
+    tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 128 192 \
+                  --out "$OUT/tune_gluon.json" ;;
+    tune-flex) step tune-flex python scripts/tune_flex.py --out "$OUT/tune_flex.json" ;;
     *) echo "unknown step: $1 (see the header of $0)"; exit 2 ;;
   esac
 }
