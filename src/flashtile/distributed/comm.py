@@ -114,27 +114,25 @@ def lse_heads_to_seq(lse: Tensor, group) -> Tensor:
     return heads_to_seq(lse.transpose(1, 2).unsqueeze(-1), group).squeeze(-1).transpose(1, 2).contiguous()
 
 
-class SeqToHeads(torch.autograd.Function):
-    """:func:`seq_to_heads` with its inverse as the backward."""
+class _AllToAll(torch.autograd.Function):
+    """One of Ulysses' all-to-alls (``to_heads``: :func:`seq_to_heads`, else :func:`heads_to_seq`); its
+    backward is the other one."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    """:func:`heads_to_seq` with its inverse as the backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (seq_to_heads if to_heads else heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return seq_to_heads(grad.contiguous(), ctx.group), None
+        return (heads_to_seq if ctx.to_heads else seq_to_heads)(grad.contiguous(), ctx.group), None, None
+
+
+def seq_to_heads_grad(x: Tensor, group) -> Tensor:
+    """:func:`seq_to_heads`, differentiable."""
+    return _AllToAll.apply(x, group, True)
+
+
+def heads_to_seq_grad(x: Tensor, group) -> Tensor:
+    """:func:`heads_to_seq`, differentiable."""
+    return _AllToAll.apply(x, group, False)

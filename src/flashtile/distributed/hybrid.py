@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from flashtile.distributed.comm import HeadsToSeq, SeqToHeads, lse_heads_to_seq, resolve_group
+from flashtile.distributed.comm import heads_to_seq_grad, lse_heads_to_seq, resolve_group, seq_to_heads_grad
 from flashtile.distributed.common import check_call, check_shards, result
 from flashtile.distributed.ring import ring_attention
 from flashtile.distributed.sharding import check_layout
@@ -51,11 +51,11 @@ def hybrid_flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=Fa
     sink = check_sink(learnable_sink, q)
     alibi = check_alibi(alibi_slopes, q.device, q.shape[0], q.shape[2])
     k, v = split_heads_check(q, k, v, u, fn, "ulysses_group")
-    q2, k2, v2 = (SeqToHeads.apply(x, ug) for x in (q, k, v))
+    q2, k2, v2 = (seq_to_heads_grad(x, ug) for x in (q, k, v))
     spec = check_call(q2, k2, v2, dropout_p, softmax_scale, causal, window_size, softcap,
                       head_shard(alibi, q2.shape[2], ug), deterministic, dist.get_world_size(rg), layout, cu_seqlens,
                       fn, attention_chunk)
     out2, lse2 = ring_attention(q2, k2, v2, rg, layout, spec, head_shard(sink, q2.shape[2], ug))
-    out = HeadsToSeq.apply(out2, ug)
+    out = heads_to_seq_grad(out2, ug)
     lse = lse_heads_to_seq(lse2, ug) if return_attn_probs else None
     return result(out, lse, return_attn_probs)

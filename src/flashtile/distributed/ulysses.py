@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashtile.distributed.comm import HeadsToSeq, SeqToHeads, lse_heads_to_seq, resolve_group
+from flashtile.distributed.comm import heads_to_seq_grad, lse_heads_to_seq, resolve_group, seq_to_heads_grad
 from flashtile.distributed.common import check_call, result
 from flashtile.distributed.sharding import check_layout, shard, unshard
 from flashtile.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
@@ -82,11 +82,11 @@ def shard_order(x, world: int, layout: str, dim: int = 1):
 def ulysses_attention(q, k, v, group, spec, return_lse: bool, sink=None, layout="contiguous"):
     """Both all-to-alls around :func:`local_attention`: ``(out, lse or None)`` of this rank's shard."""
     world = dist.get_world_size(group)
-    q2, k2, v2 = (natural_order(SeqToHeads.apply(x, group), world, layout) for x in (q, k, v))
+    q2, k2, v2 = (natural_order(seq_to_heads_grad(x, group), world, layout) for x in (q, k, v))
     heads = q2.shape[2]
     out2, lse2 = local_attention(q2, k2, v2, spec, head_shard(sink, heads, group),
                                  head_shard(spec.alibi, heads, group))
-    out = HeadsToSeq.apply(shard_order(out2, world, layout), group)
+    out = heads_to_seq_grad(shard_order(out2, world, layout), group)
     return out, (lse_heads_to_seq(shard_order(lse2, world, layout, dim=2), group) if return_lse else None)
 
 

@@ -189,6 +189,21 @@ def _scores(q, kt, offs_m, cols, seqlen_q, seqlen_k, qk_scale, softcap, slope, w
     return s
 
 
+@triton.jit
+def _softmax_init(SINK, head, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The running max and sum (base 2) a row starts its online softmax with. A learnable sink is one more
+    logit of every row, with no value: starting the max at it and the sum at its exp2(sink - max) = 1 puts it
+    in the denominator (and in lse) for free; a row that sees no key keeps m = sink, l = 1, so lse = sink and
+    its output is 0 / 1. Kernels that merge splits afterwards fold the sink in the merge instead."""
+    if HAS_SINK:
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
+
+
 # --8<-- [start:softmax_update]
 @triton.jit
 def _softmax_update(s, m_i, l_i, acc, MASK: tl.constexpr, P_SHIFT: tl.constexpr):
@@ -312,15 +327,7 @@ def _attn_fwd_kernel(
         slope = tl.load(ALIBI + b * stride_alibi_b + h)
     bh = b * num_heads + h
 
-    if HAS_SINK:
-        # the sink is one more logit of every row, with no value: starting the running max at it and the
-        # running sum at its exp2(sink - max) = 1 puts it in the denominator (and in lse) for free; a row
-        # that sees no key keeps m = sink, l = 1, so lse = sink and its output is 0 / 1
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK + h).to(tl.float32) * 1.4426950408889634
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = _softmax_init(SINK, h, HAS_SINK, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BDV], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k, window_left,

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashtile.kernels.attn_fwd import _chunk_start, _key_block_ranges, _softmax_update, _tanh
-from flashtile.kernels.decode_keys import _key_offsets
+from flashtile.kernels.attn_fwd import _chunk_start, _softmax_init, _softmax_update, _tanh
+from flashtile.kernels.decode_keys import _key_offsets, _split_share
 from flashtile.kernels.kv_append import _rotary_rows
 
 LOG2E = 1.4426950408889634
@@ -212,27 +212,14 @@ def _decode_kernel(
     if HAS_ALIBI:
         slope = tl.load(ALIBI + b * stride_alibi_b + head, mask=row_ok, other=0.0)
 
-    # visible key blocks of this tile's tokens [t_first, t_last]
-    t_first = (pid_m * BLOCK_M) // group
-    t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
-    lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
-                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk, HAS_CHUNK)
-    # this split's equal share of the band
-    per_split = tl.cdiv(hi - lo, NUM_SPLITS)
-    s_lo = lo + split * per_split
-    s_hi = tl.minimum(s_lo + per_split, hi)
+    lo, full_lo, full_hi, hi, s_lo, s_hi = _split_share(pid_m, split, group, seqlen_q, seqlen_k, window_left,
+                                                        window_right, attention_chunk, BLOCK_M, BLOCK_N, NUM_SPLITS,
+                                                        HAS_LEFT, HAS_RIGHT, HAS_CHUNK)
 
     k_base = K + kv_head * stride_kh
     v_base = V + kv_head * stride_vh
-    if HAS_SINK:
-        # unsplit launches only (split ones fold the sink in the merge): the sink is one more logit of
-        # every row, with no value, so the running max starts at it and the running sum at its
-        # exp2(0) = 1; a row that sees no key keeps them and ends with out 0, lse = sink
-        m_i = tl.load(SINK + head).to(tl.float32) * 1.4426950408889634
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # HAS_SINK: unsplit launches only (split ones fold the sink in the merge)
+    m_i, l_i = _softmax_init(SINK, head, HAS_SINK, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_inner(
         acc, m_i, l_i, q, k_base, v_base, DESC_K, DESC_V, kv_head, BLOCK_TABLE, b, cache_row, tl.maximum(lo, s_lo),

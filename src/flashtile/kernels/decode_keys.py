@@ -1,7 +1,26 @@
-"""Where a decode tile's keys live: element offsets of key positions in a contiguous or paged K / V cache."""
+"""Which keys a decode tile reads and where they live: the visible key blocks of its tokens and a split's share
+of them, and element offsets of key positions in a contiguous or paged K / V cache."""
 
 import triton
 import triton.language as tl
+
+from flashtile.kernels.attn_fwd import _key_block_ranges
+
+
+@triton.jit
+def _split_share(pid_m, split, group, seqlen_q, seqlen_k, window_left, window_right, attention_chunk,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                 HAS_RIGHT: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """(lo, full_lo, full_hi, hi) of the key blocks visible to tile ``pid_m``'s tokens (``group`` query rows,
+    a GQA group's heads, per token) and split ``split``'s equal share [s_lo, s_hi) of that band."""
+    t_first = (pid_m * BLOCK_M) // group
+    t_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    lo, full_lo, full_hi, hi = _key_block_ranges(t_first, t_last, seqlen_q, seqlen_k, window_left, window_right,
+                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT, attention_chunk, HAS_CHUNK)
+    per_split = tl.cdiv(hi - lo, NUM_SPLITS)
+    s_lo = lo + split * per_split
+    s_hi = tl.minimum(s_lo + per_split, hi)
+    return lo, full_lo, full_hi, hi, s_lo, s_hi
 
 
 @triton.jit

@@ -108,8 +108,10 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
     if launch_dependents:
         meta["LAUNCH_DEPENDENTS"] = True
-    desc_q, desc_k = _descriptor(q[..., :lead], [1, bm, 1, lead]), _descriptor(k[..., :lead], [1, bn, 1, lead])
-    desc_dk = _descriptor(dk[..., :lead], [1, bn, 1, lead])
+    # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
+    desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
+    desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
+    desc_dk = _descriptor(dk[..., :lead] if tail else dk, [1, bn, 1, lead])
     # with no tail the kernel never reads its tail descriptors: it gets the leading ones again
     tails = ((_descriptor(q[..., lead:], [1, bm, 1, tail]), _descriptor(k[..., lead:], [1, bn, 1, tail]),
               _descriptor(dk[..., lead:], [1, bn, 1, tail])) if tail else (desc_q, desc_k, desc_dk))

@@ -201,8 +201,10 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lead, tail = head_dim_split(d)
-    desc_q, desc_k = _descriptor(q[..., :lead], [1, bm, 1, lead]), _descriptor(k[..., :lead], [1, bn, 1, lead])
-    # with no tail the kernel never reads its second descriptors: it gets the first ones again
+    # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing),
+    # and the kernel, which never reads its tail descriptors, gets the first ones again
+    desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
+    desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
     desc_q2 = _descriptor(q[..., lead:], [1, bm, 1, tail]) if tail else desc_q
     desc_k2 = _descriptor(k[..., lead:], [1, bn, 1, tail]) if tail else desc_k
     grid = (cdiv(s, bm), b * h)
