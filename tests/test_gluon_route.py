@@ -29,6 +29,10 @@ def test_plain_causal_and_gqa_calls_are_supported():
     assert gluon_route.refusal(q, k, v, _params(window_right=0)) is None
     # return_attn_probs without dropout returns no probabilities
     assert gluon_route.refusal(q, k, v, _params(return_probs=True)) is None
+    # a causal sliding window (the 16-bit kernel's LOCAL build); not with fp8, not in the dK/dV kernel
+    assert gluon_route.refusal(q, k, v, _params(causal=True, window_left=256, window_right=0)) is None
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    assert "window" in gluon_route.refusal(q8, k8, v8, _params(causal=True, window_left=256, window_right=0))
 
 
 @pytest.mark.parametrize("change, reason", [

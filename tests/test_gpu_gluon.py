@@ -40,18 +40,19 @@ def _poison():
     del junk
 
 
-def _check(q, k, v, causal, scale=None, config=None):
+def _check(q, k, v, causal, scale=None, config=None, window_left=-1):
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
 
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _poison()
-    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config)
+    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config, window_left=window_left)
     torch.cuda.synchronize()
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale)
-    pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False)
+    window = (window_left, 0 if causal else -1)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+    pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False, window_size=window)
     assert_fa_close(out, ref, pt)
     assert torch.isfinite(lse).all(), "lse: non-finite values"
     err = (lse - ref_lse.float()).abs().max().item()
@@ -305,3 +306,14 @@ def test_q_k_192_strided_with_gqa():
     v = torch.randn(b, s, h_k, 128, device=DEV, dtype=torch.bfloat16)
     _check(q, k, v, causal=True)
     _check(q, k, v, causal=False, scale=0.3)
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("window_left", [0, 1, 63, 128, 200, 1000])
+@pytest.mark.parametrize("s", [127, 1000, 4096])
+def test_causal_sliding_window(s, window_left, d, dv):
+    # the key loop starts at the first block any row of the tile sees (its own block numbering), masks the
+    # window's left edge; rows whose first blocks hide every key keep P = 0, not NaN
+    q, k = (torch.randn(2, s, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, s, 4, dv, device=DEV, dtype=torch.bfloat16)
+    _check(q, k, v, True, window_left=window_left)

@@ -41,25 +41,26 @@ def mma_layout(num_warps, n, k):
 # --8<-- [start:load_kv]
 @gluon.jit
 def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, block, off_b, off_hk,
-             NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr, SPLIT: gl.constexpr):
+             NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr, SPLIT: gl.constexpr,
+             key0=0):
     # K and V get a barrier each, so QK^T of a block never waits for that block's V. A split head dim
     # (SPLIT: K's tail columns through their own descriptor) lands both parts on K's one barrier.
     slot = block % NUM_BUFFERS
     if SPLIT:
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes + desc_k2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k2, [off_b, block * BLOCK_N, off_hk, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(desc_k2, [off_b, key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                         k2_smem.index(slot))
     else:
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [off_b, block * BLOCK_N, off_hk, 0], k_ready.index(slot),
+    tma.async_copy_global_to_shared(desc_k, [off_b, key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                     k_smem.index(slot))
     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
     if V_TRANSPOSED:
         # V^T (b, h_k, d, sk): the block is [1, 1, d, BLOCK_N], keys contiguous
-        tma.async_copy_global_to_shared(desc_v, [off_b, off_hk, 0, block * BLOCK_N], v_ready.index(slot),
+        tma.async_copy_global_to_shared(desc_v, [off_b, off_hk, 0, key0 + block * BLOCK_N], v_ready.index(slot),
                                         v_smem.index(slot))
     else:
-        tma.async_copy_global_to_shared(desc_v, [off_b, block * BLOCK_N, off_hk, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(desc_v, [off_b, key0 + block * BLOCK_N, off_hk, 0], v_ready.index(slot),
                                         v_smem.index(slot))
 # --8<-- [end:load_kv]
 
@@ -102,26 +103,35 @@ def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: 
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr):
+                  CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, key0=0, window_left=0,
+                  LOCAL: gl.constexpr = False):
     """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
-    alpha and the new stats."""
+    alpha and the new stats. Block numbers count from key ``key0``; LOCAL also hides keys more than
+    ``window_left`` before the row (a causal sliding window)."""
     # MASK is a compile-time choice (two copies of the loop), not a runtime branch: ptxas answers a
     # branch joining inside the softmax with a full wgmma wait at the join, which kills the overlap
     if MASK:
-        col = block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        col = key0 + block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(col < seqlen, 0)
         if CAUSAL:
             keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row_idx, 1))
+        if LOCAL:
+            keep = keep & (gl.expand_dims(col, 0) >= gl.expand_dims(row_idx - window_left, 1))
         s = gl.where(keep, s, float("-inf"))
     # the scale is folded into the exponent (one FMA per element) instead of a pass over S
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_base = m_new
+    if LOCAL:
+        # a window's first blocks can hide every key of a row: its max is still -inf, and subtracting 0
+        # instead keeps P and alpha at 0 rather than NaN (the row's own key arrives in a later block)
+        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
     if P_SHIFT != 0:
         # fp8: P scaled so the row max maps to 2**P_SHIFT (free: it rides on the max subtraction)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new - P_SHIFT, 1))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_base - P_SHIFT, 1))
     else:
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    # finite always: key 0 is visible to every row, so m_new is finite from the first block on
-    alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_base, 1))
+    # without a window, key 0 is visible to every row, so m_new is finite from the first block on
+    alpha = gl.exp2(m_i - m_base)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -144,13 +154,15 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
                desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen, qk_scale, s_layout: gl.constexpr,
                o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-               CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr):
-    """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists."""
+               CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+               key0=0, window_left=0, LOCAL: gl.constexpr = False):
+    """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists (block
+    numbers count from key ``key0``)."""
     s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
-                                       P_SHIFT)
+                                       P_SHIFT, key0, window_left, LOCAL)
     # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
     # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
@@ -170,7 +182,7 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
     refill = j - 1 + NUM_BUFFERS
     if (j >= 1) & (refill < n_blocks):
         _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk,
-                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0)
+                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0, key0)
     # PV_j stays in flight into the next iteration's softmax
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
                                  HEAD_DIM_V, V_TRANSPOSED)
@@ -184,8 +196,9 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
-                   HAS_SINK: gl.constexpr):
-    """The whole forward of one (query tile, batch, head). FP8 switches on V^T, the descales (contiguous
+                   HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False):
+    """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
+    row seeing its own key and the ``window_left`` before it. FP8 switches on V^T, the descales (contiguous
     (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer. HAS_SINK adds
     the head's learnable sink logit (SINK, (h,)) to every row's denominator.
 
@@ -253,11 +266,22 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     fence_async_shared()
     # --8<-- [end:smem_and_barriers]
 
+    # key0: the first key of block 0. A window starts the key loop at the first block any row of the tile
+    # sees; block numbers below count from there, so the ring's slots and barrier phases start at 0 as always
+    key0 = 0
+    n_left = 0
     if CAUSAL:
         # keys past the tile's last row are never visible: those blocks are skipped, not masked
         n_blocks = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
         # blocks whose every key is <= the tile's first row (and inside seqlen) need no mask
         n_unmasked = gl.minimum((m0 + 1) // BLOCK_N, seqlen // BLOCK_N)
+        if LOCAL:
+            first = gl.maximum(m0 - window_left, 0) // BLOCK_N
+            key0 = first * BLOCK_N
+            n_blocks = n_blocks - first
+            n_unmasked = n_unmasked - first
+            # the blocks before the first one that every row of the tile sees whole: masked on the left
+            n_left = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 - window_left, 0), BLOCK_N) - first
     else:
         n_blocks = gl.cdiv(seqlen, BLOCK_N)
         n_unmasked = seqlen // BLOCK_N
@@ -272,7 +296,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
             _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, off_b, off_hk,
-                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT)
+                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q2_tile = q_tile
@@ -297,28 +321,38 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-    # every block but the last, in two copies of the same pipelined loop: first the blocks that need
-    # no mask, then the diagonal / ragged ones. The pipeline state (S_j ready, PV_{j-1} in flight)
-    # flows from the first loop into the second unchanged.
+    # every block but the last, in copies of the same pipelined loop: first the blocks that need no mask,
+    # then the diagonal / ragged ones (a window first runs its left-edge blocks masked). The pipeline state
+    # (S_j ready, PV_{j-1} in flight) flows from one loop into the next unchanged.
     n_steady = n_blocks - 1
     n_fast = gl.minimum(n_unmasked, n_steady)
-    for j in range(0, n_fast):
+    if LOCAL:
+        n_left = gl.minimum(gl.maximum(n_left, 0), n_steady)
+        n_fast = gl.maximum(n_fast, n_left)
+        for j in range(0, n_left):
+            s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
+                                           v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx,
+                                           seqlen, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
+                                           HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
+                                           key0, window_left, LOCAL)
+    for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8)
+                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8)
+                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
+                                       window_left, LOCAL)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
     p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
-                                            True, P_SHIFT)
+                                            True, P_SHIFT, key0, window_left, LOCAL)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -370,16 +404,16 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
-                           seqlen, n_heads, heads_per_kv, qk_scale, HEAD_DIM: gl.constexpr,
+                           seqlen, n_heads, heads_per_kv, qk_scale, window_left, HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                           HAS_SINK: gl.constexpr):
+                           HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
-    (h,) when HAS_SINK."""
+    (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
-                   BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK)
+                   BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per
