@@ -142,3 +142,14 @@ def test_launch_dependents_builds(tmp_path):
     assert len(rows) == 4
     for row in rows:
         assert row["gdc_launch"] == 1 and not row["serialized"] and row["shared"] <= SM90_MAX_SHARED, row
+
+
+@pytest.mark.parametrize("d", [128, 192])
+def test_sliding_window_builds_compile_without_spills(tmp_path, d):
+    # LOCAL: the causal mask gains the window's left edge and the query range stops window_left past the block
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS) + [0, 1]
+    row, = _compile_cases(tmp_path, [["bf16", d, True, cfg]])
+    assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
+    assert row["spill_bytes"] <= SPILL_ALLOWANCE.get(("dkdv", d, True, False), 0), row

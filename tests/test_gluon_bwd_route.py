@@ -32,7 +32,9 @@ def test_refusals_name_the_reason():
     assert gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p()) is None
     assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
                                          _t(2, 200, 2, 128), _p())
-    assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0))
+    # a causal sliding window is the kernel's LOCAL build; a window reaching right of the diagonal is not
+    assert gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0)) is None
+    assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=4))
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
     assert "varlen" in gluon_bwd.refusal(q, k, v, *args, _p(cu_seqlens_q=cu, cu_seqlens_k=cu))
     assert "softcap" in gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0))

@@ -41,6 +41,15 @@ def test_gluon_dkdv_q_k_192_with_v_128(gluon_on, dtype, causal, s, h, h_k):
     assert gluon_on, "the Gluon dK/dV kernel did not run"
 
 
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+@pytest.mark.parametrize("window_left", [0, 5, 64, 200, 1000])
+@pytest.mark.parametrize("s,h,h_k", [(77, 4, 2), (1000, 4, 4), (2048, 4, 1)])
+def test_gluon_dkdv_causal_sliding_window(gluon_on, d, dv, window_left, s, h, h_k):
+    # the LOCAL build: queries past window_left after a key block are never visited, the left edge is masked
+    check_padded(2, s, s, h, h_k, d, torch.bfloat16, device=DEV, causal=True, window_size=(window_left, 0), dv=dv)
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
 @pytest.mark.parametrize("d", [128, 256])  # fp16 is routed by default at both
 @pytest.mark.parametrize("causal", [False, True])
 def test_gluon_dkdv_fp16_and_long(gluon_on, d, causal):

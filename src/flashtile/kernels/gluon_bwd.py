@@ -137,7 +137,7 @@ def operand_smem_layout(rows, cols, dtype):
 @gluon.jit
 def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx, seqlen,
                    stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
-                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+                   BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False):
     """P^T and dS^T of one step, written in bf16 / fp16 to the shared buffers the dV and dK products
     read as their A operands (the caller makes sure no product in flight reads these buffers)."""
     head = h0 + step // steps_per_head
@@ -149,8 +149,12 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
-        # sq == sk: key j is visible to query i iff j <= i
-        p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
+        # sq == sk: key j is visible to query i iff j <= i (and, in a window, i - j <= window_left)
+        if LOCAL:
+            dist = gl.expand_dims(q_idx, 0) - gl.expand_dims(key_idx, 1)
+            p_t = gl.where((dist >= 0) & (dist <= window_left), p_t, 0.0)
+        else:
+            p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
     p_buf.store(p_t.to(dtype))
     ds_buf.store(ds_t.to(dtype))
@@ -161,7 +165,7 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
 @gluon.jit
 def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx,
                         seqlen, stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
-                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False):
     """_grads_of_step ordered for fewer live registers (the plain order's 64-row steps): P^T is
     stored before delta is loaded and dS^T computed."""
     head = h0 + step // steps_per_head
@@ -171,7 +175,11 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
     lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
-        p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
+        if LOCAL:
+            dist = gl.expand_dims(q_idx, 0) - gl.expand_dims(key_idx, 1)
+            p_t = gl.where((dist >= 0) & (dist <= window_left), p_t, 0.0)
+        else:
+            p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
     p_buf.store(p_t.to(dtype))
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     ds_buf.store((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype))
@@ -201,15 +209,17 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 @gluon.jit
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
-                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                window_left, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
-                                HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0):
+                                HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
+                                LOCAL: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
     64-column tail (desc_q2 / desc_k2 / desc_dk2; with no tail they repeat the others and go unused), whose
-    products run beside the leading ones (plain order only). HEAD_DIM_V: v's head dim (0: HEAD_DIM).
+    products run beside the leading ones (plain order only). HEAD_DIM_V: v's head dim (0: HEAD_DIM). LOCAL
+    (with CAUSAL): a causal sliding window, query i seeing keys i - window_left .. i.
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -246,7 +256,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     if CAUSAL:
         # query rows before the block's first key see none of its keys
         m_start = n0 // BLOCK_M
-    steps_per_head = gl.cdiv(seqlen, BLOCK_M) - m_start
+    m_end = gl.cdiv(seqlen, BLOCK_M)
+    if LOCAL:
+        # queries more than window_left after the block's last key see none of its keys
+        m_end = gl.cdiv(gl.minimum(seqlen, n0 + BLOCK_N + window_left), BLOCK_M)
+    steps_per_head = m_end - m_start
     n_steps = steps_per_head * heads_per_kv
 
     k_smem = gl.allocate_shared_memory(dtype, desc_k.block_type.shape, desc_k.layout)
@@ -304,7 +318,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             # Buffer j % 2 was last read by step j-2's products, retired by step j-1's wait.
             _grads_of_step(s_t, dp_t, p_smem.index(j % 2), ds_smem.index(j % 2), LSE, DELTA, j, off_b, h0, m_start,
                            steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M,
-                           CAUSAL)
+                           CAUSAL, window_left, LOCAL)
             dk, dv, s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, s_next, dp_next))
             # step j-1's slot is free: its scores retired in step j-1, its dV/dK products just now
             refill = j - 1 + NUM_BUFFERS
@@ -315,7 +329,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                   BLOCK_M, HEAD_DIM, DV)
         last = n_steps - 1
         _grads_of_step(s_t, dp_t, p_smem.index(last % 2), ds_smem.index(last % 2), LSE, DELTA, last, off_b, h0, m_start,
-                       steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL)
+                       steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype, BLOCK_M, CAUSAL,
+                       window_left, LOCAL)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         dk, dv = _issue_grads(p_smem.index(last % 2), ds_smem.index(last % 2), dk, dv, q_smem, do_smem, last,
                               NUM_BUFFERS, BLOCK_M, HEAD_DIM, DV)
@@ -340,7 +355,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                 s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
-                                BLOCK_M, CAUSAL)
+                                BLOCK_M, CAUSAL, window_left, LOCAL)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                   BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)

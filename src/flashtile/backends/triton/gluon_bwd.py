@@ -36,7 +36,7 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
         return f"dtype {q.dtype} (takes {DTYPES})"
     # the forward's coverage: padded, seqlen_q == seqlen_k, plain or causal, no softcap / ALiBi /
     # dropout / seqused, TMA-readable q, k, v
-    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS)
+    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True)
     if why:
         return why
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
@@ -85,12 +85,13 @@ def _check_stats(lse, delta) -> None:
 
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
-                        config: dict | None = None, launch_dependents: bool = False) -> None:
+                        config: dict | None = None, launch_dependents: bool = False, window_left: int = -1) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
     ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
-    is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl)."""
+    is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl); ``window_left`` >= 0 (with
+    ``causal``): a causal sliding window."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     b, s, h, d = q.shape
@@ -103,6 +104,10 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
                 num_warps=cfg["num_warps"])
     if tail or dv_dim != d:  # absent, the kernel's defaults (no tail, v's head dim = d) apply
         meta.update(HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv_dim)
+    if window_left >= 0:
+        if not causal:
+            raise ValueError("gluon bwd: window_left needs causal=True (the kernel's windows are causal ones)")
+        meta["LOCAL"] = True
     # WARPS_N (d = 256: two warpgroups side by side) and ROTATED (0: the plain order, the d = 128 / 256
     # table's choice) only when given: absent, the kernel's defaults (1, rotated) apply
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
@@ -118,4 +123,4 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
         desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
         _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k,
-        softmax_scale * LOG2E, softmax_scale, **meta)
+        softmax_scale * LOG2E, softmax_scale, max(window_left, 0), **meta)
