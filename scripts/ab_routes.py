@@ -1,0 +1,83 @@
+"""A/B of flashtile's own routes in one process: the same calls with the Gluon kernels on (the route table's
+choice) and off (the Triton kernels), in alternated rounds; prints and saves each row's median times and ratio.
+
+Usage: PYTHONPATH=src python scripts/ab_routes.py --out $OUT/ab.json [--d 128 --dv 128 --seqlens 2048 8192
+       --windows -1 256 1024 --modes fwd bwd --rounds 3]
+
+Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch, causal, window_size = (w, 0) for each w (-1: no
+window). bwd is (forward + backward) - forward. This is how a route-table entry (gluon_route.ROUTE_TABLE,
+gluon_bwd.ROUTE_TABLE) is decided: the Gluon side must be faster beyond noise at the row's length.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+import flashtile
+from flashtile import config
+from flashtile.bench.timing import bench, time_in_rounds
+
+
+def _row(d, dv, s, w, mode, rounds):
+    h, b = 2048 // d, max(1, 16384 // s)
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0))
+
+    def timer(gluon):
+        def run():
+            with config.override(gluon=gluon):
+                f_ms = bench(call, "cuda")
+                if mode == "fwd":
+                    return f_ms
+                return bench(lambda: call().backward(g), "cuda", grad_to_none=[q, k, v]) - f_ms
+        return run
+
+    with config.override(gluon=True):
+        on = call()
+    with config.override(gluon=False):
+        off = call()
+    err = (on.float() - off.float()).abs().max().item()
+    results, failed = time_in_rounds([("gluon", timer(True)), ("triton", timer(False))], rounds)
+    ms = {name: statistics.median(r) for name, r in results.items()}
+    ratios = [t / g for g, t in zip(results.get("gluon", []), results.get("triton", []))]
+    return dict(d=d, dv=dv, s=s, window_left=w, mode=mode, b=b, h=h, ms=ms, rounds_ms=results,
+                ratio=statistics.median(ratios) if ratios else None, max_diff=err,
+                errors={n: repr(e)[:200] for n, e in failed.items()})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--dv", type=int, default=None)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--windows", type=int, nargs="+", default=[-1, 256, 1024])
+    ap.add_argument("--modes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    for s in args.seqlens:
+        for w in args.windows:
+            for mode in args.modes:
+                row = _row(args.d, args.dv or args.d, s, w, mode, args.rounds)
+                rows.append(row)
+                print(f"d={row['d']} dv={row['dv']} s={s} window={w} {mode}: gluon {row['ms'].get('gluon', 0):.3f} "
+                      f"triton {row['ms'].get('triton', 0):.3f} ms, triton / gluon {row['ratio'] or 0:.3f}, "
+                      f"|diff| {row['max_diff']:.1e} {row['errors'] or ''}", flush=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
