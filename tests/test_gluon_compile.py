@@ -26,7 +26,9 @@ import pytest
 SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
 # "bf16sink": the bf16 kernel with a learnable sink (HAS_SINK), whose only extra code is after the key loop
 # "bf16local": with a causal sliding window (LOCAL: a third copy of the key loop, masked, for the window's left edge)
+# "bf16softcap": scores capped through tanh before the mask (SOFTCAP: two more MUFU ops per score)
 KINDS = {"bf16": ("bf16", "bfloat16"), "bf16sink": ("bf16", "bfloat16"), "bf16local": ("bf16", "bfloat16"),
+         "bf16softcap": ("bf16", "bfloat16"),
          "fp16": ("fp16", "float16"),
          "fp8": ("fp8e4nv", "float8e4nv")}
 
@@ -47,6 +49,7 @@ def _cases():
     table.append(("bf16sink", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
     table += [("bf16local", d, True, tuple(FWD_CONFIGS[("16bit", d)][key] for key in CONFIG_KEYS))
               for d in (128, 192)]
+    table.append(("bf16softcap", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
     return table, extra
 
 
@@ -87,7 +90,8 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
     constexprs = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, CAUSAL=causal, HAS_Q_DESCALE=True,
                       HAS_K_DESCALE=True, HAS_V_DESCALE=True, HAS_SINK=kind == "bf16sink")
     if kind != "fp8":
-        constexprs.update(HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, LOCAL=kind == "bf16local")
+        constexprs.update(HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, LOCAL=kind == "bf16local",
+                          SOFTCAP=kind == "bf16softcap")
     types = dict(desc_q=desc([1, bm, 1, lead]), desc_k=desc([1, bn, 1, lead]), desc_v=desc([1, bn, 1, dv]),
                  desc_q2=desc([1, bm, 1, tail or lead]), desc_k2=desc([1, bn, 1, tail or lead]),
                  desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",

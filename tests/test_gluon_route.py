@@ -33,12 +33,14 @@ def test_plain_causal_and_gqa_calls_are_supported():
     assert gluon_route.refusal(q, k, v, _params(causal=True, window_left=256, window_right=0)) is None
     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     assert "window" in gluon_route.refusal(q8, k8, v8, _params(causal=True, window_left=256, window_right=0))
+    # softcap: the 16-bit kernel's SOFTCAP build; not with fp8
+    assert gluon_route.refusal(q, k, v, _params(softcap=30.0)) is None
+    assert "softcap" in gluon_route.refusal(q8, k8, v8, _params(softcap=30.0))
 
 
 @pytest.mark.parametrize("change, reason", [
     (dict(window_left=64), "window"),
     (dict(window_right=5), "window"),
-    (dict(softcap=30.0), "softcap"),
     (dict(dropout_p=0.1), "dropout"),
     (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
     (dict(seqused_k=torch.ones(2, dtype=torch.int32)), "seqused"),

@@ -40,19 +40,20 @@ def _poison():
     del junk
 
 
-def _check(q, k, v, causal, scale=None, config=None, window_left=-1):
+def _check(q, k, v, causal, scale=None, config=None, window_left=-1, softcap=0.0):
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
 
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _poison()
-    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config, window_left=window_left)
+    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config, window_left=window_left, softcap=softcap)
     torch.cuda.synchronize()
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
     window = (window_left, 0 if causal else -1)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
-    pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False, window_size=window)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
+    pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False, window_size=window,
+                          softcap=softcap)
     assert_fa_close(out, ref, pt)
     assert torch.isfinite(lse).all(), "lse: non-finite values"
     err = (lse - ref_lse.float()).abs().max().item()
@@ -317,3 +318,14 @@ def test_causal_sliding_window(s, window_left, d, dv):
     q, k = (torch.randn(2, s, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(2, s, 4, dv, device=DEV, dtype=torch.bfloat16)
     _check(q, k, v, True, window_left=window_left)
+
+
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,dv,s", [(128, 128, 1000), (128, 128, 4096), (192, 128, 777)])
+def test_softcap(s, d, dv, causal, softcap):
+    # scores capped through tanh before the mask; a large scale makes the cap bite
+    q, k = (torch.randn(2, s, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, s, 4, dv, device=DEV, dtype=torch.bfloat16)
+    _check(q * 3, k, v, causal, softcap=softcap)
+    _check(q, k, v, True, window_left=300, softcap=softcap)

@@ -104,12 +104,18 @@ def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, key0=0, window_left=0,
-                  LOCAL: gl.constexpr = False):
+                  LOCAL: gl.constexpr = False, softcap_log2e=0.0, SOFTCAP: gl.constexpr = False):
     """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
     alpha and the new stats. Block numbers count from key ``key0``; LOCAL also hides keys more than
-    ``window_left`` before the row (a causal sliding window)."""
+    ``window_left`` before the row (a causal sliding window). SOFTCAP: scores become
+    ``softcap * tanh(score * softmax_scale / softcap)`` (qk_scale is then softmax_scale / softcap and
+    softcap_log2e is softcap * log2(e)), capped before the mask, as FlashAttention does."""
     # MASK is a compile-time choice (two copies of the loop), not a runtime branch: ptxas answers a
     # branch joining inside the softmax with a full wgmma wait at the join, which kills the overlap
+    if SOFTCAP:
+        # tanh through exp2 (the Triton kernel's form), then in base-2 units: the exponent needs no scale
+        s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2e
+        qk_scale = 1.0
     if MASK:
         col = key0 + block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(col < seqlen, 0)
@@ -155,14 +161,15 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
                o_layout: gl.constexpr, p_layout: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
                HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-               key0=0, window_left=0, LOCAL: gl.constexpr = False):
+               key0=0, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
+               SOFTCAP: gl.constexpr = False):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists (block
     numbers count from key ``key0``)."""
     s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
-                                       P_SHIFT, key0, window_left, LOCAL)
+                                       P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
     # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
     # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
@@ -196,9 +203,10 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
-                   HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False):
+                   HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
+                   SOFTCAP: gl.constexpr = False):
     """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
-    row seeing its own key and the ``window_left`` before it. FP8 switches on V^T, the descales (contiguous
+    row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8 switches on V^T, the descales (contiguous
     (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer. HAS_SINK adds
     the head's learnable sink logit (SINK, (h,)) to every row's denominator.
 
@@ -321,7 +329,9 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-    # every block but the last, in copies of the same pipelined loop: first the blocks that need no mask,
+    # every block but the last, in copies of the same pipelined loop (the unmasked one without LOCAL: every row
+    # sees all of such a block's keys, so its max is finite and the window's -inf guard would only cost the
+    # overlap, which ptxas then dropped): first the blocks that need no mask,
     # then the diagonal / ragged ones (a window first runs its left-edge blocks masked). The pipeline state
     # (S_j ready, PV_{j-1} in flight) flows from one loop into the next unchanged.
     n_steady = n_blocks - 1
@@ -334,25 +344,26 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                                            v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx,
                                            seqlen, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
-                                           key0, window_left, LOCAL)
+                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
     for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
-                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0)
+                                       BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0,
+                                       window_left, False, softcap_log2e, SOFTCAP)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
-                                       window_left, LOCAL)
+                                       window_left, LOCAL, softcap_log2e, SOFTCAP)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
     p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
-                                            True, P_SHIFT, key0, window_left, LOCAL)
+                                            True, P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -404,16 +415,18 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
-                           seqlen, n_heads, heads_per_kv, qk_scale, window_left, HEAD_DIM: gl.constexpr,
+                           seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                           HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False):
+                           HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
-    (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own."""
+    (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
+    capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e))."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
-                   BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL)
+                   BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL,
+                   softcap_log2e, SOFTCAP)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per

@@ -180,12 +180,13 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
-                   window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_left: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
     ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
     denominator (lse includes it). ``window_left`` >= 0 (with ``causal``): a causal sliding window, each
-    row seeing its own key and the ``window_left`` keys before it.
+    row seeing its own key and the ``window_left`` keys before it. ``softcap`` > 0: scores capped to
+    ``softcap * tanh(score / softcap)`` (FlashAttention's softcap, applied before the mask).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
     bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, seqlen_q != seqlen_k, a GPU other than
@@ -215,10 +216,12 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         run_kernel(_gluon_attn_fwd_kernel, grid,
             desc_q, desc_q2, desc_k, desc_k2, _descriptor(v, [1, bn, 1, dv]), _descriptor(out, [1, bm, 1, dv]),
             lse, lse if learnable_sink is None else learnable_sink, lse.stride(0), lse.stride(1), s, h, h // h_k,
-            softmax_scale * LOG2E, max(window_left, 0),
+            softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, max(window_left, 0),
+            softcap * LOG2E,
             HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
             NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
-            num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}))
+            num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}),
+            **({"SOFTCAP": True} if softcap > 0 else {}))
     return out, lse
 
 

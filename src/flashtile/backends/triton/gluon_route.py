@@ -48,7 +48,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
-    return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8)
+    return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8)
 
 
 # (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
@@ -57,10 +57,10 @@ FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
 def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims,
-                     causal_window: bool = False) -> str | None:
+                     causal_window: bool = False, softcap: bool = False) -> str | None:
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it). ``dims``: the
     (q / k head dim, v head dim) pairs the kernel takes; ``causal_window``: it takes a causal sliding
-    window (window_left >= 0, window_right == 0) too."""
+    window (window_left >= 0, window_right == 0) too; ``softcap``: a softcap too."""
     if q.dim() != 4 or p.varlen:
         return "varlen (packed) calls"
     # attention_chunk is the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py; a chunk that
@@ -79,8 +79,8 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     if p.window_right > 0 or (p.window_left >= 0 and not (causal_window and p.window_right == 0)):
         return "sliding windows" + (" other than causal ones (window_right = 0)" if causal_window else "")
     # return_probs without dropout returns no probabilities (as FlashAttention): nothing to refuse
-    if p.softcap > 0 or p.alibi_slopes is not None or p.dropout_p > 0:
-        return "softcap, ALiBi or dropout"
+    if (p.softcap > 0 and not softcap) or p.alibi_slopes is not None or p.dropout_p > 0:
+        return "ALiBi or dropout" if softcap else "softcap, ALiBi or dropout"
     if p.seqused_q is not None or p.seqused_k is not None:
         return "seqused_q / seqused_k"
     if q.numel() == 0 or k.numel() == 0:
@@ -124,5 +124,5 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
                                       softmax_scale=p.softmax_scale, causal=causal)
     else:
         out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
-                                  learnable_sink=p.learnable_sink, window_left=p.window_left)
+                                  learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap)
     return out, lse, None
