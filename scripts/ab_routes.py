@@ -2,11 +2,12 @@
 choice) and off (the Triton kernels), in alternated rounds; prints and saves each row's median times and ratio.
 
 Usage: PYTHONPATH=src python scripts/ab_routes.py --out $OUT/ab.json [--d 128 --dv 128 --seqlens 2048 8192
-       --windows -1 256 1024 --modes fwd bwd --rounds 3]
+       --windows -1 256 1024 --softcaps 0 30 --modes fwd bwd --rounds 3]
 
 Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch, causal, window_size = (w, 0) for each w (-1: no
-window). bwd is (forward + backward) - forward. This is how a route-table entry (gluon_route.ROUTE_TABLE,
-gluon_bwd.ROUTE_TABLE) is decided: the Gluon side must be faster beyond noise at the row's length.
+window), each softcap (0: none). bwd is (forward + backward) - forward. This is how a route-table entry
+(gluon_route.ROUTE_TABLE, gluon_bwd.ROUTE_TABLE) is decided: the Gluon side must be faster beyond noise at the
+row's length.
 """
 
 import argparse
@@ -23,14 +24,14 @@ from flashtile import config
 from flashtile.bench.timing import bench, time_in_rounds
 
 
-def _row(d, dv, s, w, mode, rounds):
+def _row(d, dv, s, w, cap, mode, rounds):
     h, b = 2048 // d, max(1, 16384 // s)
     q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
 
     def call():
-        return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0))
+        return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0), softcap=cap)
 
     def timer(gluon):
         def run():
@@ -49,7 +50,7 @@ def _row(d, dv, s, w, mode, rounds):
     results, failed = time_in_rounds([("gluon", timer(True)), ("triton", timer(False))], rounds)
     ms = {name: statistics.median(r) for name, r in results.items()}
     ratios = [t / g for g, t in zip(results.get("gluon", []), results.get("triton", []))]
-    return dict(d=d, dv=dv, s=s, window_left=w, mode=mode, b=b, h=h, ms=ms, rounds_ms=results,
+    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, mode=mode, b=b, h=h, ms=ms, rounds_ms=results,
                 ratio=statistics.median(ratios) if ratios else None, max_diff=err,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
@@ -61,18 +62,19 @@ def main():
     ap.add_argument("--dv", type=int, default=None)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--windows", type=int, nargs="+", default=[-1, 256, 1024])
+    ap.add_argument("--softcaps", type=float, nargs="+", default=[0.0])
     ap.add_argument("--modes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     rows = []
     for s in args.seqlens:
-        for w in args.windows:
-            for mode in args.modes:
-                row = _row(args.d, args.dv or args.d, s, w, mode, args.rounds)
-                rows.append(row)
-                print(f"d={row['d']} dv={row['dv']} s={s} window={w} {mode}: gluon {row['ms'].get('gluon', 0):.3f} "
-                      f"triton {row['ms'].get('triton', 0):.3f} ms, triton / gluon {row['ratio'] or 0:.3f}, "
-                      f"|diff| {row['max_diff']:.1e} {row['errors'] or ''}", flush=True)
+        for w, cap, mode in ((w, c, m) for w in args.windows for c in args.softcaps for m in args.modes):
+            row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds)
+            rows.append(row)
+            print(f"d={row['d']} dv={row['dv']} s={s} window={w} softcap={cap} {mode}: gluon "
+                  f"{row['ms'].get('gluon', 0):.3f} "
+                  f"triton {row['ms'].get('triton', 0):.3f} ms, triton / gluon {row['ratio'] or 0:.3f}, "
+                  f"|diff| {row['max_diff']:.1e} {row['errors'] or ''}", flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
     with open(args.out, "w") as f:
