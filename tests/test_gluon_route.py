@@ -33,6 +33,16 @@ def test_plain_causal_and_gqa_calls_are_supported():
     assert gluon_route.refusal(q, k, v, _params(causal=True, window_left=256, window_right=0)) is None
     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     assert "window" in gluon_route.refusal(q8, k8, v8, _params(causal=True, window_left=256, window_right=0))
+    # packed sequences sharing one cu_seqlens (the VARLEN build), not two different ones, not with fp8
+    cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
+    packed = [x[0] for x in (q, k, v)]
+    varlen = _params(causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724,
+                     max_seqlen_k=724)
+    assert gluon_route.refusal(*packed, varlen) is None
+    other = _params(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=724, max_seqlen_k=724)
+    assert "cu_seqlens" in gluon_route.refusal(*packed, other)
+    assert "varlen" in gluon_route.refusal(*(x[0] for x in (q8, k8, v8)), varlen)
+    assert gluon_route.preferred(packed[0], varlen) == gluon_route.preferred(q[:, :724], varlen)
     # softcap: the 16-bit kernel's SOFTCAP build; not with fp8
     assert gluon_route.refusal(q, k, v, _params(softcap=30.0)) is None
     assert "softcap" in gluon_route.refusal(q8, k8, v8, _params(softcap=30.0))

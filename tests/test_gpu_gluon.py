@@ -329,3 +329,26 @@ def test_softcap(s, d, dv, causal, softcap):
     v = torch.randn(2, s, 4, dv, device=DEV, dtype=torch.bfloat16)
     _check(q * 3, k, v, causal, softcap=softcap)
     _check(q, k, v, True, window_left=300, softcap=softcap)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+def test_varlen_packed_sequences(causal, d, dv):
+    # ragged lengths: tiles past a sequence exit, a last tile ending inside the next sequence stores row by row
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
+
+    lens = [1, 127, 128, 129, 1000, 300]
+    cu = torch.tensor([0, *lens], device=DEV).cumsum(0).to(torch.int32)
+    total, h = sum(lens), 4
+    q, k = (torch.randn(total, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(total, h, dv, device=DEV, dtype=torch.bfloat16)
+    _poison()
+    out, lse = gluon_attn_fwd(q, k, v, d ** -0.5, causal, cu_seqlens=cu, max_seqlen=max(lens))
+    torch.cuda.synchronize()
+    assert out.shape == (total, h, dv) and lse.shape == (h, total)
+    for i in range(len(lens)):
+        a, b = cu[i].item(), cu[i + 1].item()
+        ref, ref_lse = attention_ref(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal)
+        pt, _ = attention_ref(q[None, a:b], k[None, a:b], v[None, a:b], causal=causal, upcast=False)
+        assert_fa_close(out[None, a:b], ref, pt)
+        assert (lse[:, a:b] - ref_lse[0].float()).abs().max().item() <= 1e-3

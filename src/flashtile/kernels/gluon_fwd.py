@@ -42,17 +42,17 @@ def mma_layout(num_warps, n, k):
 @gluon.jit
 def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, block, off_b, off_hk,
              NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr, SPLIT: gl.constexpr,
-             key0=0):
+             key0=0, seq0=0):
     # K and V get a barrier each, so QK^T of a block never waits for that block's V. A split head dim
     # (SPLIT: K's tail columns through their own descriptor) lands both parts on K's one barrier.
     slot = block % NUM_BUFFERS
     if SPLIT:
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes + desc_k2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k2, [off_b, key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
+        tma.async_copy_global_to_shared(desc_k2, [off_b, seq0 + key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                         k2_smem.index(slot))
     else:
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [off_b, key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
+    tma.async_copy_global_to_shared(desc_k, [off_b, seq0 + key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                     k_smem.index(slot))
     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
     if V_TRANSPOSED:
@@ -60,7 +60,7 @@ def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready,
         tma.async_copy_global_to_shared(desc_v, [off_b, off_hk, 0, key0 + block * BLOCK_N], v_ready.index(slot),
                                         v_smem.index(slot))
     else:
-        tma.async_copy_global_to_shared(desc_v, [off_b, key0 + block * BLOCK_N, off_hk, 0], v_ready.index(slot),
+        tma.async_copy_global_to_shared(desc_v, [off_b, seq0 + key0 + block * BLOCK_N, off_hk, 0], v_ready.index(slot),
                                         v_smem.index(slot))
 # --8<-- [end:load_kv]
 
@@ -162,7 +162,7 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
                HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                key0=0, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
-               SOFTCAP: gl.constexpr = False):
+               SOFTCAP: gl.constexpr = False, seq0=0):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists (block
     numbers count from key ``key0``)."""
     s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
@@ -189,7 +189,7 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
     refill = j - 1 + NUM_BUFFERS
     if (j >= 1) & (refill < n_blocks):
         _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk,
-                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0, key0)
+                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0, key0, seq0)
     # PV_j stays in flight into the next iteration's softmax
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
                                  HEAD_DIM_V, V_TRANSPOSED)
@@ -204,11 +204,16 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, FP8: gl.constexpr,
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
                    HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
-                   SOFTCAP: gl.constexpr = False):
+                   SOFTCAP: gl.constexpr = False, CU_SEQLENS=None, OUT=None, stride_om=0, stride_oh=0,
+                   VARLEN: gl.constexpr = False):
     """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
-    row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8 switches on V^T, the descales (contiguous
-    (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output staged in its own buffer. HAS_SINK adds
-    the head's learnable sink logit (SINK, (h,)) to every row's denominator.
+    row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8
+    switches on V^T, the descales (contiguous (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output
+    staged in its own buffer. HAS_SINK adds the head's learnable sink logit (SINK, (h,)) to every row's
+    denominator. VARLEN: packed sequences (descriptors over (1, total, h, d), CU_SEQLENS (b + 1,) int32
+    shared by q and k, the lse (h, total)); a tile's rows and keys count from its sequence's start, and a
+    last tile that ends past its sequence stores O row by row (OUT, stride_om, stride_oh) instead of by TMA,
+    which would overwrite the next sequence's rows.
 
     q / k's head dim is HEAD_DIM + HEAD_DIM_TAIL: Gluon tiles are powers of two, so a head dim such as
     192 arrives as two column ranges (desc_q / desc_k the first HEAD_DIM columns, desc_q2 / desc_k2 the
@@ -229,15 +234,26 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=K_WIDTH)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        # the longest (bottom) query tiles start first: the tail of the grid is then short work
-        pid_m = n_m_blocks - 1 - pid_m
     pid_bh = gl.program_id(1)
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     off_hk = off_h // heads_per_kv
+    # seq0: the first row of this sequence in the (packed) tensors; tb: the descriptors' batch coordinate
+    seq0 = 0
+    tb = off_b
+    if VARLEN:
+        seq0 = gl.load(CU_SEQLENS + off_b)
+        seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
+        tb = 0
+    n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
+    pid_m = gl.program_id(0)
+    if VARLEN:
+        # the grid covers the longest sequence: programs past this one's tiles have nothing to do
+        if pid_m >= n_m_blocks:
+            return
+    if CAUSAL:
+        # the longest (bottom) query tiles start first: the tail of the grid is then short work
+        pid_m = n_m_blocks - 1 - pid_m
     m0 = pid_m * BLOCK_M
 
     # descales of this (batch, kv head): q's and k's fold into the score multiplier, v's into the end
@@ -296,15 +312,15 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 
     if SPLIT:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_q2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_q2, [off_b, m0, off_h, 0], q_ready, q2_smem)
+        tma.async_copy_global_to_shared(desc_q2, [tb, seq0 + m0, off_h, 0], q_ready, q2_smem)
     else:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [off_b, m0, off_h, 0], q_ready, q_smem)
+    tma.async_copy_global_to_shared(desc_q, [tb, seq0 + m0, off_h, 0], q_ready, q_smem)
     # fill the ring; later refills happen inside the loop as slots drain
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
-            _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, off_b, off_hk,
-                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0)
+            _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, tb, off_hk,
+                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0, seq0)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q2_tile = q_tile
@@ -341,22 +357,22 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         n_fast = gl.maximum(n_fast, n_left)
         for j in range(0, n_left):
             s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                           v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx,
+                                           v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx,
                                            seqlen, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
-                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
+                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP, seq0)
     for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0,
-                                       window_left, False, softcap_log2e, SOFTCAP)
+                                       window_left, False, softcap_log2e, SOFTCAP, seq0)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, off_b, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
-                                       window_left, LOCAL, softcap_log2e, SOFTCAP)
+                                       window_left, LOCAL, softcap_log2e, SOFTCAP, seq0)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
@@ -395,38 +411,49 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     o = o * gl.expand_dims(inv_l, 1)
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
     lse = (m_i + gl.log2(l_i) - P_SHIFT) * 0.6931471805599453
-    gl.store(LSE + off_b * stride_lb + off_h * stride_lh + row_idx, lse, mask=row_idx < seqlen)
-    if FP8 or HEAD_DIM_V != HEAD_DIM:
+    gl.store(LSE + off_b * stride_lb + off_h * stride_lh + seq0 + row_idx, lse, mask=row_idx < seqlen)
+    if VARLEN and (m0 + BLOCK_M > seqlen):
+        # a TMA store would write the next sequence's rows too: store this tile's rows one by one
+        o_rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, HEAD_DIM_V, gl.SliceLayout(0, o_layout))
+        o_ptrs = (OUT + gl.expand_dims((seq0 + o_rows).to(gl.int64) * stride_om, 1) + off_h * stride_oh
+                  + gl.expand_dims(o_cols, 0))
+        gl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=gl.expand_dims(o_rows < seqlen, 1))
+    elif FP8 or HEAD_DIM_V != HEAD_DIM:
         # O unlike Q's first tile (fp8: bf16 O is twice Q's bytes; or v's own head dim) gets a buffer of its
         # own (allocated here, after the ring is dead, so the allocator may overlap it with the ring)
         o_smem = gl.allocate_shared_memory(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
         o_smem.reshape([BLOCK_M, HEAD_DIM_V]).store(o.to(desc_o.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], o_smem)
+        tma.async_copy_shared_to_global(desc_o, [tb, seq0 + m0, off_h, 0], o_smem)
     else:
         # Q's tile is dead (every wgmma reading it has retired): stage O there for one TMA store,
         # which also clips the rows past seqlen
         q_tile.store(o.to(desc_o.dtype))
         # generic-proxy smem writes must be visible to the TMA engine (async proxy) before it reads them
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [off_b, m0, off_h, 0], q_smem)
+        tma.async_copy_shared_to_global(desc_o, [tb, seq0 + m0, off_h, 0], q_smem)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
-                           seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, HEAD_DIM: gl.constexpr,
+                           seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, CU_SEQLENS, OUT,
+                           stride_om, stride_oh, HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
-                           HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False):
+                           HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
+                           VARLEN: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
     (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
-    capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e))."""
+    capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e)); VARLEN:
+    packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) shared by q and k,
+    OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total)."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
                    BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL,
-                   softcap_log2e, SOFTCAP)
+                   softcap_log2e, SOFTCAP, CU_SEQLENS, OUT, stride_om, stride_oh, VARLEN)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per

@@ -180,8 +180,12 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
-                   window_left: int = -1, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   window_left: int = -1, softcap: float = 0.0, cu_seqlens: torch.Tensor | None = None,
+                   max_seqlen: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
+
+    Varlen: q, k (total, h, d), v (total, h_k, dv) packed sequences with ``cu_seqlens`` (b + 1,) int32, the
+    same for q and k, and ``max_seqlen`` their longest; out (total, h, dv), lse (h, total).
 
     ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
     denominator (lse includes it). ``window_left`` >= 0 (with ``causal``): a causal sliding window, each
@@ -192,14 +196,24 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, seqlen_q != seqlen_k, a GPU other than
     sm_90, TMA-unfriendly strides.
     """
+    varlen = cu_seqlens is not None
+    if varlen:
+        if q.dim() != 3 or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or max_seqlen <= 0:
+            raise ValueError("gluon_attn_fwd: varlen takes (total, heads, head_dim) q / k / v, cu_seqlens (b + 1,) "
+                             f"int32 and max_seqlen > 0; got q {tuple(q.shape)}, cu_seqlens "
+                             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}, max_seqlen {max_seqlen}")
+        # one sequence of all the tokens to the descriptors; the kernel finds each sequence in cu_seqlens
+        q, k, v = q[None], k[None], v[None]
     _validate(q, k, v)
     if window_left >= 0 and not causal:
         raise ValueError("gluon_attn_fwd: window_left needs causal=True (the kernel's windows are causal ones)")
     b, s, h, h_k, d = _sizes(q, k)
     dv = v.shape[-1]
     softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype, dv)
-    if out.numel() == 0:
-        return out, lse
+    if varlen:
+        b, s = cu_seqlens.numel() - 1, max_seqlen
+    if out.numel() == 0 or b == 0:
+        return (out[0], lse[0]) if varlen else (out, lse)
 
     from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel
 
@@ -215,14 +229,15 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     with device_guard(q):
         run_kernel(_gluon_attn_fwd_kernel, grid,
             desc_q, desc_q2, desc_k, desc_k2, _descriptor(v, [1, bn, 1, dv]), _descriptor(out, [1, bm, 1, dv]),
-            lse, lse if learnable_sink is None else learnable_sink, lse.stride(0), lse.stride(1), s, h, h // h_k,
-            softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, max(window_left, 0),
-            softcap * LOG2E,
+            # varlen: the lse is (1, h, total), indexed by head and packed row (no batch stride)
+            lse, lse if learnable_sink is None else learnable_sink, 0 if varlen else lse.stride(0), lse.stride(1),
+            s, h, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, max(window_left, 0),
+            softcap * LOG2E, cu_seqlens if varlen else lse, out, out.stride(1), out.stride(2),
             HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
             NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
             num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}),
-            **({"SOFTCAP": True} if softcap > 0 else {}))
-    return out, lse
+            **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}))
+    return (out[0], lse[0]) if varlen else (out, lse)
 
 
 def gluon_attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v_t: torch.Tensor, q_descale: torch.Tensor | None = None,

@@ -48,7 +48,8 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
-    return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8)
+    return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8,
+                            varlen=not fp8)
 
 
 # (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
@@ -57,12 +58,21 @@ FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
 def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims,
-                     causal_window: bool = False, softcap: bool = False) -> str | None:
+                     causal_window: bool = False, softcap: bool = False, varlen: bool = False) -> str | None:
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it). ``dims``: the
     (q / k head dim, v head dim) pairs the kernel takes; ``causal_window``: it takes a causal sliding
-    window (window_left >= 0, window_right == 0) too; ``softcap``: a softcap too."""
-    if q.dim() != 4 or p.varlen:
-        return "varlen (packed) calls"
+    window (window_left >= 0, window_right == 0) too; ``softcap``: a softcap too; ``varlen``: packed
+    sequences whose q and k share one cu_seqlens tensor (self-attention over packed documents)."""
+    if p.varlen:
+        if not varlen:
+            return "varlen (packed) calls"
+        # the kernel reads one cu_seqlens for both: the same tensor, or the same storage and length
+        same = p.cu_seqlens_q is p.cu_seqlens_k or (p.cu_seqlens_q.data_ptr() == p.cu_seqlens_k.data_ptr()
+                                                     and p.cu_seqlens_q.shape == p.cu_seqlens_k.shape)
+        if not same or p.max_seqlen_q != p.max_seqlen_k:
+            return "varlen calls whose q and k have different cu_seqlens"
+    elif q.dim() != 4:
+        return "tensors that are neither (b, s, h, d) nor packed"
     # attention_chunk is the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py; a chunk that
     # divides the sequence arrives here as a batch of chunks, chunk_batch.py). A learnable sink is covered:
     # the bf16 forward folds it into the denominator after its key loop, and the backward needs nothing
@@ -72,7 +82,7 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     if k.shape[:-1] != v.shape[:-1] or (q.shape[-1], v.shape[-1]) not in dims:
         return (f"head_dim and v's head_dim (d, dv) = {(q.shape[-1], v.shape[-1])}, not one of {dims}, or k and v of "
                 "different shapes")
-    if q.shape[1] != k.shape[1]:
+    if not p.varlen and q.shape[1] != k.shape[1]:
         return "seqlen_q != seqlen_k"
     # plain or causal attention: causal arrives as the window (-1, 0), and with seqlen_q ==
     # seqlen_k top-left and bottom-right causal are the same mask
@@ -93,9 +103,11 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
 
 
 def preferred(q: torch.Tensor, p: AttnParams) -> bool:
-    """Does ROUTE_TABLE take the Gluon kernel for this call? (causal: the window (-1, 0))"""
+    """Does ROUTE_TABLE take the Gluon kernel for this call? (causal: the window (-1, 0); varlen: its longest
+    sequence)"""
     start = ROUTE_TABLE.get((q.dtype, q.shape[-1]))
-    return start is not None and q.shape[1] >= start[p.window_right == 0]
+    seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
+    return start is not None and seqlen >= start[p.window_right == 0]
 
 
 def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> bool:
@@ -124,5 +136,6 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
                                       softmax_scale=p.softmax_scale, causal=causal)
     else:
         out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
-                                  learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap)
+                                  learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap,
+                                  cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q)
     return out, lse, None
