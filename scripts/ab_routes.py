@@ -2,10 +2,11 @@
 choice) and off (the Triton kernels), in alternated rounds; prints and saves each row's median times and ratio.
 
 Usage: PYTHONPATH=src python scripts/ab_routes.py --out $OUT/ab.json [--d 128 --dv 128 --seqlens 2048 8192
-       --windows -1 256 1024 --softcaps 0 30 --modes fwd bwd --rounds 3]
+       --windows -1 256 1024 --softcaps 0 30 --modes fwd bwd --rounds 3 --varlen]
 
 Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch, causal, window_size = (w, 0) for each w (-1: no
-window), each softcap (0: none). bwd is (forward + backward) - forward. This is how a route-table entry
+window), each softcap (0: none); --varlen packs the batch's sequences into one (total, h, d) call with
+cu_seqlens (flash_attn_varlen_func). bwd is (forward + backward) - forward. This is how a route-table entry
 (gluon_route.ROUTE_TABLE, gluon_bwd.ROUTE_TABLE) is decided: the Gluon side must be faster beyond noise at the
 row's length.
 """
@@ -24,13 +25,18 @@ from flashtile import config
 from flashtile.bench.timing import bench, time_in_rounds
 
 
-def _row(d, dv, s, w, cap, mode, rounds):
+def _row(d, dv, s, w, cap, mode, rounds, varlen=False):
     h, b = 2048 // d, max(1, 16384 // s)
-    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+    shape = (b * s,) if varlen else (b, s)
+    q, k = (torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16)
+    cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
 
     def call():
+        if varlen:
+            return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=True, window_size=(w, 0),
+                                                    softcap=cap)
         return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0), softcap=cap)
 
     def timer(gluon):
@@ -50,8 +56,8 @@ def _row(d, dv, s, w, cap, mode, rounds):
     results, failed = time_in_rounds([("gluon", timer(True)), ("triton", timer(False))], rounds)
     ms = {name: statistics.median(r) for name, r in results.items()}
     ratios = [t / g for g, t in zip(results.get("gluon", []), results.get("triton", []))]
-    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, mode=mode, b=b, h=h, ms=ms, rounds_ms=results,
-                ratio=statistics.median(ratios) if ratios else None, max_diff=err,
+    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, varlen=varlen, mode=mode, b=b, h=h, ms=ms,
+                rounds_ms=results, ratio=statistics.median(ratios) if ratios else None, max_diff=err,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
 
@@ -65,11 +71,12 @@ def main():
     ap.add_argument("--softcaps", type=float, nargs="+", default=[0.0])
     ap.add_argument("--modes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--varlen", action="store_true", help="the batch as packed sequences (flash_attn_varlen_func)")
     args = ap.parse_args()
     rows = []
     for s in args.seqlens:
         for w, cap, mode in ((w, c, m) for w in args.windows for c in args.softcaps for m in args.modes):
-            row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds)
+            row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds, args.varlen)
             rows.append(row)
             print(f"d={row['d']} dv={row['dv']} s={s} window={w} softcap={cap} {mode}: gluon "
                   f"{row['ms'].get('gluon', 0):.3f} "
