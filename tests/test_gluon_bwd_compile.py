@@ -153,3 +153,15 @@ def test_sliding_window_builds_compile_without_spills(tmp_path, d):
     row, = _compile_cases(tmp_path, [["bf16", d, True, cfg]])
     assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
     assert row["spill_bytes"] <= SPILL_ALLOWANCE.get(("dkdv", d, True, False), 0), row
+
+
+@pytest.mark.parametrize("d", [128, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_builds_compile_without_spills(tmp_path, d, causal):
+    # VARLEN: an early exit for key blocks past the sequence, a row-by-row store for a block ending past it
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS) + [0, 0, 1]
+    row, = _compile_cases(tmp_path, [["bf16", d, causal, cfg]])
+    assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
+    assert row["spill_bytes"] <= SPILL_ALLOWANCE.get(("dkdv", d, causal, False), 0), row

@@ -36,7 +36,12 @@ def test_refusals_name_the_reason():
     assert gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0)) is None
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=4))
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
-    assert "varlen" in gluon_bwd.refusal(q, k, v, *args, _p(cu_seqlens_q=cu, cu_seqlens_k=cu))
+    # packed sequences sharing one cu_seqlens: the VARLEN build; two different ones: refused
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    grads = [x.clone() for x in packed]
+    varlen = dict(cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_k=256)
+    assert gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu, **varlen)) is None
+    assert "cu_seqlens" in gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu.clone(), **varlen))
     assert "softcap" in gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0))
     dout_odd = _t(2, 256, 4, 129)[..., 1:]  # row stride of 258 bytes: not a TMA stride
     assert "dout" in gluon_bwd.refusal(q, k, v, dout_odd, *args[1:], _p())

@@ -76,11 +76,11 @@ def _invalidate(pinned, ready, NUM_BUFFERS: gl.constexpr):
 @gluon.jit
 def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, step, off_b, h0, m_start, steps_per_head,
                NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr, desc_q2=None, q2_smem=None,
-               SPLIT: gl.constexpr = False):
+               SPLIT: gl.constexpr = False, seq0=0):
     """Step's Q and dO tiles into their ring slot (SPLIT: Q's tail columns too, on the same barrier)."""
     slot = step % NUM_BUFFERS
     head = h0 + step // steps_per_head
-    m0 = (m_start + step % steps_per_head) * BLOCK_M
+    m0 = seq0 + (m_start + step % steps_per_head) * BLOCK_M
     if SPLIT:
         mbarrier.expect(ready.index(slot), desc_q.block_type.nbytes + desc_do.block_type.nbytes
                         + desc_q2.block_type.nbytes)
@@ -209,17 +209,21 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 @gluon.jit
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
-                                window_left, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
+                                stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
-                                LOCAL: gl.constexpr = False):
+                                LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
     64-column tail (desc_q2 / desc_k2 / desc_dk2; with no tail they repeat the others and go unused), whose
     products run beside the leading ones (plain order only). HEAD_DIM_V: v's head dim (0: HEAD_DIM). LOCAL
-    (with CAUSAL): a causal sliding window, query i seeing keys i - window_left .. i.
+    (with CAUSAL): a causal sliding window, query i seeing keys i - window_left .. i. VARLEN: packed sequences
+    (descriptors over (1, total, h, d), CU_SEQLENS (b + 1,) shared by q and k, lse / delta (h, total) with
+    stride_lb 0); a key block ending past its sequence stores dK / dV row by row (DK_OUT, DV_OUT and their row
+    and head strides) instead of by TMA, which would overwrite the next sequence's rows.
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -239,6 +243,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gl.static_assert(BLOCK_M % (8 * WARPS_N) == 0)
     # the rotated schedule keeps one more score tile in flight: a split head dim's does not fit beside it
     gl.static_assert(not (SPLIT and ROTATED))
+    gl.static_assert(not (VARLEN and ROTATED))  # packed sequences: the plain order only
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -251,6 +256,18 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     off_b = pid_bh // n_kv_heads
     off_hk = pid_bh % n_kv_heads
     n0 = pid_n * BLOCK_N
+    # seq0: the sequence's first row in the (packed) tensors; tb: the descriptors' batch coordinate
+    seq0 = 0
+    tb = off_b
+    if VARLEN:
+        seq0 = gl.load(CU_SEQLENS + off_b)
+        seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
+        tb = 0
+        # the grid covers the longest sequence: a key block past this one has nothing to do
+        if n0 >= seqlen:
+            return
+        LSE = LSE + seq0
+        DELTA = DELTA + seq0
     h0 = off_hk * heads_per_kv
     m_start = 0
     if CAUSAL:
@@ -285,15 +302,15 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     kv_ready, ready = _barriers(NUM_BUFFERS)
     if SPLIT:
         mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes + desc_k2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [off_b, n0, off_hk, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(desc_v, [off_b, n0, off_hk, 0], kv_ready, v_smem)
-        tma.async_copy_global_to_shared(desc_k2, [off_b, n0, off_hk, 0], kv_ready, k2_smem)
+        tma.async_copy_global_to_shared(desc_k, [tb, seq0 + n0, off_hk, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(desc_v, [tb, seq0 + n0, off_hk, 0], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(desc_k2, [tb, seq0 + n0, off_hk, 0], kv_ready, k2_smem)
     else:
-        _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, off_b, n0, off_hk)
+        _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, tb, seq0 + n0, off_hk)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_steps:
-            _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, off_b, h0, m_start, steps_per_head, NUM_BUFFERS,
-                       BLOCK_M, desc_q2, q2_smem, SPLIT)
+            _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, tb, h0, m_start, steps_per_head, NUM_BUFFERS,
+                       BLOCK_M, desc_q2, q2_smem, SPLIT, seq0)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.reshape([BLOCK_N, DV])
     k2_tile = k_tile
@@ -365,10 +382,30 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             else:
                 dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             if j + NUM_BUFFERS < n_steps:  # step j's slot is free: load the step NUM_BUFFERS ahead
-                _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, j + NUM_BUFFERS, off_b, h0, m_start,
-                           steps_per_head, NUM_BUFFERS, BLOCK_M, desc_q2, q2_smem, SPLIT)
+                _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, j + NUM_BUFFERS, tb, h0, m_start,
+                           steps_per_head, NUM_BUFFERS, BLOCK_M, desc_q2, q2_smem, SPLIT, seq0)
 
     _invalidate(kv_ready, ready, NUM_BUFFERS)
+    if VARLEN and (n0 + BLOCK_N > seqlen):
+        # a TMA store would write the next sequence's rows too: store this block's rows one by one
+        dk_rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))
+        dk_cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+        dk_ptrs = (DK_OUT + gl.expand_dims((seq0 + dk_rows).to(gl.int64) * stride_dkn, 1) + off_hk * stride_dkh
+                   + gl.expand_dims(dk_cols, 0))
+        gl.store(dk_ptrs, (dk * grad_scale).to(dtype), mask=gl.expand_dims(dk_rows < seqlen, 1))
+        dv_rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, accv_layout))
+        dv_cols = gl.arange(0, DV, gl.SliceLayout(0, accv_layout))
+        dv_ptrs = (DV_OUT + gl.expand_dims((seq0 + dv_rows).to(gl.int64) * stride_dvn, 1) + off_hk * stride_dvh
+                   + gl.expand_dims(dv_cols, 0))
+        gl.store(dv_ptrs, dv.to(dtype), mask=gl.expand_dims(dv_rows < seqlen, 1))
+        if SPLIT:
+            acc2_layout_s: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM_TAIL, 16)
+            t_rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc2_layout_s))
+            t_cols = HEAD_DIM + gl.arange(0, HEAD_DIM_TAIL, gl.SliceLayout(0, acc2_layout_s))
+            t_ptrs = (DK_OUT + gl.expand_dims((seq0 + t_rows).to(gl.int64) * stride_dkn, 1) + off_hk * stride_dkh
+                      + gl.expand_dims(t_cols, 0))
+            gl.store(t_ptrs, (dk2 * grad_scale).to(dtype), mask=gl.expand_dims(t_rows < seqlen, 1))
+        return
     # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores,
     # which also clip the key rows past the sequence
     k_tile.store((dk * grad_scale).to(dtype))
@@ -376,10 +413,10 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     if SPLIT:
         k2_tile.store((dk2 * grad_scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc_dk, [off_b, n0, off_hk, 0], k_smem)
-    tma.async_copy_shared_to_global(desc_dv, [off_b, n0, off_hk, 0], v_smem)
+    tma.async_copy_shared_to_global(desc_dk, [tb, seq0 + n0, off_hk, 0], k_smem)
+    tma.async_copy_shared_to_global(desc_dv, [tb, seq0 + n0, off_hk, 0], v_smem)
     if SPLIT:
-        tma.async_copy_shared_to_global(desc_dk2, [off_b, n0, off_hk, 0], k2_smem)
+        tma.async_copy_shared_to_global(desc_dk2, [tb, seq0 + n0, off_hk, 0], k2_smem)
     tma.store_wait(pendings=0)
 
 

@@ -188,7 +188,8 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     pdl = use_bwd_pdl(q, p.window_right == 0 and p.window_left < 0, max_seqlen)
     if gluon_dkdv:
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0,
-                                      launch_dependents=pdl, window_left=p.window_left)
+                                      launch_dependents=pdl, window_left=p.window_left,
+                                      cu_seqlens=p.cu_seqlens_q if varlen else None, max_seqlen=p.max_seqlen_q)
     else:
         launch(
             _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),

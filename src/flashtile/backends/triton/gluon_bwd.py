@@ -36,20 +36,23 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
         return f"dtype {q.dtype} (takes {DTYPES})"
     # the forward's coverage: padded, seqlen_q == seqlen_k, plain or causal, no softcap / ALiBi /
     # dropout / seqused, TMA-readable q, k, v
-    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True)
+    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True)
     if why:
         return why
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
-    if q.shape[0] * k.shape[2] > MAX_GRID_Y:
-        return f"batch x kv heads = {q.shape[0] * k.shape[2]} > {MAX_GRID_Y} (the grid's second axis)"
+    batch = p.cu_seqlens_q.numel() - 1 if p.varlen else q.shape[0]
+    if batch * k.shape[-2] > MAX_GRID_Y:
+        return f"batch x kv heads = {batch * k.shape[-2]} > {MAX_GRID_Y} (the grid's second axis)"
     return None
 
 
-def preferred(q, causal: bool) -> bool:
-    """Does ROUTE_TABLE take the Gluon kernel for this backward's dK/dV?"""
+def preferred(q, causal: bool, seqlen: int | None = None) -> bool:
+    """Does ROUTE_TABLE take the Gluon kernel for this backward's dK/dV? (``seqlen``: a varlen call's longest
+    sequence; default q's sequence dim)"""
     start = ROUTE_TABLE.get((q.shape[-1], causal))
-    return start is not None and q.dtype in DTYPES and q.shape[1] >= start
+    seqlen = q.shape[1] if seqlen is None else seqlen
+    return start is not None and q.dtype in DTYPES and seqlen >= start
 
 
 def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
@@ -62,7 +65,7 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     if capability(q.device) not in gluon_route.CAPABILITIES:
         return False
     # the cheap test first: refusal() reads strides and pointers
-    if not forced and not preferred(q, p.window_right == 0):
+    if not forced and not preferred(q, p.window_right == 0, p.max_seqlen_q if p.varlen else None):
         return False
     return refusal(q, k, v, dout, dk, dv, p) is None
 
@@ -85,16 +88,25 @@ def _check_stats(lse, delta) -> None:
 
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
-                        config: dict | None = None, launch_dependents: bool = False, window_left: int = -1) -> None:
+                        config: dict | None = None, launch_dependents: bool = False, window_left: int = -1,
+                        cu_seqlens=None, max_seqlen: int = 0) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
     ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
     is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl); ``window_left`` >= 0 (with
-    ``causal``): a causal sliding window."""
+    ``causal``): a causal sliding window. Varlen: (total, h, d) tensors packed by ``cu_seqlens`` (b + 1,) int32,
+    shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total)."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
+    varlen = cu_seqlens is not None
+    dk_out, dv_out = dk, dv
+    if varlen:  # one sequence of all the tokens to the descriptors; the kernel finds each in cu_seqlens
+        q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))
+        lse, delta = lse[None], delta[None]
     b, s, h, d = q.shape
+    if varlen:
+        b, s = cu_seqlens.numel() - 1, max_seqlen
     h_k, dv_dim = k.shape[2], v.shape[-1]
     cfg = _config(BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -113,6 +125,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     meta.update({key: cfg[key] for key in ("WARPS_N", "ROTATED") if key in cfg})
     if launch_dependents:
         meta["LAUNCH_DEPENDENTS"] = True
+    if varlen:
+        meta["VARLEN"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
     desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
@@ -122,5 +136,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
               _descriptor(dk[..., lead:], [1, bn, 1, tail])) if tail else (desc_q, desc_k, desc_dk))
     run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
         desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
-        _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, lse.stride(0), lse.stride(1), s, h_k, h // h_k,
-        softmax_scale * LOG2E, softmax_scale, max(window_left, 0), **meta)
+        _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, 0 if varlen else lse.stride(0), lse.stride(1), s,
+        h_k, h // h_k, softmax_scale * LOG2E, softmax_scale, max(window_left, 0),
+        # packed sequences' ragged last key blocks are stored row by row: dk / dv (total, h_k, d) and strides
+        cu_seqlens if varlen else lse, dk_out, dv_out, dk_out.stride(-3), dk_out.stride(-2), dv_out.stride(-3),
+        dv_out.stride(-2), **meta)
