@@ -42,7 +42,10 @@ def test_refusals_name_the_reason():
     varlen = dict(cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_k=256)
     assert gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu, **varlen)) is None
     assert "cu_seqlens" in gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu.clone(), **varlen))
-    assert "softcap" in gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0))
+    # softcap: the plain-order builds' SOFTCAP (d = 128 here); d = 64's rotated schedule has none
+    assert gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0)) is None
+    d64 = (_t(2, 256, 4, 64), _t(2, 256, 2, 64), _t(2, 256, 2, 64))
+    assert "softcap" in gluon_bwd.refusal(*d64, *(x.clone() for x in d64), _p(softcap=5.0))
     dout_odd = _t(2, 256, 4, 129)[..., 1:]  # row stride of 258 bytes: not a TMA stride
     assert "dout" in gluon_bwd.refusal(q, k, v, dout_odd, *args[1:], _p())
     assert gluon_bwd.refusal(q, k, v, _t(2, 4, 256, 128).transpose(1, 2), *args[1:], _p()) is None  # aligned view

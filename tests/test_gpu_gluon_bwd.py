@@ -134,3 +134,15 @@ def test_gluon_dkdv_packed_sequences(gluon_on, d, dv, causal):
                              torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(pt, (q, k, v), g)):
         assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
     assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [5.0, 30.0])
+def test_gluon_dkdv_softcap(gluon_on, d, dv, causal, softcap):
+    # dS^T carries tanh's derivative; a window on top for the causal rows
+    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=causal, softcap=softcap, dv=dv)
+    if causal:
+        check_padded(1, 777, 777, 4, 4, d, torch.bfloat16, device=DEV, causal=True, softcap=softcap, dv=dv,
+                     window_size=(200, 0))
+    assert gluon_on, "the Gluon dK/dV kernel did not run"

@@ -165,15 +165,22 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
 @gluon.jit
 def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx,
                         seqlen, stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
-                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False):
+                        BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False,
+                        softcap_log2e=0.0, SOFTCAP: gl.constexpr = False):
     """_grads_of_step ordered for fewer live registers (the plain order's 64-row steps): P^T is
-    stored before delta is loaded and dS^T computed."""
+    stored before delta is loaded and dS^T computed. SOFTCAP: the scores are ``softcap * tanh(x * scale /
+    softcap)`` (qk_scale is then scale / softcap in base e), so dS^T carries tanh's derivative 1 - t^2."""
     head = h0 + step // steps_per_head
     q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
     row_ok = q_idx < seqlen
     base = off_b * stride_lb + head * stride_lh
     lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
-    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
+    if SOFTCAP:
+        # tanh through exp2, as the forward; the capped score in base-2 units needs no further scale
+        t = 1.0 - 2.0 / (gl.exp2(s_t * (qk_scale * 2.8853900817779268)) + 1.0)
+        p_t = gl.exp2(t * softcap_log2e - gl.expand_dims(lse2, 0))
+    else:
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
         if LOCAL:
             dist = gl.expand_dims(q_idx, 0) - gl.expand_dims(key_idx, 1)
@@ -182,7 +189,10 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
             p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
     p_buf.store(p_t.to(dtype))
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
-    ds_buf.store((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype))
+    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - t * t)
+    ds_buf.store(ds_t.to(dtype))
     fence_async_shared()
 
 
@@ -210,17 +220,19 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
-                                stride_dvh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                stride_dvh, softcap_log2e, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
-                                LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False):
+                                LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False,
+                                SOFTCAP: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
     64-column tail (desc_q2 / desc_k2 / desc_dk2; with no tail they repeat the others and go unused), whose
     products run beside the leading ones (plain order only). HEAD_DIM_V: v's head dim (0: HEAD_DIM). LOCAL
-    (with CAUSAL): a causal sliding window, query i seeing keys i - window_left .. i. VARLEN: packed sequences
+    (with CAUSAL): a causal sliding window, query i seeing keys i - window_left .. i. SOFTCAP: capped scores
+    (qk_scale = softmax_scale / softcap, softcap_log2e = softcap * log2(e); plain order only). VARLEN: packed sequences
     (descriptors over (1, total, h, d), CU_SEQLENS (b + 1,) shared by q and k, lse / delta (h, total) with
     stride_lb 0); a key block ending past its sequence stores dK / dV row by row (DK_OUT, DV_OUT and their row
     and head strides) instead of by TMA, which would overwrite the next sequence's rows.
@@ -244,6 +256,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     # the rotated schedule keeps one more score tile in flight: a split head dim's does not fit beside it
     gl.static_assert(not (SPLIT and ROTATED))
     gl.static_assert(not (VARLEN and ROTATED))  # packed sequences: the plain order only
+    gl.static_assert(not (SOFTCAP and ROTATED))  # softcap: the plain order only
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -372,7 +385,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                 s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
-                                BLOCK_M, CAUSAL, window_left, LOCAL)
+                                BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                   BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)

@@ -36,9 +36,15 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
         return f"dtype {q.dtype} (takes {DTYPES})"
     # the forward's coverage: padded, seqlen_q == seqlen_k, plain or causal, no softcap / ALiBi /
     # dropout / seqused, TMA-readable q, k, v
-    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True)
+    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True, softcap=True)
     if why:
         return why
+    if p.softcap > 0 or p.varlen:
+        from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
+
+        # the rotated schedule (d = 64's table entry) has neither
+        if BWD_DKDV_CONFIGS[q.shape[-1]].get("ROTATED", 1):
+            return f"softcap or varlen at head_dim {q.shape[-1]} (its config runs the rotated schedule)"
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
     batch = p.cu_seqlens_q.numel() - 1 if p.varlen else q.shape[0]
@@ -89,14 +95,14 @@ def _check_stats(lse, delta) -> None:
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
                         config: dict | None = None, launch_dependents: bool = False, window_left: int = -1,
-                        cu_seqlens=None, max_seqlen: int = 0) -> None:
+                        cu_seqlens=None, max_seqlen: int = 0, softcap: float = 0.0) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
     ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
     is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl); ``window_left`` >= 0 (with
     ``causal``): a causal sliding window. Varlen: (total, h, d) tensors packed by ``cu_seqlens`` (b + 1,) int32,
-    shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total)."""
+    shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total). ``softcap`` > 0: capped scores."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     varlen = cu_seqlens is not None
@@ -127,6 +133,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         meta["LAUNCH_DEPENDENTS"] = True
     if varlen:
         meta["VARLEN"] = True
+    if softcap > 0:
+        meta["SOFTCAP"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
     desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
@@ -137,7 +145,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
         desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
         _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, 0 if varlen else lse.stride(0), lse.stride(1), s,
-        h_k, h // h_k, softmax_scale * LOG2E, softmax_scale, max(window_left, 0),
+        h_k, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softmax_scale,
+        max(window_left, 0),
         # packed sequences' ragged last key blocks are stored row by row: dk / dv (total, h_k, d) and strides
         cu_seqlens if varlen else lse, dk_out, dv_out, dk_out.stride(-3), dk_out.stride(-2), dv_out.stride(-3),
-        dv_out.stride(-2), **meta)
+        dv_out.stride(-2), softcap * LOG2E, **meta)
