@@ -4,7 +4,7 @@ choice) and off (the Triton kernels), in alternated rounds; prints and saves eac
 Usage: PYTHONPATH=src python scripts/ab_routes.py --out $OUT/ab.json [--d 128 --dv 128 --seqlens 2048 8192
        --windows -1 256 1024 --softcaps 0 30 --modes fwd bwd --rounds 3 --varlen]
 
-Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch, causal, window_size = (w, 0) for each w (-1: no
+Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch (--tokens), causal, window_size = (w, 0) for each w (-1: no
 window), each softcap (0: none); --varlen packs the batch's sequences into one (total, h, d) call with
 cu_seqlens (flash_attn_varlen_func). bwd is (forward + backward) - forward. This is how a route-table entry
 (gluon_route.ROUTE_TABLE, gluon_bwd.ROUTE_TABLE) is decided: the Gluon side must be faster beyond noise at the
@@ -22,11 +22,11 @@ import triton
 
 import flashtile
 from flashtile import config
-from flashtile.bench.timing import bench, time_in_rounds
+from flashtile.bench.timing import bench, bench_graph, time_in_rounds
 
 
-def _row(d, dv, s, w, cap, mode, rounds, varlen=False):
-    h, b = 2048 // d, max(1, 16384 // s)
+def _row(d, dv, s, w, cap, mode, rounds, varlen=False, graph=False, tokens=16384):
+    h, b = 2048 // d, max(1, tokens // s)
     shape = (b * s,) if varlen else (b, s)
     q, k = (torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     v = torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -42,6 +42,12 @@ def _row(d, dv, s, w, cap, mode, rounds, varlen=False):
     def timer(gluon):
         def run():
             with config.override(gluon=gluon):
+                if graph:  # the kernels alone: short rows are otherwise bound by the host's launch path
+                    f_ms = bench_graph(call, "cuda")
+                    if mode == "fwd":
+                        return f_ms
+                    # autograd.grad: no .grad accumulates across replays (backward() into .grad does not capture)
+                    return bench_graph(lambda: torch.autograd.grad(call(), (q, k, v), g), "cuda") - f_ms
                 f_ms = bench(call, "cuda")
                 if mode == "fwd":
                     return f_ms
@@ -56,7 +62,7 @@ def _row(d, dv, s, w, cap, mode, rounds, varlen=False):
     results, failed = time_in_rounds([("gluon", timer(True)), ("triton", timer(False))], rounds)
     ms = {name: statistics.median(r) for name, r in results.items()}
     ratios = [t / g for g, t in zip(results.get("gluon", []), results.get("triton", []))]
-    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, varlen=varlen, mode=mode, b=b, h=h, ms=ms,
+    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, varlen=varlen, graph=graph, mode=mode, b=b, h=h, ms=ms,
                 rounds_ms=results, ratio=statistics.median(ratios) if ratios else None, max_diff=err,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
@@ -72,20 +78,23 @@ def main():
     ap.add_argument("--modes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--varlen", action="store_true", help="the batch as packed sequences (flash_attn_varlen_func)")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens a batch (more: short rows outgrow host time)")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (the kernels without host time)")
     args = ap.parse_args()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
     rows = []
     for s in args.seqlens:
         for w, cap, mode in ((w, c, m) for w in args.windows for c in args.softcaps for m in args.modes):
-            row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds, args.varlen)
+            row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds, args.varlen, args.graph,
+                       args.tokens)
             rows.append(row)
             print(f"d={row['d']} dv={row['dv']} s={s} window={w} softcap={cap} {mode}: gluon "
                   f"{row['ms'].get('gluon', 0):.3f} "
                   f"triton {row['ms'].get('triton', 0):.3f} ms, triton / gluon {row['ratio'] or 0:.3f}, "
                   f"|diff| {row['max_diff']:.1e} {row['errors'] or ''}", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            with open(args.out, "w") as f:  # after every row, so a run cut short keeps what it measured
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

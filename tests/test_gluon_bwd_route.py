@@ -100,3 +100,18 @@ def test_grids_past_the_second_axis_limit_are_refused():
     # b x h_k programs on the grid's y axis, which CUDA caps at 65535
     q, k = _t(32769, 1, 2, 128), _t(32769, 1, 2, 128)
     assert "65535" in gluon_bwd.refusal(q, k, k, q, k, k, _p())
+
+
+@pytest.mark.parametrize("d,window_left,softcap,want", [
+    (128, 256, 0.0, True),    # a causal window alone: the LOCAL build, measured faster
+    (128, -1, 30.0, True),    # a softcap alone: measured faster
+    (128, 256, 30.0, False),  # both at d = 128: measured slower, the Triton kernel
+    (192, 1024, 30.0, True),  # both at d = 192: measured faster
+])
+def test_windowed_softcap_preference(monkeypatch, d, window_left, softcap, want):
+    dv = gluon_bwd.V_HEAD_DIM[d]
+    q, k, v = _t(1, 2048, 4, d), _t(1, 2048, 2, d), _t(1, 2048, 2, dv)
+    monkeypatch.setattr(gluon_bwd, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
+    p = _p(window_left=window_left, window_right=0, softcap=softcap)
+    assert gluon_bwd.use_gluon_bwd(q, k, v, _t(1, 2048, 4, dv), k.clone(), v.clone(), p) is want

@@ -26,6 +26,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 # (head_dim, plain causal mask) -> the shortest sequence whose dK/dV the Gluon kernel takes (bf16 and fp16)
 ROUTE_TABLE = {(128, False): 1024, (128, True): 1024, (192, False): 1024, (192, True): 1024, (256, False): 1024,
                (256, True): 1024}
+# head dims whose dK/dV stays on the Triton kernel for a softcap inside a causal sliding window: at d = 128 the
+# Gluon kernel measured 0.95x-0.98x of the all-Triton backward there (windows 256 / 1024, s 2048 / 8192, 64k
+# tokens; its softcap build spills), at d = 192 1.36x-1.46x (H100)
+TRITON_WINDOWED_SOFTCAP = frozenset({128})
 # CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
 MAX_GRID_Y = 65535
 
@@ -53,9 +57,11 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     return None
 
 
-def preferred(q, causal: bool, seqlen: int | None = None) -> bool:
+def preferred(q, causal: bool, seqlen: int | None = None, windowed_softcap: bool = False) -> bool:
     """Does ROUTE_TABLE take the Gluon kernel for this backward's dK/dV? (``seqlen``: a varlen call's longest
-    sequence; default q's sequence dim)"""
+    sequence, default q's sequence dim; ``windowed_softcap``: a softcap inside a sliding window)"""
+    if windowed_softcap and q.shape[-1] in TRITON_WINDOWED_SOFTCAP:
+        return False
     start = ROUTE_TABLE.get((q.shape[-1], causal))
     seqlen = q.shape[1] if seqlen is None else seqlen
     return start is not None and q.dtype in DTYPES and seqlen >= start
@@ -71,7 +77,8 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     if capability(q.device) not in gluon_route.CAPABILITIES:
         return False
     # the cheap test first: refusal() reads strides and pointers
-    if not forced and not preferred(q, p.window_right == 0, p.max_seqlen_q if p.varlen else None):
+    if not forced and not preferred(q, p.window_right == 0, p.max_seqlen_q if p.varlen else None,
+                                    p.softcap > 0 and p.window_left >= 0):
         return False
     return refusal(q, k, v, dout, dk, dv, p) is None
 
