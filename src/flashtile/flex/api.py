@@ -19,16 +19,22 @@ def _register(score_mod, mask_mod, device: str) -> str:
     """The registry key of a pair; under torch.compile it runs once at trace time and the key is a constant.
     ``device``: the call's device, where the mods are traced (their captured tensors live there)."""
     entry = registry.entry_for(score_mod, mask_mod, device)
-    if torch.compiler.is_compiling() and entry.grad_buffers:
-        raise NotImplementedError("flashtile.flex: under torch.compile, tensors captured by a score_mod cannot "
-                                  "receive gradients (they are read as constants); train them in eager mode or "
-                                  "capture them with requires_grad=False")
+    if torch.compiler.is_compiling() and any(path is None for _, path in entry.grad_paths):
+        raise NotImplementedError("flashtile.flex: under torch.compile, a tensor that learns must be reached by "
+                                  "the score_mod through its closure, its module's globals or an attribute of "
+                                  "one of those (or of a bound method's object); this one is reached otherwise "
+                                  "and would be read as a constant")
     return entry.key
 
 
 @torch.compiler.assume_constant_result
 def _captured(key: str) -> tuple:
     return registry.get(key).buffers
+
+
+@torch.compiler.assume_constant_result
+def _grad_paths(key: str) -> tuple:
+    return registry.get(key).grad_paths
 
 
 @functools.lru_cache(maxsize=64)
@@ -102,6 +108,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     tiles = list(options.tiles(kernel_options, block_size))
     k = _register(score_mod, mask_mod, str(query.device))
     bufs = list(_captured(k))
+    if torch.compiler.is_compiling():
+        # the captured tensors that learn enter the graph as inputs, read the way the mod reads them, so
+        # gradients reach them; the others stay constants
+        for i, path in _grad_paths(k):
+            bufs[i] = registry.resolve(score_mod, path)
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     if use_triton(q) or torch.compiler.is_compiling():
         out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size, tiles)

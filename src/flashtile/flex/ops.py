@@ -87,17 +87,22 @@ def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
 
         return launch_bwd(dout, dlse, q, k, v, out, lse, block, entry.kernels(), scale, (block_q, block_kv),
                           buffer_grads, tuple(tiles[4:]))
-    # CPU path (compiled graphs only: eager CPU calls differentiate cpu_forward with autograd directly, which
-    # reaches captured tensors; compiled ones refuse those). torch.func.vjp, not torch.autograd: an op's
-    # implementation runs below the autograd dispatch key.
-    (o, lse_cpu), vjp = torch.func.vjp(
-        lambda qq, kk, vv: cpu_forward(qq, kk, vv, block[:4], entry, scale, (block_q, block_kv)), q, k, v)
-    dq, dk, dv = vjp((dout.to(o.dtype), torch.zeros_like(lse_cpu) if dlse is None else dlse.to(lse_cpu.dtype)))
-    if buffer_grads:
-        raise NotImplementedError("flashtile.flex: the CPU path's op differentiates q, k and v only; captured "
-                                  "tensors get gradients from eager CPU calls (autograd) or the Triton kernels")
-    dbufs = []
-    return dq, dk, dv, dbufs
+    # CPU path (compiled graphs only: eager CPU calls differentiate cpu_forward with autograd directly).
+    # torch.func.vjp, not torch.autograd: an op's implementation runs below the autograd dispatch key. The
+    # captured tensors that learn join the primals, swapped in where the mod reads them.
+    learn = list(entry.grad_buffers) if buffer_grads else []
+    paths = dict(entry.grad_paths)
+    if any(paths.get(i) is None for i in learn):
+        raise NotImplementedError("flashtile.flex: a captured tensor that learns is reached by the score_mod "
+                                  "through neither its closure, its globals nor their attributes")
+
+    def forward(qq, kk, vv, *learning):
+        with registry.substituted(entry.score_mod, [(paths[i], t) for i, t in zip(learn, learning)]):
+            return cpu_forward(qq, kk, vv, block[:4], entry, scale, (block_q, block_kv))
+
+    (o, lse_cpu), vjp = torch.func.vjp(forward, q, k, v, *(bufs[i] for i in learn))
+    dq, dk, dv, *dbufs = vjp((dout.to(o.dtype), torch.zeros_like(lse_cpu) if dlse is None else dlse.to(lse_cpu.dtype)))
+    return dq, dk, dv, [g.float() for g in dbufs]
 
 
 @flex_bwd.register_fake

@@ -14,6 +14,7 @@ the caller's own tensor objects, so in-place updates are seen and autograd reach
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -248,6 +249,10 @@ def trace(fn, kind: str, device="cpu") -> ModGraph:
     names = SCORE_ARGS if kind == "score" else MASK_ARGS
     args = [torch.zeros(_TRACE_LEN, dtype=torch.float32 if a == "score" else torch.int32, device=device)
             for a in names]
+    if inspect.ismethod(fn):  # make_fx counts a bound method's self among the arguments it expects
+        method = fn
+        fn = ((lambda score, b, h, q_idx, kv_idx: method(score, b, h, q_idx, kv_idx)) if kind == "score"
+              else (lambda b, h, q_idx, kv_idx: method(b, h, q_idx, kv_idx)))
     try:
         gm = make_fx(fn)(*args)
     except ModCompileError:
