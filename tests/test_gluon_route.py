@@ -46,6 +46,12 @@ def test_plain_causal_and_gqa_calls_are_supported():
     # softcap: the 16-bit kernel's SOFTCAP build; not with fp8
     assert gluon_route.refusal(q, k, v, _params(softcap=30.0)) is None
     assert "softcap" in gluon_route.refusal(q8, k8, v8, _params(softcap=30.0))
+    # ALiBi: the 16-bit kernel's ALIBI build, causal only; slopes of (h,) or (b, h) with a unit last stride
+    slopes = torch.ones(2, q.shape[2])
+    assert gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes, window_right=0)) is None
+    assert "causal" in gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes))
+    assert "stride" in gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes.t().contiguous().t(), window_right=0))
+    assert "ALiBi" in gluon_route.refusal(q8, k8, v8, _params(alibi_slopes=slopes, window_right=0))
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -98,6 +98,15 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         _check_tma(fn, name, x)
 
 
+def _check_alibi(slopes, b: int, h: int) -> None:
+    if (not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or slopes.shape not in ((h,), (b, h))
+            or slopes.stride(-1) != 1 or slopes.device.type != "cuda"):
+        got = (f"{slopes.dtype} {tuple(slopes.shape)} on {slopes.device}" if isinstance(slopes, torch.Tensor)
+               else type(slopes).__name__)
+        raise ValueError(f"gluon_attn_fwd: alibi_slopes must be a CUDA fp32 ({h},) or ({b}, {h}) tensor with a unit "
+                         f"last stride, got {got}")
+
+
 def _validate_fp8(q, k, v_t, descales) -> None:
     fn = "gluon_attn_fwd_fp8"
     for name, x in (("q", q), ("k", k), ("v_t", v_t)):
@@ -181,7 +190,7 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
                    window_left: int = -1, softcap: float = 0.0, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_seqlen: int = 0, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
     Varlen: q, k (total, h, d), v (total, h_k, dv) packed sequences with ``cu_seqlens`` (b + 1,) int32, the
@@ -190,7 +199,8 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
     denominator (lse includes it). ``window_left`` >= 0 (with ``causal``): a causal sliding window, each
     row seeing its own key and the ``window_left`` keys before it. ``softcap`` > 0: scores capped to
-    ``softcap * tanh(score / softcap)`` (FlashAttention's softcap, applied before the mask).
+    ``softcap * tanh(score / softcap)`` (FlashAttention's softcap, applied before the mask). ``alibi_slopes``:
+    fp32 (h,) or (b, h) with ``causal``, each score biased by ``-slope * |row - key|`` (after the softcap).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
     bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, seqlen_q != seqlen_k, a GPU other than
@@ -208,6 +218,12 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     if window_left >= 0 and not causal:
         raise ValueError("gluon_attn_fwd: window_left needs causal=True (the kernel's windows are causal ones)")
     b, s, h, h_k, d = _sizes(q, k)
+    if varlen:
+        b = cu_seqlens.numel() - 1
+    if alibi_slopes is not None:
+        if not causal:
+            raise ValueError("gluon_attn_fwd: alibi_slopes needs causal=True (the kernel's ALiBi is causal)")
+        _check_alibi(alibi_slopes, b, h)
     dv = v.shape[-1]
     softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype, dv)
     if varlen:
@@ -233,10 +249,13 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
             lse, lse if learnable_sink is None else learnable_sink, 0 if varlen else lse.stride(0), lse.stride(1),
             s, h, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, max(window_left, 0),
             softcap * LOG2E, cu_seqlens if varlen else lse, out, out.stride(1), out.stride(2),
+            lse if alibi_slopes is None else alibi_slopes,
+            alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
             HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
             NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
             num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}),
-            **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}))
+            **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}),
+            **({"ALIBI": True} if alibi_slopes is not None else {}))
     return (out[0], lse[0]) if varlen else (out, lse)
 
 
