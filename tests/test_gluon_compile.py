@@ -30,6 +30,7 @@ SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
 # "bf16alibi": causal, every score biased by -slope * |row - key| (ALIBI: one add per score in every block)
 KINDS = {"bf16": ("bf16", "bfloat16"), "bf16sink": ("bf16", "bfloat16"), "bf16local": ("bf16", "bfloat16"),
          "bf16softcap": ("bf16", "bfloat16"), "bf16varlen": ("bf16", "bfloat16"), "bf16alibi": ("bf16", "bfloat16"),
+         "bf16unequal": ("bf16", "bfloat16"),
          "fp16": ("fp16", "float16"),
          "fp8": ("fp8e4nv", "float8e4nv")}
 
@@ -51,7 +52,12 @@ def _cases():
     table += [("bf16local", d, True, tuple(FWD_CONFIGS[("16bit", d)][key] for key in CONFIG_KEYS))
               for d in (128, 192)]
     table.append(("bf16softcap", 128, True, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS)))
-    table += [("bf16alibi", d, True, tuple(FWD_CONFIGS[("16bit", d)][key] for key in CONFIG_KEYS)) for d in (128, 192)]
+    def cfg16(d):
+        return tuple(FWD_CONFIGS[("16bit", d)][key] for key in CONFIG_KEYS)
+
+    table += [("bf16alibi", d, True, cfg16(d)) for d in (128, 192)]
+    # "bf16unequal": k longer or shorter than q (padded), the diagonal aligned bottom-right
+    table += [("bf16unequal", 128, False, cfg16(128))] + [("bf16unequal", d, True, cfg16(d)) for d in (128, 192)]
     # "bf16varlen": packed sequences (an early exit for tiles past a sequence, a row-by-row store for its last)
     table += [("bf16varlen", 128, causal, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS))
               for causal in (False, True)]
@@ -97,7 +103,8 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
                       HAS_K_DESCALE=True, HAS_V_DESCALE=True, HAS_SINK=kind == "bf16sink")
     if kind != "fp8":
         constexprs.update(HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, LOCAL=kind == "bf16local",
-                          SOFTCAP=kind == "bf16softcap", VARLEN=kind == "bf16varlen", ALIBI=kind == "bf16alibi")
+                          SOFTCAP=kind == "bf16softcap", VARLEN=kind == "bf16varlen", ALIBI=kind == "bf16alibi",
+                          UNEQUAL=kind == "bf16unequal")
     types = dict(desc_q=desc([1, bm, 1, lead]), desc_k=desc([1, bn, 1, lead]), desc_v=desc([1, bn, 1, dv]),
                  desc_q2=desc([1, bm, 1, tail or lead]), desc_k2=desc([1, bn, 1, tail or lead]),
                  desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",
@@ -276,7 +283,7 @@ def _qkv(b=1, s=16, h=2, d=64, dtype=None, sk=None):
 @pytest.mark.parametrize("case,match", [
     (dict(dtype="float32"), "bf16 or fp16 only"),
     (dict(d=96), "head_dim"),
-    (dict(sk=24), "seqlen_q == seqlen_k"),
+    (dict(sk=24), "CUDA tensors only"),  # unequal lengths are taken: only the device is wrong
     (dict(), "CUDA tensors only"),
     (dict(dtype="float16"), "CUDA tensors only"),  # fp16 is supported: only the device is wrong
     (dict(d=256), "CUDA tensors only"),

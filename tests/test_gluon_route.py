@@ -72,7 +72,13 @@ def test_shapes_and_dtypes_the_kernel_lacks_are_refused():
     q, k, v = _qkv(dtype=torch.float16)
     assert "dtype" in gluon_route.refusal(q, k, v, _params())
     q, k, v = _qkv()
-    assert "seqlen" in gluon_route.refusal(q[:, :1000], k, v, _params())
+    # q and k of different lengths: the forward's UNEQUAL build (bottom-right diagonal), but causal needs the
+    # longer k (rows left of the diagonal would see no key); fp8 keeps equal lengths
+    assert gluon_route.refusal(q[:, :1000], k, v, _params()) is None
+    assert gluon_route.refusal(q[:, :1000], k, v, _params(window_right=0)) is None
+    assert "seqlen_k < seqlen_q" in gluon_route.refusal(q, k[:, :1000], v[:, :1000], _params(window_right=0))
+    q8, k8, v8 = _qkv(dtype=torch.float8_e4m3fn)
+    assert "seqlen" in gluon_route.refusal(q8[:, :1000], k8, v8, _params())
     assert "dtype" in gluon_route.refusal(q, k.float(), v, _params())
     # a head-dim slice starting one element in: its base is 2 bytes off TMA's 16-byte alignment
     wide = torch.empty(2, 2048, 4, 130, dtype=torch.bfloat16)

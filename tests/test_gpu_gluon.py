@@ -352,6 +352,25 @@ def test_alibi(s, d, dv, per_batch):
     _check(q, k, v, True, alibi_slopes=slopes, learnable_sink=torch.randn(h, device=DEV))
 
 
+@pytest.mark.parametrize("sq,sk", [(1000, 3000), (4096, 4100), (700, 129), (128, 5000)])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+def test_unequal_lengths(sq, sk, d, dv):
+    # q and k of different lengths (padded): the diagonal aligned bottom-right as FlashAttention's, causal
+    # only where k is the longer (the route sends the rest to the Triton kernel)
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
+
+    q = torch.randn(2, sq, 4, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(2, sk, 2, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(2, sk, 2, dv, device=DEV, dtype=torch.bfloat16)
+    _check(q, k, v, False)
+    if sk < sq:
+        with pytest.raises(ValueError, match="seqlen_k >= seqlen_q"):
+            gluon_attn_fwd(q, k, v, causal=True)
+        return
+    _check(q, k, v, True)
+    _check(q, k, v, True, window_left=300, softcap=30.0)
+
+
 def test_alibi_needs_causal():
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
 

@@ -107,7 +107,8 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
                   LOCAL: gl.constexpr = False, softcap_log2e=0.0, SOFTCAP: gl.constexpr = False,
                   alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0):
     """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
-    alpha and the new stats. Block numbers count from key ``key0``; LOCAL also hides keys more than
+    alpha and the new stats. ``row_idx``: each row's diagonal key (its index when q and k have one length);
+    ``seqlen``: the keys. Block numbers count from key ``key0``; LOCAL also hides keys more than
     ``window_left`` before the row (a causal sliding window). SOFTCAP: scores become
     ``softcap * tanh(score * softmax_scale / softcap)`` (qk_scale is then softmax_scale / softcap and
     softcap_log2e is softcap * log2(e)), capped before the mask, as FlashAttention does. ALIBI (causal):
@@ -216,7 +217,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
                    HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
                    SOFTCAP: gl.constexpr = False, CU_SEQLENS=None, OUT=None, stride_om=0, stride_oh=0,
-                   VARLEN: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, ALIBI: gl.constexpr = False):
+                   VARLEN: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, ALIBI: gl.constexpr = False,
+                   seqlen_k=0, UNEQUAL: gl.constexpr = False):
     """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
     row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8
     switches on V^T, the descales (contiguous (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output
@@ -226,7 +228,10 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     last tile that ends past its sequence stores O row by row (OUT, stride_om, stride_oh) instead of by TMA,
     which would overwrite the next sequence's rows. ALIBI (with CAUSAL): the slope of (batch, head) from
     ALIBI_SLOPES (stride_ab between batch rows, 0 for one (h,) vector) biases every score by
-    ``-slope * |row - key|``.
+    ``-slope * |row - key|``. UNEQUAL (padded calls): k's length ``seqlen_k`` differs from q's ``seqlen``,
+    and row r's diagonal key is r + seqlen_k - seqlen (bottom-right causal, FlashAttention's alignment; the
+    caller keeps seqlen_k >= seqlen under CAUSAL, so every row sees a key). A build of its own: the two
+    lengths and the shift cost the tightest builds (d = 128 with a window) a spill.
 
     q / k's head dim is HEAD_DIM + HEAD_DIM_TAIL: Gluon tiles are powers of two, so a head dim such as
     192 arrives as two column ranges (desc_q / desc_k the first HEAD_DIM columns, desc_q2 / desc_k2 the
@@ -260,6 +265,12 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         seq0 = gl.load(CU_SEQLENS + off_b)
         seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
         tb = 0
+    # kv_len: the keys; shift: how far right of its own row index a row's diagonal key sits
+    kv_len = seqlen
+    shift = 0
+    if UNEQUAL:
+        kv_len = seqlen_k
+        shift = seqlen_k - seqlen
     n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
     pid_m = gl.program_id(0)
     if VARLEN:
@@ -312,21 +323,23 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     # sees; block numbers below count from there, so the ring's slots and barrier phases start at 0 as always
     key0 = 0
     n_left = 0
+    # d0: the diagonal key of the tile's first row
+    d0 = m0 + shift
     if CAUSAL:
-        # keys past the tile's last row are never visible: those blocks are skipped, not masked
-        n_blocks = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
-        # blocks whose every key is <= the tile's first row (and inside seqlen) need no mask
-        n_unmasked = gl.minimum((m0 + 1) // BLOCK_N, seqlen // BLOCK_N)
+        # keys past the tile's last diagonal are never visible: those blocks are skipped, not masked
+        n_blocks = gl.cdiv(gl.minimum(kv_len, d0 + BLOCK_M), BLOCK_N)
+        # blocks whose every key is <= the tile's first diagonal (and inside the keys) need no mask
+        n_unmasked = gl.minimum((d0 + 1) // BLOCK_N, kv_len // BLOCK_N)
         if LOCAL:
-            first = gl.maximum(m0 - window_left, 0) // BLOCK_N
+            first = gl.maximum(d0 - window_left, 0) // BLOCK_N
             key0 = first * BLOCK_N
             n_blocks = n_blocks - first
             n_unmasked = n_unmasked - first
             # the blocks before the first one that every row of the tile sees whole: masked on the left
-            n_left = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 - window_left, 0), BLOCK_N) - first
+            n_left = gl.cdiv(gl.maximum(d0 + BLOCK_M - 1 - window_left, 0), BLOCK_N) - first
     else:
-        n_blocks = gl.cdiv(seqlen, BLOCK_N)
-        n_unmasked = seqlen // BLOCK_N
+        n_blocks = gl.cdiv(kv_len, BLOCK_N)
+        n_unmasked = kv_len // BLOCK_N
 
     if SPLIT:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_q2.block_type.nbytes)
@@ -346,7 +359,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         q2_tile = q2_smem.reshape([BLOCK_M, HEAD_DIM_TAIL])
     mbarrier.wait(q_ready, 0)
 
-    row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
+    # the key loop masks by each row's diagonal key
+    diag = d0 + gl.arange(0, BLOCK_M, row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     # O is carried across iterations as an in-flight accumulator (PV_j completes in iteration j+1)
@@ -375,33 +389,33 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         n_fast = gl.maximum(n_fast, n_left)
         for j in range(0, n_left):
             s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                           v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx,
-                                           seqlen, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
+                                           v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag,
+                                           kv_len, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
                                            key0, window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
-                                           alibi_log2e, ALIBI, m0)
+                                           alibi_log2e, ALIBI, d0)
     for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0,
                                        window_left, False, softcap_log2e, SOFTCAP, seq0,
-                                           alibi_log2e, ALIBI, m0)
+                                           alibi_log2e, ALIBI, d0)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
                                        window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
-                                           alibi_log2e, ALIBI, m0)
+                                           alibi_log2e, ALIBI, d0)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
-    p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
+    p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, diag, kv_len, qk_scale, s_layout, BLOCK_N, CAUSAL,
                                             True, P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP,
-                                            alibi_log2e, ALIBI, m0)
+                                            alibi_log2e, ALIBI, d0)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -421,6 +435,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     o_scale = v_scale + gl.zeros([BLOCK_M], gl.float32, row_layout)
     # ALiBi's per-row part the key loop left out (_softmax_step): the row's logits there are the true ones
     # plus row_shift, base 2
+    row_idx = diag - shift
     row_shift = gl.zeros([BLOCK_M], gl.float32, row_layout)
     if ALIBI:
         row_shift = alibi_log2e * (row_idx - m0).to(gl.float32)
@@ -466,23 +481,25 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
                            seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, CU_SEQLENS, OUT,
-                           stride_om, stride_oh, ALIBI_SLOPES, stride_ab, HEAD_DIM: gl.constexpr,
+                           stride_om, stride_oh, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-                           VARLEN: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                           VARLEN: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                           UNEQUAL: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
     (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
     capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e)); VARLEN:
     packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) shared by q and k,
     OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total); ALIBI: fp32 slopes
-    ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,))."""
+    ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)); UNEQUAL: k's length ``seqlen_k``
+    differs from q's ``seqlen`` (padded calls, bottom-right alignment)."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
                    BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL,
                    softcap_log2e, SOFTCAP, CU_SEQLENS, OUT, stride_om, stride_oh, VARLEN, ALIBI_SLOPES, stride_ab,
-                   ALIBI)
+                   ALIBI, seqlen_k, UNEQUAL)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per
