@@ -99,12 +99,12 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         _check_tma(fn, name, x)
 
 
-def _check_alibi(slopes, b: int, h: int) -> None:
+def _check_alibi(slopes, b: int, h: int, fn: str = "gluon_attn_fwd") -> None:
     if (not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or slopes.shape not in ((h,), (b, h))
             or slopes.stride(-1) != 1 or slopes.device.type != "cuda"):
         got = (f"{slopes.dtype} {tuple(slopes.shape)} on {slopes.device}" if isinstance(slopes, torch.Tensor)
                else type(slopes).__name__)
-        raise ValueError(f"gluon_attn_fwd: alibi_slopes must be a CUDA fp32 ({h},) or ({b}, {h}) tensor with a unit "
+        raise ValueError(f"{fn}: alibi_slopes must be a CUDA fp32 ({h},) or ({b}, {h}) tensor with a unit "
                          f"last stride, got {got}")
 
 
