@@ -11,6 +11,8 @@
 #   bench-fwd  bench-bwd  bench-decode  bench-fp8   the README's tables (python -m flashtile.bench ...)
 #   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
 #                                                   docs/programmable.md's table
+#   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
+#                                                   bench-mla's Gluon one
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
@@ -53,6 +55,8 @@ run_step() {
     bench-models) step bench-models python -m flashtile.bench models --rounds 3 --out "$OUT/models.json" \
                     --plot "$OUT/models.png" ;;
     bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
+    ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
+              --out "$OUT/mla-triton.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
