@@ -30,8 +30,11 @@ def test_refusals_name_the_reason():
                                            _t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96), _p())
     d256 = (_t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256))
     assert gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p()) is None
-    assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
-                                         _t(2, 200, 2, 128), _p())
+    # q and k of different lengths: the UNEQUAL build; causal needs k the longer
+    k2, v2 = _t(2, 200, 2, 128), _t(2, 200, 2, 128)
+    assert gluon_bwd.refusal(q, k2, v2, q, k2.clone(), v2.clone(), _p()) is None
+    assert "seqlen_k < seqlen_q" in gluon_bwd.refusal(q, k2, v2, q, k2.clone(), v2.clone(), _p(window_right=0))
+    assert gluon_bwd.refusal(q[:, :100], k2, v2, q[:, :100], k2.clone(), v2.clone(), _p(window_right=0)) is None
     # a causal sliding window is the kernel's LOCAL build; a window reaching right of the diagonal is not
     assert gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0)) is None
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=4))

@@ -209,3 +209,15 @@ def test_non_causal_alibi_takes_triton(gluon_on):
     out = flashtile.flash_attn_func(q, k, v, alibi_slopes=torch.rand(2, device=DEV) * 0.3)
     torch.autograd.grad(out.sum(), (q, k, v))
     assert not gluon_on  # the kernel's ALiBi is causal only
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("sq,sk", [(1000, 3000), (700, 129), (4096, 4100), (77, 1000)])
+def test_gluon_dkdv_unequal_lengths(gluon_on, d, dv, sq, sk):
+    # the UNEQUAL build: keys compared with query rows through the bottom-right shift sk - sq; causal (with a
+    # window too) only where k is the longer, as the route takes it
+    check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=False, dv=dv)
+    if sk >= sq:
+        check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=True, dv=dv)
+        check_padded(1, sq, sk, 4, 4, d, torch.bfloat16, device=DEV, causal=True, dv=dv, window_size=(300, 0))
+    assert gluon_on, "the Gluon dK/dV kernel did not run"

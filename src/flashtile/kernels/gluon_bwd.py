@@ -26,9 +26,9 @@ the other one feeds the in-flight products has neither problem.
 One CTA (one warpgroup) owns BLOCK_N keys of one (batch, kv head) and walks every query block of
 every query head of its GQA group ("steps"), so dK and dV are summed in registers and written once.
 K and V stay in shared memory as the A operands of S^T and dP^T; Q and dO stream through a
-NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16, (b, s, h, d) tensors with seqlen_q == seqlen_k,
-plain or causal, no dropout (causal windows, softcap, causal ALiBi and packed sequences are the LOCAL /
-SOFTCAP / ALIBI / VARLEN builds); delta comes from the Triton preprocess.
+NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16 (b, s, h, d) tensors, plain or causal, no dropout (causal
+windows, softcap, causal ALiBi, packed sequences and q / k of different lengths are the LOCAL / SOFTCAP /
+ALIBI / VARLEN / UNEQUAL builds); delta comes from the Triton preprocess.
 Rows past the sequence get lse = +inf (P = 0), and keys past it only produce dK/dV rows that the
 TMA store clips, so no key mask is needed; causal masks keys after the query row.
 """
@@ -150,7 +150,7 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
-        # sq == sk: key j is visible to query i iff j <= i (and, in a window, i - j <= window_left)
+        # key j (in query-row coordinates) is visible to query i iff j <= i (and, in a window, i - j <= window_left)
         if LOCAL:
             dist = gl.expand_dims(q_idx, 0) - gl.expand_dims(key_idx, 1)
             p_t = gl.where((dist >= 0) & (dist <= window_left), p_t, 0.0)
@@ -236,13 +236,14 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
-                                stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, HEAD_DIM: gl.constexpr,
+                                stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                                 LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False,
-                                SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False):
+                                SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                                UNEQUAL: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
@@ -254,7 +255,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     stride_lb 0); a key block ending past its sequence stores dK / dV row by row (DK_OUT, DV_OUT and their row
     and head strides) instead of by TMA, which would overwrite the next sequence's rows. ALIBI (with CAUSAL; plain
     order only): fp32 slopes ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)), one per query
-    head, each score biased by ``-slope * |row - key|``.
+    head, each score biased by ``-slope * |row - key|``. UNEQUAL (padded): k's length ``seqlen_k`` differs from
+    q's ``seqlen``; query i's diagonal key is i + seqlen_k - seqlen (bottom-right, the forward's alignment), and
+    the masks and the bias read each key shifted back by that much.
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -304,14 +307,18 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         LSE = LSE + seq0
         DELTA = DELTA + seq0
     h0 = off_hk * heads_per_kv
+    # r0: the block's first key in query-row coordinates (the row whose diagonal it is)
+    r0 = n0
+    if UNEQUAL:
+        r0 = n0 - (seqlen_k - seqlen)
     m_start = 0
     if CAUSAL:
         # query rows before the block's first key see none of its keys
-        m_start = n0 // BLOCK_M
+        m_start = gl.maximum(r0, 0) // BLOCK_M
     m_end = gl.cdiv(seqlen, BLOCK_M)
     if LOCAL:
         # queries more than window_left after the block's last key see none of its keys
-        m_end = gl.cdiv(gl.minimum(seqlen, n0 + BLOCK_N + window_left), BLOCK_M)
+        m_end = gl.cdiv(gl.minimum(seqlen, r0 + BLOCK_N + window_left), BLOCK_M)
     steps_per_head = m_end - m_start
     n_steps = steps_per_head * heads_per_kv
 
@@ -353,7 +360,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         k2_tile = k2_smem.reshape([BLOCK_N, HEAD_DIM_TAIL])
     mbarrier.wait(kv_ready, 0)
 
-    key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
+    # the block's keys in query-row coordinates: every mask and the bias compare them with query rows
+    key_idx = r0 + gl.arange(0, BLOCK_N, key_layout)
     if ROTATED:
         # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident
         # when step j issues its scores, so the ring needs three slots at least
@@ -408,7 +416,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
                                 BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
-                                n0, ALIBI)
+                                r0, ALIBI)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                   BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)

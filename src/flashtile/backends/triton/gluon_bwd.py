@@ -38,10 +38,10 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     """Why the Gluon dK/dV kernel cannot compute this backward exactly (None: it can)."""
     if q.dtype not in DTYPES or any(x.dtype != q.dtype for x in (k, v, dout, dk, dv)):
         return f"dtype {q.dtype} (takes {DTYPES})"
-    # the forward's coverage: padded or shared-cu_seqlens varlen, seqlen_q == seqlen_k, plain, causal or a causal
-    # window, softcap, causal ALiBi, no dropout / seqused, TMA-readable q, k, v
+    # the forward's coverage: padded (q and k of any lengths, causal with k the longer) or shared-cu_seqlens
+    # varlen, plain, causal or a causal window, softcap, causal ALiBi, no dropout / seqused, TMA-readable q, k, v
     why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True, softcap=True,
-                                       alibi=True)
+                                       alibi=True, unequal_lengths=True)
     if why:
         return why
     plain_order_only = [name for name, used in (("softcap", p.softcap > 0), ("varlen", p.varlen),
@@ -125,8 +125,12 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))
         lse, delta = lse[None], delta[None]
     b, s, h, d = q.shape
+    s_k = k.shape[1]
     if varlen:
         b, s = cu_seqlens.numel() - 1, max_seqlen
+        s_k = s
+    if causal and s_k < s:
+        raise ValueError(f"gluon bwd: causal needs seqlen_k >= seqlen_q, got {s} and {s_k}")
     h_k, dv_dim = k.shape[2], v.shape[-1]
     if alibi_slopes is not None:
         if not causal:
@@ -155,6 +159,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         meta["SOFTCAP"] = True
     if alibi_slopes is not None:
         meta["ALIBI"] = True
+    if s_k != s:
+        meta["UNEQUAL"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
     desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
@@ -162,7 +168,7 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     # with no tail the kernel never reads its tail descriptors: it gets the leading ones again
     tails = ((_descriptor(q[..., lead:], [1, bm, 1, tail]), _descriptor(k[..., lead:], [1, bn, 1, tail]),
               _descriptor(dk[..., lead:], [1, bn, 1, tail])) if tail else (desc_q, desc_k, desc_dk))
-    run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
+    run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s_k, bn), b * h_k),
         desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
         _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, 0 if varlen else lse.stride(0), lse.stride(1), s,
         h_k, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softmax_scale,
@@ -172,4 +178,4 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         dv_out.stride(-2), softcap * LOG2E,
         # ALiBi: the slopes and their batch stride (0 for (h,): every batch reads the one row)
         lse if alibi_slopes is None else alibi_slopes,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, **meta)
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k, **meta)
