@@ -13,6 +13,7 @@
 #                                                   docs/programmable.md's table
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
+#   pending  ab-pending                             the GPU tests and A/B rows of work not yet run on a GPU
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
@@ -58,6 +59,12 @@ run_step() {
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
+    pending) step pending-tests timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
+               tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py \
+               tests/test_gpu_kvcache_mla.py -k "alibi or unequal or flex or mla or compiled" ;;
+    ab-pending) step ab-pending bash -c "python scripts/ab_routes.py --alibi --tokens 65536 --out $OUT/ab_alibi.json \
+                  --seqlens 2048 8192 --windows -1 && python scripts/ab_routes.py --tokens 65536 \
+                  --out $OUT/ab_128.json --seqlens 8192 --windows -1" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
