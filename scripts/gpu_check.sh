@@ -62,9 +62,8 @@ run_step() {
     pending) step pending-tests timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
                tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py \
                tests/test_gpu_kvcache_mla.py -k "alibi or unequal or flex or mla or compiled" ;;
-    ab-pending) step ab-pending bash -c "python scripts/ab_routes.py --alibi --tokens 65536 --out $OUT/ab_alibi.json \
-                  --seqlens 2048 8192 --windows -1 && python scripts/ab_routes.py --tokens 65536 \
-                  --out $OUT/ab_128.json --seqlens 8192 --windows -1" ;;
+    ab-pending) step ab-pending python scripts/ab_routes.py --alibi --tokens 65536 --out "$OUT/ab_alibi.json" \
+                  --d 128 --seqlens 2048 8192 --windows -1 1024 ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
