@@ -14,6 +14,7 @@
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
 #   pending  ab-pending                             the GPU tests and A/B rows of work not yet run on a GPU
+#   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
@@ -69,6 +70,7 @@ run_step() {
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
     tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 128 192 \
                   --out "$OUT/tune_gluon.json" ;;
+    tune-gluon-mla) step tune-gluon-mla python scripts/tune_gluon_mla.py --out "$OUT/tune_gluon_mla.json" ;;
     tune-flex) step tune-flex python scripts/tune_flex.py --out "$OUT/tune_flex.json" ;;
     *) echo "unknown step: $1 (see the header of $0)"; exit 2 ;;
   esac
