@@ -153,7 +153,9 @@ def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SE
     if CAUSAL:
         last_key = seqlen_k - seqlen_q + rows // heads
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    # the row sums stay per score column until the end: summed every block, they would cross the two
+    # warpgroups (shared memory and a barrier) once more per block than the row max already does
+    l_cols = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     o0 = gl.zeros([BLOCK_M, V_BOX], gl.float32, o_layout)
     o1 = gl.zeros([BLOCK_M, V_BOX], gl.float32, o_layout)
     for j in range(0, n_mine):
@@ -177,8 +179,9 @@ def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SE
         # a row whose keys all lie past its diagonal in this block keeps P and alpha at 0, not NaN
         m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_base, 1))
-        alpha = gl.convert_layout(gl.exp2(m_i - m_base), gl.SliceLayout(1, o_layout))
-        l_i = l_i * gl.exp2(m_i - m_base) + gl.sum(p, 1)
+        alpha_rows = gl.exp2(m_i - m_base)
+        alpha = gl.convert_layout(alpha_rows, gl.SliceLayout(1, o_layout))
+        l_cols = l_cols * gl.expand_dims(alpha_rows, 1) + p
         m_i = m_new
         p = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
         o0 = warpgroup_mma(p, v0, o0 * gl.expand_dims(alpha, 1), is_async=True)
@@ -193,6 +196,7 @@ def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SE
 
     # O / l and the natural-log lse. A row that saw no key gets 0 and, as a partial (an empty split), lse -inf,
     # which the merge weighs to nothing; as the final result lse +inf, the contract's rule
+    l_i = gl.sum(l_cols, 1)
     seen = l_i > 0.0
     inv_l = gl.convert_layout(gl.where(seen, 1.0 / l_i, 0.0), gl.SliceLayout(1, o_layout))
     lse = gl.where(seen, (m_i + gl.log2(l_i)) * 0.6931471805599453, float("-inf") if NUM_SPLITS > 1 else float("inf"))
@@ -225,6 +229,6 @@ def _store_half(acc, inv_l, o_base, ocol, o_ok, O, PARTIAL: gl.constexpr):
         gl.store(ptrs, out.to(O.dtype.element_ty), mask=o_ok)
 
 
-# 32-key blocks in a 3-slot ring: ~184 KiB with q and qv, 252 registers without spills (64-key blocks in 2
-# slots fill ~220 KiB and spill 8 bytes; which is faster is a GPU measurement still to make)
+# 32-key blocks in a 3-slot ring: ~184 KiB with q and qv, 218 registers (64-key blocks in 2 slots: ~220 KiB, 244
+# registers; which is faster is scripts/tune_gluon_mla.py's to say)
 GLUON_MLA_CONFIG = dict(BLOCK_N=32, NUM_BUFFERS=3, num_warps=8)
