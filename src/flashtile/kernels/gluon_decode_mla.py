@@ -12,7 +12,8 @@ same 64 rows, so each computes every score. Here the layouts split the work expl
     output O (64 x 512) as two halves  warps [4, 2]: each warpgroup owns 128 columns of each half
     P (64 x BLOCK_N) is converted to the A-operand layout both warpgroups need (through shared memory)
 
-The row max and sum of S cross the two warpgroups (the compiler reduces through shared memory). K (64 dims)
+Each block's row max of S crosses the two warpgroups (the compiler reduces through shared memory); the row
+sums stay per score column until the loop ends. K (64 dims)
 and V (512 dims, as two 256-column TMA boxes, TMA's widest) stream through a NUM_BUFFERS-deep ring of TMA
 loads issued by the same warps, one barrier per slot; q and qv sit in shared memory for the whole loop.
 
