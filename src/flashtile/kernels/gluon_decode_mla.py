@@ -76,6 +76,43 @@ def _zero_tail(v_smem, slot, valid, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _issue_scores(q_smem, qv_smem, k_smem, v_smem, ready, j, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """S = q . K^T + qv . V^T of the program's j-th block, issued (in flight on return)."""
+    slot = j % NUM_BUFFERS
+    mbarrier.wait(ready.index(slot), (j // NUM_BUFFERS) & 1)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(qv_smem.index(0), v_smem.index(2 * slot).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(qv_smem.index(1), v_smem.index(2 * slot + 1).permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _softmax(s, m_i, l_cols, blk, last_key, qk_scale, col_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online softmax of one block's scores (base 2): P, the rescale of what came before, the new row max and
+    the per-column row sums."""
+    key = blk * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
+    s = gl.where(gl.expand_dims(key, 0) <= gl.expand_dims(last_key, 1), s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    # a row whose keys all lie past its diagonal in this block keeps P and alpha at 0, not NaN
+    m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_base, 1))
+    alpha = gl.exp2(m_i - m_base)
+    return p, alpha, m_new, l_cols * gl.expand_dims(alpha, 1) + p
+
+
+@gluon.jit
+def _issue_pv(p, alpha, o0, o1, v_smem, slot, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """O = O * alpha + P V of one block, both 256-column halves, issued; returns P in its operand layout (it
+    must stay live until the products retire)."""
+    scale = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p = gl.convert_layout(p.to(v_smem.dtype), p_layout)
+    o0 = warpgroup_mma(p, v_smem.index(2 * slot), o0 * scale, is_async=True)
+    o1 = warpgroup_mma(p, v_smem.index(2 * slot + 1), o1 * scale, is_async=True)
+    return o0, o1, p
+
+
+@gluon.jit
 def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SEQLENS, BLOCK_TABLE,
                              qk_scale, cache_len_const, s_new, seqlen_q, heads, num_m_blocks, page_size, cache_rows,
                              stride_qb, stride_qm, stride_qh, stride_qvb, stride_qvm, stride_qvh,
@@ -89,7 +126,9 @@ def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SE
     cache's rows (b * cache_rows or pages * page_size, HEAD_DIM / HEAD_DIM_V; v in V_BOX-column boxes).
     Writes out (b, sq, h, dv) and lse (b, h, sq) (natural log), or with NUM_SPLITS > 1 the split's normalised
     partial O_PART (ns, b, sq, h, dv) fp32 and LSE_PART (ns, b, h, sq). ``qk_scale``: softmax_scale * log2(e).
-    CAUSAL (several query tokens): token t sees the keys up to its own, seqlen_k - seqlen_q + t."""
+    CAUSAL (several query tokens): token t sees the keys up to its own, seqlen_k - seqlen_q + t. Every product
+    is waited for in its block: the row max crosses the warpgroups through shared memory, and with the next
+    block's scores issued before the softmax (the Gluon forward's schedule) ptxas still waited for them there."""
     BLOCK_M: gl.constexpr = 64
     gl.static_assert(gl.num_warps() == 8)
     gl.static_assert(HEAD_DIM_V == 2 * V_BOX)
@@ -165,28 +204,10 @@ def _gluon_mla_decode_kernel(desc_k, desc_v, Q, QV, O, LSE, O_PART, LSE_PART, SE
         mbarrier.wait(ready.index(slot), (j // NUM_BUFFERS) & 1)
         if (blk + 1) * BLOCK_N > seqlen_k:
             _zero_tail(v_smem, slot, seqlen_k - blk * BLOCK_N, BLOCK_N)
-        k_tile = k_smem.index(slot)
-        v0 = v_smem.index(2 * slot)
-        v1 = v_smem.index(2 * slot + 1)
-        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-        s = warpgroup_mma(q_smem, k_tile.permute((1, 0)), s, use_acc=False, is_async=True)
-        s = warpgroup_mma(qv_smem.index(0), v0.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qv_smem.index(1), v1.permute((1, 0)), s, is_async=True)
+        s = _issue_scores(q_smem, qv_smem, k_smem, v_smem, ready, j, s_layout, NUM_BUFFERS, BLOCK_M, BLOCK_N)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-
-        key = blk * BLOCK_N + gl.arange(0, BLOCK_N, col_layout)
-        s = gl.where(gl.expand_dims(key, 0) <= gl.expand_dims(last_key, 1), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        # a row whose keys all lie past its diagonal in this block keeps P and alpha at 0, not NaN
-        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_base, 1))
-        alpha_rows = gl.exp2(m_i - m_base)
-        alpha = gl.convert_layout(alpha_rows, gl.SliceLayout(1, o_layout))
-        l_cols = l_cols * gl.expand_dims(alpha_rows, 1) + p
-        m_i = m_new
-        p = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
-        o0 = warpgroup_mma(p, v0, o0 * gl.expand_dims(alpha, 1), is_async=True)
-        o1 = warpgroup_mma(p, v1, o1 * gl.expand_dims(alpha, 1), is_async=True)
+        p, alpha, m_i, l_cols = _softmax(s, m_i, l_cols, blk, last_key, qk_scale, col_layout, BLOCK_N)
+        o0, o1, p = _issue_pv(p, alpha, o0, o1, v_smem, slot, o_layout, p_layout)
         o0, o1, p = warpgroup_mma_wait(num_outstanding=0, deps=(o0, o1, p))
         # the slot is free (its K and V retired with these products): refill it with the block NUM_BUFFERS on
         if j + NUM_BUFFERS < n_mine:
