@@ -313,8 +313,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         r0 = n0 - (seqlen_k - seqlen)
     m_start = 0
     if CAUSAL:
-        # query rows before the block's first key see none of its keys
-        m_start = gl.maximum(r0, 0) // BLOCK_M
+        # query rows before the block's first key see none of its keys (UNEQUAL: r0 may be negative)
+        if UNEQUAL:
+            m_start = gl.maximum(r0, 0) // BLOCK_M
+        else:
+            m_start = n0 // BLOCK_M
     m_end = gl.cdiv(seqlen, BLOCK_M)
     if LOCAL:
         # queries more than window_left after the block's last key see none of its keys
