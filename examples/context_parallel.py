@@ -7,6 +7,7 @@ forward and backward on it, and compares its shard of the output and of dq with 
 whole sequence. Rank 0 prints the largest differences.
 """
 
+import gc
 import os
 
 import torch
@@ -46,6 +47,10 @@ def main():
     if rank == 0:
         print(f"{world} ranks, {s} tokens: max |out - single| = {errs[0]:.2e}, max |dq - single| = {errs[1]:.2e}")
     dist.barrier()  # no rank tears its process group down while another still talks to it
+    # what autograd's graph still holds (saved tensors, gloo's finished works) is freed now, while the
+    # interpreter is whole: freed during its shutdown, a gloo work can abort the process (pytorch#179291)
+    del out_local, out_full, q_local, k_local, v_local, q_full
+    gc.collect()
     dist.destroy_process_group()
 
 
