@@ -13,7 +13,8 @@
 #                                                   docs/programmable.md's table
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
-#   pending  ab-pending                             the GPU tests and A/B rows of work not yet run on a GPU
+#   pending-gluon  pending-other  ab-pending        the GPU tests and A/B rows of work not yet run on a GPU
+#                                                   (each under 10 minutes: one device call apiece)
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -60,9 +61,10 @@ run_step() {
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
-    pending) step pending-tests timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
-               tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py \
-               tests/test_gpu_kvcache_mla.py -k "alibi or unequal or flex or mla or compiled" ;;
+    pending-gluon) step pending-gluon timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
+                     -rf tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py -k "alibi or unequal" ;;
+    pending-other) step pending-other timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
+                     -rf tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py tests/test_gpu_kvcache_mla.py ;;
     ab-pending) step ab-pending python scripts/ab_routes.py --alibi --tokens 65536 --out "$OUT/ab_alibi.json" \
                   --d 128 --seqlens 2048 8192 --windows -1 1024 ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
