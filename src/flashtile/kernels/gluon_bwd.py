@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashtile.kernels.gluon_fwd import _sequence
+
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -294,13 +296,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     off_b = pid_bh // n_kv_heads
     off_hk = pid_bh % n_kv_heads
     n0 = pid_n * BLOCK_N
-    # seq0: the sequence's first row in the (packed) tensors; tb: the descriptors' batch coordinate
-    seq0 = 0
-    tb = off_b
+    seq0, seqlen, tb = _sequence(CU_SEQLENS, off_b, seqlen, VARLEN)
     if VARLEN:
-        seq0 = gl.load(CU_SEQLENS + off_b)
-        seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
-        tb = 0
         # the grid covers the longest sequence: a key block past this one has nothing to do
         if n0 >= seqlen:
             return

@@ -38,6 +38,20 @@ def mma_layout(num_warps, n, k):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, k])
 
 
+@gluon.jit
+def _sequence(CU_SEQLENS, off_b, seqlen, VARLEN: gl.constexpr):
+    """(seq0, seqlen, tb) of batch entry ``off_b``: the first row of its sequence in the (packed) tensors, its
+    length, and the descriptors' batch coordinate (VARLEN: one packed sequence of all the tokens, found in
+    CU_SEQLENS; else the padded batch entry itself, ``seqlen`` long)."""
+    seq0 = 0
+    tb = off_b
+    if VARLEN:
+        seq0 = gl.load(CU_SEQLENS + off_b)
+        seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
+        tb = 0
+    return seq0, seqlen, tb
+
+
 # --8<-- [start:load_kv]
 @gluon.jit
 def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, block, off_b, off_hk,
@@ -258,13 +272,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     off_b = pid_bh // n_heads
     off_h = pid_bh % n_heads
     off_hk = off_h // heads_per_kv
-    # seq0: the first row of this sequence in the (packed) tensors; tb: the descriptors' batch coordinate
-    seq0 = 0
-    tb = off_b
-    if VARLEN:
-        seq0 = gl.load(CU_SEQLENS + off_b)
-        seqlen = gl.load(CU_SEQLENS + off_b + 1) - seq0
-        tb = 0
+    seq0, seqlen, tb = _sequence(CU_SEQLENS, off_b, seqlen, VARLEN)
     # kv_len: the keys; shift: how far right of its own row index a row's diagonal key sits
     kv_len = seqlen
     shift = 0
