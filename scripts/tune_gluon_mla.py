@@ -5,11 +5,12 @@ Usage: PYTHONPATH=src python scripts/tune_gluon_mla.py --out $OUT/tune_gluon_mla
 One decode step of DeepSeek's shape (h = 128 on one latent head, d 64 / dv 512, bf16, one query token, a
 contiguous cache and 64-token pages in random order), each candidate (BLOCK_N, NUM_BUFFERS) and the Triton
 kernel (FLASHTILE_GLUON off) as CUDA-graph replays, alternated in rounds; every candidate's output is checked
-against the Triton kernel's. The winner goes into GLUON_MLA_CONFIG (kernels/gluon_decode_mla.py) by hand, the
+against the Triton kernel's. The winner goes into GLUON_MLA_CONFIGS (kernels/gluon_decode_mla.py) by hand, the
 JSON cited; a Gluon route slower than the Triton kernel is removed, not kept behind a switch.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -43,18 +44,24 @@ def _case(b, sk, page):
     return dict(q=q, k_cache=kc, v_cache=vc, qv=qv, cache_seqlens=lens, block_table=table)
 
 
+@contextlib.contextmanager
+def _only(bn, nb):
+    """The Gluon MLA route with one candidate as its only config."""
+    saved = gluon_decode_mla.GLUON_MLA_CONFIGS
+    gluon_decode_mla.GLUON_MLA_CONFIGS = (dict(BLOCK_N=bn, NUM_BUFFERS=nb, num_warps=8),)
+    try:
+        yield
+    finally:
+        gluon_decode_mla.GLUON_MLA_CONFIGS = saved
+
+
 def _timer(case, cand):
     def run():
         if cand is None:
             with config.override(gluon=False):
                 return bench_graph(lambda: flash_attn_with_kvcache(**case), "cuda")
-        bn, nb = cand
-        saved = dict(gluon_decode_mla.GLUON_MLA_CONFIG)
-        gluon_decode_mla.GLUON_MLA_CONFIG.update(BLOCK_N=bn, NUM_BUFFERS=nb)
-        try:
+        with _only(*cand):
             return bench_graph(lambda: flash_attn_with_kvcache(**case), "cuda")
-        finally:
-            gluon_decode_mla.GLUON_MLA_CONFIG.update(saved)
     return run
 
 
@@ -78,12 +85,8 @@ def main():
                 errs = {}
                 for cand in CANDIDATES:
                     bn, nb = cand
-                    saved = dict(gluon_decode_mla.GLUON_MLA_CONFIG)
-                    gluon_decode_mla.GLUON_MLA_CONFIG.update(BLOCK_N=bn, NUM_BUFFERS=nb)
-                    try:
+                    with _only(bn, nb):
                         errs[f"{bn}x{nb}"] = (flash_attn_with_kvcache(**case).float() - want).abs().max().item()
-                    finally:
-                        gluon_decode_mla.GLUON_MLA_CONFIG.update(saved)
                 timers = [("triton", _timer(case, None))] + [(f"{bn}x{nb}", _timer(case, (bn, nb)))
                                                              for bn, nb in CANDIDATES]
                 results, failed = time_in_rounds(timers, args.rounds)

@@ -10,16 +10,17 @@ import sys
 
 import pytest
 
-from flashtile.kernels.gluon_decode_mla import GLUON_MLA_CONFIG
+from flashtile.kernels.gluon_decode_mla import GLUON_MLA_CONFIGS
 
 SCRIPT = pathlib.Path(__file__).with_name("aot_gluon_mla.py")
 SM90_MAX_SHARED = 232448
-BN, NB = GLUON_MLA_CONFIG["BLOCK_N"], GLUON_MLA_CONFIG["NUM_BUFFERS"]
+CONFIGS = [(c["BLOCK_N"], c["NUM_BUFFERS"]) for c in GLUON_MLA_CONFIGS]
 
 
 @pytest.mark.parametrize("splits,paged,causal", [(1, 0, 0), (4, 1, 0), (1, 0, 1)],
                          ids=["contiguous", "paged-split", "causal"])
-def test_gluon_mla_compiles_for_sm90(tmp_path, splits, paged, causal):
+@pytest.mark.parametrize("BN,NB", CONFIGS, ids=[f"{bn}x{nb}" for bn, nb in CONFIGS])
+def test_gluon_mla_compiles_for_sm90(tmp_path, splits, paged, causal, BN, NB):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLASHTILE_INTERPRET")}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")

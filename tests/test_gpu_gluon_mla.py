@@ -31,7 +31,7 @@ def gluon_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("h", [16, 128])
-@pytest.mark.parametrize("page", [None, 64])
+@pytest.mark.parametrize("page", [None, 32, 64])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("cap", [1000, 4096])
 def test_matches_reference(gluon_calls, h, page, num_splits, cap):

@@ -33,7 +33,7 @@ def _rows_2d(cache: torch.Tensor) -> torch.Tensor | None:
 def refusal(q, qv, k_cache, v_cache, *, block_table, cache_batch_idx, cache_leftpad, rotary_cos, window_left,
             window_right, softcap, alibi_slopes, learnable_sink, attention_chunk) -> str | None:
     """Why the Gluon MLA kernel cannot run this call (None: it can)."""
-    from flashtile.kernels.gluon_decode_mla import GLUON_MLA_CONFIG
+    from flashtile.kernels.gluon_decode_mla import GLUON_MLA_CONFIGS, gluon_mla_config
 
     if not config.get().gluon:
         return "FLASHTILE_GLUON=0"
@@ -50,8 +50,8 @@ def refusal(q, qv, k_cache, v_cache, *, block_table, cache_batch_idx, cache_left
         return "a window, softcap or ALiBi"
     if learnable_sink is not None or attention_chunk:
         return "a learnable sink or an attention chunk"
-    if block_table is not None and k_cache.shape[1] % GLUON_MLA_CONFIG["BLOCK_N"]:
-        return f"pages of {k_cache.shape[1]} keys (takes multiples of {GLUON_MLA_CONFIG['BLOCK_N']})"
+    if block_table is not None and gluon_mla_config(k_cache.shape[1]) is None:
+        return f"pages of {k_cache.shape[1]} keys (takes multiples of {GLUON_MLA_CONFIGS[-1]['BLOCK_N']})"
     if _rows_2d(k_cache) is None or _rows_2d(v_cache) is None:
         return "caches whose rows TMA cannot read"
     if q.stride(-1) != 1 or qv.stride(-1) != 1:
@@ -65,20 +65,21 @@ def decode(q, qv, k_cache, v_cache, splits: int, *, s_new: int, cache_seqlens, c
     (n, s, 1, 64), v_cache (n, s, 1, 512), contiguous (n = b) or paged (``block_table``); ``splits`` ways over
     the keys, merged by the combine kernel. Returns out (b, sq, h, 512), lse (b, h, sq). The caller checked
     ``refusal``."""
-    from flashtile.kernels.gluon_decode_mla import GLUON_MLA_CONFIG, V_BOX_COLS, _gluon_mla_decode_kernel
+    from flashtile.kernels.gluon_decode_mla import V_BOX_COLS, _gluon_mla_decode_kernel, gluon_mla_config
 
     b, sq, h, _ = q.shape
     out = torch.empty(b, sq, h, HEAD_DIM_V, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, sq, device=q.device, dtype=torch.float32)
     if b == 0 or sq == 0:
         return out, lse
-    bn = GLUON_MLA_CONFIG["BLOCK_N"]
+    paged = block_table is not None
+    cfg = gluon_mla_config(k_cache.shape[1] if paged else None)
+    bn = cfg["BLOCK_N"]
     m_blocks = cdiv(sq * h, 64)
     if splits > 1:
         o_part, lse_part = split_partials(splits, b, sq, h, HEAD_DIM_V, q.device)
     else:
         o_part, lse_part = out, lse  # unused
-    paged = block_table is not None
     seqlens = cache_seqlens if cache_seqlens is not None else lse
     desc_k = _descriptor(_rows_2d(k_cache), [bn, HEAD_DIM])
     desc_v = _descriptor(_rows_2d(v_cache), [bn, V_BOX_COLS])
@@ -89,9 +90,9 @@ def decode(q, qv, k_cache, v_cache, splits: int, *, s_new: int, cache_seqlens, c
             *q.stride()[:3], *qv.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
             *(o_part.stride()[:4] if splits > 1 else (0,) * 4), *(lse_part.stride()[:3] if splits > 1 else (0,) * 3),
             block_table.stride(0) if paged else 0,
-            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_N=bn, NUM_BUFFERS=GLUON_MLA_CONFIG["NUM_BUFFERS"],
+            HEAD_DIM=HEAD_DIM, HEAD_DIM_V=HEAD_DIM_V, BLOCK_N=bn, NUM_BUFFERS=cfg["NUM_BUFFERS"],
             NUM_SPLITS=splits, PAGED=paged, HAS_SEQLENS=cache_seqlens is not None, CAUSAL=bool(causal),
-            num_warps=GLUON_MLA_CONFIG["num_warps"])
+            num_warps=cfg["num_warps"])
     if splits > 1:
         combine(o_part, lse_part, out, lse)
     return out, lse
