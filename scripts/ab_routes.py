@@ -23,21 +23,23 @@ import triton
 import flashtile
 from flashtile import config
 from flashtile.bench.timing import bench, bench_graph, time_in_rounds
+from flashtile.modules.mha import get_alibi_slopes
 
 
-def _row(d, dv, s, w, cap, mode, rounds, varlen=False, graph=False, tokens=16384):
+def _row(d, dv, s, w, cap, mode, rounds, varlen=False, graph=False, tokens=16384, alibi=False):
     h, b = 2048 // d, max(1, tokens // s)
     shape = (b * s,) if varlen else (b, s)
     q, k = (torch.randn(*shape, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     v = torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(*shape, h, dv, device="cuda", dtype=torch.bfloat16)
     cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+    slopes = torch.tensor(get_alibi_slopes(h), device="cuda", dtype=torch.float32) if alibi else None
 
     def call():
         if varlen:
             return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=True, window_size=(w, 0),
-                                                    softcap=cap)
-        return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0), softcap=cap)
+                                                    softcap=cap, alibi_slopes=slopes)
+        return flashtile.flash_attn_func(q, k, v, causal=True, window_size=(w, 0), softcap=cap, alibi_slopes=slopes)
 
     def timer(gluon):
         def run():
@@ -58,7 +60,8 @@ def _row(d, dv, s, w, cap, mode, rounds, varlen=False, graph=False, tokens=16384
     results, failed = time_in_rounds([("gluon", timer(True)), ("triton", timer(False))], rounds)
     ms = {name: statistics.median(r) for name, r in results.items()}
     ratios = [t / g for g, t in zip(results.get("gluon", []), results.get("triton", []))]
-    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, varlen=varlen, graph=graph, mode=mode, b=b, h=h, ms=ms,
+    return dict(d=d, dv=dv, s=s, window_left=w, softcap=cap, varlen=varlen, alibi=alibi, graph=graph, mode=mode,
+                b=b, h=h, ms=ms,
                 rounds_ms=results, ratio=statistics.median(ratios) if ratios else None, max_diff=err,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
@@ -74,6 +77,7 @@ def main():
     ap.add_argument("--modes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--varlen", action="store_true", help="the batch as packed sequences (flash_attn_varlen_func)")
+    ap.add_argument("--alibi", action="store_true", help="ALiBi with the standard slopes")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens a batch (more: short rows outgrow host time)")
     ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (kernels alone; --modes fwd)")
     args = ap.parse_args()
@@ -87,9 +91,9 @@ def main():
     for s in args.seqlens:
         for w, cap, mode in ((w, c, m) for w in args.windows for c in args.softcaps for m in args.modes):
             row = _row(args.d, args.dv or args.d, s, w, cap, mode, args.rounds, args.varlen, args.graph,
-                       args.tokens)
+                       args.tokens, args.alibi)
             rows.append(row)
-            print(f"d={row['d']} dv={row['dv']} s={s} window={w} softcap={cap} {mode}: gluon "
+            print(f"d={row['d']} dv={row['dv']} s={s} window={w} softcap={cap} alibi={args.alibi} {mode}: gluon "
                   f"{row['ms'].get('gluon', 0):.3f} "
                   f"triton {row['ms'].get('triton', 0):.3f} ms, triton / gluon {row['ratio'] or 0:.3f}, "
                   f"|diff| {row['max_diff']:.1e} {row['errors'] or ''}", flush=True)

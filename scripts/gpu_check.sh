@@ -11,6 +11,11 @@
 #   bench-fwd  bench-bwd  bench-decode  bench-fp8   the README's tables (python -m flashtile.bench ...)
 #   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
 #                                                   docs/programmable.md's table
+#   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
+#                                                   bench-mla's Gluon one
+#   pending-gluon  pending-other  ab-pending        the GPU tests and A/B rows of work not yet run on a GPU
+#                                                   (each under 10 minutes: one device call apiece)
+#   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
@@ -53,12 +58,21 @@ run_step() {
     bench-models) step bench-models python -m flashtile.bench models --rounds 3 --out "$OUT/models.json" \
                     --plot "$OUT/models.png" ;;
     bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
+    ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
+              --out "$OUT/mla-triton.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
+    pending-gluon) step pending-gluon timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
+                     -rf tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py -k "alibi or unequal" ;;
+    pending-other) step pending-other timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
+                     -rf tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py tests/test_gpu_kvcache_mla.py ;;
+    ab-pending) step ab-pending python scripts/ab_routes.py --alibi --tokens 65536 --out "$OUT/ab_alibi.json" \
+                  --d 128 --seqlens 2048 8192 --windows -1 1024 ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
     tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 128 192 \
                   --out "$OUT/tune_gluon.json" ;;
+    tune-gluon-mla) step tune-gluon-mla python scripts/tune_gluon_mla.py --out "$OUT/tune_gluon_mla.json" ;;
     tune-flex) step tune-flex python scripts/tune_flex.py --out "$OUT/tune_flex.json" ;;
     *) echo "unknown step: $1 (see the header of $0)"; exit 2 ;;
   esac

@@ -181,3 +181,44 @@ def test_softcap_builds_compile(tmp_path, d, causal):
     row, = _compile_cases(tmp_path, [["bf16", d, causal, cfg]])
     assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
     assert row["spill_bytes"] <= SOFTCAP_SPILL_ALLOWANCE.get((d, causal), 0), row
+
+
+# ALIBI (causal): the key's part of slope * (key - row) is one add per score, the row's part joins the row's lse
+# term. ptxas -v at the table configs: d = 128 spills 16 bytes alone (below the plain causal build's 24), 12 with a
+# window in packed sequences (0 without ALiBi) and 124 with a softcap (softcap alone: 84), all at the 255 registers
+# the plain causal d = 128 build already uses; whether they still beat the Triton dK/dV is for
+# scripts/ab_routes.py --alibi to say. d = 192 / 256 do not spill.
+ALIBI_SPILL_ALLOWANCE = {(128, "alibi"): 16, (128, "softcap"): 124, (128, "window_varlen"): 12}
+# the flags after ROTATED: LAUNCH_DEPENDENTS, LOCAL, VARLEN, SOFTCAP, ALIBI
+ALIBI_VARIANTS = {"alibi": [0, 0, 0, 0, 1], "softcap": [0, 0, 0, 1, 1], "window_varlen": [0, 1, 1, 0, 1]}
+
+
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_alibi_builds_compile(tmp_path, d):
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS)
+    rows = _compile_cases(tmp_path, [["bf16", d, True, cfg + flags] for flags in ALIBI_VARIANTS.values()])
+    for name, row in zip(ALIBI_VARIANTS, rows):
+        assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], (name, row)
+        assert row["spill_bytes"] <= ALIBI_SPILL_ALLOWANCE.get((d, name), 0), (name, row)
+        sass = (tmp_path / f"{row['tag']}.sass").read_text()
+        assert not re.search(r"HGMMA\S* R\d+, R\d+, gdesc", sass), (name, row["tag"])
+
+
+# d = 128's causal build sits at 255 registers and spills 24 bytes; the shift's scalar costs it 8 more
+UNEQUAL_EXTRA_SPILL = {128: 8}
+
+
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_unequal_lengths_build_compiles(tmp_path, d):
+    # UNEQUAL: the key block's first key in query-row coordinates, one subtraction before the loop; the build
+    # must cost nothing the causal one does not (spills included), causal and with a window
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS)
+    flags = ([], [0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 1])  # plain causal, UNEQUAL, UNEQUAL with LOCAL
+    plain, unequal, window = _compile_cases(tmp_path, [["bf16", d, True, cfg + f] for f in flags])
+    for row in (unequal, window):
+        assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
+        assert row["spill_bytes"] <= plain["spill_bytes"] + UNEQUAL_EXTRA_SPILL.get(d, 0), (row, plain)

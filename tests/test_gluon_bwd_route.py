@@ -30,8 +30,11 @@ def test_refusals_name_the_reason():
                                            _t(2, 256, 4, 96), _t(2, 256, 2, 96), _t(2, 256, 2, 96), _p())
     d256 = (_t(2, 256, 4, 256), _t(2, 256, 2, 256), _t(2, 256, 2, 256))
     assert gluon_bwd.refusal(*d256, *(x.clone() for x in d256), _p()) is None
-    assert "seqlen" in gluon_bwd.refusal(q, _t(2, 200, 2, 128), _t(2, 200, 2, 128), q, _t(2, 200, 2, 128),
-                                         _t(2, 200, 2, 128), _p())
+    # q and k of different lengths: the UNEQUAL build; causal needs k the longer
+    k2, v2 = _t(2, 200, 2, 128), _t(2, 200, 2, 128)
+    assert gluon_bwd.refusal(q, k2, v2, q, k2.clone(), v2.clone(), _p()) is None
+    assert "seqlen_k < seqlen_q" in gluon_bwd.refusal(q, k2, v2, q, k2.clone(), v2.clone(), _p(window_right=0))
+    assert gluon_bwd.refusal(q[:, :100], k2, v2, q[:, :100], k2.clone(), v2.clone(), _p(window_right=0)) is None
     # a causal sliding window is the kernel's LOCAL build; a window reaching right of the diagonal is not
     assert gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0)) is None
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=4))
@@ -115,3 +118,34 @@ def test_windowed_softcap_preference(monkeypatch, d, window_left, softcap, want)
     monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
     p = _p(window_left=window_left, window_right=0, softcap=softcap)
     assert gluon_bwd.use_gluon_bwd(q, k, v, _t(1, 2048, 4, dv), k.clone(), v.clone(), p) is want
+
+
+def test_causal_alibi_is_covered_and_the_rest_refused_by_name(monkeypatch):
+    # the ALIBI build: causal only, slopes (h,) or (b, h) with a unit last stride; the plain-order configs only
+    q, k, v = _t(2, 1024, 4, 128), _t(2, 1024, 2, 128), _t(2, 1024, 2, 128)
+    args = (q.clone(), k.clone(), v.clone())
+    for slopes in (torch.rand(4), torch.rand(2, 4)):
+        assert gluon_bwd.refusal(q, k, v, *args, _p(alibi_slopes=slopes, window_right=0)) is None
+        assert gluon_bwd.refusal(q, k, v, *args, _p(alibi_slopes=slopes, window_left=64, window_right=0,
+                                                    softcap=30.0)) is None
+    why = gluon_bwd.refusal(q, k, v, *args, _p(alibi_slopes=torch.rand(4)))
+    assert "ALiBi" in why and "causal" in why
+    assert "stride" in gluon_bwd.refusal(q, k, v, *args, _p(alibi_slopes=torch.rand(4, 2).t(), window_right=0))
+    d64 = (_t(2, 1024, 4, 64), _t(2, 1024, 2, 64), _t(2, 1024, 2, 64))
+    why = gluon_bwd.refusal(*d64, *(x.clone() for x in d64), _p(alibi_slopes=torch.rand(4), window_right=0))
+    assert "ALiBi" in why and "rotated" in why
+    # on sm_90 the route table takes it as any causal call of its length
+    monkeypatch.setattr(gluon_bwd, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(type(q), "device", property(lambda t: torch.device("cuda")), raising=False)
+    assert gluon_bwd.use_gluon_bwd(q, k, v, *args, _p(alibi_slopes=torch.rand(4), window_right=0))
+    assert not gluon_bwd.use_gluon_bwd(q, k, v, *args, _p(alibi_slopes=torch.rand(4)))
+
+
+def test_launcher_checks_alibi_slopes():
+    # the launcher's own checks run before anything touches a GPU
+    q, k = _t(1, 128, 2, 128), _t(1, 128, 2, 128)
+    lse = torch.zeros(1, 2, 128)
+    with pytest.raises(ValueError, match="alibi_slopes needs causal"):
+        gluon_bwd.gluon_attn_bwd_dkdv(q, k, k, q, lse, lse, k, k, 0.1, False, alibi_slopes=torch.rand(2))
+    with pytest.raises(ValueError, match="alibi_slopes must be"):
+        gluon_bwd.gluon_attn_bwd_dkdv(q, k, k, q, lse, lse, k, k, 0.1, True, alibi_slopes=torch.rand(3))

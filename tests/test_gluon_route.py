@@ -46,6 +46,12 @@ def test_plain_causal_and_gqa_calls_are_supported():
     # softcap: the 16-bit kernel's SOFTCAP build; not with fp8
     assert gluon_route.refusal(q, k, v, _params(softcap=30.0)) is None
     assert "softcap" in gluon_route.refusal(q8, k8, v8, _params(softcap=30.0))
+    # ALiBi: the 16-bit kernel's ALIBI build, causal only; slopes of (h,) or (b, h) with a unit last stride
+    slopes = torch.ones(2, q.shape[2])
+    assert gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes, window_right=0)) is None
+    assert "causal" in gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes))
+    assert "stride" in gluon_route.refusal(q, k, v, _params(alibi_slopes=slopes.t().contiguous().t(), window_right=0))
+    assert "ALiBi" in gluon_route.refusal(q8, k8, v8, _params(alibi_slopes=slopes, window_right=0))
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -66,7 +72,13 @@ def test_shapes_and_dtypes_the_kernel_lacks_are_refused():
     q, k, v = _qkv(dtype=torch.float16)
     assert "dtype" in gluon_route.refusal(q, k, v, _params())
     q, k, v = _qkv()
-    assert "seqlen" in gluon_route.refusal(q[:, :1000], k, v, _params())
+    # q and k of different lengths: the forward's UNEQUAL build (bottom-right diagonal), but causal needs the
+    # longer k (rows left of the diagonal would see no key); fp8 keeps equal lengths
+    assert gluon_route.refusal(q[:, :1000], k, v, _params()) is None
+    assert gluon_route.refusal(q[:, :1000], k, v, _params(window_right=0)) is None
+    assert "seqlen_k < seqlen_q" in gluon_route.refusal(q, k[:, :1000], v[:, :1000], _params(window_right=0))
+    q8, k8, v8 = _qkv(dtype=torch.float8_e4m3fn)
+    assert "seqlen" in gluon_route.refusal(q8[:, :1000], k8, v8, _params())
     assert "dtype" in gluon_route.refusal(q, k.float(), v, _params())
     # a head-dim slice starting one element in: its base is 2 bytes off TMA's 16-byte alignment
     wide = torch.empty(2, 2048, 4, 130, dtype=torch.bfloat16)

@@ -18,6 +18,10 @@ NAMES = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap"
 def _flex():
     from torch.nn.attention import flex_attention as tflex
 
+    # every case compiles FlexAttention for a new mod and shape: past dynamo's recompile limit it falls back to
+    # tracing the higher-order op's own code, which fails ("all unwrapped values must be FakeTensor"), so each case
+    # starts from a fresh cache
+    torch._dynamo.reset()
     return torch.compile(tflex.flex_attention), tflex.create_block_mask
 
 

@@ -40,20 +40,24 @@ def _poison():
     del junk
 
 
-def _check(q, k, v, causal, scale=None, config=None, window_left=-1, softcap=0.0):
+def _check(q, k, v, causal, scale=None, config=None, window_left=-1, softcap=0.0, alibi_slopes=None,
+           learnable_sink=None):
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
 
     b, s, h, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _poison()
-    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config, window_left=window_left, softcap=softcap)
+    out, lse = gluon_attn_fwd(q, k, v, scale, causal, config=config, window_left=window_left, softcap=softcap,
+                              alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
     torch.cuda.synchronize()
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert lse.shape == (b, h, s) and lse.dtype == torch.float32
     window = (window_left, 0 if causal else -1)
-    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap)
+    extra = dict(alibi_slopes=alibi_slopes, learnable_sink=learnable_sink)
+    ref, ref_lse = attention_ref(q, k, v, causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+                                 **extra)
     pt, _ = attention_ref(q, k, v, causal=causal, softmax_scale=scale, upcast=False, window_size=window,
-                          softcap=softcap)
+                          softcap=softcap, **extra)
     assert_fa_close(out, ref, pt)
     assert torch.isfinite(lse).all(), "lse: non-finite values"
     err = (lse - ref_lse.float()).abs().max().item()
@@ -329,6 +333,50 @@ def test_softcap(s, d, dv, causal, softcap):
     v = torch.randn(2, s, 4, dv, device=DEV, dtype=torch.bfloat16)
     _check(q * 3, k, v, causal, softcap=softcap)
     _check(q, k, v, True, window_left=300, softcap=softcap)
+
+
+@pytest.mark.parametrize("per_batch", [False, True], ids=["slopes_h", "slopes_bh"])
+@pytest.mark.parametrize("d,dv,s", [(128, 128, 1000), (128, 128, 4096), (192, 128, 777)])
+def test_alibi(s, d, dv, per_batch):
+    # causal ALiBi: the standard slopes (the largest 1/2), alone, with a window, a softcap and a sink
+    from flashtile.modules.mha import get_alibi_slopes
+
+    h = 4
+    q, k = (torch.randn(2, s, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, s, h, dv, device=DEV, dtype=torch.bfloat16)
+    slopes = torch.tensor(get_alibi_slopes(h), device=DEV, dtype=torch.float32)
+    if per_batch:
+        slopes = torch.stack([slopes, slopes.flip(0) / 4])
+    _check(q, k, v, True, alibi_slopes=slopes)
+    _check(q, k, v, True, alibi_slopes=slopes, window_left=300, softcap=30.0)
+    _check(q, k, v, True, alibi_slopes=slopes, learnable_sink=torch.randn(h, device=DEV))
+
+
+@pytest.mark.parametrize("sq,sk", [(1000, 3000), (4096, 4100), (700, 129), (128, 5000)])
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
+def test_unequal_lengths(sq, sk, d, dv):
+    # q and k of different lengths (padded): the diagonal aligned bottom-right as FlashAttention's, causal
+    # only where k is the longer (the route sends the rest to the Triton kernel)
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
+
+    q = torch.randn(2, sq, 4, d, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(2, sk, 2, d, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn(2, sk, 2, dv, device=DEV, dtype=torch.bfloat16)
+    _check(q, k, v, False)
+    if sk < sq:
+        with pytest.raises(ValueError, match="seqlen_k >= seqlen_q"):
+            gluon_attn_fwd(q, k, v, causal=True)
+        return
+    _check(q, k, v, True)
+    _check(q, k, v, True, window_left=300, softcap=30.0)
+
+
+def test_alibi_needs_causal():
+    from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
+
+    q = torch.randn(1, 256, 2, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="alibi_slopes needs causal"):
+        gluon_attn_fwd(q, q, q, causal=False, alibi_slopes=torch.ones(2, device=DEV))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -76,9 +76,10 @@ def test_gluon_dkdv_matches_triton(gluon_on, monkeypatch):
 
 def test_refused_calls_take_triton(gluon_on):
     q, k, v = (torch.randn(1, 128, 2, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out = flashtile.flash_attn_func(q, k, v, softcap=5.0)
+    slopes = torch.rand(2, device=DEV, dtype=torch.float32)
+    out = flashtile.flash_attn_func(q, k, v, alibi_slopes=slopes, causal=False)
     torch.autograd.grad(out.sum(), (q, k, v))
-    assert not gluon_on  # softcap is outside the kernel's scope
+    assert not gluon_on  # ALiBi without causal masking is outside the kernel's scope
 
 
 # both schedules per head dim, as (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps, WARPS_N): the table
@@ -145,4 +146,79 @@ def test_gluon_dkdv_softcap(gluon_on, d, dv, causal, softcap):
     if causal:
         check_padded(1, 777, 777, 4, 4, d, torch.bfloat16, device=DEV, causal=True, softcap=softcap, dv=dv,
                      window_size=(200, 0))
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("slopes", ["h", "bh"])
+def test_gluon_dkdv_alibi(gluon_on, d, dv, slopes):
+    # causal ALiBi (the ALIBI build): P takes the full bias slope * (key - row) against the forward's lse; h 4 over
+    # h_k 2, so each CTA walks two query heads with slopes of their own. Alone, inside a window, with a softcap
+    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=True, alibi=slopes, dv=dv)
+    check_padded(1, 777, 777, 4, 4, d, torch.bfloat16, device=DEV, causal=True, alibi=slopes, dv=dv,
+                 window_size=(200, 0))
+    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=True, alibi=slopes, dv=dv,
+                 softcap=30.0)
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+def _assert_grads_close(out, ref, pt, inputs):
+    from tolerance import assert_fa_close
+
+    g = torch.randn_like(out)
+    for name, x, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, inputs, g),
+                             torch.autograd.grad(ref, inputs, g), torch.autograd.grad(pt, inputs, g)):
+        assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
+
+
+def test_gluon_dkdv_alibi_standard_slopes_long(gluon_on):
+    # the paper's slopes (the largest 1/2) over 4096 keys: biases of thousands far from the diagonal, where P must
+    # come out 0, and the row / key split of the bias must keep its precision near it
+    from flashtile.backends.reference import attention_ref
+    from flashtile.modules.mha import get_alibi_slopes
+
+    h, h_k = 8, 2
+    q = torch.randn(1, 4096, h, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 4096, h_k, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    slopes = torch.tensor(get_alibi_slopes(h), device=DEV, dtype=torch.float32)
+    out = flashtile.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    ref = attention_ref(q, k, v, causal=True, alibi_slopes=slopes)[0]
+    pt = attention_ref(q, k, v, causal=True, alibi_slopes=slopes, upcast=False)[0]
+    _assert_grads_close(out, ref, pt, (q, k, v))
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["slopes_h", "slopes_bh"])
+def test_gluon_dkdv_alibi_packed_sequences(gluon_on, per_sequence):
+    # VARLEN with ALiBi: rows and keys count from each sequence's start, (b, h) slopes are per sequence
+    from flashtile.backends.reference import attention_ref
+
+    lens, h, h_k, d = [1, 63, 64, 65, 1000, 300], 4, 2, 128
+    cu = torch.tensor([0, *lens], device=DEV).cumsum(0).to(torch.int32)
+    total = sum(lens)
+    q, k, v = (torch.randn(total, n, d, device=DEV, dtype=torch.bfloat16, requires_grad=True) for n in (h, h_k, h_k))
+    slopes = torch.rand(len(lens), h, device=DEV) * 0.3 if per_sequence else torch.rand(h, device=DEV) * 0.3
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, alibi_slopes=slopes)
+    ref = attention_ref(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, alibi_slopes=slopes)[0]
+    pt = attention_ref(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, alibi_slopes=slopes, upcast=False)[0]
+    _assert_grads_close(out, ref, pt, (q, k, v))
+    assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+def test_non_causal_alibi_takes_triton(gluon_on):
+    q, k, v = (torch.randn(1, 128, 2, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, alibi_slopes=torch.rand(2, device=DEV) * 0.3)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert not gluon_on  # the kernel's ALiBi is causal only
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("sq,sk", [(1000, 3000), (700, 129), (4096, 4100), (77, 1000)])
+def test_gluon_dkdv_unequal_lengths(gluon_on, d, dv, sq, sk):
+    # the UNEQUAL build: keys compared with query rows through the bottom-right shift sk - sq; causal (with a
+    # window too) only where k is the longer, as the route takes it
+    check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=False, dv=dv)
+    if sk >= sq:
+        check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=True, dv=dv)
+        check_padded(1, sq, sk, 4, 4, d, torch.bfloat16, device=DEV, causal=True, dv=dv, window_size=(300, 0))
     assert gluon_on, "the Gluon dK/dV kernel did not run"

@@ -26,8 +26,9 @@ the other one feeds the in-flight products has neither problem.
 One CTA (one warpgroup) owns BLOCK_N keys of one (batch, kv head) and walks every query block of
 every query head of its GQA group ("steps"), so dK and dV are summed in registers and written once.
 K and V stay in shared memory as the A operands of S^T and dP^T; Q and dO stream through a
-NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16, (b, s, h, d) tensors with seqlen_q == seqlen_k,
-plain or causal, no dropout / softcap / ALiBi / windows; delta comes from the Triton preprocess.
+NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16 (b, s, h, d) tensors, plain or causal, no dropout (causal
+windows, softcap, causal ALiBi, packed sequences and q / k of different lengths are the LOCAL / SOFTCAP /
+ALIBI / VARLEN / UNEQUAL builds); delta comes from the Triton preprocess.
 Rows past the sequence get lse = +inf (P = 0), and keys past it only produce dK/dV rows that the
 TMA store clips, so no key mask is needed; causal masks keys after the query row.
 """
@@ -151,7 +152,7 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
-        # sq == sk: key j is visible to query i iff j <= i (and, in a window, i - j <= window_left)
+        # key j (in query-row coordinates) is visible to query i iff j <= i (and, in a window, i - j <= window_left)
         if LOCAL:
             dist = gl.expand_dims(q_idx, 0) - gl.expand_dims(key_idx, 1)
             p_t = gl.where((dist >= 0) & (dist <= window_left), p_t, 0.0)
@@ -168,19 +169,34 @@ def _grads_of_step(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_star
 def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m_start, steps_per_head, key_idx,
                         seqlen, stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
                         BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False,
-                        softcap_log2e=0.0, SOFTCAP: gl.constexpr = False):
+                        softcap_log2e=0.0, SOFTCAP: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, n0=0,
+                        ALIBI: gl.constexpr = False):
     """_grads_of_step ordered for fewer live registers (the plain order's 64-row steps): P^T is
     stored before delta is loaded and dS^T computed. SOFTCAP: the scores are ``softcap * tanh(x * scale /
-    softcap)`` (qk_scale is then scale / softcap in base e), so dS^T carries tanh's derivative 1 - t^2."""
+    softcap)`` (qk_scale is then scale / softcap in base e), so dS^T carries tanh's derivative 1 - t^2.
+    ALIBI (causal): every score gains ``slope * (key - row)`` after the cap, the slope the step's query head's
+    (ALIBI_SLOPES at off_b * stride_ab + head); n0: the key block's first key."""
     head = h0 + step // steps_per_head
     q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
     row_ok = q_idx < seqlen
     base = off_b * stride_lb + head * stride_lh
     lse2 = gl.load(LSE + base + q_idx, mask=row_ok, other=float("inf")) * LOG2E
+    if ALIBI:
+        # the lse is the true one (the full bias inside), so P needs the full bias slope * (key - row) in base 2.
+        # Split at the block's first key n0: the row's part joins the row's lse term (a +inf row stays +inf),
+        # the key's part is one add per score; both stay as small as the bias itself, whatever the row
+        slope2 = gl.load(ALIBI_SLOPES + off_b * stride_ab + head) * LOG2E
+        lse2 = lse2 + slope2 * (q_idx - n0).to(gl.float32)
+        key_bias = gl.expand_dims(slope2 * (key_idx - n0).to(gl.float32), 1)
     if SOFTCAP:
         # tanh through exp2, as the forward; the capped score in base-2 units needs no further scale
         t = 1.0 - 2.0 / (gl.exp2(s_t * (qk_scale * 2.8853900817779268)) + 1.0)
-        p_t = gl.exp2(t * softcap_log2e - gl.expand_dims(lse2, 0))
+        if ALIBI:
+            p_t = gl.exp2(t * softcap_log2e + key_bias - gl.expand_dims(lse2, 0))
+        else:
+            p_t = gl.exp2(t * softcap_log2e - gl.expand_dims(lse2, 0))
+    elif ALIBI:
+        p_t = gl.exp2(s_t * qk_scale + key_bias - gl.expand_dims(lse2, 0))
     else:
         p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse2, 0))
     if CAUSAL:
@@ -222,12 +238,14 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
-                                stride_dvh, softcap_log2e, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
+                                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                                 LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False,
-                                SOFTCAP: gl.constexpr = False):
+                                SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                                UNEQUAL: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
@@ -237,7 +255,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     (qk_scale = softmax_scale / softcap, softcap_log2e = softcap * log2(e); plain order only). VARLEN: packed sequences
     (descriptors over (1, total, h, d), CU_SEQLENS (b + 1,) shared by q and k, lse / delta (h, total) with
     stride_lb 0); a key block ending past its sequence stores dK / dV row by row (DK_OUT, DV_OUT and their row
-    and head strides) instead of by TMA, which would overwrite the next sequence's rows.
+    and head strides) instead of by TMA, which would overwrite the next sequence's rows. ALIBI (with CAUSAL; plain
+    order only): fp32 slopes ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)), one per query
+    head, each score biased by ``-slope * |row - key|``. UNEQUAL (padded): k's length ``seqlen_k`` differs from
+    q's ``seqlen``; query i's diagonal key is i + seqlen_k - seqlen (bottom-right, the forward's alignment), and
+    the masks and the bias read each key shifted back by that much.
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -259,6 +281,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gl.static_assert(not (SPLIT and ROTATED))
     gl.static_assert(not (VARLEN and ROTATED))  # packed sequences: the plain order only
     gl.static_assert(not (SOFTCAP and ROTATED))  # softcap: the plain order only
+    gl.static_assert(not (ALIBI and ROTATED))  # ALiBi: the plain order only
+    # ALiBi's bias is slope * (key - row) only where every visible key is left of the row
+    gl.static_assert(CAUSAL or not ALIBI)
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -279,14 +304,21 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         LSE = LSE + seq0
         DELTA = DELTA + seq0
     h0 = off_hk * heads_per_kv
+    # r0: the block's first key in query-row coordinates (the row whose diagonal it is)
+    r0 = n0
+    if UNEQUAL:
+        r0 = n0 - (seqlen_k - seqlen)
     m_start = 0
     if CAUSAL:
-        # query rows before the block's first key see none of its keys
-        m_start = n0 // BLOCK_M
+        # query rows before the block's first key see none of its keys (UNEQUAL: r0 may be negative)
+        if UNEQUAL:
+            m_start = gl.maximum(r0, 0) // BLOCK_M
+        else:
+            m_start = n0 // BLOCK_M
     m_end = gl.cdiv(seqlen, BLOCK_M)
     if LOCAL:
         # queries more than window_left after the block's last key see none of its keys
-        m_end = gl.cdiv(gl.minimum(seqlen, n0 + BLOCK_N + window_left), BLOCK_M)
+        m_end = gl.cdiv(gl.minimum(seqlen, r0 + BLOCK_N + window_left), BLOCK_M)
     steps_per_head = m_end - m_start
     n_steps = steps_per_head * heads_per_kv
 
@@ -328,7 +360,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         k2_tile = k2_smem.reshape([BLOCK_N, HEAD_DIM_TAIL])
     mbarrier.wait(kv_ready, 0)
 
-    key_idx = n0 + gl.arange(0, BLOCK_N, key_layout)
+    # the block's keys in query-row coordinates: every mask and the bias compare them with query rows
+    key_idx = r0 + gl.arange(0, BLOCK_N, key_layout)
     if ROTATED:
         # step j+NUM_BUFFERS-1 is loaded during step j (see the refill): step j+1 must be resident
         # when step j issues its scores, so the ring needs three slots at least
@@ -382,7 +415,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                 s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, dp_t))
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
-                                BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP)
+                                BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
+                                r0, ALIBI)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                   BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)

@@ -118,20 +118,31 @@ def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, key0=0, window_left=0,
-                  LOCAL: gl.constexpr = False, softcap_log2e=0.0, SOFTCAP: gl.constexpr = False):
+                  LOCAL: gl.constexpr = False, softcap_log2e=0.0, SOFTCAP: gl.constexpr = False,
+                  alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0):
     """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
-    alpha and the new stats. Block numbers count from key ``key0``; LOCAL also hides keys more than
+    alpha and the new stats. ``row_idx``: each row's diagonal key (its index when q and k have one length);
+    ``seqlen``: the keys. Block numbers count from key ``key0``; LOCAL also hides keys more than
     ``window_left`` before the row (a causal sliding window). SOFTCAP: scores become
     ``softcap * tanh(score * softmax_scale / softcap)`` (qk_scale is then softmax_scale / softcap and
-    softcap_log2e is softcap * log2(e)), capped before the mask, as FlashAttention does."""
+    softcap_log2e is softcap * log2(e)), capped before the mask, as FlashAttention does. ALIBI (causal):
+    the bias ``-slope * |row - key|`` after the cap (alibi_log2e = slope * log2(e)), less its per-row part
+    ``slope * (row - row0)``, which the caller restores."""
     # MASK is a compile-time choice (two copies of the loop), not a runtime branch: ptxas answers a
     # branch joining inside the softmax with a full wgmma wait at the join, which kills the overlap
     if SOFTCAP:
         # tanh through exp2 (the Triton kernel's form), then in base-2 units: the exponent needs no scale
         s = (1.0 - 2.0 / (gl.exp2(s * (qk_scale * 2.8853900817779268)) + 1.0)) * softcap_log2e
         qk_scale = 1.0
+    col = key0 + block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+    if ALIBI:
+        # causal only (q and k of one length): on every visible key -slope * |row - key| = slope * (key - row).
+        # The row's part is one constant per row, which the softmax does not see (the tile adds it back to the
+        # lse and the sink), so a score gains slope * (key - row0) alone: one add, in base-2 units after the
+        # scale, small near the diagonal (row0: the tile's first row)
+        s = s * qk_scale + gl.expand_dims(alibi_log2e * (col - row0).to(gl.float32), 0)
+        qk_scale = 1.0
     if MASK:
-        col = key0 + block * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         keep = gl.expand_dims(col < seqlen, 0)
         if CAUSAL:
             keep = keep & (gl.expand_dims(col, 0) <= gl.expand_dims(row_idx, 1))
@@ -176,14 +187,15 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
                HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                key0=0, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
-               SOFTCAP: gl.constexpr = False, seq0=0):
+               SOFTCAP: gl.constexpr = False, seq0=0, alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists (block
     numbers count from key ``key0``)."""
     s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
-                                       P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
+                                       P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP, alibi_log2e, ALIBI,
+                                       row0)
     # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
     # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
@@ -219,7 +231,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    HAS_Q_DESCALE: gl.constexpr, HAS_K_DESCALE: gl.constexpr, HAS_V_DESCALE: gl.constexpr,
                    HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
                    SOFTCAP: gl.constexpr = False, CU_SEQLENS=None, OUT=None, stride_om=0, stride_oh=0,
-                   VARLEN: gl.constexpr = False):
+                   VARLEN: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, ALIBI: gl.constexpr = False,
+                   seqlen_k=0, UNEQUAL: gl.constexpr = False):
     """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
     row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8
     switches on V^T, the descales (contiguous (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output
@@ -227,7 +240,12 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     denominator. VARLEN: packed sequences (descriptors over (1, total, h, d), CU_SEQLENS (b + 1,) int32
     shared by q and k, the lse (h, total)); a tile's rows and keys count from its sequence's start, and a
     last tile that ends past its sequence stores O row by row (OUT, stride_om, stride_oh) instead of by TMA,
-    which would overwrite the next sequence's rows.
+    which would overwrite the next sequence's rows. ALIBI (with CAUSAL): the slope of (batch, head) from
+    ALIBI_SLOPES (stride_ab between batch rows, 0 for one (h,) vector) biases every score by
+    ``-slope * |row - key|``. UNEQUAL (padded calls): k's length ``seqlen_k`` differs from q's ``seqlen``,
+    and row r's diagonal key is r + seqlen_k - seqlen (bottom-right causal, FlashAttention's alignment; the
+    caller keeps seqlen_k >= seqlen under CAUSAL, so every row sees a key). A build of its own: the two
+    lengths and the shift cost the tightest builds (d = 128 with a window) a spill.
 
     q / k's head dim is HEAD_DIM + HEAD_DIM_TAIL: Gluon tiles are powers of two, so a head dim such as
     192 arrives as two column ranges (desc_q / desc_k the first HEAD_DIM columns, desc_q2 / desc_k2 the
@@ -236,6 +254,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     SPLIT: gl.constexpr = HEAD_DIM_TAIL > 0
     # block j+NUM_BUFFERS-1 is loaded during iteration j, after which block j+1 must already be resident
     gl.static_assert(NUM_BUFFERS >= 3)
+    # ALiBi's bias is linear in the key only where every visible key is left of the row (_softmax_step)
+    gl.static_assert(CAUSAL or not ALIBI)
     NUM_WARPS: gl.constexpr = gl.num_warps()
     # wgmma's reduction step is 32 bytes: 16 elements of a 16-bit type, 32 of fp8
     MMA_K: gl.constexpr = 32 if FP8 else 16
@@ -253,6 +273,12 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     off_h = pid_bh % n_heads
     off_hk = off_h // heads_per_kv
     seq0, seqlen, tb = _sequence(CU_SEQLENS, off_b, seqlen, VARLEN)
+    # kv_len: the keys; shift: how far right of its own row index a row's diagonal key sits
+    kv_len = seqlen
+    shift = 0
+    if UNEQUAL:
+        kv_len = seqlen_k
+        shift = seqlen_k - seqlen
     n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
     pid_m = gl.program_id(0)
     if VARLEN:
@@ -271,6 +297,9 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         qk_scale = qk_scale * gl.load(Q_DESCALE + kv_index)
     if HAS_K_DESCALE:
         qk_scale = qk_scale * gl.load(K_DESCALE + kv_index)
+    alibi_log2e = 0.0
+    if ALIBI:
+        alibi_log2e = gl.load(ALIBI_SLOPES + off_b * stride_ab + off_h) * 1.4426950408889634
     v_scale = 1.0
     if HAS_V_DESCALE:
         v_scale = gl.load(V_DESCALE + kv_index)
@@ -302,21 +331,23 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     # sees; block numbers below count from there, so the ring's slots and barrier phases start at 0 as always
     key0 = 0
     n_left = 0
+    # d0: the diagonal key of the tile's first row
+    d0 = m0 + shift
     if CAUSAL:
-        # keys past the tile's last row are never visible: those blocks are skipped, not masked
-        n_blocks = gl.cdiv(gl.minimum(seqlen, m0 + BLOCK_M), BLOCK_N)
-        # blocks whose every key is <= the tile's first row (and inside seqlen) need no mask
-        n_unmasked = gl.minimum((m0 + 1) // BLOCK_N, seqlen // BLOCK_N)
+        # keys past the tile's last diagonal are never visible: those blocks are skipped, not masked
+        n_blocks = gl.cdiv(gl.minimum(kv_len, d0 + BLOCK_M), BLOCK_N)
+        # blocks whose every key is <= the tile's first diagonal (and inside the keys) need no mask
+        n_unmasked = gl.minimum((d0 + 1) // BLOCK_N, kv_len // BLOCK_N)
         if LOCAL:
-            first = gl.maximum(m0 - window_left, 0) // BLOCK_N
+            first = gl.maximum(d0 - window_left, 0) // BLOCK_N
             key0 = first * BLOCK_N
             n_blocks = n_blocks - first
             n_unmasked = n_unmasked - first
             # the blocks before the first one that every row of the tile sees whole: masked on the left
-            n_left = gl.cdiv(gl.maximum(m0 + BLOCK_M - 1 - window_left, 0), BLOCK_N) - first
+            n_left = gl.cdiv(gl.maximum(d0 + BLOCK_M - 1 - window_left, 0), BLOCK_N) - first
     else:
-        n_blocks = gl.cdiv(seqlen, BLOCK_N)
-        n_unmasked = seqlen // BLOCK_N
+        n_blocks = gl.cdiv(kv_len, BLOCK_N)
+        n_unmasked = kv_len // BLOCK_N
 
     if SPLIT:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_q2.block_type.nbytes)
@@ -336,7 +367,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         q2_tile = q2_smem.reshape([BLOCK_M, HEAD_DIM_TAIL])
     mbarrier.wait(q_ready, 0)
 
-    row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
+    # the key loop masks by each row's diagonal key
+    diag = d0 + gl.arange(0, BLOCK_M, row_layout)
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_layout)
     # O is carried across iterations as an in-flight accumulator (PV_j completes in iteration j+1)
@@ -365,29 +397,33 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         n_fast = gl.maximum(n_fast, n_left)
         for j in range(0, n_left):
             s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                           v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx,
-                                           seqlen, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
+                                           v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag,
+                                           kv_len, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
-                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP, seq0)
+                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
+                                           alibi_log2e, ALIBI, d0)
     for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0,
-                                       window_left, False, softcap_log2e, SOFTCAP, seq0)
+                                       window_left, False, softcap_log2e, SOFTCAP, seq0,
+                                           alibi_log2e, ALIBI, d0)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
-                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, row_idx, seqlen,
+                                       v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
-                                       window_left, LOCAL, softcap_log2e, SOFTCAP, seq0)
+                                       window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
+                                           alibi_log2e, ALIBI, d0)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
-    p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL,
-                                            True, P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP)
+    p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, diag, kv_len, qk_scale, s_layout, BLOCK_N, CAUSAL,
+                                            True, P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP,
+                                            alibi_log2e, ALIBI, d0)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -405,10 +441,16 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         mbarrier.invalidate(v_ready.index(i))
 
     o_scale = v_scale + gl.zeros([BLOCK_M], gl.float32, row_layout)
+    # ALiBi's per-row part the key loop left out (_softmax_step): the row's logits there are the true ones
+    # plus row_shift, base 2
+    row_idx = diag - shift
+    row_shift = gl.zeros([BLOCK_M], gl.float32, row_layout)
+    if ALIBI:
+        row_shift = alibi_log2e * (row_idx - m0).to(gl.float32)
     if HAS_SINK:
         # the sink joins the denominator once, after the loop, so the pipelined loop is today's: the
         # running max takes the sink's logit (base 2) and the sum and output rescale to it
-        sink = gl.load(SINK + off_h).to(gl.float32) * 1.4426950408889634
+        sink = gl.load(SINK + off_h).to(gl.float32) * 1.4426950408889634 + row_shift
         m_end = gl.maximum(m_i, sink)
         alpha_end = gl.exp2(m_i - m_end)
         l_i = l_i * alpha_end + gl.exp2(sink - m_end)
@@ -418,7 +460,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     inv_l = gl.convert_layout(o_scale / l_i, gl.SliceLayout(1, o_layout))
     o = o * gl.expand_dims(inv_l, 1)
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
-    lse = (m_i + gl.log2(l_i) - P_SHIFT) * 0.6931471805599453
+    lse = (m_i + gl.log2(l_i) - P_SHIFT - row_shift) * 0.6931471805599453
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + seq0 + row_idx, lse, mask=row_idx < seqlen)
     if VARLEN and (m0 + BLOCK_M > seqlen):
         # a TMA store would write the next sequence's rows too: store this tile's rows one by one
@@ -447,21 +489,25 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
                            seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, CU_SEQLENS, OUT,
-                           stride_om, stride_oh, HEAD_DIM: gl.constexpr,
+                           stride_om, stride_oh, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
-                           VARLEN: gl.constexpr = False):
+                           VARLEN: gl.constexpr = False, ALIBI: gl.constexpr = False,
+                           UNEQUAL: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
     (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
     capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e)); VARLEN:
     packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) shared by q and k,
-    OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total)."""
+    OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total); ALIBI: fp32 slopes
+    ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)); UNEQUAL: k's length ``seqlen_k``
+    differs from q's ``seqlen`` (padded calls, bottom-right alignment)."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
                    BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL,
-                   softcap_log2e, SOFTCAP, CU_SEQLENS, OUT, stride_om, stride_oh, VARLEN)
+                   softcap_log2e, SOFTCAP, CU_SEQLENS, OUT, stride_om, stride_oh, VARLEN, ALIBI_SLOPES, stride_ab,
+                   ALIBI, seqlen_k, UNEQUAL)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per

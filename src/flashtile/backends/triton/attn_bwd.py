@@ -190,7 +190,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0,
                                       launch_dependents=pdl, window_left=p.window_left,
                                       cu_seqlens=p.cu_seqlens_q if varlen else None, max_seqlen=p.max_seqlen_q,
-                                      softcap=p.softcap)
+                                      softcap=p.softcap, alibi_slopes=p.alibi_slopes)
     else:
         launch(
             _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),

@@ -16,7 +16,7 @@ import torch
 
 from flashtile import config
 from flashtile.backends.triton import gluon_route
-from flashtile.backends.triton.gluon_fwd import LOG2E, _descriptor, head_dim_split
+from flashtile.backends.triton.gluon_fwd import LOG2E, _check_alibi, _descriptor, head_dim_split
 from flashtile.backends.triton.host import capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
@@ -38,17 +38,21 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     """Why the Gluon dK/dV kernel cannot compute this backward exactly (None: it can)."""
     if q.dtype not in DTYPES or any(x.dtype != q.dtype for x in (k, v, dout, dk, dv)):
         return f"dtype {q.dtype} (takes {DTYPES})"
-    # the forward's coverage: padded, seqlen_q == seqlen_k, plain or causal, no softcap / ALiBi /
-    # dropout / seqused, TMA-readable q, k, v
-    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True, softcap=True)
+    # the forward's coverage: padded (q and k of any lengths, causal with k the longer) or shared-cu_seqlens
+    # varlen, plain, causal or a causal window, softcap, causal ALiBi, no dropout / seqused, TMA-readable q, k, v
+    why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True, softcap=True,
+                                       alibi=True, unequal_lengths=True)
     if why:
         return why
-    if p.softcap > 0 or p.varlen:
+    plain_order_only = [name for name, used in (("softcap", p.softcap > 0), ("varlen", p.varlen),
+                                                ("ALiBi", p.alibi_slopes is not None)) if used]
+    if plain_order_only:
         from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
 
-        # the rotated schedule (d = 64's table entry) has neither
+        # the rotated schedule (d = 64's table entry) has none of them
         if BWD_DKDV_CONFIGS[q.shape[-1]].get("ROTATED", 1):
-            return f"softcap or varlen at head_dim {q.shape[-1]} (its config runs the rotated schedule)"
+            return (f"{' / '.join(plain_order_only)} at head_dim {q.shape[-1]} (its config runs the rotated "
+                    "schedule)")
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
         return "dout, dk or dv with strides that TMA cannot read or write"
     batch = p.cu_seqlens_q.numel() - 1 if p.varlen else q.shape[0]
@@ -102,14 +106,17 @@ def _check_stats(lse, delta) -> None:
 
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
                         config: dict | None = None, launch_dependents: bool = False, window_left: int = -1,
-                        cu_seqlens=None, max_seqlen: int = 0, softcap: float = 0.0) -> None:
+                        cu_seqlens=None, max_seqlen: int = 0, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
     ``config`` overrides the table's (tuning); ``launch_dependents``: the next kernel (the dQ kernel)
     is launched with programmatic dependent launch (attn_bwd.use_bwd_pdl); ``window_left`` >= 0 (with
     ``causal``): a causal sliding window. Varlen: (total, h, d) tensors packed by ``cu_seqlens`` (b + 1,) int32,
-    shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total). ``softcap`` > 0: capped scores."""
+    shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total). ``softcap`` > 0: capped scores.
+    ``alibi_slopes`` (with ``causal``): CUDA fp32 (h,) or (b, h) slopes (b: sequences when varlen), unit last
+    stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     varlen = cu_seqlens is not None
@@ -118,9 +125,17 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))
         lse, delta = lse[None], delta[None]
     b, s, h, d = q.shape
+    s_k = k.shape[1]
     if varlen:
         b, s = cu_seqlens.numel() - 1, max_seqlen
+        s_k = s
+    if causal and s_k < s:
+        raise ValueError(f"gluon bwd: causal needs seqlen_k >= seqlen_q, got {s} and {s_k}")
     h_k, dv_dim = k.shape[2], v.shape[-1]
+    if alibi_slopes is not None:
+        if not causal:
+            raise ValueError("gluon bwd: alibi_slopes needs causal=True (the kernel's ALiBi is causal)")
+        _check_alibi(alibi_slopes, b, h, "gluon bwd")
     cfg = _config(BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
@@ -142,6 +157,10 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         meta["VARLEN"] = True
     if softcap > 0:
         meta["SOFTCAP"] = True
+    if alibi_slopes is not None:
+        meta["ALIBI"] = True
+    if s_k != s:
+        meta["UNEQUAL"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
     desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
@@ -149,11 +168,14 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     # with no tail the kernel never reads its tail descriptors: it gets the leading ones again
     tails = ((_descriptor(q[..., lead:], [1, bm, 1, tail]), _descriptor(k[..., lead:], [1, bn, 1, tail]),
               _descriptor(dk[..., lead:], [1, bn, 1, tail])) if tail else (desc_q, desc_k, desc_dk))
-    run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s, bn), b * h_k),
+    run_kernel(_gluon_attn_bwd_dkdv_kernel, (cdiv(s_k, bn), b * h_k),
         desc_q, desc_k, _descriptor(v, [1, bn, 1, dv_dim]), _descriptor(dout, [1, bm, 1, dv_dim]), desc_dk,
         _descriptor(dv, [1, bn, 1, dv_dim]), *tails, lse, delta, 0 if varlen else lse.stride(0), lse.stride(1), s,
         h_k, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softmax_scale,
         max(window_left, 0),
         # packed sequences' ragged last key blocks are stored row by row: dk / dv (total, h_k, d) and strides
         cu_seqlens if varlen else lse, dk_out, dv_out, dk_out.stride(-3), dk_out.stride(-2), dv_out.stride(-3),
-        dv_out.stride(-2), softcap * LOG2E, **meta)
+        dv_out.stride(-2), softcap * LOG2E,
+        # ALiBi: the slopes and their batch stride (0 for (h,): every batch reads the one row)
+        lse if alibi_slopes is None else alibi_slopes,
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k, **meta)

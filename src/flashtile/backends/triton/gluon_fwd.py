@@ -50,12 +50,13 @@ def head_dim_split(d: int) -> tuple[int, int]:
     return lead, d - lead
 
 
-def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, dims=HEAD_DIMS) -> tuple[int, int, int, int, int]:
+def _check_shapes(fn: str, q: torch.Tensor, k: torch.Tensor, dims=HEAD_DIMS,
+                  equal_lengths: bool = True) -> tuple[int, int, int, int, int]:
     b, sq, h, d = q.shape
     bk, sk, h_k, dk = k.shape
     if bk != b or dk != d:
         raise ValueError(f"{fn}: q {tuple(q.shape)} and k {tuple(k.shape)} disagree in batch or head_dim")
-    if sq != sk:
+    if equal_lengths and sq != sk:
         raise ValueError(f"{fn}: needs seqlen_q == seqlen_k, got {sq} and {sk}")
     if d not in dims:
         raise ValueError(f"{fn}: head_dim must be one of {tuple(dims)}, got {d}")
@@ -89,13 +90,22 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{fn}: {name} must be (batch, seqlen, heads, head_dim), got {tuple(x.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    _check_shapes(fn, q, k, V_HEAD_DIMS)
+    _check_shapes(fn, q, k, V_HEAD_DIMS, equal_lengths=False)
     if k.shape[:-1] != v.shape[:-1] or v.shape[-1] not in V_HEAD_DIMS[q.shape[-1]]:
         raise ValueError(f"{fn}: v {tuple(v.shape)} must match k {tuple(k.shape)} but in its head dim, one of "
                          f"{V_HEAD_DIMS[q.shape[-1]]} with q / k's {q.shape[-1]}")
     _check_device(fn, dict(q=q, k=k, v=v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tma(fn, name, x)
+
+
+def _check_alibi(slopes, b: int, h: int, fn: str = "gluon_attn_fwd") -> None:
+    if (not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or slopes.shape not in ((h,), (b, h))
+            or slopes.stride(-1) != 1 or slopes.device.type != "cuda"):
+        got = (f"{slopes.dtype} {tuple(slopes.shape)} on {slopes.device}" if isinstance(slopes, torch.Tensor)
+               else type(slopes).__name__)
+        raise ValueError(f"{fn}: alibi_slopes must be a CUDA fp32 ({h},) or ({b}, {h}) tensor with a unit "
+                         f"last stride, got {got}")
 
 
 def _validate_fp8(q, k, v_t, descales) -> None:
@@ -181,19 +191,22 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
                    window_left: int = -1, softcap: float = 0.0, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_seqlen: int = 0, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
+    Padded: q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv); sq != sk aligns causal masks and windows
+    bottom-right (FlashAttention's rule: row r's diagonal key is r + sk - sq), causal needing sk >= sq.
     Varlen: q, k (total, h, d), v (total, h_k, dv) packed sequences with ``cu_seqlens`` (b + 1,) int32, the
     same for q and k, and ``max_seqlen`` their longest; out (total, h, dv), lse (h, total).
 
     ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
     denominator (lse includes it). ``window_left`` >= 0 (with ``causal``): a causal sliding window, each
     row seeing its own key and the ``window_left`` keys before it. ``softcap`` > 0: scores capped to
-    ``softcap * tanh(score / softcap)`` (FlashAttention's softcap, applied before the mask).
+    ``softcap * tanh(score / softcap)`` (FlashAttention's softcap, applied before the mask). ``alibi_slopes``:
+    fp32 (h,) or (b, h) with ``causal``, each score biased by ``-slope * |row - key|`` (after the softcap).
 
     Raises ValueError for what the kernel does not cover: non-CUDA tensors, dtypes other than
-    bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, seqlen_q != seqlen_k, a GPU other than
+    bf16 / fp16, head dims other than ``V_HEAD_DIMS``' pairs, causal with seqlen_k < seqlen_q, a GPU other than
     sm_90, TMA-unfriendly strides.
     """
     varlen = cu_seqlens is not None
@@ -207,7 +220,16 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     _validate(q, k, v)
     if window_left >= 0 and not causal:
         raise ValueError("gluon_attn_fwd: window_left needs causal=True (the kernel's windows are causal ones)")
+    if causal and k.shape[1] < q.shape[1]:
+        raise ValueError(f"gluon_attn_fwd: causal needs seqlen_k >= seqlen_q (bottom-right alignment leaves the first "
+                         f"{q.shape[1] - k.shape[1]} rows no key), got {q.shape[1]} and {k.shape[1]}")
     b, s, h, h_k, d = _sizes(q, k)
+    if varlen:
+        b = cu_seqlens.numel() - 1
+    if alibi_slopes is not None:
+        if not causal:
+            raise ValueError("gluon_attn_fwd: alibi_slopes needs causal=True (the kernel's ALiBi is causal)")
+        _check_alibi(alibi_slopes, b, h)
     dv = v.shape[-1]
     softmax_scale, cfg, out, lse = _prepare(q, softmax_scale, causal, config, q.dtype, dv)
     if varlen:
@@ -233,10 +255,15 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
             lse, lse if learnable_sink is None else learnable_sink, 0 if varlen else lse.stride(0), lse.stride(1),
             s, h, h // h_k, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, max(window_left, 0),
             softcap * LOG2E, cu_seqlens if varlen else lse, out, out.stride(1), out.stride(2),
+            lse if alibi_slopes is None else alibi_slopes,
+            alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
+            s if varlen else k.shape[1],
             HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
             NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
             num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}),
-            **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}))
+            **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}),
+            **({"ALIBI": True} if alibi_slopes is not None else {}),
+            **({"UNEQUAL": True} if not varlen and k.shape[1] != q.shape[1] else {}))
     return (out[0], lse[0]) if varlen else (out, lse)
 
 

@@ -49,7 +49,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
     return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8,
-                            varlen=not fp8)
+                            varlen=not fp8, alibi=not fp8, unequal_lengths=not fp8)
 
 
 # (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
@@ -58,11 +58,13 @@ FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
 def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims,
-                     causal_window: bool = False, softcap: bool = False, varlen: bool = False) -> str | None:
+                     causal_window: bool = False, softcap: bool = False, varlen: bool = False,
+                     alibi: bool = False, unequal_lengths: bool = False) -> str | None:
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it). ``dims``: the
     (q / k head dim, v head dim) pairs the kernel takes; ``causal_window``: it takes a causal sliding
     window (window_left >= 0, window_right == 0) too; ``softcap``: a softcap too; ``varlen``: packed
-    sequences whose q and k share one cu_seqlens tensor (self-attention over packed documents)."""
+    sequences whose q and k share one cu_seqlens tensor (self-attention over packed documents); ``alibi``: ALiBi
+    slopes too; ``unequal_lengths``: padded calls whose q and k differ in length (causal: k the longer)."""
     if p.varlen:
         if not varlen:
             return "varlen (packed) calls"
@@ -83,14 +85,22 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
         return (f"head_dim and v's head_dim (d, dv) = {(q.shape[-1], v.shape[-1])}, not one of {dims}, or k and v of "
                 "different shapes")
     if not p.varlen and q.shape[1] != k.shape[1]:
-        return "seqlen_q != seqlen_k"
-    # plain or causal attention: causal arrives as the window (-1, 0), and with seqlen_q ==
-    # seqlen_k top-left and bottom-right causal are the same mask
+        if not unequal_lengths:
+            return "seqlen_q != seqlen_k"
+        # bottom-right causal with fewer keys than queries leaves rows with no key: the Triton kernel's case
+        if p.window_right == 0 and k.shape[1] < q.shape[1]:
+            return "causal with seqlen_k < seqlen_q"
+    # plain or causal attention: causal arrives as the window (-1, 0), the bottom-right-aligned diagonal
     if p.window_right > 0 or (p.window_left >= 0 and not (causal_window and p.window_right == 0)):
         return "sliding windows" + (" other than causal ones (window_right = 0)" if causal_window else "")
     # return_probs without dropout returns no probabilities (as FlashAttention): nothing to refuse
-    if (p.softcap > 0 and not softcap) or p.alibi_slopes is not None or p.dropout_p > 0:
-        return "ALiBi or dropout" if softcap else "softcap, ALiBi or dropout"
+    if p.softcap > 0 and not softcap:
+        return "softcap"
+    if p.alibi_slopes is not None and (not alibi or p.window_right != 0 or p.alibi_slopes.stride(-1) != 1):
+        return ("ALiBi" if not alibi else "ALiBi without a causal mask" if p.window_right != 0
+                else "ALiBi slopes with a non-unit last stride")
+    if p.dropout_p > 0:
+        return "dropout"
     if p.seqused_q is not None or p.seqused_k is not None:
         return "seqused_q / seqused_k"
     if q.numel() == 0 or k.numel() == 0:
@@ -137,5 +147,5 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
     else:
         out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
                                   learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap,
-                                  cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q)
+                                  cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q, alibi_slopes=p.alibi_slopes)
     return out, lse, None

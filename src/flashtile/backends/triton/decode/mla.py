@@ -21,6 +21,17 @@ def decode(q, qv, k_cache, v_cache, route: Route, *, s_new, cache_seqlens, cache
     """Attention of q (b, sq, h, d) and qv (b, sq, h, dv) or None over the (already updated) caches, k_cache's head
     dim d and v_cache's dv: scores (q . k + qv . v) * softmax_scale. Returns out (b, sq, h, dv), lse (b, h, sq).
     ``learnable_sink`` (h,) or None (in the kernel when unsplit, in the merge when split); ``attention_chunk``."""
+    from flashtile.backends.triton.decode import gluon_mla
+
+    # DeepSeek's shape on Hopper: the Gluon kernel, which splits the work between its two warpgroups
+    # (kernels/gluon_decode_mla.py); everything else, and other GPUs, this module's Triton kernel
+    if gluon_mla.refusal(q, qv, k_cache, v_cache, block_table=block_table, cache_batch_idx=cache_batch_idx,
+                         cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, window_left=window_left,
+                         window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                         learnable_sink=learnable_sink, attention_chunk=attention_chunk) is None:
+        return gluon_mla.decode(q, qv, k_cache, v_cache, route.splits, s_new=s_new, cache_seqlens=cache_seqlens,
+                                cache_len_const=cache_len_const, block_table=block_table,
+                                softmax_scale=softmax_scale, causal=window_right == 0)
     b, sq, h, d = q.shape
     dv = v_cache.shape[-1]
     h_k = k_cache.shape[2]
