@@ -26,6 +26,24 @@ def test_head_dims(d):
     check_padded(1, 19, 23, 2, 2, d, torch.float16, causal=True)
 
 
+@pytest.mark.parametrize("d,dv", [(192, 128), (192, 192), (160, 160)])
+@pytest.mark.parametrize("kw", [dict(), dict(causal=True), dict(softcap=2.0, causal=True), dict(alibi="bh")])
+def test_dq_tail_tile(d, dv, kw):
+    # past 128 a head dim that is not a power of two runs dQ as a lead tile and a tail tile (bwd_launcher.dq_head_dims)
+    kw = dict(kw)
+    check_padded(1, 21, 37, 2, 1, d, torch.float16, dv=dv, alibi=kw.pop("alibi", None), **kw)
+
+
+def test_dq_head_dims_split_only_past_128():
+    assert bwd_launcher.dq_head_dims(192, 128) == dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_TAIL=64, BLOCK_DT=64,
+                                                       HEAD_DIM_V=128, BLOCK_DV=128)
+    assert bwd_launcher.dq_head_dims(160, 160) == dict(HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_TAIL=32, BLOCK_DT=32,
+                                                       HEAD_DIM_V=160, BLOCK_DV=256)
+    assert bwd_launcher.dq_head_dims(136, 136)["BLOCK_DT"] == 16
+    for d in (40, 96, 128, 256):
+        assert bwd_launcher.dq_head_dims(d, d) == dict(HEAD_DIM=d, BLOCK_D=max(16, 1 << (d - 1).bit_length()))
+
+
 FEATURES = [
     dict(window_size=(6, 2)),
     dict(window_size=(0, 0)),

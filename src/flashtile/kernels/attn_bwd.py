@@ -284,15 +284,19 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
               MASK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_CHUNK: tl.constexpr,
-              PIPELINE_EDGES: tl.constexpr = True):
+              PIPELINE_EDGES: tl.constexpr = True, dq2=None, q2=None, offs_dt=None, HEAD_DIM_TAIL: tl.constexpr = 0):
     """Accumulate dQ over key blocks [block_lo, block_hi) (tiles are [BLOCK_M, BLOCK_N]); PIPELINE_EDGES as
-    in _dkdv_inner."""
+    in _dkdv_inner. HEAD_DIM_TAIL > 0: q / k's columns past HEAD_DIM are a tile of their own (q2, dq2, offs_dt),
+    so a head dim such as 192 runs as 128 + 64 instead of padded to 256. Returns (dq, dq2)."""
     # --8<-- [start:dq_inner]
     for blk in tl.range(block_lo, block_hi, num_stages=1 if (MASK and not PIPELINE_EDGES) else None):
         cols = blk * BLOCK_N + offs_n_base
         k = _load_rows(K, blk * BLOCK_N, offs_n_base, offs_d, seqlen_k, stride_kn, HEAD_DIM)
         v = _load_rows(V, blk * BLOCK_N, offs_n_base, offs_dv, seqlen_k, stride_vn, HEAD_DIM_V)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if HEAD_DIM_TAIL > 0:
+            k2 = _load_rows(K + HEAD_DIM, blk * BLOCK_N, offs_n_base, offs_dt, seqlen_k, stride_kn, HEAD_DIM_TAIL)
+            qk += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)
         p, factor = _probs_and_grad_factor(qk, offs_m[:, None], cols[None, :], lse2[:, None], seqlen_q, seqlen_k,
                                            qk_scale, softcap, slope, window_left, window_right, MASK,
                                            HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, chunk, HAS_CHUNK)
@@ -302,7 +306,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, bh, block_lo, block_hi, offs_m, offs
             dp = tl.where(keep, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None]) * factor
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    return dq
+        if HEAD_DIM_TAIL > 0:
+            dq2 += tl.dot(ds.to(k2.dtype), k2, input_precision=DOT_PRECISION)
+    return dq, dq2
     # --8<-- [end:dq_inner]
 
 
@@ -321,8 +327,11 @@ def _attn_bwd_dq_kernel(
     HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = False, WAIT_AT_END: tl.constexpr = False, PIPELINE_EDGES: tl.constexpr = True,
     HEAD_DIM_V: tl.constexpr = 0, BLOCK_DV: tl.constexpr = 0, HAS_CHUNK: tl.constexpr = False,
+    HEAD_DIM_TAIL: tl.constexpr = 0, BLOCK_DT: tl.constexpr = 0,
 ):
-    """dQ of one query block of one (batch, head)."""
+    """dQ of one query block of one (batch, head). HEAD_DIM_TAIL > 0: q / k have HEAD_DIM + HEAD_DIM_TAIL columns,
+    HEAD_DIM (= BLOCK_D) in one tile and the tail in a BLOCK_DT-wide one: 192 as 128 + 64, where one padded tile
+    would be 256 wide, a quarter of it zeros in two of the three products."""
     HDV: tl.constexpr = HEAD_DIM_V if HEAD_DIM_V > 0 else HEAD_DIM
     BDV: tl.constexpr = BLOCK_DV if BLOCK_DV > 0 else BLOCK_D
     pid_m, b, h, kv_head = _tile_coords(seqlen_q, num_heads, group, BLOCK_M)
@@ -353,28 +362,38 @@ def _attn_bwd_dq_kernel(
         k_ptr = K + b64 * stride_kb + k_row0.to(tl.int64) * stride_kn + kv_head * stride_kh
         v_ptr = V + b64 * stride_vb + k_row0.to(tl.int64) * stride_vn + kv_head * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        q2, dq2, offs_dt = q, dq, offs_d  # unused without a tail
+        if HEAD_DIM_TAIL > 0:
+            offs_dt = tl.arange(0, BLOCK_DT)
+            q2 = tl.load(Q + b64 * stride_qb + h * stride_qh + rows[:, None] * stride_qm + HEAD_DIM + offs_dt[None, :],
+                         mask=(offs_m[:, None] < seqlen_q) & (offs_dt[None, :] < HEAD_DIM_TAIL), other=0.0)
+            dq2 = tl.zeros([BLOCK_M, BLOCK_DT], dtype=tl.float32)
         lo, full_lo, full_hi, hi = _key_block_ranges(start_m, start_m + BLOCK_M - 1, seqlen_q, seqlen_k,
                                                      window_left, window_right, BLOCK_N, HAS_LEFT, HAS_RIGHT,
                                                      attention_chunk, HAS_CHUNK)
         # left edge (masked), interior (unmasked), right edge (masked)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d, offs_dv,
+        dq, dq2 = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, lo, full_lo, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
                        window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, HDV,
                        BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
-                       PIPELINE_EDGES=PIPELINE_EDGES)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d, offs_dv,
+                       PIPELINE_EDGES=PIPELINE_EDGES, dq2=dq2, q2=q2, offs_dt=offs_dt, HEAD_DIM_TAIL=HEAD_DIM_TAIL)
+        dq, dq2 = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_lo, full_hi, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
                        window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, False, HEAD_DIM, HDV,
                        BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
-                       PIPELINE_EDGES=PIPELINE_EDGES)
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d, offs_dv,
+                       PIPELINE_EDGES=PIPELINE_EDGES, dq2=dq2, q2=q2, offs_dt=offs_dt, HEAD_DIM_TAIL=HEAD_DIM_TAIL)
+        dq, dq2 = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, bh, full_hi, hi, offs_m, offs_n_base, offs_d, offs_dv,
                        seqlen_q, seqlen_k, stride_kn, stride_vn, qk_scale, softcap, slope, window_left,
                        window_right, attention_chunk, dropout_p, seed_lo, seed_hi, rng_offset, True, HEAD_DIM, HDV,
                        BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI, HAS_DROPOUT, DOT_PRECISION, HAS_CHUNK,
-                       PIPELINE_EDGES=PIPELINE_EDGES)
+                       PIPELINE_EDGES=PIPELINE_EDGES, dq2=dq2, q2=q2, offs_dt=offs_dt, HEAD_DIM_TAIL=HEAD_DIM_TAIL)
         dq = dq * grad_scale
         tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
+        if HEAD_DIM_TAIL > 0:
+            tl.store(DQ + b64 * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqm + HEAD_DIM + offs_dt[None, :],
+                     (dq2 * grad_scale).to(DQ.dtype.element_ty),
+                     mask=(offs_m[:, None] < seqlen_q) & (offs_dt[None, :] < HEAD_DIM_TAIL))
     # --8<-- [start:dq_wait]
     if WAIT_AT_END:
         # launched early (programmatic dependent launch, while the dK/dV kernel drains): its inputs

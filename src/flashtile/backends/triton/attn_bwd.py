@@ -110,6 +110,17 @@ def _strides3(x: torch.Tensor, varlen: bool):
     return (0, st[0], st[1]) if varlen else st[:3]
 
 
+def dq_head_dims(d: int, dv: int) -> dict:
+    """The dQ kernel's head-dim constexprs: past 128, a q / k head dim that is not a power of two (DeepSeek-V3's
+    192) runs as a power-of-two tile and a tail tile (128 + 64) rather than one tile padded to the next power of
+    two (256, a quarter zeros in QK^T and dS K). v's head dim is then always named (it defaults to HEAD_DIM)."""
+    if d <= 128 or d & (d - 1) == 0:
+        return dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)))
+    lead = 1 << (d.bit_length() - 1)
+    return dict(HEAD_DIM=lead, BLOCK_D=lead, HEAD_DIM_TAIL=d - lead, BLOCK_DT=max(16, next_pow2(d - lead)),
+                HEAD_DIM_V=dv, BLOCK_DV=max(16, next_pow2(dv)))
+
+
 def attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     """Write dq, dk, dv (possibly strided views into packed buffers) for saved q, k, v, out, lse."""
     with device_guard(q):
@@ -203,6 +214,6 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         _attn_bwd_dq_kernel, (cdiv(max(seqlen_q, 1), bm_q) * b * h,),
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, varlen), lse_b, lse_h, alibi_b,
-        HEAD_DIM=d, BLOCK_M=bm_q, BLOCK_N=bn_q, BLOCK_D=block_d, **flags, **feature_flags,
+        BLOCK_M=bm_q, BLOCK_N=bn_q, **flags, **{**feature_flags, **dq_head_dims(d, dv_dim)},
         HEAVY_FIRST=settings.heavy_first, num_warps=w_q, num_stages=s_q,
         **({"WAIT_AT_END": True, "launch_pdl": True} if pdl else {}))

@@ -1,0 +1,93 @@
+"""A/B of the Triton dQ kernel's head-dim split on the GPU: q / k of 192 columns as a 128-wide tile and a 64-wide
+tail (the default, backends/triton/attn_bwd.dq_head_dims) against one tile padded to 256 (the kernel before the
+split), in one process, alternated rounds.
+
+Usage: PYTHONPATH=src python scripts/ab_dq_split.py --out $OUT/ab_dq_split.json [--seqlens 4096 16384 --rounds 3]
+
+Rows: bf16, q / k 192 with v 128 (DeepSeek-V3) and 192 with v 192, hidden 16 heads, 16k tokens a batch, causal and
+not; the time is the backward, (forward + backward) - forward. The gradients of the two builds are compared first
+(the same products summed in another order: within a bf16 rounding of each other).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+
+import torch
+import triton
+
+import flashtile
+from flashtile.backends.triton import attn_bwd
+from flashtile.bench.timing import bench, time_in_rounds
+
+
+@contextmanager
+def padded():
+    """The dQ kernel with one padded tile, as before the split."""
+    split = attn_bwd.dq_head_dims
+    attn_bwd.dq_head_dims = lambda d, dv: dict(HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+                                               **({} if dv == d else dict(HEAD_DIM_V=dv,
+                                                                         BLOCK_DV=triton.next_power_of_2(dv))))
+    try:
+        yield
+    finally:
+        attn_bwd.dq_head_dims = split
+
+
+def _row(d, dv, s, causal, rounds, tokens=16384, h=16):
+    b = max(1, tokens // s)
+    q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+    grads = lambda: torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=causal), (q, k, v), g)
+    split_grads = grads()
+    with padded():
+        pad_grads = grads()
+    diff = max((a.float() - b_.float()).abs().max().item() / max(b_.float().abs().max().item(), 1e-6)
+               for a, b_ in zip(split_grads, pad_grads))
+
+    def timer(ctx):
+        def run():
+            with ctx():
+                step = bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal).backward(g), "cuda",
+                             grad_to_none=[q, k, v])
+                fwd = bench(lambda: flashtile.flash_attn_func(q, k, v, causal=causal), "cuda")
+            return step - fwd
+        return run
+
+    from contextlib import nullcontext
+    results, failed = time_in_rounds([("split", timer(nullcontext)), ("padded", timer(padded))], rounds)
+    ms = {n: statistics.median(r) for n, r in results.items()}
+    ratio = statistics.median(p / s_ for s_, p in zip(results.get("split", []), results.get("padded", []))) \
+        if len(results) == 2 else None
+    return dict(d=d, dv=dv, s=s, b=b, h=h, causal=causal, bwd_ms=ms, padded_over_split=ratio, rel_grad_diff=diff,
+                errors={n: repr(e)[:200] for n, e in failed.items()})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    rows = []
+    for dv in (128, 192):
+        for causal in (False, True):
+            for s in args.seqlens:
+                row = _row(192, dv, s, causal, args.rounds)
+                rows.append(row)
+                print(f"d=192 dv={dv} s={s} causal={causal}: bwd split {row['bwd_ms'].get('split', 0):.3f} ms, "
+                      f"padded {row['bwd_ms'].get('padded', 0):.3f} ms, padded / split "
+                      f"{row['padded_over_split'] or 0:.3f}, grad diff {row['rel_grad_diff']:.1e} "
+                      f"{row['errors'] or ''}", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
