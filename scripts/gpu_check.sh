@@ -11,6 +11,8 @@
 #   bench-fwd  bench-bwd  bench-decode  bench-fp8   the README's tables (python -m flashtile.bench ...)
 #   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
 #                                                   docs/programmable.md's table
+#   bench-train                                     GQA 32/8 and packed documents in a training step (the
+#                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
 #   pending-gluon  pending-other  ab-pending        the GPU tests and A/B rows of work not yet run on a GPU
@@ -60,6 +62,7 @@ run_step() {
     bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
+    bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     pending-gluon) step pending-gluon timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
                      -rf tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py -k "alibi or unequal" ;;

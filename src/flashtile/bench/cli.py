@@ -23,6 +23,8 @@ COMMANDS: dict[str, Command] = {
     "fwdbwd": Command("flashtile.bench.attention", "forward + backward of dense attention (a training step)"),
     "models": Command("flashtile.bench.models", "newer models' variants (v head dim 128 under q/k's 192, "
                                                 "learnable sink, attention chunk) against their bars"),
+    "train": Command("flashtile.bench.training", "a training step's attention on GQA 32/8 and packed documents, "
+                                                 "against flashtile's own MHA / length buckets and SDPA's backends"),
     "flex": Command("flashtile.bench.flex", "programmable attention (flashtile.flex) beside FlexAttention: "
                                             "causal, window, prefix-LM, documents, ALiBi, softcap, bias table"),
     "decode": Command("flashtile.bench.decode", "one-token decode over a KV cache (GQA 32/8, d 128, paged too; "
