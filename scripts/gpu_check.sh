@@ -15,8 +15,6 @@
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
-#   pending-gluon  pending-other  ab-pending        the GPU tests and A/B rows of work not yet run on a GPU
-#                                                   (each under 10 minutes: one device call apiece)
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -64,12 +62,6 @@ run_step() {
               --out "$OUT/mla-triton.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
-    pending-gluon) step pending-gluon timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
-                     -rf tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py -k "alibi or unequal" ;;
-    pending-other) step pending-other timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short \
-                     -rf tests/test_gpu_flex.py tests/test_gpu_gluon_mla.py tests/test_gpu_kvcache_mla.py ;;
-    ab-pending) step ab-pending python scripts/ab_routes.py --alibi --tokens 65536 --out "$OUT/ab_alibi.json" \
-                  --d 128 --seqlens 2048 8192 --windows -1 1024 ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
