@@ -15,6 +15,8 @@
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
+#   pending  ab-pending                             branch pending-gpu's work not yet run on a GPU: the dQ
+#                                                   kernel's head-dim split (d 192 backward tests; its A/B)
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -60,6 +62,9 @@ run_step() {
     bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
+    pending) step pending timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
+               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_fa_grid.py -k "192" ;;
+    ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
