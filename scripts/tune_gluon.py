@@ -10,11 +10,13 @@ dim, each compiled for sm_90 without spills by tests/test_gluon_compile.py). Sha
 scripts/bench_gluon.py (16k tokens, hidden 2048: b = 16384 / s, h = 2048 / d). For every candidate
 the output is first checked against the table config's output (and that one against flashtile's
 Triton kernel of the same dtype), then timed with triton.testing.do_bench (median ms). The JSON
-holds every timing, the best config per (dtype, d, causal, s) and the run's metadata; copy the
+holds every timing, the best config per (dtype, d, causal, s) with the Triton kernel's time on the same inputs,
+and the run's metadata; copy the
 winners into FWD_CONFIGS by hand (with the JSON cited), the table is not rewritten.
 """
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -123,7 +125,13 @@ def main():
                         if "tflops" in row and (key not in best or row["tflops"] > best[key]["tflops"]):
                             best[key] = dict(config=config, tflops=row["tflops"], ms=row["ms"])
                     if key in best:
-                        print(f"  best {best[key]['config']} {best[key]['tflops']:.1f}", flush=True)
+                        # beside flashtile's Triton kernel on the same inputs: whether the route should take Gluon
+                        # here at all (a hint only: a route change needs scripts/ab_routes.py's alternated rounds)
+                        t_ms = triton.testing.do_bench(functools.partial(_triton_out, dtype_cls, x, causal), warmup=25,
+                                                       rep=args.rep, return_mode="median")
+                        best[key].update(triton_ms=t_ms, triton_over_best=t_ms / best[key]["ms"])
+                        print(f"  best {best[key]['config']} {best[key]['tflops']:.1f}, Triton kernel {t_ms:.3f} ms "
+                              f"({t_ms / best[key]['ms']:.3f}x the best's time)", flush=True)
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command=" ".join(sys.argv),
                 unit="TFLOP/s (flashtile.bench.shapes.attention_flops), median ms of triton.testing.do_bench")

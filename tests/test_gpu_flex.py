@@ -101,3 +101,38 @@ def test_compiled_table_gradient_matches_eager():
     for name, a, b in zip(("out", "dq", "dk", "dv", "dtable"), *results):
         assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max() + 1e-6, name
     assert results[1][-1].abs().max() > 0
+
+
+@pytest.mark.parametrize("name", ["softcap", "document"])
+def test_lse_gradient(name):
+    # a loss on out and on the returned lse (a z-loss): d lse / d s = P flows through the mod into dq and dk
+    var = variants(2, 4, 640, 640, device=DEV, docs=(0, 200, 450))
+    score_mod, mask_mod = var[name][:2]
+    mask = create_block_mask(mask_mod, 2, None, 640, 640, device=DEV) if mask_mod else None
+    q, k, v = (torch.randn(2, 4, 640, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g, glse = torch.randn_like(q), torch.randn(2, 4, 640, device=DEV)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True)
+    grads = torch.autograd.grad((out * g).sum() + (lse * glse).sum(), (q, k, v))
+    ref, ref_lse = dense_reference(q, k, v, var[name], var["_meta"])
+    ref_grads = torch.autograd.grad((ref * g.double()).sum() + (ref_lse * glse.double()).sum(), (q, k, v))
+    pt, pt_lse = dense_reference(q, k, v, var[name], var["_meta"], dtype=torch.bfloat16)
+    pt_grads = torch.autograd.grad((pt * g).sum() + (pt_lse.float() * glse).sum(), (q, k, v))
+    assert_fa_close(lse, ref_lse, pt_lse, name="lse")
+    for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        assert_fa_close(a, r, p, factor=3.0, atol=1e-4, name=n)
+
+
+def test_kernel_options_tiles_match_the_table_tiles():
+    # tiles chosen through kernel_options (FlexAttention's keys) give the table's results to summation order
+    var = variants(1, 4, 1024, 1024, device=DEV, window=256)
+    score_mod, mask_mod = var["alibi"][:2]
+    mask = create_block_mask(mask_mod, None, None, 1024, 1024, device=DEV)
+    q, k, v = (torch.randn(1, 4, 1024, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn_like(q)
+    results = []
+    for opts in (None, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "BLOCK_M1": 32, "BLOCK_N1": 64,
+                        "BLOCK_M2": 64, "BLOCK_N2": 32}):
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, kernel_options=opts)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), g)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max(), name
