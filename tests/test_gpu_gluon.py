@@ -405,7 +405,8 @@ def test_varlen_packed_sequences(causal, d, dv):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,dv", [(128, 128), (192, 128)])
 @pytest.mark.parametrize("used", [False, True], ids=["cu_seqlens_k", "seqused_k"])
-def test_varlen_k_sequences_of_their_own(causal, d, dv, used):
+@pytest.mark.parametrize("softcap", [0.0, 30.0], ids=["nocap", "softcap"])
+def test_varlen_k_sequences_of_their_own(causal, d, dv, used, softcap):
     # k longer, shorter and empty per sequence (the VARLEN_K build): bottom-right masks per sequence; a row
     # above k's diagonal, or in a sequence without keys, gets out 0 and lse +inf (FlashAttention's rule)
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd
@@ -420,7 +421,7 @@ def test_varlen_k_sequences_of_their_own(causal, d, dv, used):
     k = torch.randn(cu_k[-1].item(), h_k, d, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(cu_k[-1].item(), h_k, dv, device=DEV, dtype=torch.bfloat16)
     _poison()
-    out, lse = gluon_attn_fwd(q, k, v, d ** -0.5, causal, cu_seqlens=cu_q, max_seqlen=max(lens_q),
+    out, lse = gluon_attn_fwd(q, k, v, d ** -0.5, causal, cu_seqlens=cu_q, max_seqlen=max(lens_q), softcap=softcap,
                               cu_seqlens_k=cu_k, max_seqlen_k=max(lens_k) + 16 * used, seqused_k=seqused)
     torch.cuda.synchronize()
     assert out.shape == (q.shape[0], h, dv) and lse.shape == (h, q.shape[0])
@@ -430,8 +431,8 @@ def test_varlen_k_sequences_of_their_own(causal, d, dv, used):
             assert torch.equal(out[a:b], torch.zeros_like(out[a:b])) and torch.isinf(lse[:, a:b]).all()
             continue
         kk, vv = k[None, c:c + nk], v[None, c:c + nk]
-        ref, ref_lse = attention_ref(q[None, a:b], kk, vv, causal=causal)
-        pt, _ = attention_ref(q[None, a:b], kk, vv, causal=causal, upcast=False)
+        ref, ref_lse = attention_ref(q[None, a:b], kk, vv, causal=causal, softcap=softcap)
+        pt, _ = attention_ref(q[None, a:b], kk, vv, causal=causal, upcast=False, softcap=softcap)
         assert_fa_close(out[None, a:b], ref, pt)
         finite = torch.isfinite(ref_lse[0])
         assert torch.equal(torch.isinf(lse[:, a:b]), ~finite)

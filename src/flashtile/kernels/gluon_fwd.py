@@ -482,6 +482,12 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     # ALiBi's per-row part the key loop left out (_softmax_step): the row's logits there are the true ones
     # plus row_shift, base 2
     row_idx = diag - shift
+    if VARLEN_K:
+        # q's sequence start and length read again, the rows from m0: kept across the key loop they cost the
+        # d = 128 causal build a 4-byte spill; volatile, so the loads are not merged with the prologue's
+        seq0 = gl.load(CU_SEQLENS + off_b, volatile=True)
+        seqlen = gl.load(CU_SEQLENS + off_b + 1, volatile=True) - seq0
+        row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
     row_shift = gl.zeros([BLOCK_M], gl.float32, row_layout)
     if ALIBI:
         row_shift = alibi_log2e * (row_idx - m0).to(gl.float32)
