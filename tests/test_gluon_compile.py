@@ -30,7 +30,8 @@ SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
 # "bf16alibi": causal, every score biased by -slope * |row - key| (ALIBI: one add per score in every block)
 KINDS = {"bf16": ("bf16", "bfloat16"), "bf16sink": ("bf16", "bfloat16"), "bf16local": ("bf16", "bfloat16"),
          "bf16softcap": ("bf16", "bfloat16"), "bf16varlen": ("bf16", "bfloat16"), "bf16alibi": ("bf16", "bfloat16"),
-         "bf16unequal": ("bf16", "bfloat16"),
+         "bf16unequal": ("bf16", "bfloat16"), "bf16varlenk": ("bf16", "bfloat16"),
+         "bf16varlenksoftcap": ("bf16", "bfloat16"),
          "fp16": ("fp16", "float16"),
          "fp8": ("fp8e4nv", "float8e4nv")}
 
@@ -61,11 +62,16 @@ def _cases():
     # "bf16varlen": packed sequences (an early exit for tiles past a sequence, a row-by-row store for its last)
     table += [("bf16varlen", 128, causal, tuple(FWD_CONFIGS[("16bit", 128)][key] for key in CONFIG_KEYS))
               for causal in (False, True)]
+    # "bf16varlenk": packed k with sequences of its own (rows above k's diagonal see no key)
+    table += [("bf16varlenk", 128, causal, cfg16(128)) for causal in (False, True)] + [("bf16varlenk", 192, True,
+                                                                                          cfg16(192))]
+    table += [("bf16varlenksoftcap", d, True, cfg16(d)) for d in (128, 192)]
     return table, extra
 
 
 TABLE_CASES, CANDIDATE_CASES = _cases()
-MAX_SPILL_BYTES = {("bf16alibi", 128): 64}
+# ALiBi's column bias, and k's own sequences with a softcap, push the d = 128 builds past 255 registers
+MAX_SPILL_BYTES = {("bf16alibi", 128): 64, ("bf16varlenksoftcap", 128): 32}
 
 
 def _tag(kind, d, causal, cfg) -> str:
@@ -103,13 +109,14 @@ def _compile(kind: str, d: int, causal: bool, cfg, out: pathlib.Path) -> dict:
                       HAS_K_DESCALE=True, HAS_V_DESCALE=True, HAS_SINK=kind == "bf16sink")
     if kind != "fp8":
         constexprs.update(HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, LOCAL=kind == "bf16local",
-                          SOFTCAP=kind == "bf16softcap", VARLEN=kind == "bf16varlen", ALIBI=kind == "bf16alibi",
-                          UNEQUAL=kind == "bf16unequal")
+                          SOFTCAP=kind in ("bf16softcap", "bf16varlenksoftcap"), VARLEN=kind.startswith("bf16varlen"),
+                          ALIBI=kind == "bf16alibi", UNEQUAL=kind == "bf16unequal",
+                          VARLEN_K=kind.startswith("bf16varlenk"))
     types = dict(desc_q=desc([1, bm, 1, lead]), desc_k=desc([1, bn, 1, lead]), desc_v=desc([1, bn, 1, dv]),
                  desc_q2=desc([1, bm, 1, tail or lead]), desc_k2=desc([1, bn, 1, tail or lead]),
                  desc_vt=desc([1, 1, d, bn]), LSE="*fp32", Q_DESCALE="*fp32", K_DESCALE="*fp32",
                  V_DESCALE="*fp32", SINK="*fp32", qk_scale="fp32", softcap_log2e="fp32", CU_SEQLENS="*i32",
-                 OUT="*bf16", ALIBI_SLOPES="*fp32")
+                 OUT="*bf16", ALIBI_SLOPES="*fp32", CU_SEQLENS_K="*i32", KV_LENS="*i32")
     # the fp8 kernel writes bf16
     types["desc_o"] = desc([1, bm, 1, d], *KINDS["bf16"]) if kind == "fp8" else desc([1, bm, 1, dv])
     from gluon_aot import compile_for_sm90

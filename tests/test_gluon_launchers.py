@@ -91,3 +91,48 @@ def test_empty_inputs_launch_nothing(monkeypatch):
     q = k = v = torch.empty(0, 16, 2, 64, dtype=torch.bfloat16)
     out, lse = launcher.gluon_attn_fwd(q, k, v)
     assert out.shape == q.shape and lse.shape == (0, 2, 16) and not spy.grids
+
+
+def test_bf16_launcher_passes_k_sequences_of_their_own(monkeypatch):
+    # packed k with its own cu_seqlens (and seqused_k): the VARLEN_K build; the grid follows q's longest sequence
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    monkeypatch.setattr(launcher, "_check_device", lambda *a: None)
+    q = torch.empty(1024, 8, 128, dtype=torch.bfloat16)
+    k = v = torch.empty(2048, 2, 128, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 300, 1024], dtype=torch.int32), torch.tensor([0, 500, 2048], dtype=torch.int32)
+    used = torch.tensor([400, 1500], dtype=torch.int32)
+    out, lse = launcher.gluon_attn_fwd(q, k, v, causal=True, cu_seqlens=cu_q, max_seqlen=724, cu_seqlens_k=cu_k,
+                                       max_seqlen_k=1548, seqused_k=used)
+    assert out.shape == (1024, 8, 128) and lse.shape == (8, 1024)
+    (args, kw), = spy.calls
+    assert spy.grids == [(math.ceil(724 / kw["BLOCK_M"]), 2 * 8)]
+    assert kw["VARLEN"] and kw["VARLEN_K"] and "UNEQUAL" not in kw
+    assert args[-3] == 1548 and args[-2] is cu_k and args[-1] is used
+    # without seqused_k, each sequence's key count from cu_seqlens_k
+    spy.calls.clear()
+    launcher.gluon_attn_fwd(q, k, v, cu_seqlens=cu_q, max_seqlen=724, cu_seqlens_k=cu_k, max_seqlen_k=1548)
+    (args, kw), = spy.calls
+    assert args[-1].tolist() == [500, 1548] and args[-1].dtype == torch.int32
+    # seqused_k alone: k's sequences are q's, cut
+    spy.calls.clear()
+    launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, seqused_k=used)
+    (args, kw), = spy.calls
+    assert kw["VARLEN_K"] and args[-2] is cu_q and args[-1] is used
+    # shared cu_seqlens: the plain VARLEN build, dummies in k's slots
+    spy.calls.clear()
+    launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, cu_seqlens_k=cu_q)
+    (args, kw), = spy.calls
+    assert "VARLEN_K" not in kw
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cu_seqlens_k=torch.tensor([0, 500, 2048], dtype=torch.int64)), "cu_seqlens_k must be a contiguous int32"),
+    (dict(seqused_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "seqused_k must be a contiguous int32 \\(2,\\)"),
+    (dict(seqused_k=torch.tensor([1, 2], dtype=torch.int32), window_left=64, causal=True), "no window"),
+    (dict(seqused_k=torch.tensor([1, 2], dtype=torch.int32), learnable_sink=torch.zeros(8)), "learnable_sink"),
+])
+def test_bf16_launcher_names_what_k_sequences_cannot_take(kw, match):
+    q = torch.empty(1024, 8, 128, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 300, 1024], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, **kw)

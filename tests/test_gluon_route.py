@@ -39,8 +39,6 @@ def test_plain_causal_and_gqa_calls_are_supported():
     varlen = _params(causal=True, window_right=0, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724,
                      max_seqlen_k=724)
     assert gluon_route.refusal(*packed, varlen) is None
-    other = _params(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=724, max_seqlen_k=724)
-    assert "cu_seqlens" in gluon_route.refusal(*packed, other)
     assert "varlen" in gluon_route.refusal(*(x[0] for x in (q8, k8, v8)), varlen)
     assert gluon_route.preferred(packed[0], varlen) == gluon_route.preferred(q[:, :724], varlen)
     # softcap: the 16-bit kernel's SOFTCAP build; not with fp8
@@ -59,7 +57,7 @@ def test_plain_causal_and_gqa_calls_are_supported():
     (dict(window_right=5), "window"),
     (dict(dropout_p=0.1), "dropout"),
     (dict(alibi_slopes=torch.ones(4)), "ALiBi"),
-    (dict(seqused_k=torch.ones(2, dtype=torch.int32)), "seqused"),
+    (dict(seqused_k=torch.ones(2, dtype=torch.int32)), "seqused"),  # padded: the varlen build's only
 ])
 def test_features_the_kernel_lacks_are_refused(change, reason):
     q, k, v = _qkv()
@@ -84,7 +82,7 @@ def test_shapes_and_dtypes_the_kernel_lacks_are_refused():
     wide = torch.empty(2, 2048, 4, 130, dtype=torch.bfloat16)
     assert "TMA" in gluon_route.refusal(wide[..., 1:129], k, v, _params())
     varlen = _params(cu_seqlens_q=torch.zeros(3, dtype=torch.int32), cu_seqlens_k=torch.zeros(3, dtype=torch.int32))
-    assert "varlen" in gluon_route.refusal(q[0], k[0], v[0], varlen)
+    assert "varlen" in gluon_route.refusal(q8[0], k8[0], v8[0], varlen)
 
 
 def test_preferred_where_measured_faster():
@@ -147,3 +145,30 @@ def test_fp8_calls_take_the_gluon_kernel_at_d128_and_d256_from_4096_tokens():
     keys_contiguous = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     assert gluon_route.refusal(q, k, keys_contiguous, _params()) is None
     assert "head_dim" in gluon_route.refusal(*_qkv(d=96, dtype=fp8), _params())
+
+
+def test_k_with_sequences_of_its_own():
+    # packed k with its own cu_seqlens or seqused_k: the VARLEN_K build (bottom-right per sequence, rows that see
+    # no key get zeros), plain or causal, softcap too; no window, ALiBi or sink there; not fp8, not seqused_q
+    q, k, v = (x[0] for x in _qkv())
+    cu_q, cu_k = torch.tensor([0, 300, 1024], dtype=torch.int32), torch.tensor([0, 500, 2048], dtype=torch.int32)
+    used = torch.tensor([400, 1000], dtype=torch.int32)
+    own = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=724, max_seqlen_k=1548)
+    for kw in (dict(), dict(window_right=0), dict(softcap=30.0, window_right=0)):
+        assert gluon_route.refusal(q, k, v, _params(**own, **kw)) is None
+    shared_used = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=724, max_seqlen_k=724, seqused_k=used)
+    assert gluon_route.refusal(q, k, v, _params(**shared_used)) is None
+    slopes = torch.ones(2, q.shape[1])
+    for kw in (dict(window_left=64, window_right=0), dict(alibi_slopes=slopes, window_right=0),
+               dict(learnable_sink=torch.zeros(q.shape[1]))):
+        assert "own cu_seqlens" in gluon_route.refusal(q, k, v, _params(**own, **kw))
+        assert "own cu_seqlens" in gluon_route.refusal(q, k, v, _params(**shared_used, **kw))
+    assert "seqused" in gluon_route.refusal(q, k, v, _params(**own, seqused_q=used))
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    assert "varlen" in gluon_route.refusal(q8, k8, v8, _params(**own))
+    # the launcher gets k's sequences only where they differ from q's
+    assert gluon_route._own_k(_params(**own)) == dict(cu_seqlens_k=cu_k, max_seqlen_k=1548)
+    assert gluon_route._own_k(_params(**shared_used)) == dict(seqused_k=used)
+    assert gluon_route._own_k(_params(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=724,
+                                      max_seqlen_k=724)) == {}
+    assert gluon_route._own_k(_params()) == {}

@@ -119,7 +119,7 @@ def _issue_pv(p, v_smem, v_ready, o, block, NUM_BUFFERS: gl.constexpr, BLOCK_N: 
 def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, key0=0, window_left=0,
                   LOCAL: gl.constexpr = False, softcap_log2e=0.0, SOFTCAP: gl.constexpr = False,
-                  alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0):
+                  alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0, EMPTY_ROWS: gl.constexpr = False):
     """Online softmax of one key block in base 2; returns unnormalised P (fp32, times 2**P_SHIFT),
     alpha and the new stats. ``row_idx``: each row's diagonal key (its index when q and k have one length);
     ``seqlen``: the keys. Block numbers count from key ``key0``; LOCAL also hides keys more than
@@ -127,7 +127,9 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
     ``softcap * tanh(score * softmax_scale / softcap)`` (qk_scale is then softmax_scale / softcap and
     softcap_log2e is softcap * log2(e)), capped before the mask, as FlashAttention does. ALIBI (causal):
     the bias ``-slope * |row - key|`` after the cap (alibi_log2e = slope * log2(e)), less its per-row part
-    ``slope * (row - row0)``, which the caller restores."""
+    ``slope * (row - row0)``, which the caller restores. EMPTY_ROWS: a row may see no key of this block or
+    any before it (packed sequences with k of their own lengths: rows above k's diagonal, or no keys), so
+    its max may still be -inf, guarded as LOCAL's."""
     # MASK is a compile-time choice (two copies of the loop), not a runtime branch: ptxas answers a
     # branch joining inside the softmax with a full wgmma wait at the join, which kills the overlap
     if SOFTCAP:
@@ -152,7 +154,7 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
     # the scale is folded into the exponent (one FMA per element) instead of a pass over S
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_base = m_new
-    if LOCAL:
+    if LOCAL or EMPTY_ROWS:
         # a window's first blocks can hide every key of a row: its max is still -inf, and subtracting 0
         # instead keeps P and alpha at 0 rather than NaN (the row's own key arrives in a later block)
         m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -187,15 +189,19 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
                HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                CAUSAL: gl.constexpr, MASK: gl.constexpr, P_SHIFT: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                key0=0, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
-               SOFTCAP: gl.constexpr = False, seq0=0, alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0):
+               SOFTCAP: gl.constexpr = False, seq0=0, alibi_log2e=0.0, ALIBI: gl.constexpr = False, row0=0,
+               EMPTY_ROWS: gl.constexpr = False, KV_LENS=None, batch=0):
     """One steady-state iteration: S_j is in registers, PV_{j-1} is in flight, block j+1 exists (block
-    numbers count from key ``key0``)."""
+    numbers count from key ``key0``; ``seq0``: the keys' first row in the packed tensors). EMPTY_ROWS: k's own
+    sequences, whose length ``seqlen`` is read again from KV_LENS[batch] (see _attn_fwd_tile)."""
     s_next, s_tail = _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, j + 1, s_layout, NUM_BUFFERS, BLOCK_M,
                                BLOCK_N, HEAD_DIM, HEAD_DIM_TAIL)
+    if EMPTY_ROWS:
+        seqlen = gl.load(KV_LENS + batch, volatile=True)
     # the tensor cores now hold PV_{j-1} and QK^T_{j+1}: this softmax runs under both
     p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, j, row_idx, seqlen, qk_scale, s_layout, BLOCK_N, CAUSAL, MASK,
                                        P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP, alibi_log2e, ALIBI,
-                                       row0)
+                                       row0, EMPTY_ROWS)
     # one full wait for both. Finer waits (wait(1) for PV_{j-1} here, wait(1) for S_{j+1} after
     # issuing PV_j) made ptxas serialise every wgmma in the kernel (C7514); see docs/gluon.md
     # p_prev is PV_{j-1}'s A operand: naming it here keeps its registers untouched until retirement
@@ -232,7 +238,8 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                    HAS_SINK: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False, softcap_log2e=0.0,
                    SOFTCAP: gl.constexpr = False, CU_SEQLENS=None, OUT=None, stride_om=0, stride_oh=0,
                    VARLEN: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, ALIBI: gl.constexpr = False,
-                   seqlen_k=0, UNEQUAL: gl.constexpr = False):
+                   seqlen_k=0, UNEQUAL: gl.constexpr = False, CU_SEQLENS_K=None, KV_LENS=None,
+                   VARLEN_K: gl.constexpr = False):
     """The whole forward of one (query tile, batch, head). LOCAL (with CAUSAL): a causal sliding window, each
     row seeing its own key and the ``window_left`` before it. SOFTCAP: capped scores (_softmax_step). FP8
     switches on V^T, the descales (contiguous (b, h_k) fp32), P in e4m3 scaled by 2**8, and a bf16 output
@@ -245,7 +252,10 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     ``-slope * |row - key|``. UNEQUAL (padded calls): k's length ``seqlen_k`` differs from q's ``seqlen``,
     and row r's diagonal key is r + seqlen_k - seqlen (bottom-right causal, FlashAttention's alignment; the
     caller keeps seqlen_k >= seqlen under CAUSAL, so every row sees a key). A build of its own: the two
-    lengths and the shift cost the tightest builds (d = 128 with a window) a spill.
+    lengths and the shift cost the tightest builds (d = 128 with a window) a spill. VARLEN_K (with VARLEN):
+    k has sequences of its own starting at CU_SEQLENS_K[b], KV_LENS[b] keys long (seqused_k, or the
+    cu_seqlens_k differences); masks align bottom-right per sequence, and a row that sees no key (above k's
+    diagonal when causal, or a sequence without keys) gets out 0 and lse +inf, as FlashAttention's.
 
     q / k's head dim is HEAD_DIM + HEAD_DIM_TAIL: Gluon tiles are powers of two, so a head dim such as
     192 arrives as two column ranges (desc_q / desc_k the first HEAD_DIM columns, desc_q2 / desc_k2 the
@@ -279,6 +289,13 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     if UNEQUAL:
         kv_len = seqlen_k
         shift = seqlen_k - seqlen
+    kseq0 = seq0
+    if VARLEN_K:
+        # kv_len is read again where the masked blocks need it (_key_block): live across the key loop beside q's
+        # length it cost the d = 128 causal build its overlap at 255 registers
+        kseq0 = gl.load(CU_SEQLENS_K + off_b)
+        kv_len = gl.load(KV_LENS + off_b)
+        shift = kv_len - seqlen
     n_m_blocks = gl.cdiv(seqlen, BLOCK_M)
     pid_m = gl.program_id(0)
     if VARLEN:
@@ -289,6 +306,22 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         # the longest (bottom) query tiles start first: the tail of the grid is then short work
         pid_m = n_m_blocks - 1 - pid_m
     m0 = pid_m * BLOCK_M
+    if VARLEN_K:
+        # no key at all for this tile (a sequence without keys, or every row above k's diagonal): out 0, lse +inf,
+        # before any barrier or copy (the key loop below always runs its first block)
+        nothing = kv_len <= 0
+        if CAUSAL:
+            nothing = nothing | (m0 + shift + BLOCK_M <= 0)
+        if nothing:
+            rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, HEAD_DIM_V, gl.SliceLayout(0, o_layout))
+            ptrs = (OUT + gl.expand_dims((seq0 + rows).to(gl.int64) * stride_om, 1) + off_h * stride_oh
+                    + gl.expand_dims(cols, 0))
+            gl.store(ptrs, gl.zeros([BLOCK_M, HEAD_DIM_V], OUT.dtype.element_ty, o_layout),
+                     mask=gl.expand_dims(rows < seqlen, 1))
+            gl.store(LSE + off_b * stride_lb + off_h * stride_lh + seq0 + rows,
+                     gl.full([BLOCK_M], float("inf"), gl.float32, gl.SliceLayout(1, o_layout)), mask=rows < seqlen)
+            return
 
     # descales of this (batch, kv head): q's and k's fold into the score multiplier, v's into the end
     # (the Triton fp8 kernel's order, so the two agree to the rounding of one product)
@@ -348,6 +381,9 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     else:
         n_blocks = gl.cdiv(kv_len, BLOCK_N)
         n_unmasked = kv_len // BLOCK_N
+    if VARLEN_K:
+        # k shorter than q in a sequence puts the tile's first diagonal left of key 0
+        n_unmasked = gl.maximum(n_unmasked, 0)
 
     if SPLIT:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes + desc_q2.block_type.nbytes)
@@ -359,7 +395,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
             _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, tb, off_hk,
-                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0, seq0)
+                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0, kseq0)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q2_tile = q_tile
@@ -400,30 +436,32 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
                                            v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag,
                                            kv_len, qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL,
                                            HEAD_DIM_V, BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8,
-                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
-                                           alibi_log2e, ALIBI, d0)
+                                           key0, window_left, LOCAL, softcap_log2e, SOFTCAP, kseq0,
+                                           alibi_log2e, ALIBI, d0, VARLEN_K, KV_LENS, off_b)
     for j in range(n_left, n_fast):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, False, P_SHIFT, FP8, key0,
-                                       window_left, False, softcap_log2e, SOFTCAP, seq0,
+                                       window_left, False, softcap_log2e, SOFTCAP, kseq0,
                                            alibi_log2e, ALIBI, d0)
     for j in range(n_fast, n_steady):
         s, o, p, m_i, l_i = _key_block(j, s, o, p, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_smem, k_ready,
                                        v_ready, desc_k, desc_k2, desc_v, tb, off_hk, n_blocks, diag, kv_len,
                                        qk_scale, s_layout, o_layout, p_layout, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V,
                                        BLOCK_M, BLOCK_N, NUM_BUFFERS, CAUSAL, True, P_SHIFT, FP8, key0,
-                                       window_left, LOCAL, softcap_log2e, SOFTCAP, seq0,
-                                           alibi_log2e, ALIBI, d0)
+                                       window_left, LOCAL, softcap_log2e, SOFTCAP, kseq0,
+                                           alibi_log2e, ALIBI, d0, VARLEN_K, KV_LENS, off_b)
 
     # last block: no QK^T left to issue. ptxas puts a full wgmma wait at this loop exit, so this
     # softmax does not overlap PV of the block before (one exposed softmax per CTA). Masking it
     # unconditionally is correct (a no-op when the block is full) and keeps the code branch-free.
     last = n_blocks - 1
+    if VARLEN_K:
+        kv_len = gl.load(KV_LENS + off_b, volatile=True)
     p_last, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, last, diag, kv_len, qk_scale, s_layout, BLOCK_N, CAUSAL,
                                             True, P_SHIFT, key0, window_left, LOCAL, softcap_log2e, SOFTCAP,
-                                            alibi_log2e, ALIBI, d0)
+                                            alibi_log2e, ALIBI, d0, VARLEN_K)
     if FP8:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
     else:
@@ -444,6 +482,12 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     # ALiBi's per-row part the key loop left out (_softmax_step): the row's logits there are the true ones
     # plus row_shift, base 2
     row_idx = diag - shift
+    if VARLEN_K:
+        # q's sequence start and length read again, the rows from m0: kept across the key loop they cost the
+        # d = 128 causal build a 4-byte spill; volatile, so the loads are not merged with the prologue's
+        seq0 = gl.load(CU_SEQLENS + off_b, volatile=True)
+        seqlen = gl.load(CU_SEQLENS + off_b + 1, volatile=True) - seq0
+        row_idx = m0 + gl.arange(0, BLOCK_M, row_layout)
     row_shift = gl.zeros([BLOCK_M], gl.float32, row_layout)
     if ALIBI:
         row_shift = alibi_log2e * (row_idx - m0).to(gl.float32)
@@ -456,11 +500,17 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         l_i = l_i * alpha_end + gl.exp2(sink - m_end)
         o_scale = o_scale * alpha_end
         m_i = m_end
+    if VARLEN_K:
+        # a row that saw no key (above k's diagonal): its sum is 0 and its O too; divide by 1, lse +inf below
+        empty = l_i == 0.0
+        l_i = gl.where(empty, 1.0, l_i)
     # O = acc * (v_descale / l); lse = (m + log2 l - P_SHIFT) ln 2 (l carries the 2**P_SHIFT of P)
     inv_l = gl.convert_layout(o_scale / l_i, gl.SliceLayout(1, o_layout))
     o = o * gl.expand_dims(inv_l, 1)
     # FlashAttention's lse is natural-log: ln(sum e^(x*scale)) = (m + log2 l) * ln 2 with m in base 2
     lse = (m_i + gl.log2(l_i) - P_SHIFT - row_shift) * 0.6931471805599453
+    if VARLEN_K:
+        lse = gl.where(empty, float("inf"), lse)
     gl.store(LSE + off_b * stride_lb + off_h * stride_lh + seq0 + row_idx, lse, mask=row_idx < seqlen)
     if VARLEN and (m0 + BLOCK_M > seqlen):
         # a TMA store would write the next sequence's rows too: store this tile's rows one by one
@@ -489,12 +539,13 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
 @gluon.jit
 def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, SINK, stride_lb, stride_lh,
                            seqlen, n_heads, heads_per_kv, qk_scale, window_left, softcap_log2e, CU_SEQLENS, OUT,
-                           stride_om, stride_oh, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
+                           stride_om, stride_oh, ALIBI_SLOPES, stride_ab, seqlen_k, CU_SEQLENS_K, KV_LENS,
+                           HEAD_DIM: gl.constexpr,
                            HEAD_DIM_TAIL: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr,
                            HAS_SINK: gl.constexpr, LOCAL: gl.constexpr = False, SOFTCAP: gl.constexpr = False,
                            VARLEN: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                           UNEQUAL: gl.constexpr = False):
+                           UNEQUAL: gl.constexpr = False, VARLEN_K: gl.constexpr = False):
     """bf16 / fp16 forward (dtype from the descriptors): q, k (b, s, h, HEAD_DIM + HEAD_DIM_TAIL) through
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
     (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
@@ -502,12 +553,13 @@ def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE
     packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) shared by q and k,
     OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total); ALIBI: fp32 slopes
     ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)); UNEQUAL: k's length ``seqlen_k``
-    differs from q's ``seqlen`` (padded calls, bottom-right alignment)."""
+    differs from q's ``seqlen`` (padded calls, bottom-right alignment); VARLEN_K (with VARLEN): k's own sequences,
+    starting at CU_SEQLENS_K (b + 1,), KV_LENS (b,) keys each."""
     _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride_lb, stride_lh, seqlen, n_heads,
                    heads_per_kv, qk_scale, LSE, LSE, LSE, SINK, HEAD_DIM, HEAD_DIM_TAIL, HEAD_DIM_V, BLOCK_M,
                    BLOCK_N, NUM_BUFFERS, CAUSAL, False, False, False, False, HAS_SINK, window_left, LOCAL,
                    softcap_log2e, SOFTCAP, CU_SEQLENS, OUT, stride_om, stride_oh, VARLEN, ALIBI_SLOPES, stride_ab,
-                   ALIBI, seqlen_k, UNEQUAL)
+                   ALIBI, seqlen_k, UNEQUAL, CU_SEQLENS_K, KV_LENS, VARLEN_K)
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per

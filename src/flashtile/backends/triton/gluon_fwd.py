@@ -191,13 +191,18 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
                    window_left: int = -1, softcap: float = 0.0, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int = 0, alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_seqlen: int = 0, alibi_slopes: torch.Tensor | None = None,
+                   cu_seqlens_k: torch.Tensor | None = None, max_seqlen_k: int = 0,
+                   seqused_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward on Hopper through the Gluon kernel; returns (out, lse).
 
     Padded: q (b, sq, h, d), k (b, sk, h_k, d), v (b, sk, h_k, dv); sq != sk aligns causal masks and windows
     bottom-right (FlashAttention's rule: row r's diagonal key is r + sk - sq), causal needing sk >= sq.
     Varlen: q, k (total, h, d), v (total, h_k, dv) packed sequences with ``cu_seqlens`` (b + 1,) int32, the
-    same for q and k, and ``max_seqlen`` their longest; out (total, h, dv), lse (h, total).
+    same for q and k, and ``max_seqlen`` their longest; out (total, h, dv), lse (h, total). With
+    ``cu_seqlens_k`` (b + 1,) int32 k and v (total_k, h_k, ...) have sequences of their own (``max_seqlen_k`` the
+    longest), optionally cut to ``seqused_k`` (b,) int32 keys each; masks align bottom-right per sequence and a
+    row that sees no key gets out 0 and lse +inf (no window, ALiBi or sink there).
 
     ``learnable_sink``: (h,) fp32 or q's dtype, one logit per query head joining every row's
     denominator (lse includes it). ``window_left`` >= 0 (with ``causal``): a causal sliding window, each
@@ -210,6 +215,19 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     sm_90, TMA-unfriendly strides.
     """
     varlen = cu_seqlens is not None
+    # k's own sequences: a different cu_seqlens_k, or keys cut by seqused_k
+    varlen_k = varlen and ((cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens) or seqused_k is not None)
+    if varlen_k:
+        if cu_seqlens_k is None:
+            cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+        for name, x, n in (("cu_seqlens_k", cu_seqlens_k, cu_seqlens.numel()),
+                           ("seqused_k", seqused_k, cu_seqlens.numel() - 1)):
+            if x is not None and (x.dtype != torch.int32 or x.dim() != 1 or x.numel() != n or x.stride(0) != 1):
+                raise ValueError(f"gluon_attn_fwd: {name} must be a contiguous int32 ({n},) tensor, got {x.dtype} "
+                                 f"{tuple(x.shape)}")
+        if window_left >= 0 or alibi_slopes is not None or learnable_sink is not None:
+            raise ValueError("gluon_attn_fwd: k's own cu_seqlens / seqused_k take no window, alibi_slopes or "
+                             "learnable_sink (the Triton kernel's)")
     if varlen:
         if q.dim() != 3 or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or max_seqlen <= 0:
             raise ValueError("gluon_attn_fwd: varlen takes (total, heads, head_dim) q / k / v, cu_seqlens (b + 1,) "
@@ -220,7 +238,7 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     _validate(q, k, v)
     if window_left >= 0 and not causal:
         raise ValueError("gluon_attn_fwd: window_left needs causal=True (the kernel's windows are causal ones)")
-    if causal and k.shape[1] < q.shape[1]:
+    if causal and not varlen_k and k.shape[1] < q.shape[1]:
         raise ValueError(f"gluon_attn_fwd: causal needs seqlen_k >= seqlen_q (bottom-right alignment leaves the first "
                          f"{q.shape[1] - k.shape[1]} rows no key), got {q.shape[1]} and {k.shape[1]}")
     b, s, h, h_k, d = _sizes(q, k)
@@ -241,6 +259,10 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lead, tail = head_dim_split(d)
+    # each sequence's key count (the kernel reads it where its masked blocks need it, not kept in a register)
+    kv_lens = None
+    if varlen_k:
+        kv_lens = seqused_k if seqused_k is not None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing),
     # and the kernel, which never reads its tail descriptors, gets the first ones again
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
@@ -257,13 +279,15 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
             softcap * LOG2E, cu_seqlens if varlen else lse, out, out.stride(1), out.stride(2),
             lse if alibi_slopes is None else alibi_slopes,
             alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0,
-            s if varlen else k.shape[1],
+            max_seqlen_k if varlen_k else s if varlen else k.shape[1], cu_seqlens_k if varlen_k else lse,
+            kv_lens if varlen_k else lse,
             HEAD_DIM=lead, HEAD_DIM_TAIL=tail, HEAD_DIM_V=dv, BLOCK_M=bm, BLOCK_N=bn,
             NUM_BUFFERS=cfg["NUM_BUFFERS"], CAUSAL=bool(causal), HAS_SINK=learnable_sink is not None,
             num_warps=cfg["num_warps"], **({"LOCAL": True} if window_left >= 0 else {}),
             **({"SOFTCAP": True} if softcap > 0 else {}), **({"VARLEN": True} if varlen else {}),
             **({"ALIBI": True} if alibi_slopes is not None else {}),
-            **({"UNEQUAL": True} if not varlen and k.shape[1] != q.shape[1] else {}))
+            **({"UNEQUAL": True} if not varlen and k.shape[1] != q.shape[1] else {}),
+            **({"VARLEN_K": True} if varlen_k else {}))
     return (out[0], lse[0]) if varlen else (out, lse)
 
 

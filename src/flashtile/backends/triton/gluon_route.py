@@ -49,7 +49,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
     return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8,
-                            varlen=not fp8, alibi=not fp8, unequal_lengths=not fp8)
+                            varlen=not fp8, alibi=not fp8, unequal_lengths=not fp8, varlen_k=not fp8)
 
 
 # (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
@@ -57,24 +57,33 @@ HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
+def _shared_cu_seqlens(p: AttnParams) -> bool:
+    """q and k of a packed call share one cu_seqlens: the same tensor, or the same storage and length."""
+    return p.cu_seqlens_q is p.cu_seqlens_k or (p.cu_seqlens_q.data_ptr() == p.cu_seqlens_k.data_ptr()
+                                                and p.cu_seqlens_q.shape == p.cu_seqlens_k.shape)
+
+
 def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams, dims,
                      causal_window: bool = False, softcap: bool = False, varlen: bool = False,
-                     alibi: bool = False, unequal_lengths: bool = False) -> str | None:
+                     alibi: bool = False, unequal_lengths: bool = False, varlen_k: bool = False) -> str | None:
     """The Gluon kernels' shared coverage, dtype aside (the backward's route reuses it). ``dims``: the
     (q / k head dim, v head dim) pairs the kernel takes; ``causal_window``: it takes a causal sliding
     window (window_left >= 0, window_right == 0) too; ``softcap``: a softcap too; ``varlen``: packed
     sequences whose q and k share one cu_seqlens tensor (self-attention over packed documents); ``alibi``: ALiBi
-    slopes too; ``unequal_lengths``: padded calls whose q and k differ in length (causal: k the longer)."""
+    slopes too; ``unequal_lengths``: padded calls whose q and k differ in length (causal: k the longer);
+    ``varlen_k``: packed k with sequences of its own (cu_seqlens_k, seqused_k), without a window, ALiBi or sink."""
+    own_k = p.varlen and p.seqused_k is not None
     if p.varlen:
         if not varlen:
             return "varlen (packed) calls"
-        # the kernel reads one cu_seqlens for both: the same tensor, or the same storage and length
-        same = p.cu_seqlens_q is p.cu_seqlens_k or (p.cu_seqlens_q.data_ptr() == p.cu_seqlens_k.data_ptr()
-                                                     and p.cu_seqlens_q.shape == p.cu_seqlens_k.shape)
-        if not same or p.max_seqlen_q != p.max_seqlen_k:
-            return "varlen calls whose q and k have different cu_seqlens"
+        if not _shared_cu_seqlens(p) or p.max_seqlen_q != p.max_seqlen_k:
+            if not varlen_k:
+                return "varlen calls whose q and k have different cu_seqlens"
+            own_k = True
     elif q.dim() != 4:
         return "tensors that are neither (b, s, h, d) nor packed"
+    if own_k and (p.window_left >= 0 or p.alibi_slopes is not None or p.learnable_sink is not None):
+        return "a window, ALiBi or a learnable sink with k's own cu_seqlens / seqused_k"
     # attention_chunk is the Triton kernels' only (kernels/attn_fwd.py, kernels/attn_bwd.py; a chunk that
     # divides the sequence arrives here as a batch of chunks, chunk_batch.py). A learnable sink is covered:
     # the bf16 forward folds it into the denominator after its key loop, and the backward needs nothing
@@ -101,7 +110,7 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
                 else "ALiBi slopes with a non-unit last stride")
     if p.dropout_p > 0:
         return "dropout"
-    if p.seqused_q is not None or p.seqused_k is not None:
+    if p.seqused_q is not None or (p.seqused_k is not None and not (varlen_k and p.varlen)):
         return "seqused_q / seqused_k"
     if q.numel() == 0 or k.numel() == 0:
         return "empty tensors"
@@ -133,6 +142,14 @@ def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) 
     return q.device.type == "cuda" and capability(q.device) in CAPABILITIES and refusal(q, k, v, p) is None
 
 
+def _own_k(p: AttnParams) -> dict:
+    """k's own sequences for the launcher, where the call has them (refusal() let them through)."""
+    if not p.varlen:
+        return {}
+    kw = {} if _shared_cu_seqlens(p) else dict(cu_seqlens_k=p.cu_seqlens_k, max_seqlen_k=p.max_seqlen_k)
+    return kw | ({"seqused_k": p.seqused_k} if p.seqused_k is not None else {})
+
+
 def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
     """(out, lse, None) from the Gluon kernel, in the Triton launchers' return convention."""
     from flashtile.backends.triton.gluon_fwd import gluon_attn_fwd, gluon_attn_fwd_fp8
@@ -147,5 +164,6 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
     else:
         out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
                                   learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap,
-                                  cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q, alibi_slopes=p.alibi_slopes)
+                                  cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q, alibi_slopes=p.alibi_slopes,
+                                  **_own_k(p))
     return out, lse, None
