@@ -16,7 +16,9 @@
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
 #   pending  ab-pending                             branch pending-gpu's work not yet run on a GPU: the dQ
-#                                                   kernel's head-dim split (d 192 backward tests; its A/B)
+#                                                   kernel's head-dim split (d 192), the Gluon forward's
+#                                                   VARLEN_K build, flex's lse gradient / kernel_options;
+#                                                   the A/Bs of the first two
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -63,8 +65,11 @@ run_step() {
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
     pending) step pending timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
-               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_fa_grid.py -k "192" ;;
-    ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json" ;;
+               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_gluon.py tests/test_gpu_flex.py \
+               -k "192 or varlen_k or lse_gradient or kernel_options" ;;
+    ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json"
+                step ab-own-k python scripts/ab_routes.py --varlen --own-k --modes fwd --windows -1 --softcaps 0 30 \
+                  --tokens 65536 --out "$OUT/ab_own_k.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
