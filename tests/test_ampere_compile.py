@@ -118,8 +118,12 @@ def test_head_dim_of_v_sink_and_chunk_compile(tmp_path, kernel):
         cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn, RETURN_PROBS=False, USE_TMA=False, HAS_SINK=True)
         module = "flashtile.kernels.attn_fwd"
     else:
+        from flashtile.backends.triton.attn_bwd import dq_head_dims
+
         kv_cfg, q_cfg = bwd_configs("default", max(block_d, block_dv), causal=True, max_seqlen=4096)
         bm, bn, warps, stages = kv_cfg if kernel == "_attn_bwd_dkdv_kernel" else q_cfg
+        if kernel == "_attn_bwd_dq_kernel":  # the dQ kernel runs 192 as 128 + 64 columns, as the launcher builds it
+            new.update(dq_head_dims(d, dv))
         cx = dict(FLAGS, **new, BLOCK_M=bm, BLOCK_N=bn)
         module = "flashtile.kernels.attn_bwd"
     fields = _compile(tmp_path, 80, kernel, module, cx, {}, warps, stages)

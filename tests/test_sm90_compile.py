@@ -70,6 +70,18 @@ def test_backward_compiles_for_sm90(tmp_path):
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2) == 9
 
 
+def test_backward_dq_head_dim_tail_compiles_for_sm90(tmp_path):
+    # q / k of 192 as a 128-wide tile and a 64-wide tail (attn_bwd.dq_head_dims), v of 128, causal, at the sm_90
+    # table's dQ tile for that bucket (256)
+    from flashtile.backends.triton.attn_bwd import dq_head_dims
+    from flashtile.kernels.attn_bwd import BWD_CONFIGS
+
+    _, (bm, bn, warps, stages) = BWD_CONFIGS[("sm90", 256)]
+    cx = dict(FLAGS, BLOCK_M=bm, BLOCK_N=bn, **dq_head_dims(192, 128))
+    # QK^T (lead and tail), dO V^T, dS K (lead and tail) in each of three key ranges
+    assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, warps, stages) == 15
+
+
 @pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
 def test_backward_table_configs_compile_for_sm90(tmp_path, dropout):
     # the sm_90 table's d = 128 tiles, causal, as short varlen calls take them (the Triton kernels)
