@@ -7,7 +7,8 @@ A case's optional fifth element names the kernel: "dkdv" (the only one). A confi
 sixth numbers are WARPS_N (two warpgroups side by side at d = 256) and ROTATED (0: the plain order); a
 seventh, LAUNCH_DEPENDENTS (1: programmatic dependent launch of the dQ kernel); an eighth, LOCAL (1: a causal
 sliding window); a ninth, VARLEN (1: packed sequences); a tenth, SOFTCAP (1); an eleventh, ALIBI (1: causal
-ALiBi); a twelfth, UNEQUAL (1: q and k of different lengths).
+ALiBi); a twelfth, UNEQUAL (1: q and k of different lengths); a thirteenth, VARLEN_K (1: packed k with its own
+sequences, with VARLEN).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
 {"tag", "shared", "regs", "spill_bytes", "serialized", "gdc_launch"} (griddepcontrol.launch_dependents
@@ -23,7 +24,7 @@ KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
 def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
-    split = "".join(f"{name}{val}" for name, val in zip(("x", "r", "p", "l", "v", "c", "a", "u"), cfg[4:]))
+    split = "".join(f"{name}{val}" for name, val in zip(("x", "r", "p", "l", "v", "c", "a", "u", "k"), cfg[4:]))
     return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}{split}"
 
 
@@ -62,13 +63,15 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
         constexprs["ALIBI"] = bool(rest[6])
     if len(rest) > 7:
         constexprs["UNEQUAL"] = bool(rest[7])
+    if len(rest) > 8:
+        constexprs["VARLEN_K"] = bool(rest[8])
     rows_m, rows_n = desc([1, bm, 1, lead]), desc([1, bn, 1, lead])
     rows_mv, rows_nv = desc([1, bm, 1, dv]), desc([1, bn, 1, dv])
     tail_m, tail_n = desc([1, bm, 1, tail or lead]), desc([1, bn, 1, tail or lead])
     types = dict(desc_q=rows_m, desc_do=rows_mv, desc_k=rows_n, desc_v=rows_nv, desc_dk=rows_n, desc_dv=rows_nv,
                  desc_q2=tail_m, desc_k2=tail_n, desc_dk2=tail_n, LSE="*fp32", DELTA="*fp32", qk_scale="fp32",
                  grad_scale="fp32", softcap_log2e="fp32", CU_SEQLENS="*i32", DK_OUT=f"*{type_name}",
-                 DV_OUT=f"*{type_name}", ALIBI_SLOPES="*fp32")
+                 DV_OUT=f"*{type_name}", ALIBI_SLOPES="*fp32", CU_SEQLENS_K="*i32", KV_LENS="*i32")
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))

@@ -222,3 +222,23 @@ def test_unequal_lengths_build_compiles(tmp_path, d):
     for row in (unequal, window):
         assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
         assert row["spill_bytes"] <= plain["spill_bytes"] + UNEQUAL_EXTRA_SPILL.get(d, 0), (row, plain)
+
+
+VARLEN_K_EXTRA_SPILL = {128: 12}
+
+
+@pytest.mark.parametrize("d", [128, 192, 256])
+def test_varlen_k_builds_compile(tmp_path, d):
+    # VARLEN_K: packed k with sequences of its own (its start and length read before the loop and again after it).
+    # ptxas -v at d = 128 (255 registers): 16 / 12 bytes of spill non-causal / causal (the plain causal build 24),
+    # 4 / 96 with a softcap (packed sequences with a softcap, causal: 84); d = 192 / 256 do not spill
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_DKDV_CONFIGS[d], CONFIG_KEYS)
+    # flags after ROTATED: LAUNCH_DEPENDENTS, LOCAL, VARLEN, SOFTCAP, ALIBI, UNEQUAL, VARLEN_K
+    cases = [["bf16", d, causal, cfg + [0, 0, 1, cap, 0, 0, 1]] for causal in (False, True) for cap in (0, 1)]
+    plain_causal, = _compile_cases(tmp_path, [["bf16", d, True, cfg]])
+    for (*_, c), row in zip(cases, _compile_cases(tmp_path, cases)):
+        assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
+        allowed = SOFTCAP_SPILL_ALLOWANCE.get((d, True), 0) if c[-4] else plain_causal["spill_bytes"]
+        assert row["spill_bytes"] <= allowed + VARLEN_K_EXTRA_SPILL.get(d, 0), (row, plain_causal)

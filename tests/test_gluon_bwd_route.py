@@ -39,12 +39,15 @@ def test_refusals_name_the_reason():
     assert gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=0)) is None
     assert "window" in gluon_bwd.refusal(q, k, v, *args, _p(window_left=16, window_right=4))
     cu = torch.tensor([0, 256, 512], dtype=torch.int32)
-    # packed sequences sharing one cu_seqlens: the VARLEN build; two different ones: refused
+    # packed sequences sharing one cu_seqlens: the VARLEN build
     packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
     grads = [x.clone() for x in packed]
     varlen = dict(cu_seqlens_q=cu, max_seqlen_q=256, max_seqlen_k=256)
     assert gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu, **varlen)) is None
-    assert "cu_seqlens" in gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu.clone(), **varlen))
+    # k with its own cu_seqlens (the VARLEN_K build), not with a window or ALiBi
+    assert gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu.clone(), **varlen)) is None
+    assert "own cu_seqlens" in gluon_bwd.refusal(*packed, *grads, _p(cu_seqlens_k=cu.clone(), window_left=32,
+                                                                     window_right=0, **varlen))
     # softcap: the plain-order builds' SOFTCAP (d = 128 here); d = 64's rotated schedule has none
     assert gluon_bwd.refusal(q, k, v, *args, _p(softcap=5.0)) is None
     d64 = (_t(2, 256, 4, 64), _t(2, 256, 2, 64), _t(2, 256, 2, 64))

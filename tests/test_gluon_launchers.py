@@ -107,7 +107,8 @@ def test_bf16_launcher_passes_k_sequences_of_their_own(monkeypatch):
     (args, kw), = spy.calls
     assert spy.grids == [(math.ceil(724 / kw["BLOCK_M"]), 2 * 8)]
     assert kw["VARLEN"] and kw["VARLEN_K"] and "UNEQUAL" not in kw
-    assert args[-3] == 1548 and args[-2] is cu_k and args[-1] is used
+    # seqused_k at most each sequence's slots (the Triton kernel's reading)
+    assert args[-3] == 1548 and args[-2] is cu_k and args[-1].tolist() == [400, 1500]
     # without seqused_k, each sequence's key count from cu_seqlens_k
     spy.calls.clear()
     launcher.gluon_attn_fwd(q, k, v, cu_seqlens=cu_q, max_seqlen=724, cu_seqlens_k=cu_k, max_seqlen_k=1548)
@@ -117,7 +118,7 @@ def test_bf16_launcher_passes_k_sequences_of_their_own(monkeypatch):
     spy.calls.clear()
     launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, seqused_k=used)
     (args, kw), = spy.calls
-    assert kw["VARLEN_K"] and args[-2] is cu_q and args[-1] is used
+    assert kw["VARLEN_K"] and args[-2] is cu_q and args[-1].tolist() == [300, 724]
     # shared cu_seqlens: the plain VARLEN build, dummies in k's slots
     spy.calls.clear()
     launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, cu_seqlens_k=cu_q)
@@ -136,3 +137,13 @@ def test_bf16_launcher_names_what_k_sequences_cannot_take(kw, match):
     cu_q = torch.tensor([0, 300, 1024], dtype=torch.int32)
     with pytest.raises(ValueError, match=match):
         launcher.gluon_attn_fwd(q, q[:, :2], q[:, :2], cu_seqlens=cu_q, max_seqlen=724, **kw)
+
+
+def test_bf16_launcher_without_any_key(monkeypatch):
+    # k's own sequences, all empty: zeros and lse +inf, nothing launched
+    spy = spy_launches(monkeypatch, kernels, "_gluon_attn_fwd_kernel", forward=False)
+    q = torch.randn(100, 4, 128, dtype=torch.bfloat16)
+    k = torch.empty(0, 2, 128, dtype=torch.bfloat16)
+    cu_q, cu_k = torch.tensor([0, 40, 100], dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    out, lse = launcher.gluon_attn_fwd(q, k, k, cu_seqlens=cu_q, max_seqlen=60, cu_seqlens_k=cu_k, max_seqlen_k=0)
+    assert not spy.calls and torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()

@@ -167,8 +167,8 @@ def test_k_with_sequences_of_its_own():
     q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     assert "varlen" in gluon_route.refusal(q8, k8, v8, _params(**own))
     # the launcher gets k's sequences only where they differ from q's
-    assert gluon_route._own_k(_params(**own)) == dict(cu_seqlens_k=cu_k, max_seqlen_k=1548)
-    assert gluon_route._own_k(_params(**shared_used)) == dict(seqused_k=used)
-    assert gluon_route._own_k(_params(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=724,
+    assert gluon_route.own_k(_params(**own)) == dict(cu_seqlens_k=cu_k, max_seqlen_k=1548)
+    assert gluon_route.own_k(_params(**shared_used)) == dict(seqused_k=used)
+    assert gluon_route.own_k(_params(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=724,
                                       max_seqlen_k=724)) == {}
-    assert gluon_route._own_k(_params()) == {}
+    assert gluon_route.own_k(_params()) == {}

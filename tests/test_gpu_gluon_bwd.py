@@ -222,3 +222,31 @@ def test_gluon_dkdv_unequal_lengths(gluon_on, d, dv, sq, sk):
         check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=True, dv=dv)
         check_padded(1, sq, sk, 4, 4, d, torch.bfloat16, device=DEV, causal=True, dv=dv, window_size=(300, 0))
     assert gluon_on, "the Gluon dK/dV kernel did not run"
+
+
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 20.0])
+def test_gluon_dkdv_k_sequences_of_their_own(gluon_on, monkeypatch, d, dv, causal, softcap):
+    # k with its own cu_seqlens (the VARLEN_K build): longer, shorter and empty per sequence, aligned bottom-right;
+    # queries above k's diagonal see nothing (zero gradients), keys no query sees get zero dK / dV
+    from flashtile.backends.reference import attention_ref
+    from tolerance import assert_fa_close
+
+    lens_q, lens_k, h, h_k = [1, 63, 300, 1000, 65, 128], [5, 63, 700, 130, 0, 1100], 4, 2
+    cu_q = torch.tensor([0, *lens_q], device=DEV).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k], device=DEV).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), h_k, d, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens_k), h_k, dv, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    kw = dict(causal=causal, softcap=softcap)
+    seen, real = [], gluon_bwd.gluon_attn_bwd_dkdv
+    monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv", lambda *a, **kws: seen.append(kws) or real(*a, **kws))
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    ref = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)[0]
+    pt = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, upcast=False, **kw)[0]
+    g = torch.randn_like(out)
+    for name, x, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), g),
+                             torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(pt, (q, k, v), g)):
+        assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
+    assert gluon_on and seen[-1]["cu_seqlens_k"] is cu_k, "the Gluon VARLEN_K dK/dV build did not run"

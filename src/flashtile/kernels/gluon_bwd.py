@@ -238,14 +238,15 @@ def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_
 def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_q2, desc_k2, desc_dk2, LSE,
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
-                                stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, HEAD_DIM: gl.constexpr,
+                                stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, CU_SEQLENS_K, KV_LENS,
+                                HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                                 LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False,
                                 SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                                UNEQUAL: gl.constexpr = False):
+                                UNEQUAL: gl.constexpr = False, VARLEN_K: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
@@ -259,7 +260,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     order only): fp32 slopes ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)), one per query
     head, each score biased by ``-slope * |row - key|``. UNEQUAL (padded): k's length ``seqlen_k`` differs from
     q's ``seqlen``; query i's diagonal key is i + seqlen_k - seqlen (bottom-right, the forward's alignment), and
-    the masks and the bias read each key shifted back by that much.
+    the masks and the bias read each key shifted back by that much. VARLEN_K (with VARLEN): k's own sequences,
+    starting at CU_SEQLENS_K[b], KV_LENS[b] keys long, aligned with q's bottom-right per sequence as UNEQUAL's.
     WARPS_N = 2 (d = 256, 8 warps): two warpgroups side by side, each with half of every tile's
     columns (half the queries of S^T / dP^T, half of d in dK / dV); P^T / dS^T meet in shared memory.
     ROTATED = False (the d = 128 / 256 table's choice): the plain order, every product
@@ -284,6 +286,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gl.static_assert(not (ALIBI and ROTATED))  # ALiBi: the plain order only
     # ALiBi's bias is slope * (key - row) only where every visible key is left of the row
     gl.static_assert(CAUSAL or not ALIBI)
+    # k's own sequences: no window or ALiBi (the route keeps those calls on Triton)
+    gl.static_assert(not VARLEN_K or (VARLEN and not LOCAL and not ALIBI))
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -297,9 +301,14 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     off_hk = pid_bh % n_kv_heads
     n0 = pid_n * BLOCK_N
     seq0, seqlen, tb = _sequence(CU_SEQLENS, off_b, seqlen, VARLEN)
+    kseq0 = seq0
+    kv_len = seqlen
+    if VARLEN_K:
+        kseq0 = gl.load(CU_SEQLENS_K + off_b)
+        kv_len = gl.load(KV_LENS + off_b)
     if VARLEN:
         # the grid covers the longest sequence: a key block past this one has nothing to do
-        if n0 >= seqlen:
+        if n0 >= kv_len:
             return
         LSE = LSE + seq0
         DELTA = DELTA + seq0
@@ -308,10 +317,12 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     r0 = n0
     if UNEQUAL:
         r0 = n0 - (seqlen_k - seqlen)
+    if VARLEN_K:
+        r0 = n0 - (kv_len - seqlen)
     m_start = 0
     if CAUSAL:
         # query rows before the block's first key see none of its keys (UNEQUAL: r0 may be negative)
-        if UNEQUAL:
+        if UNEQUAL or VARLEN_K:
             m_start = gl.maximum(r0, 0) // BLOCK_M
         else:
             m_start = n0 // BLOCK_M
@@ -344,11 +355,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     kv_ready, ready = _barriers(NUM_BUFFERS)
     if SPLIT:
         mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes + desc_k2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [tb, seq0 + n0, off_hk, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(desc_v, [tb, seq0 + n0, off_hk, 0], kv_ready, v_smem)
-        tma.async_copy_global_to_shared(desc_k2, [tb, seq0 + n0, off_hk, 0], kv_ready, k2_smem)
+        tma.async_copy_global_to_shared(desc_k, [tb, kseq0 + n0, off_hk, 0], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(desc_v, [tb, kseq0 + n0, off_hk, 0], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(desc_k2, [tb, kseq0 + n0, off_hk, 0], kv_ready, k2_smem)
     else:
-        _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, tb, seq0 + n0, off_hk)
+        _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, tb, kseq0 + n0, off_hk)
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_steps:
             _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, i, tb, h0, m_start, steps_per_head, NUM_BUFFERS,
@@ -430,6 +441,10 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                            steps_per_head, NUM_BUFFERS, BLOCK_M, desc_q2, q2_smem, SPLIT, seq0)
 
     _invalidate(kv_ready, ready, NUM_BUFFERS)
+    if VARLEN_K:
+        # from here on the rows are keys: k's start and length (read again, not kept across the loop)
+        seq0 = gl.load(CU_SEQLENS_K + off_b, volatile=True)
+        seqlen = gl.load(KV_LENS + off_b, volatile=True)
     if VARLEN and (n0 + BLOCK_N > seqlen):
         # a TMA store would write the next sequence's rows too: store this block's rows one by one
         dk_rows = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, acc_layout))

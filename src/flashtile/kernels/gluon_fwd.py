@@ -163,7 +163,8 @@ def _softmax_step(s, m_i, l_i, block, row_idx, seqlen, qk_scale, s_layout: gl.co
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_base - P_SHIFT, 1))
     else:
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_base, 1))
-    # without a window, key 0 is visible to every row, so m_new is finite from the first block on
+    # without a window (or k's own sequences: EMPTY_ROWS, guarded above), key 0 is visible to every row, so m_new
+    # is finite from the first block on
     alpha = gl.exp2(m_i - m_base)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -550,7 +551,8 @@ def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE
     desc_q / desc_q2 and desc_k / desc_k2 (the leading and tail columns), v, out (b, s, h, HEAD_DIM_V); SINK
     (h,) when HAS_SINK; LOCAL: a causal sliding window of ``window_left`` keys before each row's own; SOFTCAP:
     capped scores (qk_scale = softmax_scale / softcap in base e, softcap_log2e = softcap * log2(e)); VARLEN:
-    packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) shared by q and k,
+    packed sequences, q / k / v / out (1, total, h, d) descriptors, CU_SEQLENS (b + 1,) (q's, and k's too without
+    VARLEN_K),
     OUT / stride_om / stride_oh the output tensor for ragged last tiles, the lse (h, total); ALIBI: fp32 slopes
     ALIBI_SLOPES (h,) or (b, h) (stride_ab: its batch stride, 0 for (h,)); UNEQUAL: k's length ``seqlen_k``
     differs from q's ``seqlen`` (padded calls, bottom-right alignment); VARLEN_K (with VARLEN): k's own sequences,

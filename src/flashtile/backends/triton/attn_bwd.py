@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import config
-from flashtile.backends.triton import config_files, gluon_bwd
+from flashtile.backends.triton import config_files, gluon_bwd, gluon_route
 from flashtile.backends.triton.attn_fwd import LOG2E
 from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2, run_kernel
 from flashtile.kernels.attn_bwd import (
@@ -201,7 +201,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0,
                                       launch_dependents=pdl, window_left=p.window_left,
                                       cu_seqlens=p.cu_seqlens_q if varlen else None, max_seqlen=p.max_seqlen_q,
-                                      softcap=p.softcap, alibi_slopes=p.alibi_slopes)
+                                      softcap=p.softcap, alibi_slopes=p.alibi_slopes, **gluon_route.own_k(p))
     else:
         launch(
             _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),

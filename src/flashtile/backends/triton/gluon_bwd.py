@@ -38,10 +38,11 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     """Why the Gluon dK/dV kernel cannot compute this backward exactly (None: it can)."""
     if q.dtype not in DTYPES or any(x.dtype != q.dtype for x in (k, v, dout, dk, dv)):
         return f"dtype {q.dtype} (takes {DTYPES})"
-    # the forward's coverage: padded (q and k of any lengths, causal with k the longer) or shared-cu_seqlens
-    # varlen, plain, causal or a causal window, softcap, causal ALiBi, no dropout / seqused, TMA-readable q, k, v
+    # the forward's coverage: padded (q and k of any lengths, causal with k the longer) or varlen (k with its
+    # own cu_seqlens_k / seqused_k: plain, causal or softcap), plain, causal or a causal window, softcap, causal
+    # ALiBi, no dropout / seqused_q, TMA-readable q, k, v
     why = gluon_route.coverage_refusal(q, k, v, p, HEAD_DIMS, causal_window=True, varlen=True, softcap=True,
-                                       alibi=True, unequal_lengths=True)
+                                       alibi=True, unequal_lengths=True, varlen_k=True)
     if why:
         return why
     plain_order_only = [name for name, used in (("softcap", p.softcap > 0), ("varlen", p.varlen),
@@ -107,7 +108,8 @@ def _check_stats(lse, delta) -> None:
 def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float, causal: bool,
                         config: dict | None = None, launch_dependents: bool = False, window_left: int = -1,
                         cu_seqlens=None, max_seqlen: int = 0, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None) -> None:
+                        alibi_slopes: torch.Tensor | None = None, cu_seqlens_k=None, max_seqlen_k: int = 0,
+                        seqused_k: torch.Tensor | None = None) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
@@ -116,10 +118,22 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     ``causal``): a causal sliding window. Varlen: (total, h, d) tensors packed by ``cu_seqlens`` (b + 1,) int32,
     shared by q and k, ``max_seqlen`` their longest, lse and delta (h, total). ``softcap`` > 0: capped scores.
     ``alibi_slopes`` (with ``causal``): CUDA fp32 (h,) or (b, h) slopes (b: sequences when varlen), unit last
-    stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse."""
+    stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse.
+    ``cu_seqlens_k`` / ``seqused_k`` (varlen): k, v, dk, dv packed by sequences of their own (``max_seqlen_k`` the
+    longest), aligned bottom-right with q's per sequence; no window or ALiBi then."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     varlen = cu_seqlens is not None
+    varlen_k = varlen and ((cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens) or seqused_k is not None)
+    if varlen_k:
+        if window_left >= 0 or alibi_slopes is not None:
+            raise ValueError("gluon bwd: k's own cu_seqlens / seqused_k take no window or alibi_slopes")
+        if cu_seqlens_k is None:
+            cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+        # each sequence's key count (the kernel reads it again after its loop rather than keep it)
+        kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        if seqused_k is not None:  # at most the sequence's slots, as the Triton kernels read it
+            kv_lens = torch.minimum(kv_lens, seqused_k)
     dk_out, dv_out = dk, dv
     if varlen:  # one sequence of all the tokens to the descriptors; the kernel finds each in cu_seqlens
         q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))
@@ -128,8 +142,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     s_k = k.shape[1]
     if varlen:
         b, s = cu_seqlens.numel() - 1, max_seqlen
-        s_k = s
-    if causal and s_k < s:
+        s_k = max_seqlen_k if varlen_k else s
+    if causal and s_k < s and not varlen_k:
         raise ValueError(f"gluon bwd: causal needs seqlen_k >= seqlen_q, got {s} and {s_k}")
     h_k, dv_dim = k.shape[2], v.shape[-1]
     if alibi_slopes is not None:
@@ -159,7 +173,9 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         meta["SOFTCAP"] = True
     if alibi_slopes is not None:
         meta["ALIBI"] = True
-    if s_k != s:
+    if varlen_k:
+        meta["VARLEN_K"] = True
+    elif s_k != s:
         meta["UNEQUAL"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
@@ -178,4 +194,5 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         dv_out.stride(-2), softcap * LOG2E,
         # ALiBi: the slopes and their batch stride (0 for (h,): every batch reads the one row)
         lse if alibi_slopes is None else alibi_slopes,
-        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k, **meta)
+        alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k,
+        cu_seqlens_k if varlen_k else lse, kv_lens if varlen_k else lse, **meta)

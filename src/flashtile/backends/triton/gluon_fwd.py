@@ -254,6 +254,8 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
         b, s = cu_seqlens.numel() - 1, max_seqlen
     if out.numel() == 0 or b == 0:
         return (out[0], lse[0]) if varlen else (out, lse)
+    if varlen_k and k.shape[1] == 0:  # no key in any sequence: every row sees nothing (no descriptor over 0 rows)
+        return out[0].zero_(), lse[0].fill_(float("inf"))
 
     from flashtile.kernels.gluon_fwd import _gluon_attn_fwd_kernel
 
@@ -262,7 +264,9 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     # each sequence's key count (the kernel reads it where its masked blocks need it, not kept in a register)
     kv_lens = None
     if varlen_k:
-        kv_lens = seqused_k if seqused_k is not None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        if seqused_k is not None:  # at most the sequence's slots, as the Triton kernel reads it
+            kv_lens = torch.minimum(kv_lens, seqused_k)
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing),
     # and the kernel, which never reads its tail descriptors, gets the first ones again
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])

@@ -142,7 +142,7 @@ def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) 
     return q.device.type == "cuda" and capability(q.device) in CAPABILITIES and refusal(q, k, v, p) is None
 
 
-def _own_k(p: AttnParams) -> dict:
+def own_k(p: AttnParams) -> dict:
     """k's own sequences for the launcher, where the call has them (refusal() let them through)."""
     if not p.varlen:
         return {}
@@ -165,5 +165,5 @@ def gluon_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams):
         out, lse = gluon_attn_fwd(q, k, v, softmax_scale=p.softmax_scale, causal=causal,
                                   learnable_sink=p.learnable_sink, window_left=p.window_left, softcap=p.softcap,
                                   cu_seqlens=p.cu_seqlens_q, max_seqlen=p.max_seqlen_q, alibi_slopes=p.alibi_slopes,
-                                  **_own_k(p))
+                                  **own_k(p))
     return out, lse, None
