@@ -82,3 +82,20 @@ def test_max_seqlen_k_past_the_table_and_padded_entries():
     want = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 6)
     got = flashtile.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 4, 100, block_table=table)
     assert (got - want).abs().max().item() < 1e-5
+
+
+def test_gathered_slots_past_a_sequence_hold_zero_values():
+    # pages a slot past its sequence names may be unwritten (NaN here): P = 0 times NaN would be NaN in kernels that
+    # read V by TMA without a row mask, so the gather zeroes those values
+    from flashtile.paged import paged_to_varlen
+
+    kc = torch.full((6, 4, 1, 8), float("nan"))
+    vc = torch.full((6, 4, 1, 8), float("nan"))
+    kc[:3], vc[:3] = torch.randn(3, 4, 1, 8), torch.randn(3, 4, 1, 8)
+    table = torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)
+    cu = torch.tensor([0, 7, 10], dtype=torch.int32)
+    k, v, cu_dense, lens = paged_to_varlen(kc, vc, table, cu, 8)
+    assert lens.tolist() == [7, 3] and cu_dense.tolist() == [0, 8, 16]
+    assert torch.isfinite(v).all() and torch.equal(v[7], torch.zeros_like(v[7]))
+    assert torch.equal(v[11:16], torch.zeros(5, 1, 8))
+    assert torch.equal(v[:7], vc[:2].flatten(0, 1)[:7]) and torch.equal(v[8:11], vc[2, :3])

@@ -57,7 +57,9 @@ def paged_to_varlen(k_cache, v_cache, block_table, cu_seqlens_k, max_seqlen_k: i
     # seqused_k masks those keys out
     rows = rows.clamp_(0, num_blocks * page_size - 1).flatten()
     k = k_cache.flatten(0, 1)[rows]
-    v = v_cache.flatten(0, 1)[rows]
+    # a slot past its sequence's length holds whatever page it names (an unwritten pool may hold NaN): its key is
+    # masked, but P = 0 times a NaN value is NaN, and the kernels that read V by TMA do not mask its rows
+    v = v_cache.flatten(0, 1)[rows].masked_fill_((pos[None, :] >= lens[:, None]).flatten()[:, None, None], 0)
     cu_dense = torch.arange(b + 1, device=k_cache.device, dtype=torch.int32) * slots
     return k, v, cu_dense, lens
 
