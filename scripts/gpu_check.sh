@@ -17,7 +17,8 @@
 #                                                   bench-mla's Gluon one
 #   pending  ab-pending                             branch pending-gpu's work not yet run on a GPU: the dQ
 #                                                   kernel's head-dim split (d 192), the Gluon forward's
-#                                                   VARLEN_K build, flex's lse gradient / kernel_options;
+#                                                   and dK/dV's VARLEN_K builds, flex's lse gradient /
+#                                                   kernel_options;
 #                                                   the A/Bs of the first two
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
@@ -65,8 +66,8 @@ run_step() {
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
     pending) step pending timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
-               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_gluon.py tests/test_gpu_flex.py \
-               -k "192 or varlen_k or lse_gradient or kernel_options" ;;
+               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py \
+               tests/test_gpu_flex.py -k "192 or varlen_k or k_sequences or lse_gradient or kernel_options" ;;
     ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json"
                 step ab-own-k python scripts/ab_routes.py --varlen --own-k --modes fwd --windows -1 --softcaps 0 30 \
                   --tokens 65536 --out "$OUT/ab_own_k.json" ;;
