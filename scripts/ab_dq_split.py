@@ -6,7 +6,9 @@ Usage: PYTHONPATH=src python scripts/ab_dq_split.py --out $OUT/ab_dq_split.json 
 
 Rows: bf16, q / k 192 with v 128 (DeepSeek-V3) and 192 with v 192, hidden 16 heads, 16k tokens a batch, causal and
 not; the time is the backward, (forward + backward) - forward. The gradients of the two builds are compared first
-(the same products summed in another order: within a bf16 rounding of each other).
+(the same products summed in another order: within a bf16 rounding of each other). Two more columns run the split
+build with 2- and 3-stage dQ pipelines (the table's 256-bucket tile has 1 stage, which the padded tile needed; the
+split one fits 2 in 160 KiB and 3 in 200 KiB of shared memory); a winner there becomes a d = 192 table row.
 """
 
 import argparse
@@ -20,8 +22,10 @@ import torch
 import triton
 
 import flashtile
+from flashtile import config
 from flashtile.backends.triton import attn_bwd
 from flashtile.bench.timing import bench, time_in_rounds
+from flashtile.kernels.attn_bwd import bwd_configs
 
 
 @contextmanager
@@ -59,10 +63,17 @@ def _row(d, dv, s, causal, rounds, tokens=16384, h=16):
         return run
 
     from contextlib import nullcontext
-    results, failed = time_in_rounds([("split", timer(nullcontext)), ("padded", timer(padded))], rounds)
+
+    kv_tiles, (bm, bn, warps, _) = bwd_configs("sm90", 256, causal=causal, max_seqlen=s)
+
+    def stages(n):
+        return lambda: config.override(bwd_tiles=(kv_tiles, (bm, bn, warps, n)))
+    timers = [("split", timer(nullcontext)), ("padded", timer(padded)), ("split-s2", timer(stages(2))),
+              ("split-s3", timer(stages(3)))]
+    results, failed = time_in_rounds(timers, rounds)
     ms = {n: statistics.median(r) for n, r in results.items()}
     ratio = statistics.median(p / s_ for s_, p in zip(results.get("split", []), results.get("padded", []))) \
-        if len(results) == 2 else None
+        if "split" in results and "padded" in results else None
     return dict(d=d, dv=dv, s=s, b=b, h=h, causal=causal, bwd_ms=ms, padded_over_split=ratio, rel_grad_diff=diff,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
@@ -81,8 +92,8 @@ def main():
             for s in args.seqlens:
                 row = _row(192, dv, s, causal, args.rounds)
                 rows.append(row)
-                print(f"d=192 dv={dv} s={s} causal={causal}: bwd split {row['bwd_ms'].get('split', 0):.3f} ms, "
-                      f"padded {row['bwd_ms'].get('padded', 0):.3f} ms, padded / split "
+                times = ", ".join(f"{n} {t:.3f}" for n, t in row["bwd_ms"].items())
+                print(f"d=192 dv={dv} s={s} causal={causal}: bwd {times} ms, padded / split "
                       f"{row['padded_over_split'] or 0:.3f}, grad diff {row['rel_grad_diff']:.1e} "
                       f"{row['errors'] or ''}", flush=True)
                 with open(args.out, "w") as f:
