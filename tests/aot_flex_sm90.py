@@ -34,17 +34,22 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
-def main(which, bm, bn, warps, stages):
+def main(which, bm, bn, warps, stages, tma=0):
     kernels = registry.entry_for(rel_bias, causal).kernels()
     kern = {"fwd": _flex_fwd_kernel, "dkdv": _flex_bwd_dkdv_kernel, "dq": _flex_bwd_dq_kernel}[which]
     cx = dict(SCORE_MOD=kernels.score_mod, SCORE_GRAD=kernels.score_grad, MASK_MOD=kernels.mask_mod,
               HAS_SCORE_MOD=True, HAS_BUFFER_GRADS=True, HEAD_DIM=128, HEAD_DIM_V=128, BLOCK_M=bm, BLOCK_N=bn,
               BLOCK_D=128, BLOCK_DV=128, SPARSE_Q=128, SPARSE_KV=128, EVEN_M=True, EVEN_N=True,
               DOT_PRECISION="tf32")
+    if which == "fwd":  # tma: the forward's tensor-descriptor build, K and V boxes of bn rows of one (b, kv head)
+        cx["USE_TMA"] = bool(tma)
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(kern.arg_names):
         if name in cx:
             sig[name], consts[(i,)] = "constexpr", cx[name]
+            continue
+        if name in ("desc_k", "desc_v") and tma:
+            sig[name] = f"tensordesc<bf16[1,1,{bn},128]>"
             continue
         if name == "BUFS":
             sig[name] = ("*fp32",)
@@ -73,4 +78,4 @@ def main(which, bm, bn, warps, stages):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(a) for a in sys.argv[2:6]))
+    main(sys.argv[1], *(int(a) for a in sys.argv[2:7]))

@@ -16,10 +16,11 @@ from flashtile.kernels.flex_fwd import FLEX_FWD_CONFIGS
 SCRIPT = pathlib.Path(__file__).with_name("aot_flex_sm90.py")
 SM90_MAX_SHARED = 232448
 (KV_CFG, Q_CFG) = FLEX_BWD_CONFIGS[("sm90", 128)]
-CASES = {"fwd": FLEX_FWD_CONFIGS[("sm90", 128)], "dkdv": KV_CFG, "dq": Q_CFG}
+CASES = {"fwd": FLEX_FWD_CONFIGS[("sm90", 128)], "fwd-tma": FLEX_FWD_CONFIGS[("sm90", 128)], "dkdv": KV_CFG,
+         "dq": Q_CFG}
 # warp-group dots per kernel: two per loop (QK^T, PV), dK/dV four, dQ three; two loops (partial, full blocks)
-DOTS = {"fwd": 4, "dkdv": 8, "dq": 6}
-MAX_SPILL_BYTES = {"fwd": 0, "dkdv": 256, "dq": 64}
+DOTS = {"fwd": 4, "fwd-tma": 4, "dkdv": 8, "dq": 6}
+MAX_SPILL_BYTES = {"fwd": 0, "fwd-tma": 0, "dkdv": 256, "dq": 64}
 
 
 @pytest.mark.parametrize("which", sorted(CASES))
@@ -30,7 +31,8 @@ def test_flex_kernel_compiles_for_sm90(tmp_path, which):
     env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).parents[1] / "src"), env.get("PYTHONPATH", "")])
     bm, bn, warps, stages = CASES[which]
-    res = subprocess.run([sys.executable, str(SCRIPT), which, str(bm), str(bn), str(warps), str(stages)],
+    res = subprocess.run([sys.executable, str(SCRIPT), which.removesuffix("-tma"), str(bm), str(bn), str(warps),
+                          str(stages), str(int(which.endswith("-tma")))],
                          capture_output=True, text=True, env=env, timeout=600, cwd=SCRIPT.parent)
     if res.returncode != 0 and "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("no ptxas in this triton install")

@@ -33,32 +33,42 @@ def _flex_fwd_inner(acc, m_i, l_i, q, K, V, NUM, IDX, FULL_NUM, FULL_IDX, b, h, 
                     seqlen_k, stride_kn, stride_vn, sm_scale, BUFS,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SPARSE_KV: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    SPARSE_KV: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    desc_k=None, desc_v=None, kv_head=0, USE_TMA: tl.constexpr = False):
     """Online softmax over the query block's two key-block lists: the partly visible blocks (IDX[0 : NUM],
-    mask_mod decides per element), then the fully visible ones (FULL_IDX[0 : FULL_NUM], no mask work)."""
+    mask_mod decides per element), then the fully visible ones (FULL_IDX[0 : FULL_NUM], no mask work).
+    USE_TMA: K and V tiles come through tensor descriptors over (b, h_k, s, d) (desc_k, desc_v; the copy
+    engine zero-fills rows past the keys and columns past the head dim)."""
     offs_n = tl.arange(0, BLOCK_N)
     for phase in tl.static_range(2):
         LIST, n_tiles = _block_list(phase, NUM, IDX, FULL_NUM, FULL_IDX, SPARSE_KV, BLOCK_N)
         for j in tl.range(0, n_tiles):
-            cols = _listed_start(LIST, j, SPARSE_KV, BLOCK_N) + offs_n
-            k_mask = offs_d[:, None] < HEAD_DIM
-            if not EVEN_N:
-                k_mask = k_mask & (cols[None, :] < seqlen_k)
-            kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=k_mask, other=0.0)
+            col0 = _listed_start(LIST, j, SPARSE_KV, BLOCK_N)
+            cols = col0 + offs_n
+            if USE_TMA:
+                kt = tl.trans(desc_k.load([b, kv_head, col0, 0]).reshape(BLOCK_N, offs_d.shape[0]))
+            else:
+                k_mask = offs_d[:, None] < HEAD_DIM
+                if not EVEN_N:
+                    k_mask = k_mask & (cols[None, :] < seqlen_k)
+                kt = tl.load(K + cols[None, :] * stride_kn + offs_d[:, None], mask=k_mask, other=0.0)
             qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
             kv_idx = _bounded(cols, seqlen_k, EVEN_N)[None, :]
             _, s, _ = _flex_scores(qk, sm_scale, b, h, q_idx, kv_idx, q_idx >= 0, cols[None, :] < seqlen_k, BUFS,
                                    SCORE_MOD, MASK_MOD, HAS_SCORE_MOD, phase == 0, False, not EVEN_N)
             # MASK=True: a row may have seen only -inf so far (a mask, or a score_mod returning -inf)
             p, m_i, l_i, acc = _softmax_update(s, m_i, l_i, acc, True, 0)
-            v = _load_rows(V, cols, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, not EVEN_N)
+            if USE_TMA:
+                v = desc_v.load([b, kv_head, col0, 0]).reshape(BLOCK_N, offs_dv.shape[0])
+            else:
+                v = _load_rows(V, cols, stride_vn, offs_dv, seqlen_k, HEAD_DIM_V, not EVEN_N)
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k"])
 def _flex_fwd_kernel(
-    Q, K, V, O, LSE, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, BUFS,
+    Q, K, V, O, LSE, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, BUFS, desc_k, desc_v,
     sm_scale, seqlen_q, seqlen_k, num_heads, group,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om, stride_lse_b, stride_lse_h,
@@ -66,10 +76,12 @@ def _flex_fwd_kernel(
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, HAS_SCORE_MOD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SPARSE_Q: tl.constexpr, SPARSE_KV: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr = False,
 ):
     """Out and lse of BLOCK_M query rows of one (batch, head). The block-mask tensors (KV_NUM (b, h, nq),
-    KV_IDX (b, h, nq, nk), and FULL_*) come expanded to (b, h): a broadcast dimension has stride 0."""
+    KV_IDX (b, h, nq, nk), and FULL_*) come expanded to (b, h): a broadcast dimension has stride 0.
+    USE_TMA: desc_k / desc_v are tensor descriptors of K and V (boxes of BLOCK_N rows of one head), else the
+    tensors again, unused."""
     b, h, kv_head, start_m, offs_m = _q_rows(seqlen_q, num_heads, group, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -86,7 +98,8 @@ def _flex_fwd_kernel(
                                     V + b64 * stride_vb + kv_head * stride_vh, KV_NUM + row, KV_IDX + idx_row,
                                     FULL_NUM + row, FULL_IDX + idx_row, b, h, q_idx, offs_d, offs_dv,
                                     seqlen_k, stride_kn, stride_vn, sm_scale, BUFS, SCORE_MOD, MASK_MOD,
-                                    HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION)
+                                    HAS_SCORE_MOD, HEAD_DIM, HEAD_DIM_V, BLOCK_N, SPARSE_KV, EVEN_N, DOT_PRECISION,
+                                    desc_k, desc_v, kv_head, USE_TMA)
 
     empty = l_i == 0.0
     out = acc * tl.where(empty, 0.0, 1.0 / tl.where(empty, 1.0, l_i))[:, None]

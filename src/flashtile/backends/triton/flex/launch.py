@@ -49,6 +49,21 @@ def _buffers(kernels: ModKernels, device) -> tuple:
     return bufs if bufs else (torch.empty(1, device=device),)
 
 
+def _kv_descriptors(k: Tensor, v: Tensor, bn: int, bd: int, bdv: int):
+    """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) where ``config.tma`` asks for them
+    and both tensors allow them, else the tensors again (the pointer path). Off unless asked while the flex
+    forward's TMA path waits for its GPU A/B (scripts/ab_flex_tma.py)."""
+    from flashtile.backends.triton.tma import tma_ok
+
+    if not config.get().tma or not (tma_ok(k) and tma_ok(v)) or min(bd, bdv) * k.element_size() < 16:
+        return k, v, False
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    desc = [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, bn, width]) for x, width in ((k, bd),
+                                                                                                    (v, bdv))]
+    return desc[0], desc[1], True
+
+
 def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels, scale: float,
              block_size: tuple[int, int], tiles: tuple = (0, 0, 0, 0)) -> tuple[Tensor, Tensor]:
     """out (B, Hq, L, Ev) in q's dtype and lse (B, Hq, L) fp32 (+inf on rows that see no key).
@@ -66,8 +81,10 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
     bm, bn, warps, stages = _fit(tiles[0], bq), _fit(tiles[1], bkv), tiles[2], tiles[3]
     num, idx, fnum, fidx = (_expand(t, B, H) for t in block)
     grid = (host.cdiv(L, bm) * B * H,)
+    desc_k, desc_v, tma = _kv_descriptors(k, v, bn, bd, bdv)
     with host.device_guard(q):
         host.launch(_flex_fwd_kernel, grid, q, k, v, out, lse, num, idx, fnum, fidx, _buffers(kernels, q.device),
+                    desc_k, desc_v,
                     scale, L, S, H, H // k.shape[1],
                     q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                     v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -76,7 +93,7 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
                     SCORE_MOD=kernels.score_mod, MASK_MOD=kernels.mask_mod, HAS_SCORE_MOD=kernels.has_score_mod,
                     HEAD_DIM=E, HEAD_DIM_V=Ev, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv, SPARSE_Q=bq,
                     SPARSE_KV=bkv, EVEN_M=L % bm == 0, EVEN_N=S % bkv == 0, DOT_PRECISION=_dot_precision(q.dtype),
-                    num_warps=warps, num_stages=stages)
+                    num_warps=warps, num_stages=stages, **({"USE_TMA": True} if tma else {}))
     return out, lse
 
 
