@@ -18,7 +18,7 @@
 #   pending  ab-pending                             branch pending-gpu's work not yet run on a GPU: the dQ
 #                                                   kernel's head-dim split (d 192), the Gluon forward's
 #                                                   and dK/dV's VARLEN_K builds, flex's lse gradient /
-#                                                   kernel_options, flex's TMA forward (test_flex_tma);
+#                                                   kernel_options;
 #                                                   the A/Bs of the dQ split, VARLEN_K and flex TMA
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
