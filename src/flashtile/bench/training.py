@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 import statistics
 import time
@@ -167,7 +168,7 @@ def _varlen_columns(case: Case, dtype, device, peers) -> tuple[list[Column], dic
     lengths = case.lengths
     random.Random(case.seed).shuffle(lengths)
     total, h, d = sum(lengths), case.h, case.d
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     q, k, v = (_randn((total, h, d), dtype, device, gen) for _ in range(3))
     do = _randn((total, h, d), dtype, device, gen, grad=False)
     longest = max(lengths)
