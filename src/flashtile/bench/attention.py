@@ -284,10 +284,8 @@ def run_row(shape: Shape, mode: str, impls: list[Impl], unavailable: dict[str, s
 
 def run(args) -> int:
     mode = args.command
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        report.eprint("error: --device cuda, but torch sees no CUDA device "
-                      "(use --device cpu for a smoke test)")
+    device = report.resolve_device(args.device)
+    if device is None:
         return 2
     if device == "cpu":
         report.eprint("note: CPU timings are for smoke tests only; "

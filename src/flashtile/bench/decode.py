@@ -433,9 +433,8 @@ def format_table(rows: list[dict], names: list[str], meta: dict) -> str:
 
 
 def run(args) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        report.eprint("error: --device cuda, but torch sees no CUDA device (use --device cpu for a smoke test)")
+    device = report.resolve_device(args.device)
+    if device is None:
         return 2
     if args.mla:
         q = MLA_QUICK if args.quick else MLA

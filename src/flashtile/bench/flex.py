@@ -85,9 +85,9 @@ def _impls(device: str):
     if torch.device(device).type == "cuda":
         from torch.nn.attention import flex_attention as tflex
 
-        # each row compiles Flex for new mods: past dynamo's recompile limit (8) it would run Flex unfused, the
-        # whole score matrix in memory, so every row starts from a fresh dynamo cache
-        torch._dynamo.reset()
+        from flashtile.bench.peers import raise_recompile_limits
+
+        raise_recompile_limits()  # each row compiles Flex for new mods
         impls["flex"] = (torch.compile(tflex.flex_attention, dynamic=False), tflex.create_block_mask)
     return impls
 

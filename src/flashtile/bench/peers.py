@@ -121,20 +121,24 @@ def _causal_mask(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def raise_recompile_limits() -> None:
+    """Every shape and mod is a recompile of FlexAttention (dynamic=False gives the fastest kernels); past
+    dynamo's default limit of 8 it would silently run unfused, which is not the peer we mean."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
+    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 4096))
+
+
 def _flex_build(shape: Shape, device: str) -> AttnFn:
     global _compiled_flex
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if _compiled_flex is None:
-        # Every shape is a recompile (dynamic=False gives the fastest kernels); dynamo's default
-        # limit of 8 would silently fall back to eager flex_attention, which is not the peer we mean.
-        cfg = torch._dynamo.config
-        for name in ("cache_size_limit", "recompile_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 1024))
-        for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 4096))
+        raise_recompile_limits()
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
     flex = _compiled_flex
     block_mask = None

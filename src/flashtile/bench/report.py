@@ -189,3 +189,15 @@ def _error_notes(rows: list[dict]) -> list[str]:
 
 def eprint(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
+
+
+def resolve_device(requested: str | None) -> str | None:
+    """The benchmark's device: ``--device`` if given, else cuda when torch sees one, else cpu; None (after
+    saying why) when cuda is asked for and torch sees no CUDA device."""
+    import torch
+
+    device = requested or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        eprint("error: --device cuda, but torch sees no CUDA device (use --device cpu for a smoke test)")
+        return None
+    return device

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import random
 import statistics
 import time
@@ -30,6 +31,7 @@ import torch
 from flashtile.bench import paths, report
 from flashtile.bench.attention import GRAD_FACTOR, TOLERANCE, _describe, _max_err
 from flashtile.bench.models import NOISE, judge
+from flashtile.bench.peers import _sdpa_context, _sdpa_unavailable
 from flashtile.bench.shapes import attention_flops, tflops
 from flashtile.bench.timing import bench, bench_graph, time_in_rounds
 
@@ -131,18 +133,10 @@ def _randn(shape, dtype, device, gen, grad=True) -> torch.Tensor:
     return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype).requires_grad_(grad)
 
 
-def _sdpa_context(backend: str):
-    def ctx():
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[backend]))
-    return ctx
-
-
-def _sdpa_unavailable(backend: str, device: str) -> str | None:
-    if backend != "flash" and torch.device(device).type != "cuda":
-        return f"SDPA's {backend} backend needs a CUDA device"
-    return None
+def _sdpa(name: str, device: str):
+    """(context, reason it cannot run here or None) of SDPA's backend ``name`` (the dense modes' peers' rules)."""
+    backend = SDPA_BACKENDS[name]
+    return _sdpa_context(backend), _sdpa_unavailable(backend, cuda_only=name != "flash")(device)
 
 
 def _gqa_columns(case: Case, dtype, device, peers) -> tuple[list[Column], dict]:
@@ -163,7 +157,7 @@ def _gqa_columns(case: Case, dtype, device, peers) -> tuple[list[Column], dict]:
         dot = do.transpose(1, 2).contiguous()
         cols.append(Column(f"sdpa-{name}", lambda qt=qt, kt=kt, vt=vt: [sdpa(qt, kt, vt, is_causal=True,
                                                                             enable_gqa=True)],
-                           [qt, kt, vt], [dot], _sdpa_context(name), _sdpa_unavailable(name, device)))
+                           [qt, kt, vt], [dot], *_sdpa(name, device)))
     return cols, dict(q=q, k=k, v=v, do=do)
 
 
@@ -174,7 +168,7 @@ def _varlen_columns(case: Case, dtype, device, peers) -> tuple[list[Column], dic
     lengths = case.lengths
     random.Random(case.seed).shuffle(lengths)
     total, h, d = sum(lengths), case.h, case.d
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     q, k, v = (_randn((total, h, d), dtype, device, gen) for _ in range(3))
     do = _randn((total, h, d), dtype, device, gen, grad=False)
     longest = max(lengths)
@@ -194,8 +188,7 @@ def _varlen_columns(case: Case, dtype, device, peers) -> tuple[list[Column], dic
 
         def run_sdpa(tq=tq, tk=tk, tv=tv):
             return [sdpa(a, b_, c, is_causal=True) for a, b_, c in zip(tq, tk, tv)]
-        cols.append(Column(f"sdpa-{name}", run_sdpa, [*tq, *tk, *tv], tdo, _sdpa_context(name),
-                           _sdpa_unavailable(name, device)))
+        cols.append(Column(f"sdpa-{name}", run_sdpa, [*tq, *tk, *tv], tdo, *_sdpa(name, device)))
     return cols, dict(q=q, k=k, v=v, do=do, cu=cu, lengths=lengths)
 
 
@@ -370,9 +363,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
 
 
 def run(args) -> int:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        report.eprint("error: --device cuda, but torch sees no CUDA device (use --device cpu for a smoke test)")
+    device = report.resolve_device(args.device)
+    if device is None:
         return 2
     rounds = args.rounds or (QUICK["rounds"] if args.quick else DEFAULT_ROUNDS)
     cases = make_cases(args)

@@ -20,13 +20,17 @@ HEAD_DIM, HEAD_DIM_V = 64, 512
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _rows_2d(cache: torch.Tensor) -> torch.Tensor | None:
-    """The cache (n, s, 1, d) as its (n * s, d) rows, or None when its strides do not allow that view."""
+def _rows_ok(cache: torch.Tensor) -> bool:
+    """Can the cache (n, s, 1, d) be read as (n * s, d) rows by TMA (one head, rows evenly spaced, 16-byte
+    aligned)? Checked on every decode call, so strides only: the view is made by the launch."""
     n, s, h, d = cache.shape
-    if h != 1 or cache.stride(-1) != 1 or cache.stride(0) != s * cache.stride(1):
-        return None
-    if (cache.stride(1) * cache.element_size()) % 16 or cache.data_ptr() % 16:
-        return None  # TMA: 16-byte aligned rows
+    return (h == 1 and cache.stride(-1) == 1 and cache.stride(0) == s * cache.stride(1)
+            and (cache.stride(1) * cache.element_size()) % 16 == 0 and cache.data_ptr() % 16 == 0)
+
+
+def _rows_2d(cache: torch.Tensor) -> torch.Tensor:
+    """The cache (n, s, 1, d) as its (n * s, d) rows (the caller checked ``_rows_ok``)."""
+    n, s, _, d = cache.shape
     return cache.as_strided((n * s, d), (cache.stride(1), 1))
 
 
@@ -52,7 +56,7 @@ def refusal(q, qv, k_cache, v_cache, *, block_table, cache_batch_idx, cache_left
         return "a learnable sink or an attention chunk"
     if block_table is not None and gluon_mla_config(k_cache.shape[1]) is None:
         return f"pages of {k_cache.shape[1]} keys (takes multiples of {GLUON_MLA_CONFIGS[-1]['BLOCK_N']})"
-    if _rows_2d(k_cache) is None or _rows_2d(v_cache) is None:
+    if not (_rows_ok(k_cache) and _rows_ok(v_cache)):
         return "caches whose rows TMA cannot read"
     if q.stride(-1) != 1 or qv.stride(-1) != 1:
         return "q or qv with a non-unit last stride"
