@@ -19,8 +19,8 @@
 #                                                   kernel's head-dim split (d 192), the Gluon forward's
 #                                                   and dK/dV's VARLEN_K builds, flex's lse gradient /
 #                                                   kernel_options;
-#                                                   the A/Bs of the dQ split (ab-pending), VARLEN_K and
-#                                                   flex TMA (ab-pending2)
+#                                                   the A/Bs of the dQ split (ab-pending), VARLEN_K, fp16 on
+#                                                   the Gluon forward and flex TMA (ab-pending2)
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -72,6 +72,8 @@ run_step() {
     ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json" ;;
     ab-pending2) step ab-own-k python scripts/ab_routes.py --varlen --own-k --modes fwd --windows -1 --softcaps 0 30 \
                    --tokens 65536 --out "$OUT/ab_own_k.json"
+                 step ab-fp16 python scripts/ab_routes.py --dtype fp16 --modes fwd --windows -1 --seqlens 2048 8192 \
+                   --tokens 65536 --out "$OUT/ab_fp16.json"
                  step ab-flex-tma python scripts/ab_flex_tma.py --out "$OUT/ab_flex_tma.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;

@@ -67,7 +67,7 @@ def test_features_the_kernel_lacks_are_refused(change, reason):
 def test_shapes_and_dtypes_the_kernel_lacks_are_refused():
     q, k, v = _qkv(d=96)
     assert "head_dim" in gluon_route.refusal(q, k, v, _params())
-    q, k, v = _qkv(dtype=torch.float16)
+    q, k, v = _qkv(dtype=torch.float32)
     assert "dtype" in gluon_route.refusal(q, k, v, _params())
     q, k, v = _qkv()
     # q and k of different lengths: the forward's UNEQUAL build (bottom-right diagonal), but causal needs the
@@ -94,6 +94,18 @@ def test_preferred_where_measured_faster():
     assert not gluon_route.preferred(short, _params(causal=True, window_right=0))
     d64, _, _ = _qkv(d=64)
     assert not gluon_route.preferred(d64, _params())
+
+
+def test_fp16_takes_the_bf16_route():
+    # the same kernel with another element type: fp16 calls are covered and read bf16's route-table entries
+    for s, causal in ((1024, False), (1024, True), (4096, True)):
+        q, k, v = _qkv(s=s, dtype=torch.float16)
+        half = _params(causal=causal, window_right=0 if causal else -1)
+        assert gluon_route.refusal(q, k, v, half) is None
+        bf = _qkv(s=s)[0]
+        assert gluon_route.preferred(q, half) == gluon_route.preferred(bf, half)
+    q, k, v = _qkv(dtype=torch.float16)
+    assert "dtype" in gluon_route.refusal(q, k.bfloat16(), v, _params())
 
 
 def test_cpu_tensors_never_take_the_gluon_route():
