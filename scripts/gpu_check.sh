@@ -21,6 +21,8 @@
 #                                                   kernel_options;
 #                                                   the A/Bs of the dQ split (ab-pending), VARLEN_K, fp16 on
 #                                                   the Gluon forward and flex TMA (ab-pending2)
+#   profile-host                                    a short training step's host time against SDPA's, and a
+#                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
 #   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
@@ -77,6 +79,7 @@ run_step() {
                  step ab-flex-tma python scripts/ab_flex_tma.py --out "$OUT/ab_flex_tma.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
+    profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
