@@ -83,7 +83,7 @@ run_step() {
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
-    tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 64 128 192 \
+    tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 64 128 192 256 \
                   --out "$OUT/tune_gluon.json" ;;
     tune-gluon-mla) step tune-gluon-mla python scripts/tune_gluon_mla.py --out "$OUT/tune_gluon_mla.json" ;;
     tune-flex) step tune-flex python scripts/tune_flex.py --out "$OUT/tune_flex.json" ;;
