@@ -25,7 +25,8 @@
 #                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
 #   tune-fwd   tune-bwd   tune-decode               the config sweeps (scripts/tune_*.py)
-#   tune-gluon   tune-flex                          the Gluon forward's candidates, the flex kernels' tiles
+#   tune-gluon tune-gluon2  tune-flex              the Gluon forward's candidates (d 64 / 128, d 192 / 256),
+#                                                   the flex kernels' tiles
 # Results and logs go under $OUT (default: a fresh temporary directory).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,8 +84,11 @@ run_step() {
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;
     tune-decode) step tune-decode python scripts/tune_decode.py --out "$OUT/tune_decode.json" ;;
-    tune-gluon) step tune-gluon timeout 900 python scripts/tune_gluon.py --dtypes 16bit --d 64 128 192 256 \
+    # two halves, each within one device call (10 minutes): every candidate compiles before it is timed
+    tune-gluon) step tune-gluon timeout 560 python scripts/tune_gluon.py --dtypes 16bit --d 64 128 \
                   --out "$OUT/tune_gluon.json" ;;
+    tune-gluon2) step tune-gluon2 timeout 560 python scripts/tune_gluon.py --dtypes 16bit --d 192 256 \
+                  --out "$OUT/tune_gluon2.json" ;;
     tune-gluon-mla) step tune-gluon-mla python scripts/tune_gluon_mla.py --out "$OUT/tune_gluon_mla.json" ;;
     tune-flex) step tune-flex python scripts/tune_flex.py --out "$OUT/tune_flex.json" ;;
     *) echo "unknown step: $1 (see the header of $0)"; exit 2 ;;
