@@ -184,3 +184,15 @@ def test_k_with_sequences_of_its_own():
     assert gluon_route.own_k(_params(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=724,
                                       max_seqlen_k=724)) == {}
     assert gluon_route.own_k(_params()) == {}
+
+
+def test_k_with_sequences_of_its_own_takes_gluon_with_a_softcap_only():
+    # measured: the Triton kernel is faster on plain / causal calls whose k has its own sequences, the Gluon one
+    # with a softcap (gluon_route.preferred)
+    q = _qkv(s=4096)[0][0]
+    cu_q, cu_k = torch.tensor([0, 2048, 4096], dtype=torch.int32), torch.tensor([0, 4096, 8192], dtype=torch.int32)
+    own = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2048, max_seqlen_k=4096, window_right=0)
+    assert not gluon_route.preferred(q, _params(**own))
+    assert gluon_route.preferred(q, _params(**own, softcap=30.0))
+    shared = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=2048, max_seqlen_k=2048, window_right=0)
+    assert gluon_route.preferred(q, _params(**shared))

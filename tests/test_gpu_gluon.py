@@ -440,7 +440,8 @@ def test_varlen_k_sequences_of_their_own(causal, d, dv, used, softcap):
 
 
 def test_varlen_k_through_the_public_api(monkeypatch):
-    # flash_attn_varlen_func with k's own cu_seqlens reaches the Gluon kernel (the route's VARLEN_K coverage)
+    # flash_attn_varlen_func with k's own cu_seqlens and a softcap reaches the Gluon kernel (the route's VARLEN_K
+    # coverage; without a softcap the route keeps such calls on the Triton kernel, measured faster)
     import flashtile
     from flashtile import config
     from flashtile.backends.triton import gluon_fwd as launcher
@@ -455,8 +456,10 @@ def test_varlen_k_through_the_public_api(monkeypatch):
     q = torch.randn(sum(lens_q), 8, 128, device=DEV, dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lens_k), 8, 128, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     args = (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k))
-    got = flashtile.flash_attn_varlen_func(*args, causal=True)
+    flashtile.flash_attn_varlen_func(*args, causal=True)
+    assert not calls
+    got = flashtile.flash_attn_varlen_func(*args, causal=True, softcap=30.0)
     assert len(calls) == 1 and calls[0]["cu_seqlens_k"] is cu_k
     with config.override(gluon_fwd=False):
-        want = flashtile.flash_attn_varlen_func(*args, causal=True)
+        want = flashtile.flash_attn_varlen_func(*args, causal=True, softcap=30.0)
     assert len(calls) == 1 and (got.float() - want.float()).abs().max().item() <= 2e-2

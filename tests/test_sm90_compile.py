@@ -70,14 +70,19 @@ def test_backward_compiles_for_sm90(tmp_path):
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, 8, 2) == 9
 
 
-def test_backward_dq_head_dim_tail_compiles_for_sm90(tmp_path):
-    # q / k of 192 as a 128-wide tile and a 64-wide tail (attn_bwd.dq_head_dims), v of 128, causal, at the sm_90
-    # table's dQ tile for that bucket (256)
+@pytest.mark.parametrize("dv", [128, 192])
+def test_backward_dq_head_dim_tail_compiles_for_sm90(tmp_path, dv):
+    # q / k of 192 as a 128-wide tile and a 64-wide tail (attn_bwd.dq_head_dims), causal, at the sm_90 table's dQ
+    # tile for that bucket (256) with the split's own pipeline depth (SPLIT_DQ_STAGES: 3 beside v of 128, 2 beside
+    # v of 192), which must fit sm_90's shared memory (_compile checks)
     from flashtile.backends.triton.attn_bwd import dq_head_dims
-    from flashtile.kernels.attn_bwd import BWD_CONFIGS
+    from flashtile.kernels.attn_bwd import BWD_CONFIGS, split_dq_stages
 
     _, (bm, bn, warps, stages) = BWD_CONFIGS[("sm90", 256)]
-    cx = dict(FLAGS, BLOCK_M=bm, BLOCK_N=bn, **dq_head_dims(192, 128))
+    dims = dq_head_dims(192, dv)
+    stages = split_dq_stages("sm90", dims["BLOCK_DV"], stages)
+    assert stages == (3 if dv == 128 else 2)
+    cx = dict(FLAGS, BLOCK_M=bm, BLOCK_N=bn, **dims)
     # QK^T (lead and tail), dO V^T, dS K (lead and tail) in each of three key ranges
     assert _compile(tmp_path, "_attn_bwd_dq_kernel", "flashtile.kernels.attn_bwd", cx, {}, warps, stages) == 15
 

@@ -419,6 +419,19 @@ BWD_CONFIGS = {
     ("interpret", 0): ((16, 16, 4, 1), (16, 16, 4, 1)),
 }
 
+# dQ pipeline stages where q / k's head dim arrives as a power-of-two tile and a tail (192 = 128 + 64,
+# backends/triton/attn_bwd.dq_head_dims), by (arch, v's tile width): the 256 row's single stage is what a padded
+# 256-column tile fits; the split tile fits 3 stages beside v's 128 columns and 2 beside 256 (H100, bf16, 16k
+# tokens, against 1 stage: 1.12x-1.19x at (192, 128), 1.07x-1.10x at (192, 192); scripts/ab_dq_split.py).
+SPLIT_DQ_STAGES = {("sm90", 128): 3, ("sm90", 256): 2}
+
+
+def split_dq_stages(arch: str, block_dv: int, stages: int) -> int:
+    """The dQ kernel's stages for a split q / k head dim: SPLIT_DQ_STAGES' entry for (arch, v's tile width),
+    else ``stages`` (the table row's)."""
+    return SPLIT_DQ_STAGES.get((arch, 128 if block_dv <= 128 else 256), stages)
+
+
 def bwd_configs(arch: str, block_d: int, overrides=None, causal: bool = False, max_seqlen: int = 0):
     """((dkdv BLOCK_M, BLOCK_N, warps, stages), (dq ...)) for a head-dim bucket; ``overrides`` wins.
 

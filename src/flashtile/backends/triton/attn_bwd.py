@@ -17,6 +17,7 @@ from flashtile.kernels.attn_bwd import (
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
     bwd_configs,
+    split_dq_stages,
 )
 from flashtile.params import AttnParams
 
@@ -138,8 +139,13 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     max_seqlen = max(p.max_seqlen_q, p.max_seqlen_k) if varlen else max(q.shape[1], k.shape[1])
     arch = arch_of(q.device)
     settings = config.get()
+    overrides = config_overrides()
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = settings.bwd_tiles or bwd_configs(
-        arch, block_wide, config_overrides(), p.causal, max_seqlen)
+        arch, block_wide, overrides, p.causal, max_seqlen)
+    dq_dims = dq_head_dims(d, dv_dim)
+    if "HEAD_DIM_TAIL" in dq_dims and not (settings.bwd_tiles or overrides):
+        # the split dQ tile has room for a deeper pipeline than the padded 256-column row's (kernels/attn_bwd.py)
+        s_q = split_dq_stages(arch, block_dv, s_q)
     if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k
@@ -214,6 +220,6 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
         _attn_bwd_dq_kernel, (cdiv(max(seqlen_q, 1), bm_q) * b * h,),
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, used_q, used_k, alibi, *common,
         seqlen_q, seqlen_k, h, h // h_k, *sq_, *sk_, *sv_, *sdo, *_strides3(dq, varlen), lse_b, lse_h, alibi_b,
-        BLOCK_M=bm_q, BLOCK_N=bn_q, **flags, **{**feature_flags, **dq_head_dims(d, dv_dim)},
+        BLOCK_M=bm_q, BLOCK_N=bn_q, **flags, **{**feature_flags, **dq_dims},
         HEAVY_FIRST=settings.heavy_first, num_warps=w_q, num_stages=s_q,
         **({"WAIT_AT_END": True, "launch_pdl": True} if pdl else {}))

@@ -124,11 +124,15 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
 
 def preferred(q: torch.Tensor, p: AttnParams) -> bool:
     """Does ROUTE_TABLE take the Gluon kernel for this call? (causal: the window (-1, 0); varlen: its longest
-    sequence)"""
+    sequence). k with sequences of its own takes it with a softcap only: the Triton kernel was 1.02x-1.05x faster
+    on plain / causal such calls, the Gluon one 1.04x-1.06x with a softcap of 30 (H100, d = 128, causal, 2k / 8k
+    queries after as many cached keys; scripts/ab_routes.py --varlen --own-k)."""
     dtype = torch.bfloat16 if q.dtype == torch.float16 else q.dtype
     start = ROUTE_TABLE.get((dtype, q.shape[-1]))
     seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
-    return start is not None and seqlen >= start[p.window_right == 0]
+    if start is None or seqlen < start[p.window_right == 0]:
+        return False
+    return p.softcap > 0 or not own_k(p)
 
 
 def use_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) -> bool:
