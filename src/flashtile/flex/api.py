@@ -11,6 +11,7 @@ from torch import Tensor
 from flashtile.flex import autograd as _autograd  # noqa: F401  (registers the op's backward)
 from flashtile.flex import options, registry
 from flashtile.flex.block_mask import BlockMask, full_block_mask
+from flashtile.flex.eager import flex_attention_eager
 from flashtile.flex.ops import cpu_forward, flex_fwd, use_triton
 
 
@@ -114,8 +115,10 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
         for i, path in _grad_paths(k):
             bufs[i] = registry.resolve(score_mod, path)
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    if use_triton(q) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size, tiles)
+    elif use_triton(q):  # eager kernel calls skip the custom op's dispatch (flex/eager.py)
+        out, lse = flex_attention_eager(q, kk, v, tensors, bufs, float(scale), k, block_size, tiles)
     else:  # eager CPU: plain autograd through the mods, captured tensors included
         out, lse = cpu_forward(q, kk, v, tensors[:4], registry.get(k), float(scale), block_size)
     if not return_lse:

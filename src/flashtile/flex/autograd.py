@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from flashtile.flex import ops, registry
+from flashtile.flex.eager import buffer_grads
 
 
 def _setup_context(ctx, inputs, output):
@@ -16,7 +17,6 @@ def _setup_context(ctx, inputs, output):
     bufs, scale, key, block_q, block_kv, tiles = inputs[11:]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *block8, *bufs)
-    ctx.n_bufs = len(bufs)
     ctx.args = (scale, key, block_q, block_kv, list(tiles))
     # an output the loss does not use gets None, not zeros: no lse term then, and no dO kernel work wasted
     ctx.set_materialize_grads(False)
@@ -31,10 +31,7 @@ def _backward(ctx, dout, dlse):
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dq, dk, dv, dbufs = ops.flex_bwd(dout, dlse, q, k, v, out, lse, *block8, list(bufs), scale, key, block_q,
                                      block_kv, want, tiles)
-    buf_grads = [None] * ctx.n_bufs
-    for i, g in zip(entry.grad_buffers if want else (), dbufs):
-        buf_grads[i] = g.to(bufs[i].dtype)
-    return dq, dk, dv, *([None] * 8), buf_grads, None, None, None, None, None
+    return dq, dk, dv, *([None] * 8), buffer_grads(entry, bufs, dbufs, want), None, None, None, None, None
 
 
 torch.library.register_autograd("flashtile::flex_fwd", _backward, setup_context=_setup_context)

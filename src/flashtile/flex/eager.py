@@ -1,0 +1,65 @@
+"""Eager kernel calls of ``flex_attention``: the Triton launchers under a plain autograd.Function.
+
+The custom ops (flex/ops.py, their backward in flex/autograd.py) are what torch.compile traces. Called eagerly,
+their dispatch (argument defaults, pytree flattening, the aliasing check, autograd's wrapper) cost about 250 us
+of host time a call with gradients on an H100 machine, next to forward kernels of 0.4-0.6 ms at the shortest
+benchmark rows, so eager calls take this path instead: the same launchers, the same gradients (buffer gradients
+included), none of the dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashtile.flex import registry
+
+
+def _launchers():
+    from flashtile.backends.triton.flex.launch import flex_bwd, flex_fwd
+
+    return flex_fwd, flex_bwd
+
+
+def buffer_grads(entry, bufs, dbufs, want: bool) -> list:
+    """The gradients of the captured tensors, in ``bufs``' order and dtypes (None where one does not learn)."""
+    grads = [None] * len(bufs)
+    for i, g in zip(entry.grad_buffers if want else (), dbufs):
+        grads[i] = g.to(bufs[i].dtype)
+    return grads
+
+
+class _FlexAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, tensors, key, scale, block_size, tiles, *bufs):
+        launch_fwd, _ = _launchers()
+        out, lse = launch_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, block_size, tuple(tiles[:4]))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (tensors, key, scale, block_size, tiles, bufs)
+        # an output the loss does not use gets None: no lse term then, and no dO kernel work wasted
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        _, launch_bwd = _launchers()
+        q, k, v, out, lse = ctx.saved_tensors
+        tensors, key, scale, block_size, tiles, bufs = ctx.args
+        entry = registry.get(key)
+        want = bool(entry.grad_buffers)
+        dout = torch.zeros_like(out) if dout is None else dout.contiguous()
+        dq, dk, dv, dbufs = launch_bwd(dout, dlse, q, k, v, out, lse, tensors, entry.kernels(), scale, block_size,
+                                       want, tuple(tiles[4:]))
+        return dq, dk, dv, None, None, None, None, None, *buffer_grads(entry, bufs, dbufs, want)
+
+
+def flex_attention_eager(q: Tensor, k: Tensor, v: Tensor, tensors: tuple, bufs: list, scale: float, key: str,
+                         block_size: tuple, tiles: list) -> tuple[Tensor, Tensor]:
+    """(out, lse) of an eager kernel call: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) with unit last
+    strides; ``tensors``: the block mask's eight tensors; ``bufs``: the mods' captured tensors; lse +inf on a
+    row that sees no key (the kernels' convention)."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, *bufs)):
+        launch_fwd, _ = _launchers()
+        return launch_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, tuple(block_size),
+                          tuple(tiles[:4]))
+    return _FlexAttention.apply(q, k, v, tuple(tensors), key, scale, tuple(block_size), tuple(tiles), *bufs)
