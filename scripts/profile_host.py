@@ -53,6 +53,23 @@ class _Identity(torch.autograd.Function):
         return g
 
 
+class _ThreeInputs(torch.autograd.Function):
+    """The shape of flashtile's Function without its work: three inputs, five saved tensors, three outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = q.view_as(q), q.new_empty(1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse, None
+
+    @staticmethod
+    def backward(ctx, g, _dlse, _dprobs):
+        q, k, v, *_ = ctx.saved_tensors
+        return g, torch.empty_like(k), torch.empty_like(v)
+
+
 def _profile(fn, calls: int, top: int) -> dict:
     prof = cProfile.Profile()
     prof.enable()
@@ -105,8 +122,19 @@ def main():
     def autograd_floor():
         torch.autograd.grad(_Identity.apply(x), x, torch.ones_like(x))
 
+    def three_inputs():
+        torch.autograd.grad(_ThreeInputs.apply(q, k, v)[0], (q, k, v), g)
+
+    # flashtile's backward as the engine calls it, without the engine: the node's own backward on its context
+    node = flashtile.flash_attn_func(q, k, v, causal=True).grad_fn
+
+    def backward_alone():
+        type(node)._forward_cls.backward(node, g, None, None)
+
     rows = {}
     for name, fn in (("autograd.grad, identity Function", autograd_floor),
+                     ("autograd.grad, three inputs / five saved (no work)", three_inputs),
+                     ("flashtile backward alone (no engine)", backward_alone),
                      ("SDPA flash step", sdpa_step(SDPBackend.FLASH_ATTENTION)),
                      ("SDPA cuDNN step", sdpa_step(SDPBackend.CUDNN_ATTENTION)),
                      ("flashtile inference forward", ft_infer),
