@@ -15,12 +15,6 @@
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
-#   pending  ab-pending  ab-pending2                branch pending-gpu's work not yet run on a GPU: the dQ
-#                                                   kernel's head-dim split (d 192), the Gluon forward's
-#                                                   and dK/dV's VARLEN_K builds, flex's lse gradient /
-#                                                   kernel_options;
-#                                                   the A/Bs of the dQ split (ab-pending), VARLEN_K, fp16 on
-#                                                   the Gluon forward and flex TMA (ab-pending2)
 #   profile-host                                    a short training step's host time against SDPA's, and a
 #                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
@@ -69,15 +63,6 @@ run_step() {
     bench-mla) step bench-mla python -m flashtile.bench decode --mla --cuda-graph --layers 8 --out "$OUT/mla.json" ;;
     ab-mla) step ab-mla env FLASHTILE_GLUON=0 python -m flashtile.bench decode --mla --cuda-graph --layers 8 \
               --out "$OUT/mla-triton.json" ;;
-    pending) step pending timeout 560 python -m pytest -q -n 4 -p no:cacheprovider -W ignore --tb=short -rf \
-               tests/test_gpu_bwd.py tests/test_gpu_new_models.py tests/test_gpu_gluon.py tests/test_gpu_gluon_bwd.py \
-               tests/test_gpu_flex.py -k "192 or varlen_k or k_sequences or lse_gradient or kernel_options" ;;
-    ab-pending) step ab-pending python scripts/ab_dq_split.py --out "$OUT/ab_dq_split.json" ;;
-    ab-pending2) step ab-own-k python scripts/ab_routes.py --varlen --own-k --modes fwd --windows -1 --softcaps 0 30 \
-                   --tokens 65536 --out "$OUT/ab_own_k.json"
-                 step ab-fp16 python scripts/ab_routes.py --dtype fp16 --modes fwd --windows -1 --seqlens 2048 8192 \
-                   --tokens 65536 --out "$OUT/ab_fp16.json"
-                 step ab-flex-tma python scripts/ab_flex_tma.py --out "$OUT/ab_flex_tma.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
     profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
