@@ -217,6 +217,15 @@ def test_int_classes_never_merge_what_triton_compiles_apart():
                 assert triton_spec(a) == triton_spec(b), (a, b)
 
 
+def test_inline_int_keys_equal_int_class():
+    # _arg_key computes an i32's class inline (the launch path's common case): the same value _int_class gives,
+    # at every boundary and in the constexpr tail as its exact value
+    for a in _BOUNDARIES + list(range(-40, 40)):
+        if -2**63 <= a < 2**64:
+            assert _key([a]) == (fast_launch._int_class(a),), a
+            assert _key([a, a], n_plain=1) == (fast_launch._int_class(a), (int, a)), a
+
+
 def test_ints_triton_refuses_take_the_normal_path():
     assert _key([2**64]) is None and _key([-2**63 - 1]) is None
     assert _key([2**64 - 1]) is not None and _key([-2**63]) is not None

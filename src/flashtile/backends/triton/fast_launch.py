@@ -89,27 +89,31 @@ def _arg_key(args, n_plain: int | None = None, require_cuda: bool = True) -> tup
     descriptors) its own way, which is used as it is. Arguments past ``n_plain`` fill constexpr
     parameters, which Triton compiles on their exact value: they are keyed on type and value.
     None: an argument that cannot be keyed, or no CUDA tensor among them (the interpreter).
+
+    It runs on every launch (4-5 a training step), so the common cases are inline: an int in i32's range
+    gets ``_int_class``'s value without the call, a tensor's device is read as ``is_cuda``.
     """
+    plain = args if n_plain is None else args[:n_plain]
     key = []
     add = key.append
     cuda = False
-    for i, a in enumerate(args):
+    for a in plain:
         t = type(a)
-        if n_plain is not None and i >= n_plain:
-            add((t, a))  # a constexpr by position
-        elif t is int:
-            if not _INT_RANGE[0] <= a <= _INT_RANGE[1]:
+        if t is int:
+            if -2147483648 <= a <= 2147483647:
+                add(-1 if a == 1 else int(not a & 15))  # _int_class of an i32
+            elif not _INT_RANGE[0] <= a <= _INT_RANGE[1]:
                 return None  # the normal path raises Triton's own error
-            add(_int_class(a))
+            else:
+                add(_int_class(a))
+        elif t is torch.Tensor or isinstance(a, torch.Tensor):
+            if a.is_cuda:
+                cuda = True
+            elif require_cuda:  # the interpreter (no compiled kernels), or a CPU tensor where a GPU one belongs
+                return None
+            add((a.dtype, not a.data_ptr() & 15))
         elif t is float:
             add(float)
-        elif t is torch.Tensor or isinstance(a, torch.Tensor):
-            if a.device.type != "cuda":
-                if require_cuda:  # the interpreter (no compiled kernels), or a CPU tensor where a GPU one belongs
-                    return None
-            else:
-                cuda = True
-            add((a.dtype, not a.data_ptr() & 15))
         elif a is None:
             add(None)
         elif t is bool:
@@ -123,6 +127,9 @@ def _arg_key(args, n_plain: int | None = None, require_cuda: bool = True) -> tup
             add((t, spec))
     if not cuda and require_cuda:
         return None
+    if n_plain is not None:
+        tail = args[n_plain:]
+        key.extend(zip(map(type, tail), tail))  # constexprs by position
     return tuple(key)
 
 
