@@ -69,6 +69,17 @@ def test_second_derivative_fails_loudly():
         (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
         with pytest.raises(RuntimeError):
             torch.autograd.grad(dq.pow(2).sum(), q)
+    # the incoming gradient itself requires grad, and the penalty sits beside another term of q: a backward whose
+    # gradients merely lack a graph would return that term's gradient alone (2 q), silently
+    for out in (flashtile.flash_attn_func(q, k, v, causal=True),
+                flashtile.flash_attn_interface.FlashAttnFunc.apply(q, k, v, 0.0, None, True, (-1, -1), 0.0, None,
+                                                                   False, False)):
+        (dq,) = torch.autograd.grad(out.sum() ** 2, q, create_graph=True)
+        with pytest.raises(RuntimeError, match="second derivative"):
+            torch.autograd.grad(dq.pow(2).sum() + q.pow(2).sum(), [q])
+    # first-order gradients under create_graph=True still work
+    (dq,) = torch.autograd.grad(flashtile.flash_attn_func(q, k, v, causal=True).sum(), q, create_graph=True)
+    assert torch.isfinite(dq).all()
 
 
 def test_meta_tensors_trace_through_the_op():

@@ -2,6 +2,7 @@
 not the custom ops, whose dispatch costs host time; the results and every gradient (the learned table's too)
 equal the custom op's, which torch.compile uses. Triton's interpreter stands in for the GPU."""
 
+import pytest
 import torch
 
 from flashtile import config
@@ -65,3 +66,49 @@ def test_no_grad_calls_launch_without_autograd(monkeypatch):
     with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1)):
         out = flex_attention(q, k, v, score_mod=var["alibi"][0])
     assert out.shape == (B, H, L, E) and torch.isfinite(out).all()
+
+
+def _leaves_and_call(name="rel_bias"):
+    torch.manual_seed(0)
+    var = variants(B, H, L, S)
+    score_mod, mask_mod, _, _, table = var[name]
+    q, k, v = (torch.randn(B, H, n, E, requires_grad=True) for n in (L, S, S))
+    mask = create_block_mask(mask_mod, None, None, L, S, device="cpu", BLOCK_SIZE=16)
+    return q, k, v, table, lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=mask), mask
+
+
+def test_second_derivative_raises_never_drops_a_term():
+    # a gradient penalty beside another term: the kernels' gradients have no derivative, so this must raise (as
+    # the custom op's path does), not return the other term's gradient alone
+    q, k, v, table, call, _ = _leaves_and_call()
+    with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), bwd_tiles=((16, 16, 4, 1), (16, 16, 4, 1))):
+        out = call()
+        (gq,) = torch.autograd.grad(out.sum() ** 2, q, create_graph=True)
+        with pytest.raises(RuntimeError, match="second derivative"):
+            torch.autograd.grad((gq ** 2).sum() + (q ** 2).sum(), [q])
+        # first-order gradients under create_graph=True still work
+        (gq,) = torch.autograd.grad(call().sum(), q, create_graph=True)
+        assert torch.isfinite(gq).all()
+
+
+@pytest.mark.parametrize("change", ["table", "mask"])
+def test_inplace_change_before_backward_is_caught(change):
+    q, k, v, table, call, mask = _leaves_and_call()
+    with config.override(interpret=True, fwd_tiles=(16, 16, 4, 1), bwd_tiles=((16, 16, 4, 1), (16, 16, 4, 1))):
+        out = call()
+        with torch.no_grad():
+            (table if change == "table" else mask.tensors()[1]).add_(1)
+        with pytest.raises(RuntimeError, match="inplace"):
+            out.sum().backward()
+
+
+def test_fake_tensors_take_the_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def softcap(score, b, h, q_idx, kv_idx):  # captures no tensor: nothing real meets the fake ones
+        return 20.0 * torch.tanh(score / 20.0)
+
+    with FakeTensorMode(allow_non_fake_inputs=True), config.override(interpret=True):
+        q, k, v = (torch.empty(B, H, n, E) for n in (L, S, S))
+        out = flex_attention(q, k, v, score_mod=softcap)
+    assert out.shape == (B, H, L, E) and isinstance(out, torch._subclasses.fake_tensor.FakeTensor)

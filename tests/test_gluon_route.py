@@ -196,3 +196,13 @@ def test_k_with_sequences_of_its_own_takes_gluon_with_a_softcap_only():
     assert gluon_route.preferred(q, _params(**own, softcap=30.0))
     shared = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, max_seqlen_q=2048, max_seqlen_k=2048, window_right=0)
     assert gluon_route.preferred(q, _params(**shared))
+
+
+def test_one_cu_seqlens_is_shared_whatever_the_max_seqlens():
+    # q and k's sequences are the one cu_seqlens' (max_seqlen_k only bounds them): a window is covered, as for any
+    # shared call, and the launcher gets no k sequences of its own
+    q, k, v = (x[0] for x in _qkv())
+    cu = torch.tensor([0, 300, 1024], dtype=torch.int32)
+    p = _params(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=724, max_seqlen_k=1024, window_left=64, window_right=0)
+    assert gluon_route.refusal(q, k, v, p) is None
+    assert gluon_route.own_k(p) == {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import dispatch
+from flashtile.first_order import first_order
 from flashtile.ops import (
     PACK_KV,
     PACK_NONE,
@@ -234,12 +235,13 @@ def _fn_forward(ctx, q, k, v, p: AttnParams, packing: int, is_grad_enabled: bool
     return out, lse, probs
 
 
-@torch.autograd.function.once_differentiable  # no second derivative: fail loudly, never a silent zero
 def _fn_backward(ctx, dout):
     q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng = ctx.saved_tensors
-    # eager calls skip the op's dispatcher (host time); tracers need the op's fake implementation
-    bwd = torch.ops.flashtile.attn_bwd if traced(dout) else attn_bwd_impl
-    return bwd(dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
+    args = (dout, q, k, v, out, lse, cu_q, cu_k, su_q, su_k, alibi, rng, *ctx.scalars, ctx.packing)
+    if traced(dout):  # tracers need the op's fake implementation (its backward op has no derivative: it raises)
+        return torch.ops.flashtile.attn_bwd(*args)
+    # eager calls skip the op's dispatcher (host time); no second derivative: it raises, never a silent zero
+    return first_order(lambda: attn_bwd_impl(*args), dout, q, k, v, out, lse)
 
 
 class FlashAttnFunc(torch.autograd.Function):

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from flashtile import dispatch
+from flashtile.first_order import first_order
 from flashtile.params import AttnParams
 from flashtile.rng import next_seed_offset
 
@@ -388,10 +389,7 @@ class EagerAttention(torch.autograd.Function):
         return out, lse, probs
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse, _dprobs):
-        # once_differentiable: the kernels' gradients have no graph of their own, so asking for a
-        # second derivative must fail loudly (the op path raises too), never come back as zero
         # (unpacking the saved tensors checks none was modified in place since the forward)
         q, k, v, out, lse, *_, sink = ctx.saved_tensors
         p, packing = ctx.p, ctx.packing
@@ -401,9 +399,15 @@ class EagerAttention(torch.autograd.Function):
             dq, dk, dv = torch.ops.flashtile.attn_bwd(
                 dout, q, k, v, out, lse, p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.alibi_slopes,
                 ctx.rng_state, *bwd_op_scalars(p), packing, p.attention_chunk)
-        else:  # what attn_bwd_impl runs, with the forward's parameters
-            dq, dk, dv = _packed_bwd(dout, q, k, v, out, lse, p, packing)
-        dsink = None if sink is None else sink_grad(sink, lse, dout, out, p.varlen)
+            dsink = None if sink is None else sink_grad(sink, lse, dout, out, p.varlen)
+        else:
+            # what attn_bwd_impl runs, with the forward's parameters; the kernels' gradients have no derivative, so a
+            # second derivative raises (first_order.py), as the op path does, never comes back as zero
+            def compute():
+                grads = _packed_bwd(dout, q, k, v, out, lse, p, packing)
+                return (*grads, None if sink is None else sink_grad(sink, lse, dout, out, p.varlen))
+
+            dq, dk, dv, dsink = first_order(compute, dout, q, k, v, out, lse, sink)
         return dq, dk if k is not None else None, dv if v is not None else None, dsink, None, None, None
 
 

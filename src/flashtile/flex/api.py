@@ -13,6 +13,7 @@ from flashtile.flex import options, registry
 from flashtile.flex.block_mask import BlockMask, full_block_mask
 from flashtile.flex.eager import flex_attention_eager
 from flashtile.flex.ops import cpu_forward, flex_fwd, use_triton
+from flashtile.ops import traced
 
 
 @torch.compiler.assume_constant_result
@@ -115,7 +116,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
         for i, path in _grad_paths(k):
             bufs[i] = registry.resolve(score_mod, path)
     q, kk, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    if torch.compiler.is_compiling():
+    if traced(q):  # torch.compile, fake / meta tensors, subclasses, dispatch modes: the op and its fake
         out, lse = flex_fwd(q, kk, v, *tensors, bufs, float(scale), k, *block_size, tiles)
     elif use_triton(q):  # eager kernel calls skip the custom op's dispatch (flex/eager.py)
         out, lse = flex_attention_eager(q, kk, v, tensors, bufs, float(scale), k, block_size, tiles)

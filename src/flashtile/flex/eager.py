@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashtile.first_order import first_order
 from flashtile.flex import registry
 
 
@@ -34,8 +35,10 @@ class _FlexAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, tensors, key, scale, block_size, tiles, *bufs):
         launch_fwd, _ = _launchers()
         out, lse = launch_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, block_size, tuple(tiles[:4]))
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (tensors, key, scale, block_size, tiles, bufs)
+        # the block mask's tensors and the captured ones are saved too: changed in place before the backward, they
+        # fail the saved-tensor check as on the op path (the kernels would read the new values)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors, *bufs)
+        ctx.args = (len(tensors), key, scale, block_size, tiles)
         # an output the loss does not use gets None: no lse term then, and no dO kernel work wasted
         ctx.set_materialize_grads(False)
         return out, lse
@@ -43,14 +46,21 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         _, launch_bwd = _launchers()
-        q, k, v, out, lse = ctx.saved_tensors
-        tensors, key, scale, block_size, tiles, bufs = ctx.args
+        n_tensors, key, scale, block_size, tiles = ctx.args
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        tensors, bufs = rest[:n_tensors], rest[n_tensors:]
         entry = registry.get(key)
         want = bool(entry.grad_buffers)
         dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-        dq, dk, dv, dbufs = launch_bwd(dout, dlse, q, k, v, out, lse, tensors, entry.kernels(), scale, block_size,
-                                       want, tuple(tiles[4:]))
-        return dq, dk, dv, None, None, None, None, None, *buffer_grads(entry, bufs, dbufs, want)
+
+        def compute():
+            dq, dk, dv, dbufs = launch_bwd(dout, dlse, q, k, v, out, lse, tensors, entry.kernels(), scale,
+                                           block_size, want, tuple(tiles[4:]))
+            return dq, dk, dv, *buffer_grads(entry, bufs, dbufs, want)
+
+        # the kernels' gradients have no derivative: a second derivative raises (first_order.py), as on the op path
+        dq, dk, dv, *grads = first_order(compute, dout, dlse, q, k, v, out, lse, *bufs)
+        return dq, dk, dv, None, None, None, None, None, *grads
 
 
 def flex_attention_eager(q: Tensor, k: Tensor, v: Tensor, tensors: tuple, bufs: list, scale: float, key: str,

@@ -426,9 +426,11 @@ BWD_CONFIGS = {
 SPLIT_DQ_STAGES = {("sm90", 128): 3, ("sm90", 256): 2}
 
 
-def split_dq_stages(arch: str, block_dv: int, stages: int) -> int:
-    """The dQ kernel's stages for a split q / k head dim: SPLIT_DQ_STAGES' entry for (arch, v's tile width),
-    else ``stages`` (the table row's)."""
+def split_dq_stages(arch: str, block_dv: int, stages: int, elem_bytes: int = 2) -> int:
+    """The dQ kernel's stages for a split q / k head dim: SPLIT_DQ_STAGES' entry for (arch, v's tile width) with
+    16-bit inputs (measured so; fp32 tiles are twice the bytes), else ``stages`` (the table row's)."""
+    if elem_bytes != 2:
+        return stages
     return SPLIT_DQ_STAGES.get((arch, 128 if block_dv <= 128 else 256), stages)
 
 
@@ -441,12 +443,18 @@ def bwd_configs(arch: str, block_d: int, overrides=None, causal: bool = False, m
     """
     if arch == "interpret":
         return BWD_CONFIGS[("interpret", 0)]
-    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-    keys = [(arch, bucket, causal), (arch, bucket)]
-    if 0 < max_seqlen <= SHORT_SEQLEN:
-        keys.insert(0, (arch, bucket, causal, "short"))
+    keys = bwd_config_keys(arch, block_d, causal, max_seqlen)
     for table in (overrides or {}, BWD_CONFIGS):
         for key in keys:
             if key in table:
                 return table[key]
-    return BWD_CONFIGS[("default", bucket)]
+    return BWD_CONFIGS[("default", keys[-1][1])]
+
+
+def bwd_config_keys(arch: str, block_d: int, causal: bool = False, max_seqlen: int = 0) -> list:
+    """The table keys ``bwd_configs`` looks up for this call, most specific first."""
+    bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+    keys = [(arch, bucket, causal), (arch, bucket)]
+    if 0 < max_seqlen <= SHORT_SEQLEN:
+        keys.insert(0, (arch, bucket, causal, "short"))
+    return keys

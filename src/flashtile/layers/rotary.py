@@ -22,6 +22,7 @@ import torch
 
 from flashtile.backends.reference_rotary import rotary_torch as _rotary_torch
 from flashtile.dispatch import interpret_requested
+from flashtile.first_order import first_order
 
 __all__ = [
     "ApplyRotaryEmb",
@@ -123,8 +124,9 @@ class ApplyRotaryEmb(torch.autograd.Function):
             seqlen_offsets = ctx.seqlen_offsets
         # rotating back is rotating by -angle; never write into the incoming gradient (autograd may
         # share it with other consumers), so the in-place variant only reuses a private copy
-        dx = apply_rotary(do, cos, sin, seqlen_offsets, cu_seqlens, ctx.max_seqlen, ctx.interleaved,
-                          inplace=False, conjugate=True)
+        (dx,) = first_order(lambda: (apply_rotary(do, cos, sin, seqlen_offsets, cu_seqlens, ctx.max_seqlen,
+                                                  ctx.interleaved, inplace=False, conjugate=True),), do,
+                            what="rotary")
         return dx, None, None, None, None, None, None, None
 
 
@@ -194,12 +196,16 @@ class ApplyRotaryEmbQKV_(torch.autograd.Function):
         saved = ctx.saved_tensors
         cos, sin, cos_k, sin_k = saved[:4]
         offsets = saved[4] if ctx.seqlen_offsets is None else ctx.seqlen_offsets
-        # a private copy: the incoming gradient may be shared, and the rotation is done in place
-        dqkv = dqkv.clone(memory_format=torch.contiguous_format)
-        dq, dk = _qk_view(dqkv, ctx.num_heads_q)
-        apply_rotary(dq, cos, sin, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
-        apply_rotary(dk, cos_k, sin_k, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
-        return dqkv, None, None, None, None, None, None, None
+        def compute():
+            # a private copy: the incoming gradient may be shared, and the rotation is done in place
+            grad = dqkv.clone(memory_format=torch.contiguous_format)
+            dq, dk = _qk_view(grad, ctx.num_heads_q)
+            apply_rotary(dq, cos, sin, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
+            apply_rotary(dk, cos_k, sin_k, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
+            return (grad,)
+
+        (grad,) = first_order(compute, dqkv, what="rotary")
+        return grad, None, None, None, None, None, None, None
 
 
 def apply_rotary_emb_qkv_(qkv, cos, sin, cos_k=None, sin_k=None, interleaved=False, seqlen_offsets=0,
@@ -240,9 +246,13 @@ class ApplyRotaryEmbKV_(torch.autograd.Function):
         saved = ctx.saved_tensors
         cos, sin = saved[:2]
         offsets = saved[2] if ctx.seqlen_offsets is None else ctx.seqlen_offsets
-        dkv = dkv.clone(memory_format=torch.contiguous_format)
-        apply_rotary(dkv[:, :, 0], cos, sin, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
-        return dkv, None, None, None, None
+        def compute():
+            grad = dkv.clone(memory_format=torch.contiguous_format)
+            apply_rotary(grad[:, :, 0], cos, sin, offsets, interleaved=ctx.interleaved, inplace=True, conjugate=True)
+            return (grad,)
+
+        (grad,) = first_order(compute, dkv, what="rotary")
+        return grad, None, None, None, None
 
 
 def apply_rotary_emb_kv_(kv, cos, sin, interleaved=False, seqlen_offsets=0):

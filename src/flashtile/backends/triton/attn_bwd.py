@@ -16,6 +16,7 @@ from flashtile.kernels.attn_bwd import (
     _attn_bwd_dkdv_kernel,
     _attn_bwd_dq_kernel,
     _attn_bwd_preprocess_kernel,
+    bwd_config_keys,
     bwd_configs,
     split_dq_stages,
 )
@@ -143,9 +144,12 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = settings.bwd_tiles or bwd_configs(
         arch, block_wide, overrides, p.causal, max_seqlen)
     dq_dims = dq_head_dims(d, dv_dim)
-    if "HEAD_DIM_TAIL" in dq_dims and not (settings.bwd_tiles or overrides):
-        # the split dQ tile has room for a deeper pipeline than the padded 256-column row's (kernels/attn_bwd.py)
-        s_q = split_dq_stages(arch, block_dv, s_q)
+    own_row = settings.bwd_tiles or any(key in overrides for key in bwd_config_keys(arch, block_wide, p.causal,
+                                                                                    max_seqlen))
+    if "HEAD_DIM_TAIL" in dq_dims and not own_row:
+        # the split dQ tile has room for a deeper pipeline than the padded 256-column row's (kernels/attn_bwd.py);
+        # a row the caller set (config.bwd_tiles, FLASHTILE_BWD_CONFIGS) is taken as it is
+        s_q = split_dq_stages(arch, block_dv, s_q, q.element_size())
     if varlen:
         b = p.cu_seqlens_q.numel() - 1
         seqlen_q, seqlen_k = p.max_seqlen_q, p.max_seqlen_k

@@ -77,7 +77,8 @@ def coverage_refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnP
     if p.varlen:
         if not varlen:
             return "varlen (packed) calls"
-        if not _shared_cu_seqlens(p) or p.max_seqlen_q != p.max_seqlen_k:
+        # one cu_seqlens tensor for both: the sequences are q's (max_seqlen_k only bounds them), as own_k() says
+        if not _shared_cu_seqlens(p):
             if not varlen_k:
                 return "varlen calls whose q and k have different cu_seqlens"
             own_k = True

@@ -50,10 +50,10 @@ def _buffers(kernels: ModKernels, device) -> tuple:
 
 
 def _kv_descriptors(k: Tensor, v: Tensor, bn: int, bd: int, bdv: int):
-    """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) on sm_90+ where both tensors allow
-    them, the plain forward's rule (``config.tma`` forces either way), else the tensors again (the pointer path).
-    H100, bench flex's variants: ties with the pointer loads, up to 1.05x faster with ALiBi, softcap or a bias
-    table (scripts/ab_flex_tma.py)."""
+    """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) on sm_90 and later where both
+    tensors allow them (``config.tma`` True / False turns them on / off wherever the tensors allow), else the
+    tensors again (the pointer path). H100, bench flex's variants: ties with the pointer loads, up to 1.05x faster
+    with ALiBi, softcap or a bias table (scripts/ab_flex_tma.py)."""
     from flashtile.backends.triton.tma import tma_ok
 
     forced = config.get().tma
