@@ -285,3 +285,15 @@ def test_kernel_grid_is_flat(monkeypatch):
         out = apply_rotary_emb(x, cos, sin, seqlen_offsets=2)
     torch.testing.assert_close(out, rotary_ref(x, cos, sin, False, 2))
     assert grids == [(3 * 5 * 3,)]  # cdiv(10, 4) row blocks x 5 heads x 3 batch
+
+
+def test_second_derivative_raises():
+    # the backward rotates the gradient with the kernel: its result has no derivative of its own, so a gradient
+    # penalty must raise (first_order.py), never lose its second-order part silently
+    x = torch.randn(1, 8, 2, 16, requires_grad=True)
+    cos, sin = torch.randn(8, 8), torch.randn(8, 8)
+    qkv = torch.randn(1, 8, 3, 2, 16, requires_grad=True)
+    for leaf, out in ((x, apply_rotary_emb(x, cos, sin)), (qkv, apply_rotary_emb_qkv_(qkv.clone(), cos, sin))):
+        (g,) = torch.autograd.grad((out ** 2).sum(), leaf, create_graph=True)
+        with pytest.raises(RuntimeError, match="rotary has no second derivative"):
+            torch.autograd.grad((g ** 2).sum() + (leaf ** 2).sum(), [leaf])
