@@ -16,6 +16,7 @@ LAYERS = [
     ("flashtile.params", 0),
     ("flashtile.rng", 0),
     ("flashtile.rotary_math", 0),
+    ("flashtile.first_order", 0),  # backwards whose gradients have no derivative: pure torch
     ("flashtile.backends", 1),
     ("flashtile.fp8", 1),
     ("flashtile.chunk_batch", 1),  # chunked calls as a batch of chunks: a rewrite the dispatcher applies
@@ -32,6 +33,7 @@ LAYERS = [
     ("flashtile.flex.registry", 2),  # mods by key: the bridge from functions to op schemas
     ("flashtile.flex.ops", 3),
     ("flashtile.flex.autograd", 4),
+    ("flashtile.flex.eager", 4),  # eager calls of the op's launchers, beside its autograd
     ("flashtile.flex", 5),  # FlexAttention's API
     ("flashtile", 5),  # the package's __init__
     ("flashtile.layers", 6),
