@@ -16,10 +16,10 @@ from flashtile.first_order import first_order
 from flashtile.flex import registry
 
 
-def _launchers():
-    from flashtile.backends.triton.flex.launch import flex_bwd, flex_fwd
+def _launch_fwd(q, k, v, tensors, key, scale, block_size, tiles):
+    from flashtile.backends.triton.flex.launch import flex_fwd
 
-    return flex_fwd, flex_bwd
+    return flex_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, tuple(block_size), tuple(tiles[:4]))
 
 
 def buffer_grads(entry, bufs, dbufs, want: bool) -> list:
@@ -33,8 +33,7 @@ def buffer_grads(entry, bufs, dbufs, want: bool) -> list:
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, tensors, key, scale, block_size, tiles, *bufs):
-        launch_fwd, _ = _launchers()
-        out, lse = launch_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, block_size, tuple(tiles[:4]))
+        out, lse = _launch_fwd(q, k, v, tensors, key, scale, block_size, tiles)
         # the block mask's tensors and the captured ones are saved too: changed in place before the backward, they
         # fail the saved-tensor check as on the op path (the kernels would read the new values)
         ctx.save_for_backward(q, k, v, out, lse, *tensors, *bufs)
@@ -45,7 +44,8 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        _, launch_bwd = _launchers()
+        from flashtile.backends.triton.flex.launch import flex_bwd as launch_bwd
+
         n_tensors, key, scale, block_size, tiles = ctx.args
         q, k, v, out, lse, *rest = ctx.saved_tensors
         tensors, bufs = rest[:n_tensors], rest[n_tensors:]
@@ -69,7 +69,5 @@ def flex_attention_eager(q: Tensor, k: Tensor, v: Tensor, tensors: tuple, bufs: 
     strides; ``tensors``: the block mask's eight tensors; ``bufs``: the mods' captured tensors; lse +inf on a
     row that sees no key (the kernels' convention)."""
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v, *bufs)):
-        launch_fwd, _ = _launchers()
-        return launch_fwd(q, k, v, tensors[:4], registry.get(key).kernels(), scale, tuple(block_size),
-                          tuple(tiles[:4]))
+        return _launch_fwd(q, k, v, tensors, key, scale, block_size, tiles)
     return _FlexAttention.apply(q, k, v, tuple(tensors), key, scale, tuple(block_size), tuple(tiles), *bufs)

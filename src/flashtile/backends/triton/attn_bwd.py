@@ -144,11 +144,10 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     (bm_kv, bn_kv, w_kv, s_kv), (bm_q, bn_q, w_q, s_q) = settings.bwd_tiles or bwd_configs(
         arch, block_wide, overrides, p.causal, max_seqlen)
     dq_dims = dq_head_dims(d, dv_dim)
-    own_row = settings.bwd_tiles or any(key in overrides for key in bwd_config_keys(arch, block_wide, p.causal,
-                                                                                    max_seqlen))
-    if "HEAD_DIM_TAIL" in dq_dims and not own_row:
-        # the split dQ tile has room for a deeper pipeline than the padded 256-column row's (kernels/attn_bwd.py);
-        # a row the caller set (config.bwd_tiles, FLASHTILE_BWD_CONFIGS) is taken as it is
+    # the split dQ tile has room for a deeper pipeline than the padded 256-column row's (kernels/attn_bwd.py); a row
+    # the caller set (config.bwd_tiles, FLASHTILE_BWD_CONFIGS) is taken as it is
+    if "HEAD_DIM_TAIL" in dq_dims and not (settings.bwd_tiles or any(
+            key in overrides for key in bwd_config_keys(arch, block_wide, p.causal, max_seqlen))):
         s_q = split_dq_stages(arch, block_dv, s_q, q.element_size())
     if varlen:
         b = p.cu_seqlens_q.numel() - 1

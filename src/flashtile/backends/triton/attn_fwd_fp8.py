@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from flashtile import config
-from flashtile.backends.triton.host import arch_of, capability, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.host import arch_of, cdiv, device_guard, launch, next_pow2
+from flashtile.backends.triton.tma import descriptors_wanted
 from flashtile.backends.triton.tma import row_descriptor as _descriptor
-from flashtile.backends.triton.tma import tma_ok as _tma_ok
 from flashtile.fp8 import transpose_v, v_keys_major  # noqa: F401  (transpose_v: tests and scripts import it here)
 from flashtile.kernels.attn_fwd_fp8 import _attn_fwd_fp8_kernel, fwd_fp8_config
 from flashtile.params import AttnParams
@@ -19,17 +19,6 @@ def _vt_descriptor(vt: torch.Tensor, block_n: int, block_d: int):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(vt, list(vt.shape), list(vt.stride()), [1, 1, block_d, block_n])
-
-
-def _use_tma(q, k, vt) -> bool:
-    # descriptors need 16-byte strides: with 1-byte elements, d % 16 == 0 (config.tma cannot lift that)
-    aligned = all(_tma_ok(x) for x in (q, k, vt))
-    forced = config.get().tma
-    if forced is not None:
-        return forced and aligned
-    if q.device.type != "cuda" or capability(q.device)[0] < 9:
-        return False
-    return aligned
 
 
 def unsupported_fp8_feature(q, v, p: AttnParams) -> str | None:
@@ -89,7 +78,8 @@ def _attn_fwd_fp8(q, k, v, p: AttnParams):
     vt = v_keys_major(v, p.varlen)  # a view for quantize_qkv's layout, a copy otherwise
     svt_b, svt_h, svt_d = (0, *vt.stride()[:2]) if p.varlen else vt.stride()[:3]
 
-    tma = _use_tma(q, k, vt)
+    # descriptors need 16-byte strides: with 1-byte elements, d % 16 == 0 (config.tma cannot lift that)
+    tma = descriptors_wanted(q, k, vt)
     if tma:
         desc_q = _descriptor(q, block_m, block_d)
         desc_k = _descriptor(k, block_n, block_d)

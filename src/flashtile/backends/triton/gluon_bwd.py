@@ -16,7 +16,14 @@ import torch
 
 from flashtile import config
 from flashtile.backends.triton import gluon_route
-from flashtile.backends.triton.gluon_fwd import LOG2E, _check_alibi, _descriptor, head_dim_split
+from flashtile.backends.triton.gluon_fwd import (
+    LOG2E,
+    _check_alibi,
+    _descriptor,
+    head_dim_split,
+    key_counts,
+    own_k_sequences,
+)
 from flashtile.backends.triton.host import capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
@@ -124,16 +131,13 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     varlen = cu_seqlens is not None
-    varlen_k = varlen and ((cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens) or seqused_k is not None)
+    varlen_k = own_k_sequences(cu_seqlens, cu_seqlens_k, seqused_k)
     if varlen_k:
         if window_left >= 0 or alibi_slopes is not None:
             raise ValueError("gluon bwd: k's own cu_seqlens / seqused_k take no window or alibi_slopes")
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
-        # each sequence's key count (the kernel reads it again after its loop rather than keep it)
-        kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        if seqused_k is not None:  # at most the sequence's slots, as the Triton kernels read it
-            kv_lens = torch.minimum(kv_lens, seqused_k)
+        kv_lens = key_counts(cu_seqlens_k, seqused_k)
     dk_out, dv_out = dk, dv
     if varlen:  # one sequence of all the tokens to the descriptors; the kernel finds each in cu_seqlens
         q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))

@@ -188,6 +188,19 @@ def _prepare(q: torch.Tensor, softmax_scale: float | None, causal: bool, config:
     return softmax_scale, cfg, out, lse
 
 
+def own_k_sequences(cu_seqlens, cu_seqlens_k, seqused_k) -> bool:
+    """Does a packed call's k have sequences of its own (a different cu_seqlens_k, or keys cut by seqused_k)?"""
+    return cu_seqlens is not None and ((cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens)
+                                       or seqused_k is not None)
+
+
+def key_counts(cu_seqlens_k: torch.Tensor, seqused_k: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's key count (b,) int32: cu_seqlens_k's differences, at most seqused_k (as the Triton kernels
+    read it). The kernels read it where they need it rather than keep it in a register."""
+    counts = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    return counts if seqused_k is None else torch.minimum(counts, seqused_k)
+
+
 def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                    causal: bool = False, config: dict | None = None, learnable_sink: torch.Tensor | None = None,
                    window_left: int = -1, softcap: float = 0.0, cu_seqlens: torch.Tensor | None = None,
@@ -215,8 +228,7 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
     sm_90, TMA-unfriendly strides.
     """
     varlen = cu_seqlens is not None
-    # k's own sequences: a different cu_seqlens_k, or keys cut by seqused_k
-    varlen_k = varlen and ((cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens) or seqused_k is not None)
+    varlen_k = own_k_sequences(cu_seqlens, cu_seqlens_k, seqused_k)
     if varlen_k:
         if cu_seqlens_k is None:
             cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
@@ -261,12 +273,7 @@ def gluon_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_sc
 
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     lead, tail = head_dim_split(d)
-    # each sequence's key count (the kernel reads it where its masked blocks need it, not kept in a register)
-    kv_lens = None
-    if varlen_k:
-        kv_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-        if seqused_k is not None:  # at most the sequence's slots, as the Triton kernel reads it
-            kv_lens = torch.minimum(kv_lens, seqused_k)
+    kv_lens = key_counts(cu_seqlens_k, seqused_k) if varlen_k else None
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing),
     # and the kernel, which never reads its tail descriptors, gets the first ones again
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])

@@ -50,16 +50,12 @@ def _buffers(kernels: ModKernels, device) -> tuple:
 
 
 def _kv_descriptors(k: Tensor, v: Tensor, bn: int, bd: int, bdv: int):
-    """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) on sm_90 and later where both
-    tensors allow them (``config.tma`` True / False turns them on / off wherever the tensors allow), else the
-    tensors again (the pointer path). H100, bench flex's variants: ties with the pointer loads, up to 1.05x faster
-    with ALiBi, softcap or a bias table (scripts/ab_flex_tma.py)."""
-    from flashtile.backends.triton.tma import tma_ok
+    """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) where ``descriptors_wanted``
+    says so, else the tensors again (the pointer path). H100, bench flex's variants: ties with the pointer loads,
+    up to 1.05x faster with ALiBi, softcap or a bias table (scripts/ab_flex_tma.py)."""
+    from flashtile.backends.triton.tma import descriptors_wanted
 
-    forced = config.get().tma
-    if forced is None:
-        forced = k.device.type == "cuda" and host.capability(k.device)[0] >= 9
-    if not forced or not (tma_ok(k) and tma_ok(v)) or min(bd, bdv) * k.element_size() < 16:
+    if not descriptors_wanted(k, v) or min(bd, bdv) * k.element_size() < 16:
         return k, v, False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
