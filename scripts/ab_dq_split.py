@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from contextlib import contextmanager
 
 import torch
@@ -24,6 +23,7 @@ import triton
 import flashtile
 from flashtile import config
 from flashtile.backends.triton import attn_bwd
+from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench, time_in_rounds
 from flashtile.kernels.attn_bwd import bwd_configs
 
@@ -84,8 +84,7 @@ def main():
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    meta = collect_meta(sys.argv[1:], "cuda", program=f"python {sys.argv[0]}")
     rows = []
     for dv in (128, 192):
         for causal in (False, True):

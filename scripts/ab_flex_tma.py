@@ -12,13 +12,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
-import triton
 
 from flashtile import config
 from flashtile.bench.flex import VARIANTS, build_variant
+from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench, time_in_rounds
 from flashtile.flex import create_block_mask, flex_attention
 
@@ -52,8 +51,7 @@ def main():
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    meta = collect_meta(sys.argv[1:], "cuda", program=f"python {sys.argv[0]}")
     rows = []
     for s in args.seqlens:
         for name in args.variants:

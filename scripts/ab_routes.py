@@ -16,13 +16,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
-import triton
 
 import flashtile
 from flashtile import config
+from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench, bench_graph, time_in_rounds
 from flashtile.modules.mha import get_alibi_slopes
 
@@ -99,8 +98,7 @@ def main():
         # a capture of the backward after the forward's in one process failed on an H100 (stream capture
         # invalidated); --tokens takes short backward rows past host time instead
         ap.error("--graph times the forward only: pass --modes fwd (or --tokens for backward rows)")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    meta = collect_meta(sys.argv[1:], "cuda", program=f"python {sys.argv[0]}")
     rows = []
     for s in args.seqlens:
         for w, cap, mode in ((w, c, m) for w in args.windows for c in args.softcaps for m in args.modes):

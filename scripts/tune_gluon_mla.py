@@ -14,12 +14,11 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 
 import torch
-import triton
 
 from flashtile import config, flash_attn_with_kvcache
+from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench_graph, time_in_rounds
 from flashtile.kernels import gluon_decode_mla
 
@@ -73,8 +72,7 @@ def main():
     ap.add_argument("--pages", type=int, nargs="*", default=[64])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    meta = collect_meta(sys.argv[1:], "cuda", program=f"python {sys.argv[0]}")
     rows = []
     for b in args.batch:
         for sk in args.seqlens:

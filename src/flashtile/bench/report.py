@@ -61,8 +61,9 @@ def gpu_limits(uuid: str | None) -> dict | None:
     return dict(zip(GPU_LIMIT_FIELDS, values))
 
 
-def collect_meta(argv: list[str], device: str) -> dict:
-    """What a reader needs to trust and reproduce the numbers."""
+def collect_meta(argv: list[str], device: str, program: str = "python -m flashtile.bench") -> dict:
+    """What a reader needs to trust and reproduce the numbers. ``program``: what ran with ``argv`` (a script
+    passes ``"python " + sys.argv[0]`` and ``sys.argv[1:]``)."""
     now = _dt.datetime.now().astimezone()
     meta = {"device": torch.device(device).type}
     if meta["device"] == "cuda":
@@ -80,7 +81,7 @@ def collect_meta(argv: list[str], device: str) -> dict:
         meta["cpu"] = platform.processor() or platform.machine()
     meta.update(_versions())
     meta["date"] = now.isoformat(timespec="seconds")
-    meta["command"] = "python -m flashtile.bench " + shlex.join(argv)
+    meta["command"] = f"{program} {shlex.join(argv)}".rstrip()
     meta["hostname"] = socket.gethostname()
     # the public settings in force (FLASHTILE_GLUON, FLASHTILE_FAST_LAUNCH, ...): a result file must say
     # which path it measured
