@@ -256,7 +256,7 @@ def test_config_table_and_candidates_agree():
 @pytest.mark.parametrize("config,match", [
     (dict(BLOCK_M=96), "invalid config"),
     (dict(BLOCK_M=64), "invalid config"),  # 8 warps for 64 rows
-    (dict(NUM_BUFFERS=2), "invalid config"),
+    (dict(NUM_BUFFERS=1), "invalid config"),
     (dict(BLOCK_N=48), "invalid config"),
     (dict(stages=3), "unknown config keys"),
 ])

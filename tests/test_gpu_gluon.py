@@ -78,8 +78,8 @@ def test_matches_reference(s, d, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 256])
 def test_ragged_lengths(s, causal, d):
-    # one partial block, a block boundary either side, and a ring that wraps (4 blocks > 3 slots;
-    # d = 256 runs 32-key blocks: 13 blocks, a 4-slot ring, the masked loop over 2 blocks)
+    # one partial block, a block boundary either side, and rings that wrap (d = 64: 4 blocks > 3 slots;
+    # d = 256 runs 64-key blocks in two-slot rings: 7 blocks, the masked loop over 2 of them)
     q, k, v = (torch.randn(1, s, 2, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     _check(q, k, v, causal)
 
@@ -114,6 +114,27 @@ def test_every_tuning_candidate(d, cfg):
     v = torch.randn(2, 1000, 4, V_HEAD_DIMS[d][0], device=DEV, dtype=torch.bfloat16)
     _check(q, k, v, True, config=_config(cfg))
     _check(q, k, v, False, config=_config(cfg))
+
+
+@pytest.mark.parametrize("d,dv,cfg", [(128, 128, (128, 128, 2, 8)), (192, 128, (128, 64, 2, 8)),
+                                       (256, 256, (128, 64, 2, 8))], ids=["d128", "d192", "d256"])
+def test_two_slot_rings_with_every_feature(d, dv, cfg):
+    # two slots a ring is the fewest the loop allows: K of block j+3 and V of block j+1 load in iteration j into
+    # slots just freed, so every refill rule, wrapped phase and masked loop copy runs at its tightest
+    q, k = (torch.randn(2, 1000, 4, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(2, 1000, 4, dv, device=DEV, dtype=torch.bfloat16)
+    config = _config(cfg)
+    for causal in (False, True):
+        _check(q, k, v, causal, config=config)
+        _check(q, k, v, causal, config=config, softcap=30.0)
+    _check(q, k, v, True, config=config, window_left=200)
+    _check(q, k, v, True, config=config, alibi_slopes=torch.rand(4, device=DEV, dtype=torch.float32))
+    _check(q, k, v, True, config=config, learnable_sink=torch.randn(4, device=DEV, dtype=torch.float32))
+    # k longer than q (bottom-right diagonal) and blocks fewer than the ring's slots
+    kl, vl = (torch.randn(2, 1300, 4, n, device=DEV, dtype=torch.bfloat16) for n in (d, dv))
+    _check(q, kl, vl, True, config=config)
+    qs, ks, vs = q[:, :70], k[:, :70], v[:, :70]
+    _check(qs, ks, vs, True, config=config)
 
 
 def test_agrees_with_sdpa():

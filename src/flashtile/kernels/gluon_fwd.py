@@ -54,11 +54,12 @@ def _sequence(CU_SEQLENS, off_b, seqlen, VARLEN: gl.constexpr):
 
 # --8<-- [start:load_kv]
 @gluon.jit
-def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, block, off_b, off_hk,
-             NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr, V_TRANSPOSED: gl.constexpr, SPLIT: gl.constexpr,
-             key0=0, seq0=0):
-    # K and V get a barrier each, so QK^T of a block never waits for that block's V. A split head dim
-    # (SPLIT: K's tail columns through their own descriptor) lands both parts on K's one barrier.
+def _load_k(desc_k, desc_k2, k_smem, k2_smem, k_ready, block, off_b, off_hk, NUM_BUFFERS: gl.constexpr,
+            BLOCK_N: gl.constexpr, SPLIT: gl.constexpr, key0=0, seq0=0):
+    # K and V sit in rings of their own with a barrier a slot, so QK^T of a block never waits for that
+    # block's V, and a K slot refills as soon as its S retires (two iterations before that block's V is
+    # done). A split head dim (SPLIT: K's tail columns through their own descriptor) lands both parts on
+    # the slot's one barrier.
     slot = block % NUM_BUFFERS
     if SPLIT:
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes + desc_k2.block_type.nbytes)
@@ -68,6 +69,12 @@ def _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready,
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_k, [off_b, seq0 + key0 + block * BLOCK_N, off_hk, 0], k_ready.index(slot),
                                     k_smem.index(slot))
+
+
+@gluon.jit
+def _load_v(desc_v, v_smem, v_ready, block, off_b, off_hk, NUM_BUFFERS: gl.constexpr, BLOCK_N: gl.constexpr,
+            V_TRANSPOSED: gl.constexpr, key0=0, seq0=0):
+    slot = block % NUM_BUFFERS
     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
     if V_TRANSPOSED:
         # V^T (b, h_k, d, sk): the block is [1, 1, d, BLOCK_N], keys contiguous
@@ -217,12 +224,14 @@ def _key_block(j, s, o, p_prev, m_i, l_i, q_tile, q2_tile, k_smem, k2_smem, v_sm
             s_next = s_next + s_tail
         else:
             o, p_prev, s_next = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_prev, s_next))
-    # block j-1's slot is free now (its K retired with S_{j-1}, its V with PV_{j-1}): refill it. The
-    # CTA-wide barrier Triton puts before the TMA issue also covers the other warpgroup's reads.
-    refill = j - 1 + NUM_BUFFERS
-    if (j >= 1) & (refill < n_blocks):
-        _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, refill, off_b, off_hk,
-                 NUM_BUFFERS, BLOCK_N, V_TRANSPOSED, HEAD_DIM_TAIL > 0, key0, seq0)
+    # S_{j+1} retired, so block j+1's K slot is free; PV_{j-1} too, so block j-1's V slot is: each ring refills
+    # its own slot. The CTA-wide barrier Triton puts before a TMA issue also covers the other warpgroup's reads.
+    if j + 1 + NUM_BUFFERS < n_blocks:
+        _load_k(desc_k, desc_k2, k_smem, k2_smem, k_ready, j + 1 + NUM_BUFFERS, off_b, off_hk, NUM_BUFFERS, BLOCK_N,
+                HEAD_DIM_TAIL > 0, key0, seq0)
+    if (j >= 1) & (j - 1 + NUM_BUFFERS < n_blocks):
+        _load_v(desc_v, v_smem, v_ready, j - 1 + NUM_BUFFERS, off_b, off_hk, NUM_BUFFERS, BLOCK_N, V_TRANSPOSED,
+                key0, seq0)
     # PV_j stays in flight into the next iteration's softmax
     o, p = _rescale_and_issue_pv(o, p, alpha, v_smem, v_ready, j, o_layout, p_layout, NUM_BUFFERS, BLOCK_N,
                                  HEAD_DIM_V, V_TRANSPOSED)
@@ -263,8 +272,9 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     HEAD_DIM_TAIL after them; with no tail they repeat desc_q / desc_k and go unused) whose QK^T
     wgmmas accumulate into one score tile. v's and out's head dim is HEAD_DIM_V."""
     SPLIT: gl.constexpr = HEAD_DIM_TAIL > 0
-    # block j+NUM_BUFFERS-1 is loaded during iteration j, after which block j+1 must already be resident
-    gl.static_assert(NUM_BUFFERS >= 3)
+    # iteration j loads V of block j-1+NUM_BUFFERS (into the slot PV_{j-1} just freed), which PV reads in iteration
+    # j-1+NUM_BUFFERS: a single slot would make every V copy wait in the iteration that issues it
+    gl.static_assert(NUM_BUFFERS >= 2)
     # ALiBi's bias is linear in the key only where every visible key is left of the row (_softmax_step)
     gl.static_assert(CAUSAL or not ALIBI)
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -392,11 +402,11 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     else:
         mbarrier.expect(q_ready, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [tb, seq0 + m0, off_h, 0], q_ready, q_smem)
-    # fill the ring; later refills happen inside the loop as slots drain
+    # fill both rings; later refills happen inside the loop as slots drain
     for i in gl.static_range(NUM_BUFFERS):
         if i < n_blocks:
-            _load_kv(desc_k, desc_k2, desc_v, k_smem, k2_smem, v_smem, k_ready, v_ready, i, tb, off_hk,
-                     NUM_BUFFERS, BLOCK_N, FP8, SPLIT, key0, kseq0)
+            _load_k(desc_k, desc_k2, k_smem, k2_smem, k_ready, i, tb, off_hk, NUM_BUFFERS, BLOCK_N, SPLIT, key0, kseq0)
+            _load_v(desc_v, v_smem, v_ready, i, tb, off_hk, NUM_BUFFERS, BLOCK_N, FP8, key0, kseq0)
 
     q_tile = q_smem.reshape([BLOCK_M, HEAD_DIM])
     q2_tile = q_tile
@@ -421,6 +431,10 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         s = s + s_tail
     else:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    # S_0 retired: K slot 0 takes block NUM_BUFFERS (iteration j refills block j+1+NUM_BUFFERS)
+    if NUM_BUFFERS < n_blocks:
+        _load_k(desc_k, desc_k2, k_smem, k2_smem, k_ready, NUM_BUFFERS, tb, off_hk, NUM_BUFFERS, BLOCK_N, SPLIT, key0,
+                kseq0)
 
     # every block but the last, in copies of the same pipelined loop (the unmasked one without LOCAL: every row
     # sees all of such a block's keys, so its max is finite and the window's -inf guard would only cost the
@@ -565,14 +579,13 @@ def _gluon_attn_fwd_kernel(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE
 
 
 # Launch configs: BLOCK_M query rows (64 per warpgroup, num_warps = BLOCK_M / 16), BLOCK_N keys per
-# block, NUM_BUFFERS ring slots (>= 3). Power-of-two tiles only (Gluon tensors). Every entry and every
-# tuning candidate is compiled for sm_90 by tests/test_gluon_compile.py (no spills, no serialised
-# wgmma, shared memory within 227 KiB, exp2 under an in-flight wgmma in the SASS).
-#   16-bit d = 64 / 128: the measured config (untuned for d = 64, which the route leaves to Triton).
-#   16-bit d = 256: one warpgroup, 32 keys per block: 128 x 64 tiles do not fit shared memory with
-#     a 3-slot ring, 64 x 64 spills (255 registers); 64 x 32 uses ~195 registers, ~160 KiB.
-#   16-bit d = 192 (q / k as 128 + 64 columns) with v's 128: 64-key blocks, the widest that fits a ring of
-#     >= 3 slots beside a 128-row Q tile (4 slots: ~208 KiB).
+# block, NUM_BUFFERS slots in each of the K and V rings (>= 2). Power-of-two tiles only (Gluon tensors).
+# Every entry and every tuning candidate is compiled for sm_90 by tests/test_gluon_compile.py (no spills,
+# no serialised wgmma, shared memory within 227 KiB, exp2 under an in-flight wgmma in the SASS).
+#   16-bit d = 64 / 128: the measured configs (d = 64's ties Triton, which the route keeps).
+#   16-bit d = 256: two warpgroups on 128 rows, 64 keys a block in two-slot rings (196,648 B of shared
+#     memory, FlashAttention-3's d = 256 tile is 128 x 80); the route keeps Triton until it measures faster.
+#   16-bit d = 192 (q / k as 128 + 64 columns) with v's 128: 64-key blocks, 4 slots (~208 KiB).
 #   fp8 d = 128 / 256: one warpgroup on 64 query rows, the sweep's winner at s = 4096, causal and not,
 #     by 10%-17% over 128-row tiles on two warpgroups (docs/gluon.md, "Configs"): small CTAs let two
 #     share an SM, so one's softmax hides under the other's MMAs as well.
@@ -581,7 +594,7 @@ FWD_CONFIGS = {
     ("16bit", 64): dict(BLOCK_M=64, BLOCK_N=128, NUM_BUFFERS=3, num_warps=4),
     ("16bit", 128): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
     ("16bit", 192): dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=4, num_warps=8),
-    ("16bit", 256): dict(BLOCK_M=64, BLOCK_N=32, NUM_BUFFERS=4, num_warps=4),
+    ("16bit", 256): dict(BLOCK_M=128, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8),
     ("fp8", 64): dict(BLOCK_M=128, BLOCK_N=128, NUM_BUFFERS=3, num_warps=8),
     ("fp8", 128): dict(BLOCK_M=64, BLOCK_N=128, NUM_BUFFERS=3, num_warps=4),
     ("fp8", 256): dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=3, num_warps=4),
@@ -592,10 +605,10 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps")
 # num_warps), the table's entry first. Kept short (each one costs a GPU compile) and limited to
 # what compiles without spills: 64-row tiles on one warpgroup may fit two CTAs per SM.
 TUNE_CANDIDATES = {
-    ("16bit", 64): [(64, 128, 3, 4), (128, 128, 3, 8), (128, 128, 4, 8), (64, 128, 4, 4)],
-    ("16bit", 128): [(128, 128, 3, 8), (64, 128, 3, 4), (64, 64, 3, 4)],
-    ("16bit", 192): [(128, 64, 4, 8), (128, 64, 3, 8), (64, 64, 3, 4), (64, 64, 4, 4)],
-    ("16bit", 256): [(64, 32, 4, 4), (64, 32, 3, 4), (64, 32, 6, 4), (128, 32, 3, 8)],
+    ("16bit", 64): [(64, 128, 3, 4), (128, 128, 3, 8), (64, 128, 2, 4)],
+    ("16bit", 128): [(128, 128, 3, 8), (128, 128, 2, 8), (64, 128, 3, 4), (64, 64, 2, 4)],
+    ("16bit", 192): [(128, 64, 4, 8), (128, 64, 3, 8), (128, 64, 2, 8), (64, 64, 3, 4)],
+    ("16bit", 256): [(128, 64, 2, 8), (128, 32, 3, 8), (64, 32, 4, 4), (64, 64, 2, 4)],
     ("fp8", 64): [(128, 128, 3, 8), (128, 128, 4, 8), (128, 128, 6, 8), (64, 128, 3, 4), (64, 128, 4, 4)],
     ("fp8", 128): [(64, 128, 3, 4), (64, 128, 4, 4), (128, 128, 3, 8), (128, 128, 5, 8)],
     ("fp8", 256): [(64, 64, 3, 4), (64, 64, 4, 4), (128, 64, 3, 8), (128, 64, 4, 8)],

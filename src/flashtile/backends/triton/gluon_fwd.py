@@ -163,10 +163,10 @@ def _resolve_config(d: int, causal: bool, dtype: torch.dtype, config: dict | Non
             raise ValueError(f"gluon fwd: unknown config keys {sorted(unknown)} (known: {CONFIG_KEYS})")
         cfg.update({key: int(val) for key, val in config.items()})
     bm, bn, nb, nw = (cfg[key] for key in CONFIG_KEYS)
-    # one warpgroup per 64 query rows; power-of-two tiles (Gluon tensors); a ring of >= 3 slots
-    if bm % 64 or nw != 4 * (bm // 64) or bn & (bn - 1) or not 32 <= bn <= 256 or bm & (bm - 1) or nb < 3:
+    # one warpgroup per 64 query rows; power-of-two tiles (Gluon tensors); rings of >= 2 slots
+    if bm % 64 or nw != 4 * (bm // 64) or bn & (bn - 1) or not 32 <= bn <= 256 or bm & (bm - 1) or nb < 2:
         raise ValueError(f"gluon fwd: invalid config {cfg} (BLOCK_M a power of two multiple of 64 with "
-                         "num_warps = BLOCK_M / 16, BLOCK_N a power of two in [32, 256], NUM_BUFFERS >= 3)")
+                         "num_warps = BLOCK_M / 16, BLOCK_N a power of two in [32, 256], NUM_BUFFERS >= 2)")
     return cfg
 
 
