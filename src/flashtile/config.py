@@ -49,6 +49,8 @@ class Settings:
     gluon_fwd: bool | None = None
     # the same for the Gluon dK/dV kernel of the backward
     gluon_bwd: bool | None = None
+    # the same for the Gluon flex forward (flashtile.flex; None: its route, backends/triton/flex/gluon_launch.py)
+    gluon_flex: bool | None = None
     # True / False: tensor-descriptor (TMA) loads on / off in the Triton kernels; None: the launcher's rule
     tma: bool | None = None
     # causal programs start with their longest row blocks (bitwise the same result either way)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from flashtile import config
 from flashtile.backends.triton import host
+from flashtile.backends.triton.flex import gluon_launch
 from flashtile.backends.triton.flex.modules import ModKernels
 from flashtile.kernels.attn_bwd import _attn_bwd_preprocess_kernel
 from flashtile.kernels.flex_bwd import _flex_bwd_dkdv_kernel, _flex_bwd_dq_kernel, flex_bwd_configs
@@ -52,7 +53,7 @@ def _buffers(kernels: ModKernels, device) -> tuple:
 def _kv_descriptors(k: Tensor, v: Tensor, bn: int, bd: int, bdv: int):
     """K and V tensor descriptors (boxes of ``bn`` rows of one (batch, kv head)) where ``descriptors_wanted``
     says so, else the tensors again (the pointer path). H100, bench flex's variants: ties with the pointer loads,
-    up to 1.05x faster with ALiBi, softcap or a bias table (scripts/ab_flex_tma.py)."""
+    up to 1.05x faster with ALiBi, softcap or a bias table (scripts/ab_flex.py --setting tma)."""
     from flashtile.backends.triton.tma import descriptors_wanted
 
     if not descriptors_wanted(k, v) or min(bd, bdv) * k.element_size() < 16:
@@ -77,9 +78,13 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
         return out, lse
     bq, bkv = block_size
     bd, bdv = max(16, host.next_pow2(E)), max(16, host.next_pow2(Ev))
+    num, idx, fnum, fidx = (_expand(t, B, H) for t in block)
+    if gluon_launch.wanted(q, k, v, block_size, tiles):
+        gluon_launch.gluon_flex_fwd(q, k, v, (num, idx, fnum, fidx), _buffers(kernels, q.device), kernels, scale,
+                                    block_size, out, lse)
+        return out, lse
     tiles = _chosen(tiles, config.get().fwd_tiles or flex_fwd_config(host.arch_of(q.device), max(bd, bdv)))
     bm, bn, warps, stages = _fit(tiles[0], bq), _fit(tiles[1], bkv), tiles[2], tiles[3]
-    num, idx, fnum, fidx = (_expand(t, B, H) for t in block)
     grid = (host.cdiv(L, bm) * B * H,)
     desc_k, desc_v, tma = _kv_descriptors(k, v, bn, bd, bdv)
     with host.device_guard(q):

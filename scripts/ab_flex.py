@@ -1,11 +1,11 @@
-"""A/B of the flex forward's K / V loads on the GPU: tensor descriptors (TMA, config.tma=True) against pointer
-loads (the default), alternated rounds in one process, the outputs compared first.
+"""A/B of one setting of the flex forward on the GPU, on against off in alternated rounds in one process, the
+outputs compared first: ``--setting gluon_flex`` (the Gluon kernel against the Triton one) or ``tma`` (the Triton
+kernel's K / V through tensor descriptors against pointer loads).
 
-Usage: PYTHONPATH=src python scripts/ab_flex_tma.py --out $OUT/ab_flex_tma.json [--seqlens 4096 16384 --rounds 3]
+Usage: PYTHONPATH=src python scripts/ab_flex.py --setting gluon_flex --out $OUT/ab_flex.json [--seqlens 4096 16384]
 
-Rows: the variants of `python -m flashtile.bench flex` (d = 128, bf16, h = 16, b = 16k / s), forward only. The
-descriptor path wins a default only where it is faster beyond noise; else it is removed (its numbers in the
-commit message).
+Rows: the variants of `python -m flashtile.bench flex` (d = 128, bf16, h = 16, b = 16k / s), forward only. A path
+wins a default only where it is faster beyond noise; else it is removed (its numbers in the commit message).
 """
 
 import argparse
@@ -22,31 +22,32 @@ from flashtile.bench.timing import bench, time_in_rounds
 from flashtile.flex import create_block_mask, flex_attention
 
 
-def _row(name, s, rounds, d=128, hidden=2048, tokens=16384):
+def _row(setting, name, s, rounds, d=128, hidden=2048, tokens=16384):
     h, b = hidden // d, max(1, tokens // s)
     score_mod, mask_mod = build_variant(name, b, h, s, "cuda")
     mask = create_block_mask(mask_mod, b if name == "document" else None, None, s, s, device="cuda")
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 
-    def call(tma):
-        with config.override(tma=tma):
+    def call(on):
+        with config.override(**{setting: on}):
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
 
     diff = (call(True).float() - call(False).float()).abs().max().item()
 
-    def timer(tma):
-        return lambda: bench(lambda: call(tma), "cuda")
-    results, failed = time_in_rounds([("tma", timer(True)), ("pointers", timer(False))], rounds)
+    def timer(on):
+        return lambda: bench(lambda: call(on), "cuda")
+    results, failed = time_in_rounds([("on", timer(True)), ("off", timer(False))], rounds)
     ms = {n: statistics.median(r) for n, r in results.items()}
-    ratios = [p / t for t, p in zip(results.get("tma", []), results.get("pointers", []))]
-    return dict(variant=name, s=s, b=b, h=h, d=d, ms=ms, rounds_ms=results, max_diff=diff,
-                pointers_over_tma=statistics.median(ratios) if ratios else None,
+    ratios = [p / t for t, p in zip(results.get("on", []), results.get("off", []))]
+    return dict(setting=setting, variant=name, s=s, b=b, h=h, d=d, ms=ms, rounds_ms=results, max_diff=diff,
+                off_over_on=statistics.median(ratios) if ratios else None,
                 errors={n: repr(e)[:200] for n, e in failed.items()})
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--setting", choices=("gluon_flex", "tma"), required=True)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)
@@ -55,10 +56,10 @@ def main():
     rows = []
     for s in args.seqlens:
         for name in args.variants:
-            row = _row(name, s, args.rounds)
+            row = _row(args.setting, name, s, args.rounds)
             rows.append(row)
-            print(f"{name} s={s}: tma {row['ms'].get('tma', 0):.3f} ms, pointers {row['ms'].get('pointers', 0):.3f} ms,"
-                  f" pointers / tma {row['pointers_over_tma'] or 0:.3f}, |diff| {row['max_diff']:.1e} "
+            print(f"{name} s={s}: on {row['ms'].get('on', 0):.3f} ms, off {row['ms'].get('off', 0):.3f} ms,"
+                  f" off / on {row['off_over_on'] or 0:.3f}, |diff| {row['max_diff']:.1e} "
                   f"{row['errors'] or ''}", flush=True)
             with open(args.out, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -1,0 +1,73 @@
+"""The Gluon flex forward's route and launcher (kernels/gluon_flex_fwd.py): which calls it takes, and the launch.
+
+It takes a flex forward on sm_90 in bf16 / fp16 whose q / k / v share a head dim of 64 or 128, whose tensors
+allow tensor descriptors (16-byte aligned base and strides), whose block mask's blocks hold whole kernel tiles,
+and whose tiles the call did not choose (``kernel_options`` / ``config.fwd_tiles`` tile the Triton kernel).
+``config.gluon`` (FLASHTILE_GLUON=0) turns it off with every Gluon route; ``config.gluon_flex`` True / False
+forces it on (where it can run) / off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flashtile import config
+from flashtile.backends.triton import host
+
+HEAD_DIMS = (64, 128)
+
+
+def _config(head_dim: int) -> tuple[int, int, int, int]:
+    from flashtile.kernels.gluon_flex_fwd import GLUON_FLEX_FWD_CONFIGS
+
+    return GLUON_FLEX_FWD_CONFIGS[head_dim]
+
+
+def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: tuple) -> bool:
+    """Does this flex forward run on the Gluon kernel? (``tiles``: the call's own, zeros where it chose none)."""
+    settings = config.get()
+    if not settings.gluon or settings.gluon_flex is False or any(tiles) or settings.fwd_tiles:
+        return False
+    if q.device.type != "cuda" or host.arch_of(q.device) != "sm90":
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
+        return False
+    d = q.shape[-1]
+    if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
+        return False
+    bm, bn = _config(d)[:2]
+    if block_size[0] % bm or block_size[1] % bn:
+        return False
+    from flashtile.backends.triton.tma import tma_ok
+
+    return all(tma_ok(x) for x in (q, k, v))
+
+
+def _descriptor(x: Tensor, rows: int):
+    from flashtile.backends.triton.gluon_fwd import _descriptor as descriptor
+
+    return descriptor(x, [1, 1, rows, x.shape[-1]])
+
+
+def gluon_flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, buffers: tuple, kernels, scale: float,
+                   block_size: tuple[int, int], out: Tensor, lse: Tensor) -> None:
+    """Fills ``out`` (B, H, L, E) and ``lse`` (B, H, L) fp32 for q (B, H, L, E), k / v (B, H_k, S, E) with the
+    block mask's ``block`` (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, expanded to (B, H))
+    and the mods' generated ``kernels`` (their captured tensors ``buffers``)."""
+    from flashtile.kernels.gluon_flex_fwd import _gluon_flex_fwd_kernel
+
+    B, H, L, E = q.shape
+    S = k.shape[2]
+    bm, bn, nb, warps = _config(E)
+    num, idx, fnum, fidx = block
+    bq, bkv = block_size
+    with host.device_guard(q):
+        host.run_kernel(_gluon_flex_fwd_kernel, (host.cdiv(L, bm), B * H),
+                    _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(out, bm), out, lse,
+                    num, idx, fnum, fidx, buffers, scale, L, S, H, H // k.shape[1],
+                    out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+                    num.stride(0), num.stride(1), num.stride(2), idx.stride(0), idx.stride(1), idx.stride(2),
+                    SCORE_MOD=kernels.score_mod, MASK_MOD=kernels.mask_mod, HAS_SCORE_MOD=kernels.has_score_mod,
+                    HEAD_DIM=E, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, SPARSE_Q=bq, SPARSE_KV=bkv,
+                    EVEN_M=L % bm == 0, EVEN_N=S % bkv == 0, num_warps=warps)

@@ -1,0 +1,72 @@
+"""Compile the Gluon flex forward (kernels/gluon_flex_fwd.py) with generated mods for sm_90 through ptxas, without
+a GPU.
+
+Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
+    python tests/aot_gluon_flex.py OUT MODS D BLOCK_M BLOCK_N NUM_BUFFERS WARPS EVEN
+MODS: ``rel_bias`` (a learned relative-position table under a causal mask, the heaviest of the tests), ``softcap``
+(tanh on every score, no mask), ``causal`` (mask_mod only) or ``document`` (a captured document-id tensor read
+twice per element). EVEN 0 builds the ragged-length copy (index bounds, end masks). Writes TTGIR / SASS / ptxas
+log under OUT and prints ``SHARED <bytes> REGISTERS <n> SPILL_STORES <n>`` and the tag.
+"""
+
+import pathlib
+import re
+import sys
+
+import torch
+
+from flashtile.flex import registry
+from flashtile.kernels.gluon_flex_fwd import _gluon_flex_fwd_kernel
+from gluon_aot import compile_for_sm90  # this script runs from tests/ (its folder is on sys.path)
+
+S = 4096
+TABLE = torch.zeros(2 * S, requires_grad=True)
+DOCS = torch.zeros(S, dtype=torch.int32)
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    return score + TABLE[q_idx - kv_idx + S]
+
+
+def softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def document(b, h, q_idx, kv_idx):
+    return DOCS[q_idx] == DOCS[kv_idx]
+
+
+MODS = {"rel_bias": (rel_bias, causal, ("*fp32",)), "softcap": (softcap, None, ("*fp32",)),
+        "causal": (None, causal, ("*fp32",)), "document": (None, document, ("*i32",))}
+
+
+def main(out, mods, d, bm, bn, nb, warps, even):
+    import triton.experimental.gluon.language as gl
+
+    score_mod, mask_mod, bufs = MODS[mods]
+    kernels = registry.entry_for(score_mod, mask_mod).kernels()
+
+    def desc(block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+
+    cx = dict(SCORE_MOD=kernels.score_mod, MASK_MOD=kernels.mask_mod, HAS_SCORE_MOD=score_mod is not None,
+              HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, SPARSE_Q=128, SPARSE_KV=128, EVEN_M=bool(even),
+              EVEN_N=bool(even))
+    types = dict(desc_q=desc([1, 1, bm, d]), desc_o=desc([1, 1, bm, d]), desc_k=desc([1, 1, bn, d]),
+                 desc_v=desc([1, 1, bn, d]), OUT="*bf16", LSE="*fp32", KV_NUM="*i32", KV_IDX="*i32", FULL_NUM="*i32",
+                 FULL_IDX="*i32", BUFS=bufs, sm_scale="fp32")
+    tag = f"{mods}_d{d}_m{bm}n{bn}b{nb}w{warps}_{'even' if even else 'ragged'}"
+    got = compile_for_sm90(_gluon_flex_fwd_kernel, cx, types, warps, pathlib.Path(out), tag, aligned_ints=("stride",))
+    log = got["ptxas_log"]
+    regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
+    print("SHARED", got["shared"], "REGISTERS", regs.group(1) if regs else -1, "SPILL_STORES",
+          spill.group(1) if spill else -1, "TAG", tag)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:9]))

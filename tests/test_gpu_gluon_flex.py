@@ -1,0 +1,111 @@
+"""The Gluon flex forward (kernels/gluon_flex_fwd.py) on a Hopper GPU: every standard variant against the float64
+dense reference (FlashAttention's 2x-error rule) and against the Triton flex forward, with ragged lengths, GQA,
+fp16, head dim 64, query blocks and rows that see no key; and that the route takes exactly the calls it claims."""
+
+import pytest
+import torch
+
+from flashtile import config
+from flashtile.backends.triton.flex import gluon_launch
+from flashtile.flex import create_block_mask, flex_attention
+from flex_variants import dense_reference, variants
+from tolerance import assert_fa_close
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+NAMES = ["causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap", "rel_bias"]
+
+
+@pytest.fixture(autouse=True)
+def _needs_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon flex forward runs on sm_90")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many launches went to the Gluon kernel."""
+    seen = []
+    real = gluon_launch.gluon_flex_fwd
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_launch, "gluon_flex_fwd", counted)
+    return seen
+
+
+def _check(var, meta, B, H, L, S, d, h_kv, dtype, block, calls):
+    score_mod, mask_mod = var[:2]
+    q = torch.randn(B, H, L, d, device=DEV, dtype=dtype)
+    k, v = (torch.randn(B, h_kv, S, d, device=DEV, dtype=dtype) for _ in range(2))
+    mask = create_block_mask(mask_mod, B, None, L, S, device=DEV, BLOCK_SIZE=block) if mask_mod else None
+    args = dict(score_mod=score_mod, block_mask=mask, enable_gqa=h_kv != H, return_lse=True)
+    with torch.no_grad():
+        out, lse = flex_attention(q, k, v, **args)
+        assert len(calls) == 1, "the call did not take the Gluon route"
+        with config.override(gluon_flex=False):
+            t_out, t_lse = flex_attention(q, k, v, **args)
+        assert len(calls) == 1
+        ref, ref_lse = dense_reference(q, k, v, var, meta)
+        pt, _ = dense_reference(q, k, v, var, meta, dtype=dtype)
+    assert_fa_close(out, ref, pt)
+    empty = torch.isinf(ref_lse)
+    # FlexAttention's convention, which flashtile.flex returns: -inf on a row that sees no key
+    assert torch.equal(torch.isinf(lse), empty) and (lse[empty] < 0).all(), "rows that see no key: lse -inf"
+    assert (out[empty] == 0).all(), "rows that see no key: out 0"
+    err = (lse - ref_lse.float())[~empty].abs().max().item() if (~empty).any() else 0.0
+    assert err <= 2e-3, f"lse: max err {err:.3e}"
+    # the Triton kernel's result to the rounding of the summation order
+    assert (out.float() - t_out.float()).abs().max().item() <= 2 * (t_out.double() - ref).abs().max().item() + 1e-3
+    assert torch.equal(torch.isinf(t_lse), torch.isinf(lse))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("L, S, d", [(1024, 1024, 128), (1000, 1000, 64), (512, 777, 128), (2048, 2048, 128)])
+def test_variants(name, L, S, d, calls):
+    var = variants(2, 4, L, S, device=DEV, window=256, prefix=L // 4, docs=(0, L // 3, L // 2))
+    _check(var[name], var["_meta"], 2, 4, L, S, d, 4, torch.bfloat16, 128, calls)
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "document", "softcap"])
+def test_gqa_and_fp16(name, calls):
+    var = variants(1, 8, 1024, 1024, device=DEV, window=256, prefix=256, docs=(0, 300, 700))
+    _check(var[name], var["_meta"], 1, 8, 1024, 1024, 128, 2, torch.float16, 128, calls)
+
+
+def test_blocks_and_rows_that_see_no_key(calls):
+    # rows below 300 see nothing: query blocks 0 and 1 list no key block (the early exit), block 2 has empty rows
+    L = S = 1024
+    q_pos, kv_pos = torch.arange(L, device=DEV)[:, None], torch.arange(S, device=DEV)[None, :]
+
+    def late(b, h, q_idx, kv_idx):
+        return (q_idx >= 300) & (kv_idx <= q_idx)
+
+    keep = ((q_pos >= 300) & (kv_pos <= q_pos)).expand(1, 4, L, S)
+    var = (None, late, None, keep, None)
+    _check(var, dict(q=q_pos, kv=kv_pos, S=S), 1, 4, L, S, 128, 4, torch.bfloat16, 128, calls)
+
+
+def test_sparse_blocks_of_256_keys(calls):
+    # 256-key sparse blocks walk as several 64-key tiles each, across both lists
+    var = variants(1, 4, 2048, 2048, device=DEV, window=300, prefix=512, docs=(0, 700, 1500))
+    for name in ("sliding_window", "prefix_lm"):
+        calls.clear()
+        _check(var[name], var["_meta"], 1, 4, 2048, 2048, 128, 4, torch.bfloat16, 256, calls)
+
+
+def test_route_refusals():
+    q = torch.randn(1, 2, 256, 128, device=DEV, dtype=torch.bfloat16)
+    assert gluon_launch.wanted(q, q, q, (128, 128), (0, 0, 0, 0))
+    assert not gluon_launch.wanted(q, q, q, (128, 128), (64, 64, 4, 2)), "the call's own tiles are Triton's"
+    assert not gluon_launch.wanted(q, q, q, (64, 128), (0, 0, 0, 0)), "a sparse block smaller than the tile"
+    assert not gluon_launch.wanted(q.float(), q.float(), q.float(), (128, 128), (0, 0, 0, 0))
+    q96 = torch.randn(1, 2, 256, 96, device=DEV, dtype=torch.bfloat16)
+    assert not gluon_launch.wanted(q96, q96, q96, (128, 128), (0, 0, 0, 0))
+    with config.override(gluon=False):
+        assert not gluon_launch.wanted(q, q, q, (128, 128), (0, 0, 0, 0))
+    with config.override(gluon_flex=False):
+        assert not gluon_launch.wanted(q, q, q, (128, 128), (0, 0, 0, 0))
