@@ -31,6 +31,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 ROUTE_TABLE = {
     (torch.bfloat16, 128): {False: 1024, True: 2048},
     (torch.bfloat16, 192): {False: 1024, True: 1024},
+    (torch.bfloat16, 256): {False: 1024, True: 1024},
     (torch.float8_e4m3fn, 128): {False: 4096, True: 4096},
     (torch.float8_e4m3fn, 256): {False: 4096, True: 4096},
 }
@@ -54,7 +55,7 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
 
 
 # (q / k head dim, v head dim) pairs of the forward kernels: the 16-bit one splits 192 into 128 + 64 columns
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128))
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
