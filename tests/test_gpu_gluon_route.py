@@ -39,11 +39,17 @@ def test_routed_forward_and_gradients_match_reference(gluon_calls, s, h, h_k, ca
 
 def test_route_switch_and_unsupported_calls_stay_on_triton(gluon_calls, monkeypatch):
     q, k, v = (torch.randn(1, 2048, 4, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    flashtile.flash_attn_func(q, k, v, window_size=(256, 0))
-    flashtile.flash_attn_func(q, k, v, softcap=30.0)
-    flashtile.flash_attn_func(q.half(), k.half(), v.half())
+    flashtile.flash_attn_func(q, k, v, window_size=(256, 256))  # a two-sided window
+    flashtile.flash_attn_func(q, k, v, dropout_p=0.1)
+    flashtile.flash_attn_func(q[:, :512], k[:, :512], v[:, :512])  # below the route table's start
     flashtile.flash_attn_func(q[..., :64].contiguous(), k[..., :64].contiguous(), v[..., :64].contiguous())
+    q256, k256, v256 = (torch.randn(1, 2048, 4, 256, device=DEV, dtype=torch.bfloat16) for _ in range(3))
+    flashtile.flash_attn_func(q256, k256, v256, causal=True, softcap=30.0)  # d = 256 takes plain / causal only
+    flashtile.flash_attn_func(q256, k256, v256, window_size=(1024, 0))
     assert not gluon_calls
+    flashtile.flash_attn_func(q256, k256, v256, causal=True)
+    assert len(gluon_calls) == 1
+    gluon_calls.clear()
     with config.override(gluon=False):  # FLASHTILE_GLUON=0
         flashtile.flash_attn_func(q, k, v)
     assert not gluon_calls
