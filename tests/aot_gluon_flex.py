@@ -2,13 +2,15 @@
 a GPU.
 
 Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
-    python tests/aot_gluon_flex.py OUT MODS D BLOCK_M BLOCK_N NUM_BUFFERS WARPS EVEN
+    python tests/aot_gluon_flex.py OUT SPEC [SPEC ...]      SPEC: MODS,D,BLOCK_M,BLOCK_N,NUM_BUFFERS,WARPS,EVEN
 MODS: ``rel_bias`` (a learned relative-position table under a causal mask, the heaviest of the tests), ``softcap``
 (tanh on every score, no mask), ``causal`` (mask_mod only) or ``document`` (a captured document-id tensor read
 twice per element). EVEN 0 builds the ragged-length copy (index bounds, end masks). Writes TTGIR / SASS / ptxas
-log under OUT and prints ``SHARED <bytes> REGISTERS <n> SPILL_STORES <n>`` and the tag.
+log under OUT and prints one JSON line a spec: its tag, shared memory, registers, spill stores, whether ptxas
+serialised the wgmmas, and the most exp2 under an in-flight wgmma in the SASS.
 """
 
+import json
 import pathlib
 import re
 import sys
@@ -17,7 +19,7 @@ import torch
 
 from flashtile.flex import registry
 from flashtile.kernels.gluon_flex_fwd import _gluon_flex_fwd_kernel
-from gluon_aot import compile_for_sm90  # this script runs from tests/ (its folder is on sys.path)
+from gluon_aot import compile_for_sm90, max_ex2_under_wgmma  # run from tests/ (its folder is on sys.path)
 
 S = 4096
 TABLE = torch.zeros(2 * S, requires_grad=True)
@@ -64,9 +66,12 @@ def main(out, mods, d, bm, bn, nb, warps, even):
     got = compile_for_sm90(_gluon_flex_fwd_kernel, cx, types, warps, pathlib.Path(out), tag, aligned_ints=("stride",))
     log = got["ptxas_log"]
     regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
-    print("SHARED", got["shared"], "REGISTERS", regs.group(1) if regs else -1, "SPILL_STORES",
-          spill.group(1) if spill else -1, "TAG", tag)
+    return dict(tag=tag, shared=got["shared"], registers=int(regs.group(1)) if regs else -1,
+                spill=int(spill.group(1)) if spill else -1, serialized="serialized" in log,
+                ex2=max_ex2_under_wgmma(got["sass"]))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:9]))
+    for spec in sys.argv[2:]:
+        mods, *nums = spec.split(",")
+        print(json.dumps(main(sys.argv[1], mods, *(int(a) for a in nums))), flush=True)

@@ -70,3 +70,17 @@ def decode_build_summary(got: dict) -> str:
     return (f"SHARED {got['shared']} REGISTERS {regs.group(1) if regs else -1} "
             f"SPILL_STORES {spill.group(1) if spill else 0} LDGSTS {sass.count('LDGSTS')} HMMA {sass.count('HMMA')} "
             f"LOOP_BARRIERS {loop.count('BAR.SYNC')} TAIL_BARRIERS {tail.count('BAR.SYNC')}")
+
+
+def max_ex2_under_wgmma(sass: str) -> int:
+    """The most MUFU.EX2 executed between an HGMMA / QGMMA and the WARPGROUP.DEPBAR after it (straight-line
+    order of the listing; the loops keep their body contiguous)."""
+    best, in_flight, count = 0, False, 0
+    for line in sass.splitlines():
+        if "HGMMA" in line or "QGMMA" in line:  # 16-bit / fp8 wgmma
+            in_flight = True
+        elif "WARPGROUP.DEPBAR" in line:
+            best, in_flight, count = max(best, count), False, 0
+        elif "MUFU.EX2" in line and in_flight:
+            count += 1
+    return best

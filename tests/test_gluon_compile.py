@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from gluon_aot import max_ex2_under_wgmma as _max_ex2_under_wgmma
+
 SM90_MAX_SHARED = 232448  # 227 KiB, the most one block may allocate on sm_90
 # "bf16sink": the bf16 kernel with a learnable sink (HAS_SINK), whose only extra code is after the key loop
 # "bf16local": with a causal sliding window (LOCAL: a third copy of the key loop, masked, for the window's left edge)
@@ -163,20 +165,6 @@ def _check_ttgir_overlap(ttgir: str, qk_dots: int = 1) -> None:
         assert "wait" not in kinds[last_dot:], kinds
         pv = re.match(r"\s*(%[\w#]+) = ttng.warp_group_dot ", ops[last_dot][1]).group(1)
         assert pv in ops[-1][1] and kinds[-1] == "yield", "PV's in-flight result must be loop-carried"
-
-
-def _max_ex2_under_wgmma(sass: str) -> int:
-    """The most MUFU.EX2 executed between an HGMMA / QGMMA and the WARPGROUP.DEPBAR after it (straight-line
-    order of the listing; the loops keep their body contiguous)."""
-    best, in_flight, count = 0, False, 0
-    for line in sass.splitlines():
-        if "HGMMA" in line or "QGMMA" in line:  # 16-bit / fp8 wgmma
-            in_flight = True
-        elif "WARPGROUP.DEPBAR" in line:
-            best, in_flight, count = max(best, count), False, 0
-        elif "MUFU.EX2" in line and in_flight:
-            count += 1
-    return best
 
 
 def _ptxas_ok(log: str, max_spill: int = 0) -> None:

@@ -33,6 +33,8 @@ def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: 
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         return False
+    if k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:  # no descriptor over an empty dimension
+        return False
     d = q.shape[-1]
     if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:
         return False

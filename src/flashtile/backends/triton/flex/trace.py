@@ -14,6 +14,7 @@ the caller's own tensor objects, so in-place updates are seen and autograd reach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 
@@ -55,9 +56,14 @@ class ModGraph:
     buffers: list[torch.Tensor]
 
     def signature(self) -> str:
-        """Text that identifies the graph and its buffers' layouts (not their values): the cache key."""
+        """Text that identifies the graph and its buffers' layouts (not their values): the cache key. Every call
+        of a mod looks its entry up by it, so the nodes' part, fixed once traced, is written once."""
         bufs = ";".join(f"{b.dtype}{tuple(b.shape)}{tuple(b.stride())}" for b in self.buffers)
-        return f"{self.kind}|{bufs}|" + "|".join(repr(n) for n in self.nodes) + f"|out={self.out}"
+        return f"{self.kind}|{bufs}|{self._nodes_text}"
+
+    @functools.cached_property
+    def _nodes_text(self) -> str:
+        return "|".join(repr(n) for n in self.nodes) + f"|out={self.out}"
 
 
 # aten op -> graph op. Binary ops take Tensor or Scalar second arguments.
