@@ -219,6 +219,13 @@ def test_d256_takes_plain_and_causal_calls_from_the_table_start(monkeypatch):
     assert not gluon_route.use_gluon(q, k, v, _params(window_left=1024, **causal))
     slopes = torch.ones(q.shape[2])
     assert not gluon_route.use_gluon(q, k, v, _params(alibi_slopes=slopes, **causal))
+    cu = torch.tensor([0, 4096], dtype=torch.int32)  # one cu_seqlens shared by q and k
+    packed = _params(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=4096, max_seqlen_k=4096)
+    assert not gluon_route.use_gluon(q[0], k[0], v[0], packed), "packed d = 256: neither timed nor GPU-tested"
+    monkeypatch.setattr(gluon_route, "PLAIN_ONLY", ())
+    assert gluon_route.use_gluon(q[0], k[0], v[0], packed), "the refusal above is PLAIN_ONLY's"
+    monkeypatch.undo()
+    _on_gpu(monkeypatch, q)
     short = _qkv(s=1024, d=256)
     assert gluon_route.use_gluon(*short, _params())
     assert not gluon_route.use_gluon(*short, _params(**causal))

@@ -28,9 +28,9 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 # 4096 tokens. bf16 q / k 192 with v 128 (the only pair with d != dv the kernel takes): 1.14x-1.36x of the
 # Triton kernel from s = 1024, causal and not (H100; docs/models.md, "Measured"). Below these lengths the
 # Triton kernel's short-sequence tiles keep the call.
-# head dims whose plain / causal calls alone take the Gluon kernel: at d = 256 a softcap of 30 or a causal window of
-# 1024 measured 0.63x-1.17x of the Triton kernel (slower at 2k tokens, faster at 8k; H100, scripts/ab_routes.py
-# --d 256), plain causal 1.07x-1.11x
+# head dims whose padded plain / causal calls alone take the Gluon kernel: at d = 256 a softcap of 30 or a causal
+# window of 1024 measured 0.63x-1.17x of the Triton kernel (slower at 2k tokens, faster at 8k; H100,
+# scripts/ab_routes.py --d 256), plain causal 1.07x-1.11x; packed sequences there are neither timed nor GPU-tested
 PLAIN_ONLY = (256,)
 ROUTE_TABLE = {
     (torch.bfloat16, 128): {False: 1024, True: 2048},
@@ -138,7 +138,8 @@ def preferred(q: torch.Tensor, p: AttnParams) -> bool:
     seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
     if start is None or seqlen < start[p.window_right == 0]:
         return False
-    if q.shape[-1] in PLAIN_ONLY and (p.softcap > 0 or p.window_left >= 0 or p.alibi_slopes is not None):
+    if q.shape[-1] in PLAIN_ONLY and (p.softcap > 0 or p.window_left >= 0 or p.alibi_slopes is not None
+                                      or p.varlen):
         return False
     return p.softcap > 0 or not own_k(p)
 
