@@ -22,17 +22,17 @@ def _qkv(d=128, dtype=torch.bfloat16, h_k=4, s=256):
     return q, torch.empty(1, h_k, s, d, dtype=dtype), torch.empty(1, h_k, s, d, dtype=dtype)
 
 
-def test_takes_16bit_calls_at_d64_and_d128(on_sm90):
+def test_takes_16bit_calls_at_d128(on_sm90):
     on_sm90()
-    for d in (64, 128):
-        for dtype in (torch.bfloat16, torch.float16):
-            assert gluon_launch.wanted(*_qkv(d, dtype), (128, 128), (0, 0, 0, 0))
-    assert gluon_launch.wanted(*_qkv(h_k=1), (128, 256), (0, 0, 0, 0)), "GQA, 256-key sparse blocks"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert gluon_launch.wanted(*_qkv(128, dtype), (128, 128), (0, 0, 0, 0), 0.1)
+    assert gluon_launch.wanted(*_qkv(h_k=1), (128, 256), (0, 0, 0, 0), 0.1), "GQA, 256-key sparse blocks"
 
 
 @pytest.mark.parametrize("why,args,block,tiles", [
     ("fp32", _qkv(dtype=torch.float32), (128, 128), (0, 0, 0, 0)),
     ("head dim 96", _qkv(d=96), (128, 128), (0, 0, 0, 0)),
+    ("head dim 64 (not timed)", _qkv(d=64), (128, 128), (0, 0, 0, 0)),
     ("head dim 256", _qkv(d=256), (128, 128), (0, 0, 0, 0)),
     ("sparse q block of 64 rows under a 128-row tile", _qkv(), (64, 128), (0, 0, 0, 0)),
     ("sparse kv block of 32 keys under a 64-key tile", _qkv(), (128, 32), (0, 0, 0, 0)),
@@ -40,22 +40,22 @@ def test_takes_16bit_calls_at_d64_and_d128(on_sm90):
 ])
 def test_refuses(on_sm90, why, args, block, tiles):
     on_sm90()
-    assert not gluon_launch.wanted(*args, block, tiles), why
+    assert not gluon_launch.wanted(*args, block, tiles, 0.1), why
 
 
 def test_v_of_its_own_head_dim_and_unaligned_strides_stay_on_triton(on_sm90):
     on_sm90()
     q, k, _ = _qkv()
-    assert not gluon_launch.wanted(q, k, torch.empty(1, 4, 256, 64, dtype=torch.bfloat16), (128, 128), (0,) * 4)
+    assert not gluon_launch.wanted(q, k, torch.empty(1, 4, 256, 64, dtype=torch.bfloat16), (128, 128), (0,) * 4, 0.1)
     odd = torch.empty(1, 4, 256, 136, dtype=torch.bfloat16)[..., :128]  # row stride 272 bytes: fine
-    assert gluon_launch.wanted(odd, k, k, (128, 128), (0,) * 4)
+    assert gluon_launch.wanted(odd, k, k, (128, 128), (0,) * 4, 0.1)
     odd = torch.empty(1, 4, 256, 132, dtype=torch.bfloat16)[..., :128]  # 264 bytes: not a 16-byte multiple
-    assert not gluon_launch.wanted(odd, k, k, (128, 128), (0,) * 4)
+    assert not gluon_launch.wanted(odd, k, k, (128, 128), (0,) * 4, 0.1)
 
 
 def test_settings_and_other_gpus(on_sm90):
     on_sm90()
-    args = (*_qkv(), (128, 128), (0, 0, 0, 0))
+    args = (*_qkv(), (128, 128), (0, 0, 0, 0), 0.1)
     with config.override(gluon=False):
         assert not gluon_launch.wanted(*args)
     with config.override(gluon_flex=False):
@@ -67,11 +67,21 @@ def test_settings_and_other_gpus(on_sm90):
 
 
 def test_cpu_tensors_never_take_it():
-    assert not gluon_launch.wanted(*_qkv(), (128, 128), (0, 0, 0, 0))
+    assert not gluon_launch.wanted(*_qkv(), (128, 128), (0, 0, 0, 0), 0.1)
+
+
+def test_scale_and_grid_limits(on_sm90):
+    on_sm90()
+    q, k, v = _qkv()
+    for scale in (0.0, -0.125, float("nan")):  # a masked score is -inf before the scale multiplies it
+        assert not gluon_launch.wanted(q, k, v, (128, 128), (0,) * 4, scale)
+    many = torch.empty(4096, 16, 1, 128, dtype=torch.bfloat16)  # 65536 (batch, head) pairs: past the grid's y axis
+    assert not gluon_launch.wanted(many, many, many, (128, 128), (0,) * 4, 0.1)
+    assert gluon_launch.wanted(many[:4095], many[:4095], many[:4095], (128, 128), (0,) * 4, 0.1)
 
 
 def test_empty_keys_or_batch_stay_on_triton(on_sm90):
     on_sm90()
     q, k, v = _qkv()
-    assert not gluon_launch.wanted(q, k[:, :, :0], v[:, :, :0], (128, 128), (0,) * 4)
-    assert not gluon_launch.wanted(q[:0], k[:0], v[:0], (128, 128), (0,) * 4)
+    assert not gluon_launch.wanted(q, k[:, :, :0], v[:, :, :0], (128, 128), (0,) * 4, 0.1)
+    assert not gluon_launch.wanted(q[:0], k[:0], v[:0], (128, 128), (0,) * 4, 0.1)

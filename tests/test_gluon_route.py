@@ -229,3 +229,13 @@ def test_d256_takes_plain_and_causal_calls_from_the_table_start(monkeypatch):
     short = _qkv(s=1024, d=256)
     assert gluon_route.use_gluon(*short, _params())
     assert not gluon_route.use_gluon(*short, _params(**causal))
+
+
+def test_scale_and_grid_limits_refuse():
+    # a masked score is -inf before the scale multiplies it: a zero or negative scale would make it NaN / +inf
+    q, k, v = _qkv()
+    for scale in (0.0, -0.1):
+        assert "softmax_scale" in gluon_route.refusal(q, k, v, AttnParams(softmax_scale=scale))
+    many = torch.empty(16384, 1, 4, 128, dtype=torch.bfloat16)  # 65536 (batch, head) pairs: the grid's y axis
+    assert "batch x heads" in gluon_route.refusal(many, many, many, _params())
+    assert gluon_route.refusal(many[:16383], many[:16383], many[:16383], _params()) is None

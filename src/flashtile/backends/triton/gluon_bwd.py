@@ -24,7 +24,7 @@ from flashtile.backends.triton.gluon_fwd import (
     key_counts,
     own_k_sequences,
 )
-from flashtile.backends.triton.host import capability, cdiv, run_kernel
+from flashtile.backends.triton.host import MAX_GRID_Y, capability, cdiv, run_kernel
 from flashtile.params import AttnParams
 
 HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))  # (q / k head dim, v head dim)
@@ -37,8 +37,6 @@ ROUTE_TABLE = {(128, False): 1024, (128, True): 1024, (192, False): 1024, (192, 
 # Gluon kernel measured 0.95x-0.98x of the all-Triton backward there (windows 256 / 1024, s 2048 / 8192, 64k
 # tokens; its softcap build spills), at d = 192 1.36x-1.46x (H100)
 TRITON_WINDOWED_SOFTCAP = frozenset({128})
-# CUDA caps a grid's second axis at 65535: (batch x heads) beyond it stays on the Triton kernels
-MAX_GRID_Y = 65535
 
 
 def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from flashtile import config
-from flashtile.backends.triton.host import capability
+from flashtile.backends.triton.host import MAX_GRID_Y, capability
 from flashtile.backends.triton.tma import tma_ok
 from flashtile.params import AttnParams
 
@@ -54,6 +54,12 @@ def refusal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams) ->
     fp8 = q.dtype == torch.float8_e4m3fn
     if fp8 and p.learnable_sink is not None:
         return "learnable_sink with fp8 inputs (the fp8 kernel has none)"
+    if not p.softmax_scale > 0:
+        # the kernel hides a masked score as -inf before scaling it: a zero or negative scale makes that NaN / +inf
+        return f"softmax_scale {p.softmax_scale} (takes > 0)"
+    batch = p.cu_seqlens_q.numel() - 1 if p.varlen else q.shape[0]
+    if batch * q.shape[-2] > MAX_GRID_Y:
+        return f"batch x heads = {batch * q.shape[-2]} > {MAX_GRID_Y} (the grid's second axis)"
     return coverage_refusal(q, k, v, p, FP8_HEAD_DIMS if fp8 else HEAD_DIMS, causal_window=not fp8, softcap=not fp8,
                             varlen=not fp8, alibi=not fp8, unequal_lengths=not fp8, varlen_k=not fp8)
 

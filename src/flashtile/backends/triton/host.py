@@ -54,6 +54,11 @@ def capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+# CUDA caps a grid's second axis at 65535: the Gluon kernels' (tiles, batch x heads) grids refuse more, which the
+# Triton kernels' flat grids take
+MAX_GRID_Y = 65535
+
+
 def arch_of(device: torch.device) -> str:
     """The config tables' arch key: "sm90" (Hopper), "default" (other GPUs) or "interpret" (CPU tensors)."""
     if device.type != "cuda":

@@ -1,6 +1,7 @@
 """The Gluon flex forward's route and launcher (kernels/gluon_flex_fwd.py): which calls it takes, and the launch.
 
-It takes a flex forward on sm_90 in bf16 / fp16 whose q / k / v share a head dim of 64 or 128, whose tensors
+It takes a flex forward on sm_90 in bf16 / fp16 whose q / k / v share a head dim of 128 (the one measured), a
+positive scale, at most 65535 (batch, head) pairs (the grid's second axis), whose tensors
 allow tensor descriptors (16-byte aligned base and strides), whose block mask's blocks hold whole kernel tiles,
 and whose tiles the call did not choose (``kernel_options`` / ``config.fwd_tiles`` tile the Triton kernel).
 ``config.gluon`` (FLASHTILE_GLUON=0) turns it off with every Gluon route; ``config.gluon_flex`` True / False
@@ -15,7 +16,7 @@ from torch import Tensor
 from flashtile import config
 from flashtile.backends.triton import host
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (128,)
 
 
 def _config(head_dim: int) -> tuple[int, int, int, int]:
@@ -24,8 +25,8 @@ def _config(head_dim: int) -> tuple[int, int, int, int]:
     return GLUON_FLEX_FWD_CONFIGS[head_dim]
 
 
-def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: tuple) -> bool:
-    """Does this flex forward run on the Gluon kernel? (``tiles``: the call's own, zeros where it chose none)."""
+def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: tuple, scale: float) -> bool:
+    """Does this flex forward run on the Gluon kernel? (``tiles``: the call's own, zeros where it chose none.)"""
     settings = config.get()
     if not settings.gluon or settings.gluon_flex is False or any(tiles) or settings.fwd_tiles:
         return False
@@ -34,6 +35,10 @@ def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: 
     if q.dtype not in (torch.bfloat16, torch.float16) or not (q.dtype == k.dtype == v.dtype):
         return False
     if k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:  # no descriptor over an empty dimension
+        return False
+    # the kernel hides a masked raw score as -inf before the scale multiplies it (no score_mod): a zero or negative
+    # scale would make that NaN / +inf
+    if not scale > 0 or q.shape[0] * q.shape[1] > host.MAX_GRID_Y:
         return False
     d = q.shape[-1]
     if d not in HEAD_DIMS or k.shape[-1] != d or v.shape[-1] != d:

@@ -79,7 +79,7 @@ def flex_fwd(q: Tensor, k: Tensor, v: Tensor, block: tuple, kernels: ModKernels,
     bq, bkv = block_size
     bd, bdv = max(16, host.next_pow2(E)), max(16, host.next_pow2(Ev))
     num, idx, fnum, fidx = (_expand(t, B, H) for t in block)
-    if gluon_launch.wanted(q, k, v, block_size, tiles):
+    if gluon_launch.wanted(q, k, v, block_size, tiles, scale):
         gluon_launch.gluon_flex_fwd(q, k, v, (num, idx, fnum, fidx), _buffers(kernels, q.device), kernels, scale,
                                     block_size, out, lse)
         return out, lse
