@@ -15,6 +15,8 @@
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
+#   flex-dkdv  ab-flex-dkdv                         the Gluon flex dK/dV kernel (config.gluon_flex_bwd, not yet a
+#                                                   default route): its GPU tests, then its A/B against Triton's
 #   profile-host                                    a short training step's host time against SDPA's, and a
 #                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
@@ -65,6 +67,10 @@ run_step() {
               --out "$OUT/mla-triton.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
+    flex-dkdv) step flex-dkdv timeout 300 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore \
+                 tests/test_gpu_gluon_flex.py -k dkdv ;;
+    ab-flex-dkdv) step ab-flex-dkdv timeout 300 python scripts/ab_flex.py --setting gluon_flex_bwd \
+                    --seqlens 4096 16384 --out "$OUT/ab_flex_dkdv.json" ;;
     profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;

@@ -1,30 +1,37 @@
-"""The Gluon flex forward (kernels/gluon_flex_fwd.py) compiles for sm_90 through ptxas with generated mods, at each
-head dim's table config: no spills, no serialised wgmma, shared memory within sm_90's limit, and the overlap it was
-written for in the SASS (a key tile's exp2 executing under in-flight wgmmas). Mods: a learned bias table under a
-causal mask (the heaviest: a gather per score), a softcap (tanh on every score), a causal mask alone, document ids
-read from a captured tensor; the ragged-length build (index bounds, end masks) for the heaviest. No GPU needed."""
+"""The Gluon flex kernels compile for sm_90 through ptxas with generated mods, at each head dim's table config: the
+forward (kernels/gluon_flex_fwd.py) with no spills, no serialised wgmma, shared memory within sm_90's limit, and
+the overlap it was written for in the SASS (a key tile's exp2 executing under in-flight wgmmas); the dK/dV kernel
+(kernels/gluon_flex_bwd.py, the plain order: every product waited for in its step) with its spills bounded.
+Mods: a learned bias table under a causal mask (the heaviest: a gather per score), a softcap (tanh on every
+score), a causal mask alone, document ids read from a captured tensor; the ragged-length build (index bounds,
+end masks) for the heaviest. No GPU needed."""
 
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 
+from flashtile.kernels.gluon_flex_bwd import GLUON_FLEX_BWD_CONFIGS
 from flashtile.kernels.gluon_flex_fwd import GLUON_FLEX_FWD_CONFIGS
 
 SCRIPT = pathlib.Path(__file__).with_name("aot_gluon_flex.py")
 SM90_MAX_SHARED = 232448
+# the dK/dV kernel's dK and dV accumulators take half the register file: a softcap or the learned table's gather
+# and atomic gradient spill a little there (16 / 64 bytes at 32 x 64); a tile change that spills more fails here
+MAX_DKDV_SPILL = 64
 
 
 def _specs():
     specs = []
-    for d, (bm, bn, nb, warps) in GLUON_FLEX_FWD_CONFIGS.items():
-        cfg = f"{d},{bm},{bn},{nb},{warps}"
-        specs += [f"rel_bias,{cfg},1", f"rel_bias,{cfg},0"]
-        if d == 128:
-            specs += [f"{mods},{cfg},1" for mods in ("softcap", "causal", "document")]
+    for kind, table in (("fwd", GLUON_FLEX_FWD_CONFIGS), ("dkdv", GLUON_FLEX_BWD_CONFIGS)):
+        for d, (bm, bn, nb, warps) in table.items():
+            cfg = f"{d},{bm},{bn},{nb},{warps}"
+            specs += [f"{kind},rel_bias,{cfg},1", f"{kind},rel_bias,{cfg},0"]
+            specs += [f"{kind},{mods},{cfg},1" for mods in ("softcap", "causal", "document")]
     return specs
 
 
@@ -49,14 +56,15 @@ def test_every_config_and_mod_compiles(builds):
     assert len(builds) == len(_specs())
     for b in builds:
         assert not b["serialized"], f"{b['tag']}: ptxas serialised the wgmma pipeline"
-        assert b["spill"] == 0, f"{b['tag']}: {b['spill']} bytes of spills"
+        most = 0 if b["tag"].startswith("fwd") else MAX_DKDV_SPILL
+        assert 0 <= b["spill"] <= most, f"{b['tag']}: {b['spill']} bytes of spills"
         assert 0 < b["shared"] <= SM90_MAX_SHARED, b
 
 
 def test_the_softmax_runs_under_the_tensor_cores(builds):
     # a key tile is BLOCK_M x BLOCK_N scores over the CTA's threads; every one of their exp2 should issue while a
     # wgmma is in flight (the d = 128 builds measured a whole tile, 32 or 34 with the row's alpha)
-    for b in builds:
-        d = int(b["tag"].split("_d")[1].split("_")[0])
+    for b in (b for b in builds if b["tag"].startswith("fwd")):
+        d = int(re.search(r"_d(\d+)_m", b["tag"]).group(1))
         bm, bn, _, warps = GLUON_FLEX_FWD_CONFIGS[d]
         assert b["ex2"] >= bm * bn // (32 * warps), f"{b['tag']}: {b['ex2']} exp2 under a wgmma"

@@ -85,3 +85,19 @@ def test_empty_keys_or_batch_stay_on_triton(on_sm90):
     q, k, v = _qkv()
     assert not gluon_launch.wanted(q, k[:, :, :0], v[:, :, :0], (128, 128), (0,) * 4, 0.1)
     assert not gluon_launch.wanted(q[:0], k[:0], v[:0], (128, 128), (0,) * 4, 0.1)
+
+
+def test_the_dkdv_kernel_runs_only_when_asked(on_sm90):
+    # the Gluon dK/dV kernel has not run on a GPU yet: config.gluon_flex_bwd=True alone sends calls to it
+    on_sm90()
+    q, k, v = _qkv()
+    args = (q, k, v, q, (128, 128), (0, 0, 0, 0))
+    assert not gluon_launch.bwd_wanted(*args)
+    with config.override(gluon_flex_bwd=True):
+        assert gluon_launch.bwd_wanted(*args)
+        assert not gluon_launch.bwd_wanted(q, k, v, q, (128, 128), (32, 64, 4, 3)), "the call's own dK/dV tiles"
+        assert not gluon_launch.bwd_wanted(q, k, v, q, (16, 128), (0,) * 4), "a sparse q block under a 32-row step"
+        assert not gluon_launch.bwd_wanted(*_qkv(d=64), q[..., :64], (128, 128), (0,) * 4)
+        assert not gluon_launch.bwd_wanted(q, k, v, q.half(), (128, 128), (0,) * 4), "dout of another dtype"
+        with config.override(gluon=False):
+            assert not gluon_launch.bwd_wanted(*args)

@@ -51,6 +51,9 @@ class Settings:
     gluon_bwd: bool | None = None
     # the same for the Gluon flex forward (flashtile.flex; None: its route, backends/triton/flex/gluon_launch.py)
     gluon_flex: bool | None = None
+    # True: the flex backward's dK/dV half on its Gluon kernel where it can run; None / False: the Triton kernel
+    # (the Gluon one awaits its first GPU run and timing, docs/programmable.md)
+    gluon_flex_bwd: bool | None = None
     # True / False: tensor-descriptor (TMA) loads on / off in the Triton kernels; None: the launcher's rule
     tma: bool | None = None
     # causal programs start with their longest row blocks (bitwise the same result either way)

@@ -138,15 +138,12 @@ def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
         if dlse is not None:  # d lse_i / d S_ij = P_ij: dS = P * (dP - delta) + P * dlse folds into delta
             delta.sub_(dlse)
         bm, bn = _fit(kv_cfg[0], bq), _fit(kv_cfg[1], bkv)
-        host.launch(_flex_bwd_dkdv_kernel, (host.cdiv(S, bn) * B * Hk,), q, k, v, dout, lse, delta, dk, dv,
-                    qnum, qidx, fqnum, fqidx, bufs, tuple(grads) if grads else bufs, scale, L, S, H, Hk, H // Hk,
-                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                    v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
-                    dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-                    lse.stride(0), lse.stride(1), qnum.stride(0), qnum.stride(1), qnum.stride(2),
-                    qidx.stride(0), qidx.stride(1), qidx.stride(2), HAS_BUFFER_GRADS=bool(grads),
-                    BLOCK_M=bm, BLOCK_N=bn, EVEN_M=L % bq == 0, EVEN_N=S % bn == 0, num_warps=kv_cfg[2],
-                    num_stages=kv_cfg[3], **common)
+        if gluon_launch.bwd_wanted(q, k, v, dout, block_size, tiles[:4]):
+            gluon_launch.gluon_flex_dkdv(q, k, v, dout, lse, delta, dk, dv, (qnum, qidx, fqnum, fqidx), bufs, grads,
+                                         kernels, scale, block_size)
+        else:
+            _launch_triton_dkdv(q, k, v, dout, lse, delta, dk, dv, (qnum, qidx, fqnum, fqidx), bufs, grads, scale,
+                                kv_cfg, bm, bn, bq, common)
         bm, bn = _fit(q_cfg[0], bq), _fit(q_cfg[1], bkv)
         host.launch(_flex_bwd_dq_kernel, (host.cdiv(L, bm) * B * H,), q, k, v, dout, lse, delta, dq,
                     num, idx, fnum, fidx, bufs, scale, L, S, H, H // Hk,
@@ -157,3 +154,18 @@ def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                     BLOCK_M=bm, BLOCK_N=bn, EVEN_M=L % bm == 0, EVEN_N=S % bkv == 0, num_warps=q_cfg[2],
                     num_stages=q_cfg[3], **common)
     return dq, dk, dv, grads
+
+
+def _launch_triton_dkdv(q, k, v, dout, lse, delta, dk, dv, qlists, bufs, grads, scale, kv_cfg, bm, bn, bq, common):
+    B, H, L, _ = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    qnum, qidx, fqnum, fqidx = qlists
+    host.launch(_flex_bwd_dkdv_kernel, (host.cdiv(S, bn) * B * Hk,), q, k, v, dout, lse, delta, dk, dv,
+                qnum, qidx, fqnum, fqidx, bufs, tuple(grads) if grads else bufs, scale, L, S, H, Hk, H // Hk,
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+                dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+                lse.stride(0), lse.stride(1), qnum.stride(0), qnum.stride(1), qnum.stride(2),
+                qidx.stride(0), qidx.stride(1), qidx.stride(2), HAS_BUFFER_GRADS=bool(grads),
+                BLOCK_M=bm, BLOCK_N=bn, EVEN_M=L % bq == 0, EVEN_N=S % bn == 0, num_warps=kv_cfg[2],
+                num_stages=kv_cfg[3], **common)
