@@ -162,3 +162,37 @@ def test_dkdv_gqa_fp16_and_wide_blocks(name, dkdv_calls):
     _check_grads(var[name], var["_meta"], 1, 8, 1024, 1024, 2, torch.float16, dkdv_calls)
     dkdv_calls.clear()
     _check_grads(var[name], var["_meta"], 1, 8, 1024, 1024, 8, torch.bfloat16, dkdv_calls, block=256)
+
+
+def test_dkdv_head_dependent_masks_and_small_blocks(dkdv_calls):
+    # per-head lists: under GQA one head of a group has no step on some key blocks and another fewer steps than the
+    # ring has slots, so the ring's phases carry across heads unevenly; 32 x 64 sparse blocks (one step a block)
+    L = S = 512
+    q_pos, kv_pos = torch.arange(L, device=DEV)[:, None], torch.arange(S, device=DEV)[None, :]
+
+    def by_head(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((h % 4 == 0) | (kv_idx >= 192)) & ((h % 4 != 3) | (q_idx - kv_idx < 40))
+
+    heads = torch.arange(8, device=DEV)[:, None, None]
+    keep = ((kv_pos <= q_pos) & ((heads % 4 == 0) | (kv_pos >= 192)) & ((heads % 4 != 3) | (q_pos - kv_pos < 40)))
+    var = (None, by_head, None, keep[None].expand(1, 8, L, S), None)
+    meta = dict(q=q_pos, kv=kv_pos, S=S)
+    for block in ((32, 64), 128):
+        dkdv_calls.clear()
+        _check_grads_h(var, meta, L, S, block, dkdv_calls)
+
+
+def _check_grads_h(var, meta, L, S, block, dkdv_calls):
+    # a block mask with its heads given (H = 8), q with 8 heads over k / v with 2
+    q = torch.randn(1, 8, L, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, S, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    g = torch.randn(1, 8, L, 128, device=DEV, dtype=torch.bfloat16)
+    mask = create_block_mask(var[1], 1, 8, L, S, device=DEV, BLOCK_SIZE=block)
+    grads = torch.autograd.grad(flex_attention(q, k, v, block_mask=mask, enable_gqa=True), (q, k, v), g)
+    assert len(dkdv_calls) == 1, "the backward did not take the Gluon dK/dV kernel"
+    ref, _ = dense_reference(q, k, v, var, meta)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g.double())
+    pt, _ = dense_reference(q, k, v, var, meta, dtype=torch.bfloat16)
+    pt_grads = torch.autograd.grad(pt, (q, k, v), g)
+    for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
+        assert_fa_close(a, r, p, factor=3.0, atol=1e-4, name=n)

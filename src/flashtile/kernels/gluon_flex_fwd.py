@@ -36,8 +36,9 @@ LOG2E = gl.constexpr(1.4426950408889634)
 def _tile_start(IDX, FULL_IDX, n_part, n_tiles, t, SUBS: gl.constexpr, BLOCK_N: gl.constexpr,
                 SPARSE_KV: gl.constexpr):
     """First key of tile ``t`` of the walk (the partly visible blocks' tiles, then the fully visible ones').
-    ``t`` past the walk reads its last tile instead, so a lookahead never leaves the lists."""
-    t = gl.minimum(t, n_tiles - 1)
+    ``t`` past the walk reads its last tile instead, so a lookahead never leaves the lists; an empty walk reads the
+    full list's first entry (every list row has one), a value nobody uses."""
+    t = gl.maximum(gl.minimum(t, n_tiles - 1), 0)
     in_part = t < n_part
     i = gl.where(in_part, t, t - n_part)
     block = gl.load(gl.where(in_part, IDX, FULL_IDX) + i // SUBS)
