@@ -10,7 +10,8 @@
 #              fails unless the sanitizer reports zero errors
 #   bench-fwd  bench-bwd  bench-decode  bench-fp8   the README's tables (python -m flashtile.bench ...)
 #   bench-models  bench-mla  bench-flex             docs/models.md's rows (dv / sink / chunk), MLA decode,
-#                                                   docs/programmable.md's table
+#                                                   docs/programmable.md's table (bench-flex-graph: its kernels
+#                                                   alone, CUDA-graph replays)
 #   bench-train                                     GQA 32/8 and packed documents in a training step (the
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
@@ -67,6 +68,8 @@ run_step() {
               --out "$OUT/mla-triton.json" ;;
     bench-train) step bench-train python -m flashtile.bench train --cuda-graph --out "$OUT/train.json" ;;
     bench-flex) step bench-flex python -m flashtile.bench flex --rounds 3 --out "$OUT/flex.json" --plot "$OUT/flex.png" ;;
+    bench-flex-graph) step bench-flex-graph python -m flashtile.bench flex --rounds 3 --cuda-graph \
+                        --out "$OUT/flex_graph.json" ;;
     flex-dkdv) step flex-dkdv timeout 300 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore \
                  tests/test_gpu_gluon_flex.py -k dkdv ;;
     ab-flex-dkdv) step ab-flex-dkdv timeout 300 python scripts/ab_flex.py --setting gluon_flex_bwd \

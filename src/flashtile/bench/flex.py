@@ -7,8 +7,10 @@ Both sides get the same mods and their own block masks (128 x 128 blocks). Forwa
 as (fwd+bwd) - fwd, in ``--rounds`` alternated rounds; ratios are Flex's median time over flashtile's.
 Bars (docs/programmable.md): the geometric mean of each mode's ratios >= 1.1, no row below 1.0. The first
 call of each side (flashtile: trace, codegen, Triton build; Flex: torch.compile) is reported as its
-compile time. On CPU (``--device cpu --quick``, a smoke test) flashtile runs its CPU path and Flex is
-skipped (it compiles through inductor for CUDA here).
+compile time. ``--cuda-graph`` times replays of CUDA graphs of both sides' calls instead: the kernels without
+the host's Python and launch path, which bounds the shortest rows of eager calls. On CPU (``--device cpu
+--quick``, a smoke test) flashtile runs its CPU path and Flex is skipped (it compiles through inductor for CUDA
+here).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import torch
 
 from flashtile.bench import paths, report
-from flashtile.bench.timing import bench, time_in_rounds
+from flashtile.bench.timing import bench, bench_graph, time_in_rounds
 
 VARIANTS = ("causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap", "rel_bias")
 MODES = ("fwd", "bwd")
@@ -99,7 +101,7 @@ def _sync(device):
 
 
 def run_row(name: str, s: int, d: int, dtype, device, rounds: int, warmup: float, rep: float, block: int,
-            hidden: int, tokens: int) -> list[dict]:
+            hidden: int, tokens: int, graph: bool = False) -> list[dict]:
     h, b = max(1, hidden // d), max(1, tokens // s)
     score_mod, mask_mod = build_variant(name, b, h, s, device)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
@@ -132,6 +134,9 @@ def run_row(name: str, s: int, d: int, dtype, device, rounds: int, warmup: float
 
             def fwdbwd():
                 call().backward(dout)
+            if graph:  # replays accumulate into .grad (made before the capture): the same work on both sides
+                f_ms = bench_graph(fwd, device, warmup, rep)
+                return f_ms if mode == "fwd" else max(bench_graph(fwdbwd, device, warmup, rep) - f_ms, 1e-6)
             f_ms = bench(fwd, device, warmup, rep)
             if mode == "fwd":
                 return f_ms
@@ -186,6 +191,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=float, default=25.0, help="ms of warmup per timing")
     p.add_argument("--rep", type=float, default=100.0, help="ms of repetitions per timing")
     p.add_argument("--quick", action="store_true", help="tiny smoke-test shapes")
+    p.add_argument("--cuda-graph", action="store_true", help="time CUDA-graph replays (the kernels, not the host)")
     p.add_argument("--out", help="results JSON (default: under ~/.cache/flashtile/bench)")
     p.add_argument("--plot", help="bar chart of the ratios (PNG)")
 
@@ -204,11 +210,12 @@ def run(args) -> int:
     for i, (s, name) in enumerate((s, name) for s in seqlens for name in args.variants):
         t0 = time.perf_counter()
         rows += run_row(name, s, d, dtype, device, rounds, args.warmup, args.rep, q.get("block", 128),
-                        q.get("hidden", HIDDEN), q.get("tokens", TOKENS))
+                        q.get("hidden", HIDDEN), q.get("tokens", TOKENS), args.cuda_graph)
         report.eprint(f"[{i + 1}/{n}] {name} s={s}: {time.perf_counter() - t0:.1f} s")
     summary = summarize(rows)
     meta = report.collect_meta(getattr(args, "argv", []), device)
-    meta.update(mode="flex", bars=dict(geomean=BAR_GEOMEAN, row=BAR_ROW), summary=summary, rounds=rounds)
+    meta.update(mode="flex", bars=dict(geomean=BAR_GEOMEAN, row=BAR_ROW), summary=summary, rounds=rounds,
+                cuda_graph=args.cuda_graph)
     out = args.out or paths.default_out_path("flex", meta)
     report.write_json(out, meta, rows)
     print(format_rows(rows, summary))
