@@ -24,13 +24,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from flashtile.kernels.flex_bwd import _flex_dscore
 from flashtile.kernels.flex_common import _bounded, _flex_scores
-from flashtile.kernels.gluon_bwd import operand_smem_layout
+from flashtile.kernels.gluon_bwd import (
+    _barriers,
+    _invalidate,
+    _issue_grads,
+    _issue_scores,
+    _load_pair,
+    operand_smem_layout,
+)
 from flashtile.kernels.gluon_flex_fwd import _tile_start
 from flashtile.kernels.gluon_fwd import mma_layout
 
@@ -40,9 +46,7 @@ LOG2E = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, t, b, h, m0, NUM_BUFFERS: gl.constexpr):
     slot = t % NUM_BUFFERS
-    mbarrier.expect(ready.index(slot), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], ready.index(slot), q_smem.index(slot))
-    tma.async_copy_global_to_shared(desc_do, [b, h, m0, 0], ready.index(slot), do_smem.index(slot))
+    _load_pair(desc_q, desc_do, q_smem.index(slot), do_smem.index(slot), ready.index(slot), b, h, m0)
 
 
 @gluon.jit
@@ -54,13 +58,8 @@ def _flex_dkdv_step(t, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_s
                     NUM_BUFFERS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr):
     """One step over the query rows [m0, m0 + BLOCK_M) of head h, whose tiles sit in ring slot t % NUM_BUFFERS.
     Returns dK and dV with the step's products added (waited for)."""
-    slot = t % NUM_BUFFERS
-    mbarrier.wait(ready.index(slot), (t // NUM_BUFFERS) & 1)
-    q_tile = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    do_tile = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
-    s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
-    dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), acc, use_acc=False, is_async=True)
+    s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, t, st_layout, NUM_BUFFERS, BLOCK_N, BLOCK_M,
+                              HEAD_DIM, HEAD_DIM)
     # the rows' lse loads while the products run; delta after P is stored (fewer live registers: every column
     # vector of the transposed tile is spread over a thread's columns)
     rows = m0 + gl.arange(0, BLOCK_M, gl.SliceLayout(0, st_layout))
@@ -78,8 +77,7 @@ def _flex_dkdv_step(t, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_s
     ds_smem.store(ds_t.to(ds_smem.dtype))
     # generic-proxy writes must be visible to wgmma (async proxy) before it reads them
     fence_async_shared()
-    dv = warpgroup_mma(p_smem, do_tile, dv, is_async=True)
-    dk = warpgroup_mma(ds_smem, q_tile, dk, is_async=True)
+    dk, dv = _issue_grads(p_smem, ds_smem, dk, dv, q_smem, do_smem, t, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
 
@@ -121,16 +119,9 @@ def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     ps_layout: gl.constexpr = operand_smem_layout(BLOCK_N, BLOCK_M, dtype)
     p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ps_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ps_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(ready.index(i), count=1)
-    fence_async_shared()
-
-    mbarrier.expect(kv_ready, desc_k.block_type.nbytes + desc_v.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_k, [b, kv_head, n0, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(desc_v, [b, kv_head, n0, 0], kv_ready, v_smem)
+    kv_ready, ready = _barriers(NUM_BUFFERS)
+    # _load_pair's coordinate is (batch, row, head, 0): here (b, kv_head, n0, 0) on (b, h, s, d) tensors
+    _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, b, kv_head, n0)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
 
@@ -181,9 +172,7 @@ def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             m0 = m_next
         t0 = t0 + n_steps
 
-    mbarrier.invalidate(kv_ready)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.invalidate(ready.index(i))
+    _invalidate(kv_ready, ready, NUM_BUFFERS)
     # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores, which also
     # clip the key rows past the sequence
     k_tile.store((dk * sm_scale).to(dtype))

@@ -27,7 +27,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.kernels.gluon_fwd import _issue_qk, _rescale_and_issue_pv, mma_layout
+from flashtile.kernels.gluon_fwd import (
+    _invalidate_rings,
+    _issue_qk,
+    _rescale_and_issue_pv,
+    _ring_barriers,
+    mma_layout,
+)
 
 LOG2E = gl.constexpr(1.4426950408889634)
 
@@ -167,14 +173,7 @@ def _gluon_flex_fwd_kernel(desc_q, desc_k, desc_v, desc_o, OUT, LSE, KV_NUM, KV_
     q_smem = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
     k_smem = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-    fence_async_shared()
+    q_ready, k_ready, v_ready = _ring_barriers(NUM_BUFFERS)
 
     mbarrier.expect(q_ready, desc_q.block_type.nbytes)
     tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_ready, q_smem)
@@ -232,10 +231,7 @@ def _gluon_flex_fwd_kernel(desc_q, desc_k, desc_v, desc_o, OUT, LSE, KV_NUM, KV_
                                       BLOCK_N, HEAD_DIM, False)
     o, p_last = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_last))
 
-    mbarrier.invalidate(q_ready)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
+    _invalidate_rings(q_ready, k_ready, v_ready, NUM_BUFFERS)
 
     # a row that saw no key: sum 0, out 0, lse +inf
     empty = l_i == 0.0

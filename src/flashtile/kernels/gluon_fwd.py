@@ -86,6 +86,31 @@ def _load_v(desc_v, v_smem, v_ready, block, off_b, off_hk, NUM_BUFFERS: gl.const
 # --8<-- [end:load_kv]
 
 
+# --8<-- [start:ring_barriers]
+@gluon.jit
+def _ring_barriers(NUM_BUFFERS: gl.constexpr):
+    """Q's barrier and one a slot of the K and V rings (count 1: one expect a use), initialised and fenced."""
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+    # barrier initialisation must be visible to the TMA unit (async proxy) before it signals them
+    fence_async_shared()
+    return q_ready, k_ready, v_ready
+# --8<-- [end:ring_barriers]
+
+
+@gluon.jit
+def _invalidate_rings(q_ready, k_ready, v_ready, NUM_BUFFERS: gl.constexpr):
+    mbarrier.invalidate(q_ready)
+    for i in gl.static_range(NUM_BUFFERS):
+        mbarrier.invalidate(k_ready.index(i))
+        mbarrier.invalidate(v_ready.index(i))
+
+
 # --8<-- [start:issue_qk]
 @gluon.jit
 def _issue_qk(q_tile, q2_tile, k_smem, k2_smem, k_ready, block, s_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
@@ -360,15 +385,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
         k2_smem = gl.allocate_shared_memory(desc_k2.dtype, [NUM_BUFFERS] + desc_k2.block_type.shape,
                                             desc_k2.layout)
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-    # barrier initialisation must be visible to the TMA unit (async proxy) before it signals them
-    fence_async_shared()
+    q_ready, k_ready, v_ready = _ring_barriers(NUM_BUFFERS)
     # --8<-- [end:smem_and_barriers]
 
     # key0: the first key of block 0. A window starts the key loop at the first block any row of the tile
@@ -488,10 +505,7 @@ def _attn_fwd_tile(desc_q, desc_q2, desc_k, desc_k2, desc_v, desc_o, LSE, stride
     else:
         o, p_last = warpgroup_mma_wait(num_outstanding=0, deps=(o, p_last))
 
-    mbarrier.invalidate(q_ready)
-    for i in gl.static_range(NUM_BUFFERS):
-        mbarrier.invalidate(k_ready.index(i))
-        mbarrier.invalidate(v_ready.index(i))
+    _invalidate_rings(q_ready, k_ready, v_ready, NUM_BUFFERS)
 
     o_scale = v_scale + gl.zeros([BLOCK_M], gl.float32, row_layout)
     # ALiBi's per-row part the key loop left out (_softmax_step): the row's logits there are the true ones
