@@ -23,18 +23,23 @@ def _needs_hopper():
         pytest.skip("the Gluon flex forward runs on sm_90")
 
 
-@pytest.fixture
-def calls(monkeypatch):
-    """How many launches went to the Gluon kernel."""
+def _count(monkeypatch, launcher: str) -> list:
+    """A list that grows by one on every call of gluon_launch's ``launcher``."""
     seen = []
-    real = gluon_launch.gluon_flex_fwd
+    real = getattr(gluon_launch, launcher)
 
     def counted(*args, **kwargs):
         seen.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(gluon_launch, "gluon_flex_fwd", counted)
+    monkeypatch.setattr(gluon_launch, launcher, counted)
     return seen
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many launches went to the Gluon forward."""
+    return _count(monkeypatch, "gluon_flex_fwd")
 
 
 def _check(var, meta, B, H, L, S, d, h_kv, dtype, block, calls):
@@ -114,14 +119,7 @@ def test_route_refusals():
 @pytest.fixture
 def dkdv_calls(monkeypatch):
     """How many backwards ran their dK/dV half on the Gluon kernel (forced on: it is not a default route yet)."""
-    seen = []
-    real = gluon_launch.gluon_flex_dkdv
-
-    def counted(*args, **kwargs):
-        seen.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gluon_launch, "gluon_flex_dkdv", counted)
+    seen = _count(monkeypatch, "gluon_flex_dkdv")
     with config.override(gluon_flex_bwd=True):
         yield seen
 
