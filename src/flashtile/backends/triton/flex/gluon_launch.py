@@ -17,6 +17,8 @@ from torch import Tensor
 
 from flashtile import config
 from flashtile.backends.triton import host
+from flashtile.backends.triton.gluon_fwd import _descriptor as descriptor
+from flashtile.backends.triton.tma import tma_ok
 
 HEAD_DIMS = (128,)
 
@@ -48,14 +50,10 @@ def wanted(q: Tensor, k: Tensor, v: Tensor, block_size: tuple[int, int], tiles: 
     bm, bn = _config(d)[:2]
     if block_size[0] % bm or block_size[1] % bn:
         return False
-    from flashtile.backends.triton.tma import tma_ok
-
     return all(tma_ok(x) for x in (q, k, v))
 
 
 def _descriptor(x: Tensor, rows: int):
-    from flashtile.backends.triton.gluon_fwd import _descriptor as descriptor
-
     return descriptor(x, [1, 1, rows, x.shape[-1]])
 
 
@@ -99,8 +97,6 @@ def bwd_wanted(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_size: tuple[
     bm, bn = GLUON_FLEX_BWD_CONFIGS[d][:2]
     if block_size[0] % bm or block_size[1] % bn or k.shape[0] * k.shape[1] > host.MAX_GRID_Y:
         return False
-    from flashtile.backends.triton.tma import tma_ok
-
     return all(tma_ok(x) for x in (q, k, v, dout))
 
 
