@@ -18,6 +18,9 @@
 #                                                   bench-mla's Gluon one
 #   flex-dkdv  ab-flex-dkdv                         the Gluon flex dK/dV kernel (config.gluon_flex_bwd, not yet a
 #                                                   default route): its GPU tests, then its A/B against Triton's
+#   fused-dq  ab-fused-dq                           the Gluon dK/dV kernel's fused dQ build (config.gluon_fused_dq,
+#                                                   not yet a default route): its GPU tests, then its A/B against
+#                                                   the split backward, cuDNN beside them
 #   profile-host                                    a short training step's host time against SDPA's, and a
 #                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
@@ -74,6 +77,9 @@ run_step() {
                  tests/test_gpu_gluon_flex.py -k dkdv ;;
     ab-flex-dkdv) step ab-flex-dkdv timeout 300 python scripts/ab_flex.py --setting gluon_flex_bwd \
                     --seqlens 4096 16384 --out "$OUT/ab_flex_dkdv.json" ;;
+    fused-dq) step fused-dq timeout 400 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore -x \
+                tests/test_gpu_gluon_fused_dq.py ;;
+    ab-fused-dq) step ab-fused-dq timeout 400 python scripts/ab_fused_dq.py --out "$OUT/ab_fused_dq.json" ;;
     profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;
     tune-bwd) step tune-bwd python scripts/tune_bwd.py --out "$OUT/tune_bwd.json" ;;

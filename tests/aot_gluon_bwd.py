@@ -8,11 +8,11 @@ sixth numbers are WARPS_N (two warpgroups side by side at d = 256) and ROTATED (
 seventh, LAUNCH_DEPENDENTS (1: programmatic dependent launch of the dQ kernel); an eighth, LOCAL (1: a causal
 sliding window); a ninth, VARLEN (1: packed sequences); a tenth, SOFTCAP (1); an eleventh, ALIBI (1: causal
 ALiBi); a twelfth, UNEQUAL (1: q and k of different lengths); a thirteenth, VARLEN_K (1: packed k with its own
-sequences, with VARLEN).
+sequences, with VARLEN); a fourteenth, FUSED_DQ (1: dQ added by TMA reduce-add into an fp32 buffer).
 
 Writes <tag>.ttgir / .sass / .ptxas.log per case and prints one JSON line per case:
-{"tag", "shared", "regs", "spill_bytes", "serialized", "gdc_launch"} (griddepcontrol.launch_dependents
-instructions in the PTX).
+{"tag", "shared", "regs", "spill_bytes", "serialized", "gdc_launch", "tma_reduce"} (griddepcontrol.launch_dependents
+and cp.reduce.async.bulk.tensor instructions in the PTX).
 """
 
 import json
@@ -24,7 +24,7 @@ KINDS = {"bf16": ("bf16", "bfloat16"), "fp16": ("fp16", "float16")}
 
 
 def tag_of(kind, d, causal, cfg, which="dkdv") -> str:
-    split = "".join(f"{name}{val}" for name, val in zip(("x", "r", "p", "l", "v", "c", "a", "u", "k"), cfg[4:]))
+    split = "".join(f"{name}{val}" for name, val in zip(("x", "r", "p", "l", "v", "c", "a", "u", "k", "q"), cfg[4:]))
     return f"{which}_{kind}_d{d}_{'causal' if causal else 'full'}_m{cfg[0]}n{cfg[1]}b{cfg[2]}w{cfg[3]}{split}"
 
 
@@ -37,7 +37,7 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     bm, bn, nb, nw, *rest = cfg  # then WARPS_N and ROTATED of the dK/dV kernel (defaults 1, 1)
     type_name, gl_name = KINDS[kind]
 
-    def desc(block):
+    def desc(block, type_name=type_name, gl_name=gl_name):
         layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, gl_name))
         return f"tensordesc<{type_name}[{','.join(map(str, block))}],{layout!r}>"
 
@@ -65,13 +65,16 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
         constexprs["UNEQUAL"] = bool(rest[7])
     if len(rest) > 8:
         constexprs["VARLEN_K"] = bool(rest[8])
+    if len(rest) > 9:
+        constexprs["FUSED_DQ"] = bool(rest[9])
     rows_m, rows_n = desc([1, bm, 1, lead]), desc([1, bn, 1, lead])
     rows_mv, rows_nv = desc([1, bm, 1, dv]), desc([1, bn, 1, dv])
     tail_m, tail_n = desc([1, bm, 1, tail or lead]), desc([1, bn, 1, tail or lead])
     types = dict(desc_q=rows_m, desc_do=rows_mv, desc_k=rows_n, desc_v=rows_nv, desc_dk=rows_n, desc_dv=rows_nv,
                  desc_q2=tail_m, desc_k2=tail_n, desc_dk2=tail_n, LSE="*fp32", DELTA="*fp32", qk_scale="fp32",
                  grad_scale="fp32", softcap_log2e="fp32", CU_SEQLENS="*i32", DK_OUT=f"*{type_name}",
-                 DV_OUT=f"*{type_name}", ALIBI_SLOPES="*fp32", CU_SEQLENS_K="*i32", KV_LENS="*i32")
+                 DV_OUT=f"*{type_name}", ALIBI_SLOPES="*fp32", CU_SEQLENS_K="*i32", KV_LENS="*i32",
+                 desc_dq=desc([1, bm, 1, lead], "fp32", "float32"))
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))
@@ -80,7 +83,8 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
     spill = re.findall(r"(\d+) bytes spill stores", log)
     ptx = (out / f"{row['tag']}.ptx").read_text()
     return dict(row, num_warps=nw, regs=int(regs[0]) if regs else None, spill_bytes=int(spill[0]) if spill else None,
-                serialized="serializ" in log.lower(), gdc_launch=ptx.count("griddepcontrol.launch_dependents"))
+                serialized="serializ" in log.lower(), gdc_launch=ptx.count("griddepcontrol.launch_dependents"),
+                tma_reduce=ptx.count("cp.reduce.async.bulk.tensor"))
 
 
 if __name__ == "__main__":

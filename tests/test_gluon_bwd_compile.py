@@ -242,3 +242,35 @@ def test_varlen_k_builds_compile(tmp_path, d):
         assert row["shared"] <= SM90_MAX_SHARED and not row["serialized"], row
         allowed = SOFTCAP_SPILL_ALLOWANCE.get((d, True), 0) if c[-4] else plain_causal["spill_bytes"]
         assert row["spill_bytes"] <= allowed + VARLEN_K_EXTRA_SPILL.get(d, 0), (row, plain_causal)
+
+
+# FUSED_DQ (config.gluon_fused_dq): the dK/dV kernel adds each step's dQ^T = K^T dS^T by TMA reduce-add, no dQ
+# kernel. Flags after ROTATED: LAUNCH_DEPENDENTS, LOCAL, VARLEN, SOFTCAP, ALIBI, UNEQUAL, VARLEN_K, FUSED_DQ.
+FUSED_VARIANTS = {
+    "plain": (False, [0, 0, 0, 0, 0, 0, 0, 1]),
+    "causal": (True, [0, 0, 0, 0, 0, 0, 0, 1]),
+    "causal_window_varlen": (True, [0, 1, 1, 0, 0, 0, 0, 1]),
+    "causal_softcap_alibi": (True, [0, 0, 0, 1, 1, 0, 0, 1]),
+    "varlen_own_k": (False, [0, 0, 1, 0, 0, 0, 1, 1]),  # non-causal packed: the keys past a sequence masked
+    "unequal": (True, [0, 0, 0, 0, 0, 1, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_fused_dq_builds_compile(tmp_path, d):
+    # every feature without spills or serialised wgmma, one reduce-add a step; d = 128 keeps two CTAs an SM (the
+    # overlap the plain order counts on)
+    from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS, CONFIG_KEYS
+
+    cfg = _table_config(BWD_FUSED_CONFIGS[d], CONFIG_KEYS)
+    names = list(FUSED_VARIANTS) if d == 128 else ["plain", "causal"]
+    rows = _compile_cases(tmp_path, [["bf16", d, FUSED_VARIANTS[n][0], cfg + FUSED_VARIANTS[n][1]] for n in names])
+    for name, row in zip(names, rows):
+        assert row["spill_bytes"] == 0 and not row["serialized"], (name, row)
+        assert row["tma_reduce"] == 1 and row["gdc_launch"] == 0, (name, row)
+        assert row["shared"] <= (SM90_MAX_SHARED // 2 if d == 128 else SM90_MAX_SHARED), (name, row)
+
+
+def test_unfused_builds_carry_no_reduce(compiled):
+    _, rows = compiled
+    assert all(row["tma_reduce"] == 0 for row in rows), [row["tag"] for row in rows if row["tma_reduce"]]

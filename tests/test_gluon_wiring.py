@@ -62,15 +62,18 @@ def test_fp8_forward_binds(monkeypatch, launches):
 
 
 @pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_backward_dkdv_binds(monkeypatch, launches, d, pdl):
+@pytest.mark.parametrize("pdl,fused", [(False, False), (True, False), (False, True)])
+def test_backward_dkdv_binds(monkeypatch, launches, d, pdl, fused):
     monkeypatch.setattr(gluon_bwd, "_descriptor", lambda x, block: x)
     q = dout = torch.empty(1, 256, 4, d, dtype=torch.bfloat16)
     k = v = dk = dv = torch.empty(1, 256, 2, d, dtype=torch.bfloat16)
     lse = delta = torch.empty(1, 4, 256)
-    gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, 0.1, causal=True, launch_dependents=pdl)
+    accum = torch.zeros(q.shape) if fused else None
+    gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, 0.1, causal=True, launch_dependents=pdl,
+                                  dq_accum=accum)
     (_, _, bound), = launches
     assert bound["HEAD_DIM"] == d and bound.get("LAUNCH_DEPENDENTS", False) == pdl
+    assert bound["FUSED_DQ"] is fused and (bound["desc_dq"] is accum if fused else bound["desc_dq"] is dk)
 
 
 # (splits, the kernel appends the call's new keys itself): a split launch reads them from the cache instead

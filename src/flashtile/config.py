@@ -49,6 +49,9 @@ class Settings:
     gluon_fwd: bool | None = None
     # the same for the Gluon dK/dV kernel of the backward
     gluon_bwd: bool | None = None
+    # True: the Gluon dK/dV kernel also computes dQ (TMA reduce-add into fp32, no dQ kernel) where it runs and
+    # deterministic=False; None / False: the dQ kernel (the fused build awaits its first GPU run, docs/backward.md)
+    gluon_fused_dq: bool | None = None
     # the same for the Gluon flex forward (flashtile.flex; None: its route, backends/triton/flex/gluon_launch.py)
     gluon_flex: bool | None = None
     # True: the flex backward's dK/dV half on its Gluon kernel where it can run; None / False: the Triton kernel

@@ -32,8 +32,10 @@ ALIBI / VARLEN / UNEQUAL builds); delta comes from the Triton preprocess.
 Rows past the sequence get lse = +inf (P = 0), and keys past it only produce dK/dV rows that the
 TMA store clips, so no key mask is needed; causal masks keys after the query row.
 """
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -46,6 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashtile.kernels.gluon_fwd import _sequence
 
 LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """Add the shared-memory tile ``src`` into global memory at ``coord`` of ``tensor_desc`` (TMA reduce-add,
+    cp.reduce.async.bulk.tensor: the adds happen in L2, element by element atomic). Asynchronous like a TMA store:
+    ``tma.store_wait`` before ``src`` is written again. Triton 3.6 builds the op but Gluon does not name it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -170,12 +181,13 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
                         seqlen, stride_lb, stride_lh, qk_scale, col_layout: gl.constexpr, dtype: gl.constexpr,
                         BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, window_left=0, LOCAL: gl.constexpr = False,
                         softcap_log2e=0.0, SOFTCAP: gl.constexpr = False, ALIBI_SLOPES=None, stride_ab=0, n0=0,
-                        ALIBI: gl.constexpr = False):
+                        ALIBI: gl.constexpr = False, key_end=0, KEY_MASK: gl.constexpr = False):
     """_grads_of_step ordered for fewer live registers (the plain order's 64-row steps): P^T is
     stored before delta is loaded and dS^T computed. SOFTCAP: the scores are ``softcap * tanh(x * scale /
     softcap)`` (qk_scale is then scale / softcap in base e), so dS^T carries tanh's derivative 1 - t^2.
     ALIBI (causal): every score gains ``slope * (key - row)`` after the cap, the slope the step's query head's
-    (ALIBI_SLOPES at off_b * stride_ab + head); n0: the key block's first key."""
+    (ALIBI_SLOPES at off_b * stride_ab + head); n0: the key block's first key. KEY_MASK: keys at key_end (query-row
+    coordinates, as key_idx) and after are another sequence's, so their P^T is 0 (dQ reads every key of the block)."""
     head = h0 + step // steps_per_head
     q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
     row_ok = q_idx < seqlen
@@ -205,6 +217,8 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
             p_t = gl.where((dist >= 0) & (dist <= window_left), p_t, 0.0)
         else:
             p_t = gl.where(gl.expand_dims(key_idx, 1) <= gl.expand_dims(q_idx, 0), p_t, 0.0)
+    if KEY_MASK:
+        p_t = gl.where(gl.expand_dims(key_idx < key_end, 1), p_t, 0.0)
     p_buf.store(p_t.to(dtype))
     delta = gl.load(DELTA + base + q_idx, mask=row_ok, other=0.0)
     ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
@@ -239,14 +253,15 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
                                 stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, CU_SEQLENS_K, KV_LENS,
-                                HEAD_DIM: gl.constexpr,
+                                desc_dq, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
                                 HEAD_DIM_TAIL: gl.constexpr = 0, HEAD_DIM_V: gl.constexpr = 0,
                                 LOCAL: gl.constexpr = False, VARLEN: gl.constexpr = False,
                                 SOFTCAP: gl.constexpr = False, ALIBI: gl.constexpr = False,
-                                UNEQUAL: gl.constexpr = False, VARLEN_K: gl.constexpr = False):
+                                UNEQUAL: gl.constexpr = False, VARLEN_K: gl.constexpr = False,
+                                FUSED_DQ: gl.constexpr = False):
     """dK, dV (b, s, h_k, d / dv) of q, k (b, s, h[_k], d), v, dout (b, s, h[_k], dv), lse and delta (b, h, s)
     fp32 (natural log for lse). qk_scale = softmax_scale * log2(e); grad_scale = softmax_scale (dK's factor).
     d = HEAD_DIM + HEAD_DIM_TAIL: a head dim of 192 arrives as 128 columns (desc_q / desc_k / desc_dk) and a
@@ -269,7 +284,10 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     registers; the overlap then comes from a second CTA on the SM (d = 128) or from the two
     warpgroups (d = 256). ROTATED = True: the next step's scores are issued before this step's
     gradient products (d = 64's default). LAUNCH_DEPENDENTS: let the dQ kernel launched after this one
-    with programmatic dependent launch start on the SMs this grid's last wave leaves idle."""
+    with programmatic dependent launch start on the SMs this grid's last wave leaves idle. FUSED_DQ (plain order, no
+    tail): each step also computes its share of dQ, dQ^T = K^T dS^T over the block's keys, and adds it by TMA
+    reduce-add into desc_dq, an fp32 (b, s, h, d) buffer of zeros (unscaled: the caller multiplies by the softmax
+    scale), so no dQ kernel follows; the adds' order varies run to run (not deterministic)."""
     if LAUNCH_DEPENDENTS:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -288,6 +306,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gl.static_assert(CAUSAL or not ALIBI)
     # k's own sequences: no window or ALiBi (the route keeps those calls on Triton)
     gl.static_assert(not VARLEN_K or (VARLEN and not LOCAL and not ALIBI))
+    gl.static_assert(not FUSED_DQ or not (ROTATED or SPLIT))  # dQ rides the plain order, one head-dim range
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -414,6 +433,15 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         if SPLIT:
             acc2_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM_TAIL, 16)
             dk2 = gl.zeros([BLOCK_N, HEAD_DIM_TAIL], gl.float32, acc2_layout)
+        if FUSED_DQ:
+            # a step's dQ^T [HEAD_DIM, BLOCK_M] (its columns split between the column groups as S^T's), staged
+            # in shared memory for the reduce-add; a non-causal packed sequence masks the keys past its end
+            dq_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)
+            dq_smem = gl.allocate_shared_memory(gl.float32, desc_dq.block_type.shape, desc_dq.layout)
+            dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM]).permute((1, 0))
+            k_rows = k_tile.permute((1, 0))
+        KEY_MASK: gl.constexpr = FUSED_DQ and VARLEN and not CAUSAL
+        key_end = r0 - n0 + kv_len
         for j in range(0, n_steps):
             s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_N,
                                       BLOCK_M, HEAD_DIM, DV)
@@ -427,9 +455,21 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
                                 BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
-                                r0, ALIBI)
+                                r0, ALIBI, key_end, KEY_MASK)
+            if FUSED_DQ:
+                # issued first, so it retires first: its reduce-add is staged while dV and dK still run
+                dq_t = warpgroup_mma(k_rows, ds_smem.index(0), gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dq_layout),
+                                     use_acc=False, is_async=True)
             dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                   BLOCK_M, HEAD_DIM, DV)
+            if FUSED_DQ:
+                dq_t = warpgroup_mma_wait(num_outstanding=2, deps=(dq_t,))
+                tma.store_wait(pendings=0)  # the previous step's reduce-add has read the staging tile
+                dq_tile.store(dq_t)
+                fence_async_shared()
+                dq_head = h0 + j // steps_per_head
+                dq_row = seq0 + (m_start + j % steps_per_head) * BLOCK_M
+                _tma_reduce_add(desc_dq, [tb, dq_row, dq_head, 0], dq_smem)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)
             if SPLIT:
                 dk2 = _issue_dk_tail(ds_smem.index(0), dk2, q2_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)
@@ -441,6 +481,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                            steps_per_head, NUM_BUFFERS, BLOCK_M, desc_q2, q2_smem, SPLIT, seq0)
 
     _invalidate(kv_ready, ready, NUM_BUFFERS)
+    if FUSED_DQ:
+        tma.store_wait(pendings=0)  # the last reduce-add has read its tile before the CTA's shared memory goes
     if VARLEN_K:
         # from here on the rows are keys: k's start and length (read again, not kept across the loop)
         seq0 = gl.load(CU_SEQLENS_K + off_b, volatile=True)
@@ -492,5 +534,12 @@ BWD_DKDV_CONFIGS = {
     128: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
     192: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
     256: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
+}
+# The FUSED_DQ build's configs (the dQ kernel's work done in this one, docs/backward.md): 32-row steps, so that a
+# step's dQ^T ([d, 32] fp32) fits in registers beside dK and dV. ptxas -v: d = 128 222-244 registers with every
+# feature, no spills, 90 KB of shared memory (two CTAs an SM); d = 256 212-214 registers, 172 KB.
+BWD_FUSED_CONFIGS = {
+    128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
+    256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
 }
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")

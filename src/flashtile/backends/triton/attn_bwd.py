@@ -1,8 +1,9 @@
 """Launcher of the backward: the delta preprocess, then the dK/dV kernel and the dQ kernel.
 
 dK/dV comes from the Triton kernel (kernels/attn_bwd.py) or, on sm_90 where the Gluon route table says so,
-from the Gluon kernel (gluon_bwd.py); dQ always from the Triton kernel, launched with programmatic
-dependent launch behind dK/dV where PDL_TABLE says so (docs/backward.md, "Kernel split")."""
+from the Gluon kernel (gluon_bwd.py); dQ from the Triton kernel, launched with programmatic dependent launch
+behind dK/dV where PDL_TABLE says so (docs/backward.md, "Kernel split"), or, under config.gluon_fused_dq, from
+the Gluon kernel's fused build (gluon_bwd.use_fused_dq)."""
 
 from __future__ import annotations
 
@@ -207,10 +208,17 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
     # the rule's "causal" is the plain causal mask, as the Gluon route's (a banded window is not)
     pdl = use_bwd_pdl(q, p.window_right == 0 and p.window_left < 0, max_seqlen)
     if gluon_dkdv:
+        # the fused build adds dQ into an fp32 buffer (no dQ kernel follows): gluon_bwd.use_fused_dq
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if gluon_bwd.use_fused_dq(
+            q, v, p) else None
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, p.softmax_scale, p.window_right == 0,
-                                      launch_dependents=pdl, window_left=p.window_left,
+                                      launch_dependents=pdl and dq_accum is None, window_left=p.window_left,
                                       cu_seqlens=p.cu_seqlens_q if varlen else None, max_seqlen=p.max_seqlen_q,
-                                      softcap=p.softcap, alibi_slopes=p.alibi_slopes, **gluon_route.own_k(p))
+                                      softcap=p.softcap, alibi_slopes=p.alibi_slopes, **gluon_route.own_k(p),
+                                      dq_accum=dq_accum)
+        if dq_accum is not None:
+            dq.copy_(dq_accum.mul_(p.softmax_scale))
+            return
     else:
         launch(
             _attn_bwd_dkdv_kernel, (cdiv(max(seqlen_k, 1), bn_kv) * b * h_k,),

@@ -93,6 +93,18 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     return refusal(q, k, v, dout, dk, dv, p) is None
 
 
+def use_fused_dq(q, v, p: AttnParams) -> bool:
+    """With the Gluon dK/dV kernel taken (use_gluon_bwd), does it compute dQ too (its FUSED_DQ build: dQ added by
+    TMA reduce-add into an fp32 buffer, no dQ kernel)? Only under ``config.gluon_fused_dq=True`` (the build awaits
+    its first GPU run and timing), never for ``deterministic=True`` (the adds land in a varying order), and for
+    the head dims of BWD_FUSED_CONFIGS with v's head dim equal to q's."""
+    from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
+
+    d = q.shape[-1]
+    return (config.get().gluon_fused_dq is True and not p.deterministic and d in BWD_FUSED_CONFIGS
+            and v.shape[-1] == d)
+
+
 def _config(table: dict, d: int, tiles: dict | None) -> dict:
     from flashtile.kernels.gluon_bwd import CONFIG_KEYS
 
@@ -114,7 +126,7 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
                         config: dict | None = None, launch_dependents: bool = False, window_left: int = -1,
                         cu_seqlens=None, max_seqlen: int = 0, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None, cu_seqlens_k=None, max_seqlen_k: int = 0,
-                        seqused_k: torch.Tensor | None = None) -> None:
+                        seqused_k: torch.Tensor | None = None, dq_accum: torch.Tensor | None = None) -> None:
     """Write dk (b, s, h_k, d), dv (b, s, h_k, dv) for q (b, s, h, d), dout (b, s, h, dv), k, v, lse and delta
     (b, h, s) fp32 (lse natural log, delta = rowsum(dO * O)). (d, dv) is one of HEAD_DIMS; q / k / dk of 192
     columns reach the kernel as 128 + 64 (head_dim_split). The caller checked ``refusal``;
@@ -125,8 +137,21 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     ``alibi_slopes`` (with ``causal``): CUDA fp32 (h,) or (b, h) slopes (b: sequences when varlen), unit last
     stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse.
     ``cu_seqlens_k`` / ``seqused_k`` (varlen): k, v, dk, dv packed by sequences of their own (``max_seqlen_k`` the
-    longest), aligned bottom-right with q's per sequence; no window or ALiBi then."""
-    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, _gluon_attn_bwd_dkdv_kernel
+    longest), aligned bottom-right with q's per sequence; no window or ALiBi then. ``dq_accum``: an fp32 tensor of
+    zeros shaped as q (d of BWD_FUSED_CONFIGS, v's head dim d) that the kernel adds dS K into (the FUSED_DQ
+    build, its own config table; the caller scales it by ``softmax_scale`` into dq); no dependent launch then."""
+    from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, BWD_FUSED_CONFIGS, _gluon_attn_bwd_dkdv_kernel
+
+    fused = dq_accum is not None
+    if fused:
+        if q.shape[-1] not in BWD_FUSED_CONFIGS or v.shape[-1] != q.shape[-1]:
+            raise ValueError(f"gluon bwd: dq_accum needs (d, dv) with d = dv in {sorted(BWD_FUSED_CONFIGS)}, got "
+                             f"({q.shape[-1]}, {v.shape[-1]})")
+        if dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape or not dq_accum.is_contiguous():
+            raise ValueError(f"gluon bwd: dq_accum must be contiguous fp32 of q's shape {tuple(q.shape)}, got "
+                             f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
+        if launch_dependents:
+            raise ValueError("gluon bwd: dq_accum leaves no dQ kernel to launch as a dependent")
 
     varlen = cu_seqlens is not None
     varlen_k = own_k_sequences(cu_seqlens, cu_seqlens_k, seqused_k)
@@ -140,6 +165,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     if varlen:  # one sequence of all the tokens to the descriptors; the kernel finds each in cu_seqlens
         q, k, v, dout, dk, dv = (x[None] for x in (q, k, v, dout, dk, dv))
         lse, delta = lse[None], delta[None]
+        if fused:
+            dq_accum = dq_accum[None]
     b, s, h, d = q.shape
     s_k = k.shape[1]
     if varlen:
@@ -152,7 +179,7 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         if not causal:
             raise ValueError("gluon bwd: alibi_slopes needs causal=True (the kernel's ALiBi is causal)")
         _check_alibi(alibi_slopes, b, h, "gluon bwd")
-    cfg = _config(BWD_DKDV_CONFIGS, d, config)
+    cfg = _config(BWD_FUSED_CONFIGS if fused else BWD_DKDV_CONFIGS, d, config)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     _check_stats(lse, delta)
     lead, tail = head_dim_split(d)
@@ -179,6 +206,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         meta["VARLEN_K"] = True
     elif s_k != s:
         meta["UNEQUAL"] = True
+    if fused:
+        meta["FUSED_DQ"] = True
     # a split head dim reads two column ranges (views); unsplit, the tensors themselves (no per-call slicing)
     desc_q = _descriptor(q[..., :lead] if tail else q, [1, bm, 1, lead])
     desc_k = _descriptor(k[..., :lead] if tail else k, [1, bn, 1, lead])
@@ -197,4 +226,6 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         # ALiBi: the slopes and their batch stride (0 for (h,): every batch reads the one row)
         lse if alibi_slopes is None else alibi_slopes,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k,
-        cu_seqlens_k if varlen_k else lse, kv_lens if varlen_k else lse, **meta)
+        cu_seqlens_k if varlen_k else lse, kv_lens if varlen_k else lse,
+        # without dq_accum the kernel never reads it: dK's descriptor stands in
+        _descriptor(dq_accum, [1, bm, 1, d]) if fused else desc_dk, **meta)
