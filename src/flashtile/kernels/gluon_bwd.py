@@ -286,8 +286,8 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gradient products (d = 64's default). LAUNCH_DEPENDENTS: let the dQ kernel launched after this one
     with programmatic dependent launch start on the SMs this grid's last wave leaves idle. FUSED_DQ (plain order, no
     tail): each step also computes its share of dQ, dQ^T = K^T dS^T over the block's keys, and adds it by TMA
-    reduce-add into desc_dq, an fp32 (b, s, h, d) buffer of zeros (unscaled: the caller multiplies by the softmax
-    scale), so no dQ kernel follows; the adds' order varies run to run (not deterministic)."""
+    reduce-add into desc_dq, an fp32 (b, s, h, d) buffer of zeros (scaled by grad_scale: the caller only casts it),
+    so no dQ kernel follows; the adds' order varies run to run (not deterministic)."""
     if LAUNCH_DEPENDENTS:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -465,7 +465,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             if FUSED_DQ:
                 dq_t = warpgroup_mma_wait(num_outstanding=2, deps=(dq_t,))
                 tma.store_wait(pendings=0)  # the previous step's reduce-add has read the staging tile
-                dq_tile.store(dq_t)
+                dq_tile.store(dq_t * grad_scale)
                 fence_async_shared()
                 dq_head = h0 + j // steps_per_head
                 dq_row = seq0 + (m_start + j % steps_per_head) * BLOCK_M

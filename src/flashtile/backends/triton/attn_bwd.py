@@ -217,7 +217,7 @@ def _attn_bwd(dout, q, k, v, out, lse, p: AttnParams, dq, dk, dv):
                                       softcap=p.softcap, alibi_slopes=p.alibi_slopes, **gluon_route.own_k(p),
                                       dq_accum=dq_accum)
         if dq_accum is not None:
-            dq.copy_(dq_accum.mul_(p.softmax_scale))
+            dq.copy_(dq_accum)  # scaled by the kernel: one cast pass
             return
     else:
         launch(

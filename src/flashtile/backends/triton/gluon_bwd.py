@@ -138,8 +138,8 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse.
     ``cu_seqlens_k`` / ``seqused_k`` (varlen): k, v, dk, dv packed by sequences of their own (``max_seqlen_k`` the
     longest), aligned bottom-right with q's per sequence; no window or ALiBi then. ``dq_accum``: an fp32 tensor of
-    zeros shaped as q (d of BWD_FUSED_CONFIGS, v's head dim d) that the kernel adds dS K into (the FUSED_DQ
-    build, its own config table; the caller scales it by ``softmax_scale`` into dq); no dependent launch then."""
+    zeros shaped as q (d of BWD_FUSED_CONFIGS, v's head dim d) that the kernel adds softmax_scale * dS K into: dQ
+    in fp32 (the FUSED_DQ build, its own config table; the caller casts it into dq); no dependent launch then."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, BWD_FUSED_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     fused = dq_accum is not None
