@@ -18,9 +18,9 @@
 #                                                   bench-mla's Gluon one
 #   flex-dkdv  ab-flex-dkdv                         the Gluon flex dK/dV kernel (config.gluon_flex_bwd, not yet a
 #                                                   default route): its GPU tests, then its A/B against Triton's
-#   fused-dq  ab-fused-dq                           the Gluon dK/dV kernel's fused dQ build (config.gluon_fused_dq,
-#                                                   not yet a default route): its GPU tests, then its A/B against
-#                                                   the split backward, cuDNN beside them
+#   fused-dq  ab-fused-dq  tune-fused-dq            the Gluon dK/dV kernel's fused dQ build (config.gluon_fused_dq,
+#                                                   not yet a default route): its GPU tests, its A/B against the
+#                                                   split backward (cuDNN beside them), its configs' sweep
 #   profile-host                                    a short training step's host time against SDPA's, and a
 #                                                   profile of flashtile's Python by function
 #   tune-gluon-mla                                  the Gluon MLA kernel's configs against the Triton MLA kernel
@@ -79,6 +79,8 @@ run_step() {
                     --seqlens 4096 16384 --out "$OUT/ab_flex_dkdv.json" ;;
     fused-dq) step fused-dq timeout 400 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore -x \
                 tests/test_gpu_gluon_fused_dq.py ;;
+    tune-fused-dq) step tune-fused-dq timeout 400 python scripts/tune_gluon_bwd.py --fused --d 128 256 \
+                     --seqlens 2048 16384 --out "$OUT/tune_fused_dq.json" ;;
     ab-fused-dq) step ab-fused-dq timeout 400 python scripts/ab_fused_dq.py --out "$OUT/ab_fused_dq.json" ;;
     profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;

@@ -11,7 +11,8 @@ Shapes follow BASELINES.md (b * s = 16k tokens, h * d = 2048), bf16, plain and c
   about 1e-2 at bf16 is rounding, O(1) is a broken config);
 - ``rest_ms`` = gluon_bwd_ms - the default config's dkdv_ms: delta and the Triton dQ kernel.
 Times are medians of triton.testing.do_bench. A config that fails to compile or launch is recorded
-with its error and the sweep goes on.
+with its error and the sweep goes on. ``--fused``: the fused dQ build's configs instead (FUSED_CANDIDATES; the
+kernel computes dQ too, 5 GEMMs, its buffer zeroed inside each timed call as the backward does).
 """
 
 import argparse
@@ -24,7 +25,7 @@ import triton
 import flashtile
 from flashtile import config
 from flashtile.backends.triton import gluon_bwd
-from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
+from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, BWD_FUSED_CONFIGS
 
 # (BLOCK_M, BLOCK_N, NUM_BUFFERS, num_warps); each compiled for sm_90 on the CPU first
 # (tests/aot_gluon_bwd.py): no spills, within the 227 KiB of shared memory a CTA may use
@@ -39,6 +40,13 @@ CANDIDATES = {
 # The plain order won every d = 128 / 256 row (docs/gluon.md, "The backward's dK/dV kernel"); the other
 # d = 128 candidates are plain-order variants with one CTA per SM: (64, 128, 2, 8) two warpgroups on 128
 # keys sharing the Q / dO ring, (128, 64, 2, 8, 2) two warpgroups side by side on 128-row steps.
+# The fused dQ build (plain order only; the table's first). ptxas -v, causal: d = 128 (32, 64, 2, 4) 229
+# registers, 90 KB (two CTAs an SM); (32, 128, 2, 8) 255 registers, 12 bytes of spill, 131 KB (one CTA, half the
+# reduce-adds a key); (32, 64, 3, 4) 16 bytes of spill, 106 KB. d = 256 (32, 64, 2, 8, 2) 214 registers, 172 KB.
+FUSED_CANDIDATES = {
+    128: [(32, 64, 2, 4, 1, 0), (32, 128, 2, 8, 1, 0), (32, 64, 3, 4, 1, 0)],
+    256: [(32, 64, 2, 8, 2, 0)],
+}
 KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")
 
 
@@ -84,7 +92,7 @@ def _sweep(candidates, launch, ref, flops, key, outputs):
     return entries
 
 
-def row_of(d, s, causal):
+def row_of(d, s, causal, fused=False):
     b, h = max(1, 16384 // s), 2048 // d
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -100,11 +108,18 @@ def row_of(d, s, causal):
     qd, kd, vd, gd = (x.detach() for x in (q, k, v, g))
     dk, dv = torch.empty_like(kd), torch.empty_like(vd)
 
-    def dkdv(tiles):
-        gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=tiles)
-        return dk, dv
+    dq_accum = torch.zeros(qd.shape, device="cuda") if fused else None
 
-    row["configs"] = _sweep(CANDIDATES[d], dkdv, None, 4 * gemm, "dkdv", (dk, dv))
+    def dkdv(tiles):
+        if fused:
+            dq_accum.zero_()
+        gluon_bwd.gluon_attn_bwd_dkdv(qd, kd, vd, gd, lse, delta, dk, dv, scale, causal, config=tiles,
+                                      dq_accum=dq_accum)
+        return (dk, dv, dq_accum) if fused else (dk, dv)
+
+    outputs = (dk, dv, dq_accum) if fused else (dk, dv)
+    row["configs"] = _sweep((FUSED_CANDIDATES if fused else CANDIDATES)[d], dkdv, None, (5 if fused else 4) * gemm,
+                            "dkdv", outputs)
     first = row["configs"][0]
     if "dkdv_ms" in first:
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
@@ -116,21 +131,23 @@ def main():
     ap.add_argument("--out", default="tune_gluon_bwd.json")
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--fused", action="store_true", help="the fused dQ build's configs (FUSED_CANDIDATES)")
     args = ap.parse_args()
+    table, candidates = (BWD_FUSED_CONFIGS, FUSED_CANDIDATES) if args.fused else (BWD_DKDV_CONFIGS, CANDIDATES)
     for d in args.d:  # the default configs must be the first candidates: rest_ms is measured on them
-        assert dict(zip(KEYS, CANDIDATES[d][0])) == BWD_DKDV_CONFIGS[d], d
+        assert dict(zip(KEYS, candidates[d][0])) == table[d], d
     rows = []
     for d in args.d:
         for s in args.seqlens:
             for causal in (False, True):
-                row = row_of(d, s, causal)
+                row = row_of(d, s, causal, args.fused)
                 rows.append(row)
                 best = min((c for c in row["configs"] if "dkdv_ms" in c), key=lambda c: c["dkdv_ms"], default=None)
                 print(json.dumps({key: row[key] for key in row if key != "configs"} | {"best": best}), flush=True)
                 torch.cuda.empty_cache()
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 date=time.strftime("%Y-%m-%dT%H:%M:%S"), command="scripts/tune_gluon_bwd.py",
-                candidates=CANDIDATES)
+                candidates=candidates)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
