@@ -1,7 +1,8 @@
 """A/B of one setting of the flex kernels on the GPU, on against off in alternated rounds in one process, the
 results compared first: ``--setting gluon_flex`` (the Gluon forward against the Triton one), ``tma`` (the Triton
-forward's K / V through tensor descriptors against pointer loads) or ``gluon_flex_bwd`` (the backward with its
-dK/dV half on the Gluon kernel against the Triton one; timed as the backward alone, gradients compared).
+forward's K / V through tensor descriptors against pointer loads), ``gluon_flex_bwd`` (the backward with its
+dK/dV half on the Gluon kernel against the Triton one; timed as the backward alone, gradients compared) or
+``gluon_fused_dq`` (the Gluon dK/dV kernel's fused dQ build against the same kernel with the Triton dQ kernel).
 
 Usage: PYTHONPATH=src python scripts/ab_flex.py --setting gluon_flex --out $OUT/ab_flex.json [--seqlens 4096 16384]
 
@@ -27,14 +28,16 @@ def _row(setting, name, s, rounds, d=128, hidden=2048, tokens=16384):
     h, b = hidden // d, max(1, tokens // s)
     score_mod, mask_mod = build_variant(name, b, h, s, "cuda")
     mask = create_block_mask(mask_mod, b if name == "document" else None, None, s, s, device="cuda")
-    backward = setting == "gluon_flex_bwd"
+    backward = setting in ("gluon_flex_bwd", "gluon_fused_dq")
+    # the fused build is a build of the Gluon dK/dV kernel: both sides run that kernel
+    base = dict(gluon_flex_bwd=True) if setting == "gluon_fused_dq" else {}
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward) for _ in range(3))
     if backward:  # one forward; each call runs the backward alone
         out = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
         g = torch.randn_like(out)
 
     def call(on):
-        with config.override(**{setting: on}):
+        with config.override(**base, **{setting: on}):
             if backward:
                 return torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
             return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask)
@@ -57,7 +60,7 @@ def _row(setting, name, s, rounds, d=128, hidden=2048, tokens=16384):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--setting", choices=("gluon_flex", "tma", "gluon_flex_bwd"), required=True)
+    ap.add_argument("--setting", choices=("gluon_flex", "tma", "gluon_flex_bwd", "gluon_fused_dq"), required=True)
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--rounds", type=int, default=3)

@@ -16,8 +16,9 @@
 #                                                   training bars' own-MHA and SDPA rows)
 #   ab-mla                                          MLA decode on the Triton kernel (FLASHTILE_GLUON=0), beside
 #                                                   bench-mla's Gluon one
-#   flex-dkdv  ab-flex-dkdv                         the Gluon flex dK/dV kernel (config.gluon_flex_bwd, not yet a
-#                                                   default route): its GPU tests, then its A/B against Triton's
+#   flex-dkdv  ab-flex-dkdv  ab-flex-fused          the Gluon flex dK/dV kernel (config.gluon_flex_bwd, not yet a
+#                                                   default route) and its fused dQ build: their GPU tests, the
+#                                                   kernel's A/B against Triton's, the fused build's against it
 #   fused-dq  ab-fused-dq  tune-fused-dq            the Gluon dK/dV kernel's fused dQ build (config.gluon_fused_dq,
 #                                                   not yet a default route): its GPU tests, its A/B against the
 #                                                   split backward (cuDNN beside them), its configs' sweep
@@ -74,9 +75,11 @@ run_step() {
     bench-flex-graph) step bench-flex-graph python -m flashtile.bench flex --rounds 3 --cuda-graph \
                         --out "$OUT/flex_graph.json" ;;
     flex-dkdv) step flex-dkdv timeout 300 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore \
-                 tests/test_gpu_gluon_flex.py -k dkdv ;;
+                 tests/test_gpu_gluon_flex.py -k "dkdv or fused" ;;
     ab-flex-dkdv) step ab-flex-dkdv timeout 300 python scripts/ab_flex.py --setting gluon_flex_bwd \
                     --seqlens 4096 16384 --out "$OUT/ab_flex_dkdv.json" ;;
+    ab-flex-fused) step ab-flex-fused timeout 300 python scripts/ab_flex.py --setting gluon_fused_dq \
+                     --seqlens 4096 16384 --out "$OUT/ab_flex_fused.json" ;;
     fused-dq) step fused-dq timeout 400 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore -x \
                 tests/test_gpu_gluon_fused_dq.py ;;
     tune-fused-dq) step tune-fused-dq timeout 400 python scripts/tune_gluon_bwd.py --fused --d 128 256 \

@@ -3,12 +3,12 @@ generated mods for sm_90 through ptxas, without a GPU.
 
 Run as a script in a subprocess (TRITON_INTERPRET must be unset there):
     python tests/aot_gluon_flex.py OUT SPEC [SPEC ...]      SPEC: KERNEL,MODS,D,BLOCK_M,BLOCK_N,NUM_BUFFERS,WARPS,EVEN
-KERNEL: fwd or dkdv.
+KERNEL: fwd, dkdv, or dkdvq (dK/dV's fused dQ build: dQ added into an fp32 buffer by TMA reduce-add).
 MODS: ``rel_bias`` (a learned relative-position table under a causal mask, the heaviest of the tests), ``softcap``
 (tanh on every score, no mask), ``causal`` (mask_mod only) or ``document`` (a captured document-id tensor read
 twice per element). EVEN 0 builds the ragged-length copy (index bounds, end masks). Writes TTGIR / SASS / ptxas
 log under OUT and prints one JSON line a spec: its tag, shared memory, registers, spill stores, whether ptxas
-serialised the wgmmas, and the most exp2 under an in-flight wgmma in the SASS.
+serialised the wgmmas, the most exp2 under an in-flight wgmma in the SASS, and the PTX's TMA reduce-adds.
 """
 
 import json
@@ -54,9 +54,9 @@ def main(out, kind, mods, d, bm, bn, nb, warps, even):
     score_mod, mask_mod, bufs = MODS[mods]
     kernels = registry.entry_for(score_mod, mask_mod).kernels()
 
-    def desc(block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return f"tensordesc<bf16[{','.join(map(str, block))}],{layout!r}>"
+    def desc(block, name="bf16", dtype=gl.bfloat16):
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+        return f"tensordesc<{name}[{','.join(map(str, block))}],{layout!r}>"
 
     cx = dict(SCORE_MOD=kernels.score_mod, MASK_MOD=kernels.mask_mod, HAS_SCORE_MOD=score_mod is not None,
               HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, SPARSE_Q=128, SPARSE_KV=128, EVEN_M=bool(even),
@@ -69,18 +69,21 @@ def main(out, kind, mods, d, bm, bn, nb, warps, even):
     else:  # the learned table's gradient is added atomically (HAS_BUFFER_GRADS) where the mod has one
         kernel = _gluon_flex_bwd_dkdv_kernel
         grads = mods == "rel_bias"
-        cx.update(SCORE_GRAD=kernels.score_grad, HAS_BUFFER_GRADS=grads)
+        fused = kind == "dkdvq"
+        cx.update(SCORE_GRAD=kernels.score_grad, HAS_BUFFER_GRADS=grads, FUSED_DQ=fused)
         types = dict(desc_q=desc([1, 1, bm, d]), desc_do=desc([1, 1, bm, d]), desc_k=desc([1, 1, bn, d]),
                      desc_v=desc([1, 1, bn, d]), desc_dk=desc([1, 1, bn, d]), desc_dv=desc([1, 1, bn, d]),
                      LSE="*fp32", DELTA="*fp32", Q_NUM="*i32", Q_IDX="*i32", FULL_Q_NUM="*i32", FULL_Q_IDX="*i32",
-                     BUFS=bufs, GRADS=("*fp32",) if grads else bufs, sm_scale="fp32")
+                     BUFS=bufs, GRADS=("*fp32",) if grads else bufs, sm_scale="fp32",
+                     desc_dq=desc([1, 1, bm, d], "fp32", gl.float32) if fused else desc([1, 1, bn, d]))
     tag = f"{kind}_{mods}_d{d}_m{bm}n{bn}b{nb}w{warps}_{'even' if even else 'ragged'}"
     got = compile_for_sm90(kernel, cx, types, warps, pathlib.Path(out), tag, aligned_ints=("stride",))
     log = got["ptxas_log"]
     regs, spill = (re.search(pat, log) for pat in (r"Used (\d+) registers", r"(\d+) bytes spill stores"))
+    ptx = (pathlib.Path(out) / f"{tag}.ptx").read_text()
     return dict(tag=tag, shared=got["shared"], registers=int(regs.group(1)) if regs else -1,
                 spill=int(spill.group(1)) if spill else -1, serialized="serialized" in log,
-                ex2=max_ex2_under_wgmma(got["sass"]))
+                ex2=max_ex2_under_wgmma(got["sass"]), tma_reduce=ptx.count("cp.reduce.async.bulk.tensor"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The Gluon flex kernels compile for sm_90 through ptxas with generated mods, at each head dim's table config: the
 forward (kernels/gluon_flex_fwd.py) with no spills, no serialised wgmma, shared memory within sm_90's limit, and
 the overlap it was written for in the SASS (a key tile's exp2 executing under in-flight wgmmas); the dK/dV kernel
-(kernels/gluon_flex_bwd.py, the plain order: every product waited for in its step) with its spills bounded.
+(kernels/gluon_flex_bwd.py, the plain order: every product waited for in its step) and its fused dQ build with
+their spills bounded.
 Mods: a learned bias table under a causal mask (the heaviest: a gather per score), a softcap (tanh on every
 score), a causal mask alone, document ids read from a captured tensor; the ragged-length build (index bounds,
 end masks) for the heaviest. No GPU needed."""
@@ -23,6 +24,8 @@ SM90_MAX_SHARED = 232448
 # the dK/dV kernel's dK and dV accumulators take half the register file: a softcap or the learned table's gather
 # and atomic gradient spill a little there (16 / 64 bytes at 32 x 64); a tile change that spills more fails here
 MAX_DKDV_SPILL = 64
+# the fused dQ build (dkdvq) holds a step's dQ^T tile beside them: 60-120 bytes with these mods (ptxas -v)
+MAX_FUSED_SPILL = 128
 
 
 def _specs():
@@ -32,6 +35,9 @@ def _specs():
             cfg = f"{d},{bm},{bn},{nb},{warps}"
             specs += [f"{kind},rel_bias,{cfg},1", f"{kind},rel_bias,{cfg},0"]
             specs += [f"{kind},{mods},{cfg},1" for mods in ("softcap", "causal", "document")]
+    for d, (bm, bn, nb, warps) in GLUON_FLEX_BWD_CONFIGS.items():
+        cfg = f"{d},{bm},{bn},{nb},{warps}"
+        specs += [f"dkdvq,rel_bias,{cfg},1", f"dkdvq,softcap,{cfg},0", f"dkdvq,document,{cfg},1"]
     return specs
 
 
@@ -56,9 +62,12 @@ def test_every_config_and_mod_compiles(builds):
     assert len(builds) == len(_specs())
     for b in builds:
         assert not b["serialized"], f"{b['tag']}: ptxas serialised the wgmma pipeline"
-        most = 0 if b["tag"].startswith("fwd") else MAX_DKDV_SPILL
+        kind = b["tag"].split("_")[0]
+        most = dict(fwd=0, dkdv=MAX_DKDV_SPILL, dkdvq=MAX_FUSED_SPILL)[kind]
         assert 0 <= b["spill"] <= most, f"{b['tag']}: {b['spill']} bytes of spills"
         assert 0 < b["shared"] <= SM90_MAX_SHARED, b
+        # the fused build adds dQ by TMA reduce-add in both list walks (partly, fully visible); no other build does
+        assert b["tma_reduce"] == (2 if kind == "dkdvq" else 0), b
 
 
 def test_the_softmax_runs_under_the_tensor_cores(builds):

@@ -101,3 +101,75 @@ def test_the_dkdv_kernel_runs_only_when_asked(on_sm90):
         assert not gluon_launch.bwd_wanted(q, k, v, q.half(), (128, 128), (0,) * 4), "dout of another dtype"
         with config.override(gluon=False):
             assert not gluon_launch.bwd_wanted(*args)
+
+
+def test_the_fused_dq_build_runs_only_when_asked():
+    assert not gluon_launch.fused_dq_wanted()
+    with config.override(gluon_fused_dq=True):
+        assert gluon_launch.fused_dq_wanted()
+
+
+def _flex_backward(monkeypatch, fused):
+    """launch.flex_bwd with the Gluon dK/dV route taken and every launch recorded; the Gluon stub writes a known
+    fp32 pattern into dq_accum. Returns (kernel names launched, the stub's dq_accum, dq, pattern)."""
+    from flashtile.backends.triton.flex import launch
+    from flashtile.flex import registry
+
+    names, seen = [], {}
+    monkeypatch.setattr(host, "launch", lambda kernel, grid, *a, **kw: names.append(kernel.__name__))
+    monkeypatch.setattr(gluon_launch, "bwd_wanted", lambda *a: True)
+
+    def dkdv(*args, dq_accum=None):
+        seen["dq_accum"] = dq_accum
+        if dq_accum is not None:
+            assert dq_accum.dtype == torch.float32 and not dq_accum.any()  # zeros: the kernel only adds
+            dq_accum.copy_(pattern)
+
+    monkeypatch.setattr(gluon_launch, "gluon_flex_dkdv", dkdv)
+    q, k, v = (torch.randn(1, 2, 256, 128, dtype=torch.bfloat16) for _ in range(3))
+    pattern = torch.randn(q.shape)
+    kernels = registry.entry_for(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).kernels()
+    block = tuple(torch.zeros(1, 1, 2, *([2] if i % 2 else []), dtype=torch.int32) for i in range(8))
+    with config.override(gluon_fused_dq=fused):
+        dq, dk, dv, _ = launch.flex_bwd(torch.randn_like(q), None, q, k, v, torch.randn_like(q),
+                                        torch.zeros(1, 2, 256), block, kernels, 0.1, (128, 128), False)
+    return names, seen["dq_accum"], dq, pattern
+
+
+def test_the_fused_build_replaces_the_dq_kernel(monkeypatch):
+    names, accum, dq, pattern = _flex_backward(monkeypatch, True)
+    assert accum is not None and "_flex_bwd_dq_kernel" not in names
+    torch.testing.assert_close(dq, pattern.to(dq.dtype), rtol=0, atol=0)  # the kernel scaled them already
+    names, accum, _, _ = _flex_backward(monkeypatch, None)
+    assert accum is None and "_flex_bwd_dq_kernel" in names
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_dkdv_launcher_binds(monkeypatch, fused):
+    # the launcher's arguments bound to the kernel's signature as Triton would (the kernel only runs on sm_90)
+    import inspect
+
+    from flashtile.flex import registry
+    from flashtile.kernels.gluon_flex_bwd import _gluon_flex_bwd_dkdv_kernel
+
+    bound = []
+
+    def record(kernel, grid, *args, **meta):
+        assert kernel is _gluon_flex_bwd_dkdv_kernel
+        params = {key: val for key, val in meta.items() if key != "num_warps"}
+        bound.append(inspect.signature(kernel.fn).bind(*args, **params).arguments)
+
+    monkeypatch.setattr(host, "run_kernel", record)
+    monkeypatch.setattr(gluon_launch, "_descriptor", lambda x, rows: x)
+    q, k, v = _qkv()
+    kernels = registry.entry_for(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).kernels()
+    lists = tuple(torch.zeros(1, 4, 2, *([2] if i % 2 else []), dtype=torch.int32) for i in range(4))
+    accum = torch.zeros(q.shape) if fused else None
+    gluon_launch.gluon_flex_dkdv(q, k, v, q, torch.zeros(1, 4, 256), torch.zeros(1, 4, 256), torch.empty_like(k),
+                                 torch.empty_like(v), lists, (torch.empty(1),), (), kernels, 0.1, (128, 128), accum)
+    args, = bound
+    assert args["FUSED_DQ"] is fused and (args["desc_dq"] is accum if fused else args["desc_dq"].shape == k.shape)
+    with pytest.raises(ValueError, match="dq_accum"):
+        gluon_launch.gluon_flex_dkdv(q, k, v, q, torch.zeros(1, 4, 256), torch.zeros(1, 4, 256), torch.empty_like(k),
+                                     torch.empty_like(v), lists, (torch.empty(1),), (), kernels, 0.1, (128, 128),
+                                     torch.zeros(q.shape, dtype=torch.bfloat16))

@@ -194,3 +194,33 @@ def _check_grads_h(var, meta, L, S, block, dkdv_calls):
     pt_grads = torch.autograd.grad(pt, (q, k, v), g)
     for n, a, r, p in zip(("dq", "dk", "dv"), grads, ref_grads, pt_grads):
         assert_fa_close(a, r, p, factor=3.0, atol=1e-4, name=n)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Like dkdv_calls, with the fused dQ build pinned on too: counts only launches that got a dq_accum."""
+    seen, real = [], gluon_launch.gluon_flex_dkdv
+
+    def counted(*args, **kwargs):
+        if kwargs.get("dq_accum") is not None:
+            seen.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_launch, "gluon_flex_dkdv", counted)
+    with config.override(gluon_flex_bwd=True, gluon_fused_dq=True):
+        yield seen
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("L, S", [(1024, 1024), (1000, 1000), (512, 777)])
+def test_fused_dq_variants(name, L, S, fused_calls):
+    # dQ added by TMA reduce-add from the dK/dV kernel (no dQ kernel); _check_grads compares with the all-Triton
+    # backward too (gluon_flex_bwd off)
+    var = variants(2, 4, L, S, device=DEV, window=256, prefix=L // 4, docs=(0, L // 3, L // 2))
+    _check_grads(var[name], var["_meta"], 2, 4, L, S, 4, torch.bfloat16, fused_calls)
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "rel_bias"])
+def test_fused_dq_gqa_fp16(name, fused_calls):
+    var = variants(1, 8, 1024, 1024, device=DEV, window=256, prefix=256, docs=(0, 300, 700))
+    _check_grads(var[name], var["_meta"], 1, 8, 1024, 1024, 2, torch.float16, fused_calls)

@@ -241,6 +241,25 @@ def _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS: gl.c
 
 
 @gluon.jit
+def _reduce_dq(k_rows, ds_buf, p_buf, dk, dv, q_smem, do_smem, step, desc_dq, dq_smem, coord, dq_scale,
+               st_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+               HEAD_DIM_V: gl.constexpr):
+    """A fused step's three products: dQ^T = K^T dS^T (k_rows: K^T in shared memory, [HEAD_DIM, BLOCK_N]) issued
+    first so it retires first, then dV += P^T dO and dK += dS^T Q (returned in flight). dQ^T times dq_scale is
+    staged in dq_smem (fp32, desc_dq's box: BLOCK_M rows of HEAD_DIM) and added into desc_dq at coord by TMA
+    reduce-add while dV and dK run. dQ^T's columns are split between the warps as S^T's (st_layout)."""
+    acc = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, st_layout)
+    dq_t = warpgroup_mma(k_rows, ds_buf, acc, use_acc=False, is_async=True)
+    dk, dv = _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM_V)
+    dq_t = warpgroup_mma_wait(num_outstanding=2, deps=(dq_t,))
+    tma.store_wait(pendings=0)  # the previous step's reduce-add has read the staging tile
+    dq_smem.reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)).store(dq_t * dq_scale)
+    fence_async_shared()
+    _tma_reduce_add(desc_dq, coord, dq_smem)
+    return dk, dv
+
+
+@gluon.jit
 def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
                    HEAD_DIM_TAIL: gl.constexpr):
     """dK's tail columns += dS^T Q_tail of one step (async)."""
@@ -434,11 +453,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             acc2_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM_TAIL, 16)
             dk2 = gl.zeros([BLOCK_N, HEAD_DIM_TAIL], gl.float32, acc2_layout)
         if FUSED_DQ:
-            # a step's dQ^T [HEAD_DIM, BLOCK_M] (its columns split between the column groups as S^T's), staged
-            # in shared memory for the reduce-add; a non-causal packed sequence masks the keys past its end
-            dq_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)
+            # a step's dQ^T [HEAD_DIM, BLOCK_M] is staged here for the reduce-add; a non-causal packed sequence
+            # masks the keys past its end
             dq_smem = gl.allocate_shared_memory(gl.float32, desc_dq.block_type.shape, desc_dq.layout)
-            dq_tile = dq_smem.reshape([BLOCK_M, HEAD_DIM]).permute((1, 0))
             k_rows = k_tile.permute((1, 0))
         KEY_MASK: gl.constexpr = FUSED_DQ and VARLEN and not CAUSAL
         key_end = r0 - n0 + kv_len
@@ -457,19 +474,13 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                 BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
                                 r0, ALIBI, key_end, KEY_MASK)
             if FUSED_DQ:
-                # issued first, so it retires first: its reduce-add is staged while dV and dK still run
-                dq_t = warpgroup_mma(k_rows, ds_smem.index(0), gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, dq_layout),
-                                     use_acc=False, is_async=True)
-            dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
-                                  BLOCK_M, HEAD_DIM, DV)
-            if FUSED_DQ:
-                dq_t = warpgroup_mma_wait(num_outstanding=2, deps=(dq_t,))
-                tma.store_wait(pendings=0)  # the previous step's reduce-add has read the staging tile
-                dq_tile.store(dq_t * grad_scale)
-                fence_async_shared()
-                dq_head = h0 + j // steps_per_head
                 dq_row = seq0 + (m_start + j % steps_per_head) * BLOCK_M
-                _tma_reduce_add(desc_dq, [tb, dq_row, dq_head, 0], dq_smem)
+                dk, dv = _reduce_dq(k_rows, ds_smem.index(0), p_smem.index(0), dk, dv, q_smem, do_smem, j, desc_dq,
+                                    dq_smem, [tb, dq_row, h0 + j // steps_per_head, 0], grad_scale, st_layout,
+                                    NUM_BUFFERS, BLOCK_M, HEAD_DIM, DV)
+            else:
+                dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
+                                      BLOCK_M, HEAD_DIM, DV)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)
             if SPLIT:
                 dk2 = _issue_dk_tail(ds_smem.index(0), dk2, q2_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)

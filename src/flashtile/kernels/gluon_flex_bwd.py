@@ -13,7 +13,9 @@ kernel's d = 128 config):
     P^T, dS^T -> shared memory; issue dV += P^T dO, dK += dS^T Q; wait; TMA Q / dO of a later step
 
 The score helpers are the Triton flex kernels' own (kernels/flex_common.py, kernels/flex_bwd.py): ``tl``
-element-wise code runs on the wgmma-layout tiles unchanged. The dQ half stays the Triton flex kernel.
+element-wise code runs on the wgmma-layout tiles unchanged. The dQ half stays the Triton flex kernel, except in the
+FUSED_DQ build, which adds each step's dQ^T = K^T dS^T into an fp32 buffer by TMA reduce-add as the plain Gluon
+kernel's fused build does (kernels/gluon_bwd.py, docs/backward.md).
 
 Layout: q, k, v, dout, dk, dv (b, h, s, d) with a unit last stride, through tensor descriptors whose boxes are one
 (batch, head)'s rows; lse and delta (b, h, sq) fp32 (lse natural log, +inf on rows that see no key).
@@ -35,6 +37,7 @@ from flashtile.kernels.gluon_bwd import (
     _issue_grads,
     _issue_scores,
     _load_pair,
+    _reduce_dq,
     operand_smem_layout,
 )
 from flashtile.kernels.gluon_flex_fwd import _tile_start
@@ -55,9 +58,11 @@ def _flex_dkdv_step(t, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_s
                     SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, MASK_MOD: gl.constexpr,
                     HAS_SCORE_MOD: gl.constexpr, HAS_BUFFER_GRADS: gl.constexpr, APPLY_MASK: gl.constexpr,
                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_BUFFERS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr):
+                    NUM_BUFFERS: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr, k_rows=None,
+                    desc_dq=None, dq_smem=None, FUSED_DQ: gl.constexpr = False):
     """One step over the query rows [m0, m0 + BLOCK_M) of head h, whose tiles sit in ring slot t % NUM_BUFFERS.
-    Returns dK and dV with the step's products added (waited for)."""
+    Returns dK and dV with the step's products added (waited for). FUSED_DQ: the step's dQ rows, sm_scale * dS K,
+    are added into desc_dq (k_rows: K^T in shared memory; dq_smem: the reduce-add's staging tile)."""
     s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, t, st_layout, NUM_BUFFERS, BLOCK_N, BLOCK_M,
                               HEAD_DIM, HEAD_DIM)
     # the rows' lse loads while the products run; delta after P is stored (fewer live registers: every column
@@ -77,7 +82,11 @@ def _flex_dkdv_step(t, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_s
     ds_smem.store(ds_t.to(ds_smem.dtype))
     # generic-proxy writes must be visible to wgmma (async proxy) before it reads them
     fence_async_shared()
-    dk, dv = _issue_grads(p_smem, ds_smem, dk, dv, q_smem, do_smem, t, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM)
+    if FUSED_DQ:
+        dk, dv = _reduce_dq(k_rows, ds_smem, p_smem, dk, dv, q_smem, do_smem, t, desc_dq, dq_smem, [b, h, m0, 0],
+                            sm_scale, st_layout, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM)
+    else:
+        dk, dv = _issue_grads(p_smem, ds_smem, dk, dv, q_smem, do_smem, t, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
     return dk, dv
 
@@ -86,16 +95,19 @@ def _flex_dkdv_step(t, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_s
 def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, LSE, DELTA, Q_NUM, Q_IDX,
                                 FULL_Q_NUM, FULL_Q_IDX, BUFS, GRADS, sm_scale, seqlen_q, seqlen_k, num_kv_heads, group,
                                 stride_lse_b, stride_lse_h, stride_nb, stride_nh, stride_nn, stride_ib, stride_ih,
-                                stride_in, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                                stride_in, desc_dq, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
                                 MASK_MOD: gl.constexpr, HAS_SCORE_MOD: gl.constexpr,
                                 HAS_BUFFER_GRADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                                 BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, SPARSE_Q: gl.constexpr,
-                                SPARSE_KV: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr):
+                                SPARSE_KV: gl.constexpr, EVEN_M: gl.constexpr, EVEN_N: gl.constexpr,
+                                FUSED_DQ: gl.constexpr = False):
     """dK (times sm_scale) and dV of BLOCK_N keys of one (batch, kv head), summed over the group's query heads:
     grid (cdiv(seqlen_k, BLOCK_N), batch * kv heads). q / k / v / dout share HEAD_DIM (a power of two). The
     transposed block-mask tensors (Q_NUM (b, h, nk), Q_IDX (b, h, nk, nq), FULL_Q_*) come expanded to (b, h);
     BLOCK_M divides SPARSE_Q, BLOCK_N divides SPARSE_KV. EVEN_M: the queries a multiple of SPARSE_Q; EVEN_N: the
-    keys a multiple of BLOCK_N. GRADS: fp32 tensors the captured ones' gradients are added to (HAS_BUFFER_GRADS)."""
+    keys a multiple of BLOCK_N. GRADS: fp32 tensors the captured ones' gradients are added to (HAS_BUFFER_GRADS).
+    FUSED_DQ: dQ (sm_scale * dS K, fp32) is added into desc_dq, a (b, h, sq, d) buffer of zeros, by TMA reduce-add
+    (no dQ kernel follows; the adds' order varies run to run); else desc_dq goes unread."""
     gl.static_assert(NUM_BUFFERS >= 2)
     gl.static_assert(SPARSE_Q % BLOCK_M == 0)
     gl.static_assert(SPARSE_KV % BLOCK_N == 0)
@@ -124,6 +136,11 @@ def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     _load_pair(desc_k, desc_v, k_smem, v_smem, kv_ready, b, kv_head, n0)
     k_tile = k_smem.reshape([BLOCK_N, HEAD_DIM])
     v_tile = v_smem.reshape([BLOCK_N, HEAD_DIM])
+    k_rows = k_tile
+    dq_smem = k_smem
+    if FUSED_DQ:
+        dq_smem = gl.allocate_shared_memory(gl.float32, desc_dq.block_type.shape, desc_dq.layout)
+        k_rows = k_tile.permute((1, 0))
 
     cols = n0 + gl.arange(0, BLOCK_N, gl.SliceLayout(1, st_layout))
     kv_idx = gl.expand_dims(_bounded(cols, seqlen_k, EVEN_N), 1)
@@ -158,13 +175,13 @@ def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                          LSE + stats, DELTA + stats, b, h, kv_idx, kv_in, seqlen_q, sm_scale, BUFS,
                                          GRADS, st_layout, SCORE_MOD, SCORE_GRAD, MASK_MOD, HAS_SCORE_MOD,
                                          HAS_BUFFER_GRADS, True, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, EVEN_M,
-                                         EVEN_N)
+                                         EVEN_N, k_rows, desc_dq, dq_smem, FUSED_DQ)
             else:
                 dk, dv = _flex_dkdv_step(t0 + j, m0, dk, dv, k_tile, v_tile, q_smem, do_smem, p_smem, ds_smem, ready,
                                          LSE + stats, DELTA + stats, b, h, kv_idx, kv_in, seqlen_q, sm_scale, BUFS,
                                          GRADS, st_layout, SCORE_MOD, SCORE_GRAD, MASK_MOD, HAS_SCORE_MOD,
                                          HAS_BUFFER_GRADS, False, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_BUFFERS, EVEN_M,
-                                         EVEN_N)
+                                         EVEN_N, k_rows, desc_dq, dq_smem, FUSED_DQ)
             # the step's slot is free (its four products retired): the step NUM_BUFFERS ahead takes it
             if j + NUM_BUFFERS < n_steps:
                 _load_q_do(desc_q, desc_do, q_smem, do_smem, ready, t0 + j + NUM_BUFFERS, b, h, m_ahead,
@@ -173,6 +190,8 @@ def _gluon_flex_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
         t0 = t0 + n_steps
 
     _invalidate(kv_ready, ready, NUM_BUFFERS)
+    if FUSED_DQ:
+        tma.store_wait(pendings=0)  # the last reduce-add has read its staging tile
     # K and V are dead (every wgmma reading them retired): stage dK and dV there for the TMA stores, which also
     # clip the key rows past the sequence
     k_tile.store((dk * sm_scale).to(dtype))

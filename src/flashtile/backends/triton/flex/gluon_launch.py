@@ -7,7 +7,8 @@ allow tensor descriptors (16-byte aligned base and strides), whose block mask's 
 and whose tiles the call did not choose (``kernel_options`` / ``config.fwd_tiles`` tile the Triton kernel).
 ``config.gluon`` (FLASHTILE_GLUON=0) turns it off with every Gluon route; ``config.gluon_flex`` True / False
 forces it on (where it can run) / off. The dK/dV kernel of the backward runs only where ``config.gluon_flex_bwd``
-is True (it has not yet run on a GPU), for the calls the forward's rule takes, with the call's backward tiles unset.
+is True (it has not yet run on a GPU), for the calls the forward's rule takes, with the call's backward tiles unset;
+with ``config.gluon_fused_dq`` True as well it also computes dQ (its fused build: no dQ kernel).
 """
 
 from __future__ import annotations
@@ -100,18 +101,29 @@ def bwd_wanted(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_size: tuple[
     return all(tma_ok(x) for x in (q, k, v, dout))
 
 
+def fused_dq_wanted() -> bool:
+    """Does the Gluon dK/dV kernel (bwd_wanted) also compute dQ? Only under ``config.gluon_fused_dq=True``: the
+    fused build awaits its first GPU run and timing."""
+    return config.get().gluon_fused_dq is True
+
+
 def gluon_flex_dkdv(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dk: Tensor,
                     dv: Tensor, qlists: tuple, buffers: tuple, grads: tuple, kernels, scale: float,
-                    block_size: tuple[int, int]) -> None:
+                    block_size: tuple[int, int], dq_accum: Tensor | None = None) -> None:
     """Fills ``dk`` / ``dv`` (B, H_k, S, E) of q / dout (B, H, L, E), k / v (B, H_k, S, E), lse and delta (B, H, L)
     fp32 (delta = rowsum(dout * out) - dlse), with the block mask's transposed lists ``qlists`` (q_num_blocks,
     q_indices, full_q_num_blocks, full_q_indices, expanded to (B, H)); ``grads``: fp32 tensors the captured
-    tensors' gradients are added to (empty: none)."""
+    tensors' gradients are added to (empty: none). ``dq_accum``: contiguous fp32 zeros of q's shape that the fused
+    build adds dQ into (already scaled: the caller casts it into dq)."""
     from flashtile.kernels.gluon_flex_bwd import GLUON_FLEX_BWD_CONFIGS, _gluon_flex_bwd_dkdv_kernel
 
     B, H, L, E = q.shape
     Hk, S = k.shape[1], k.shape[2]
     bm, bn, nb, warps = GLUON_FLEX_BWD_CONFIGS[E]
+    fused = dq_accum is not None
+    if fused and (dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape or not dq_accum.is_contiguous()):
+        raise ValueError(f"gluon flex dK/dV: dq_accum must be contiguous fp32 of q's shape {tuple(q.shape)}, got "
+                         f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
     qnum, qidx, fqnum, fqidx = qlists
     bq, bkv = block_size
     with host.device_guard(q):
@@ -120,7 +132,10 @@ def gluon_flex_dkdv(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, 
                         _descriptor(dk, bn), _descriptor(dv, bn), lse, delta, qnum, qidx, fqnum, fqidx, buffers,
                         tuple(grads) if grads else buffers, scale, L, S, Hk, H // Hk, lse.stride(0), lse.stride(1),
                         qnum.stride(0), qnum.stride(1), qnum.stride(2), qidx.stride(0), qidx.stride(1),
-                        qidx.stride(2), SCORE_MOD=kernels.score_mod, SCORE_GRAD=kernels.score_grad,
+                        qidx.stride(2),
+                        # without dq_accum the kernel never reads it: dK's descriptor stands in
+                        _descriptor(dq_accum, bm) if fused else _descriptor(dk, bn),
+                        SCORE_MOD=kernels.score_mod, SCORE_GRAD=kernels.score_grad,
                         MASK_MOD=kernels.mask_mod, HAS_SCORE_MOD=kernels.has_score_mod, HAS_BUFFER_GRADS=bool(grads),
                         HEAD_DIM=E, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, SPARSE_Q=bq, SPARSE_KV=bkv,
-                        EVEN_M=L % bq == 0, EVEN_N=S % bn == 0, num_warps=warps)
+                        EVEN_M=L % bq == 0, EVEN_N=S % bn == 0, FUSED_DQ=fused, num_warps=warps)

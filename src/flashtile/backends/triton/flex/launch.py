@@ -139,8 +139,13 @@ def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
             delta.sub_(dlse)
         bm, bn = _fit(kv_cfg[0], bq), _fit(kv_cfg[1], bkv)
         if gluon_launch.bwd_wanted(q, k, v, dout, block_size, tiles[:4]):
+            # the fused build adds dQ into fp32 zeros (no dQ kernel follows): gluon_launch.fused_dq_wanted
+            dq_accum = torch.zeros(q.shape, device=q.device) if gluon_launch.fused_dq_wanted() else None
             gluon_launch.gluon_flex_dkdv(q, k, v, dout, lse, delta, dk, dv, (qnum, qidx, fqnum, fqidx), bufs, grads,
-                                         kernels, scale, block_size)
+                                         kernels, scale, block_size, dq_accum=dq_accum)
+            if dq_accum is not None:
+                dq.copy_(dq_accum)
+                return dq, dk, dv, grads
         else:
             _launch_triton_dkdv(q, k, v, dout, lse, delta, dk, dv, (qnum, qidx, fqnum, fqidx), bufs, grads, scale,
                                 kv_cfg, bm, bn, bq, common)
