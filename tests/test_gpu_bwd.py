@@ -60,9 +60,11 @@ def test_non_contiguous_dout():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_peak_memory_within_1_1x_of_sdpa_flash():
+@pytest.mark.parametrize("fused_dq", [None, True], ids=["split", "fused_dq"])
+def test_peak_memory_within_1_1x_of_sdpa_flash(fused_dq):
     """Forward + backward allocates nothing O(sq x sk): peak memory above the inputs within 1.1x of
-    SDPA's flash backend (FlashAttention-2) on the same problem, each in its native layout."""
+    SDPA's flash backend (FlashAttention-2) on the same problem, each in its native layout; also with the Gluon
+    dK/dV kernel's fused dQ build, whose fp32 dQ buffer is twice q's bytes (config.gluon_fused_dq)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     b, s, h, d = 2, 8192, 16, 128
@@ -84,7 +86,8 @@ def test_peak_memory_within_1_1x_of_sdpa_flash():
         return q, k, v, torch.randn(shape, device=DEV, dtype=torch.bfloat16)
 
     def ours(q, k, v, g):
-        flashtile.flash_attn_func(q, k, v, causal=True).backward(g)
+        with config.override(gluon_fused_dq=fused_dq):
+            flashtile.flash_attn_func(q, k, v, causal=True).backward(g)
 
     def sdpa(q, k, v, g):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
