@@ -108,3 +108,13 @@ def test_launcher_refuses_a_bad_dq_accum(change, message):
     with pytest.raises(ValueError, match=message):
         gluon_bwd.gluon_attn_bwd_dkdv(*args, 0.1, causal=True, dq_accum=accum,
                                       launch_dependents=change.get("pdl", False))
+
+
+def test_the_fp32_buffer_gets_a_descriptor():
+    # the launchers build dq_accum's descriptor with the same helper as the 16-bit tensors' (stubbed above)
+    from flashtile.backends.triton.gluon_fwd import _descriptor
+
+    accum = torch.zeros(2, 256, 4, 128)
+    desc = _descriptor(accum, [1, 32, 1, 128])
+    assert desc.base is accum and desc.block_shape == [1, 32, 1, 128]
+    assert desc.layout.element_bitwidth == 32 and desc.layout.rank == 4

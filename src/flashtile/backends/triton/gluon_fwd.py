@@ -135,7 +135,9 @@ def _validate_fp8(q, k, v_t, descales) -> None:
 def _gl_dtype(dtype: torch.dtype):
     import triton.experimental.gluon.language as gl
 
-    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv}[dtype]
+    # fp32: the fused backward's dQ buffer (gluon_bwd.py)
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, FP8_DTYPE: gl.float8e4nv,
+            torch.float32: gl.float32}[dtype]
 
 
 @functools.lru_cache(maxsize=64)
