@@ -251,7 +251,8 @@ FUSED_VARIANTS = {
     "causal": (True, [0, 0, 0, 0, 0, 0, 0, 1]),
     "causal_window_varlen": (True, [0, 1, 1, 0, 0, 0, 0, 1]),
     "causal_softcap_alibi": (True, [0, 0, 0, 1, 1, 0, 0, 1]),
-    "varlen_own_k": (False, [0, 0, 1, 0, 0, 0, 1, 1]),  # non-causal packed: the keys past a sequence masked
+    "varlen": (False, [0, 0, 1, 0, 0, 0, 0, 1]),  # non-causal builds mask the keys past the sequence
+    "varlen_own_k": (False, [0, 0, 1, 0, 0, 0, 1, 1]),
     "unequal": (True, [0, 0, 0, 0, 0, 1, 0, 1]),
 }
 

@@ -224,3 +224,25 @@ def test_fused_dq_variants(name, L, S, fused_calls):
 def test_fused_dq_gqa_fp16(name, fused_calls):
     var = variants(1, 8, 1024, 1024, device=DEV, window=256, prefix=256, docs=(0, 300, 700))
     _check_grads(var[name], var["_meta"], 1, 8, 1024, 1024, 2, torch.float16, fused_calls)
+
+
+@pytest.mark.parametrize("name", ["causal", "document"])
+def test_fused_dq_with_the_lse_in_the_loss(name, fused_calls):
+    # a loss that reads the lse folds its gradient into delta (flex/launch.py), which the fused dQ reads too
+    var = variants(1, 4, 1000, 1000, device=DEV, window=256, prefix=250, docs=(0, 300, 700))
+    score_mod, mask_mod = var[name][:2]
+    mask = create_block_mask(mask_mod, 1, None, 1000, 1000, device=DEV) if mask_mod else None
+    q, k, v = (torch.randn(1, 4, 1000, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g, g_lse = torch.randn_like(q), torch.randn(1, 4, 1000, device=DEV)
+
+    def grads():
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, return_lse=True)
+        return torch.autograd.grad((out.float() * g).sum() + (lse * g_lse).sum(), (q, k, v))
+
+    got = grads()
+    assert len(fused_calls) == 1, "the fused dQ build did not run"
+    with config.override(gluon_flex_bwd=False):
+        want = grads()
+    for a, b in zip(got, want):
+        # two fp32 summation orders, one bf16 rounding each
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()

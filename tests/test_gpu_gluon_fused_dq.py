@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashtile
-from attn_cases import check_padded, check_varlen, grads_switched, repeated_grads
+from attn_cases import check_padded, grads_switched, make_alibi, repeated_grads
 from flashtile import config
 from flashtile.backends.triton import gluon_bwd
 
@@ -15,13 +15,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 DEV = "cuda"
 
 
+class Launches(list):
+    """Per Gluon dK/dV launch, whether it was the fused build; ``keywords``: each launch's keyword arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.keywords = []
+
+
 @pytest.fixture
 def fused(monkeypatch):
-    """Pins the fused build on; the list collects, per Gluon dK/dV launch, whether it was the fused one."""
-    seen, real = [], gluon_bwd.gluon_attn_bwd_dkdv
+    """Pins the fused build on and records the Gluon dK/dV launches (Launches)."""
+    seen, real = Launches(), gluon_bwd.gluon_attn_bwd_dkdv
 
     def recording(*args, **kw):
         seen.append(kw.get("dq_accum") is not None)
+        seen.keywords.append(kw)
         return real(*args, **kw)
 
     monkeypatch.setattr(gluon_bwd, "gluon_attn_bwd_dkdv", recording)
@@ -30,7 +39,32 @@ def fused(monkeypatch):
 
 
 def _ran(seen):
-    assert seen and all(seen), f"the fused dQ build did not run: {seen}"
+    assert seen and all(seen), f"the fused dQ build did not run: {list(seen)}"
+
+
+def _varlen_grads(lens_q, lens_k, h, h_k, d, *, shared=False, seqused_k=None, alibi=None, dtype=torch.bfloat16,
+                  **kw):
+    """flash_attn_varlen_func's gradients against the reference (FlashAttention's rule). ``shared``: q and k take
+    the same cu_seqlens tensor (the VARLEN build; separate tensors take the VARLEN_K one); ``seqused_k``: keys
+    each sequence uses; ``alibi``: "h" / "bh" slopes."""
+    from flashtile.backends.reference import attention_ref
+    from tolerance import assert_fa_close
+
+    cu_q = torch.tensor([0, *lens_q], device=DEV).cumsum(0).to(torch.int32)
+    cu_k = cu_q if shared else torch.tensor([0, *lens_k], device=DEV).cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lens_k), h_k, d, device=DEV, dtype=dtype, requires_grad=True) for _ in range(2))
+    slopes = make_alibi(alibi, len(lens_q), h, DEV)
+    used = None if seqused_k is None else torch.tensor(seqused_k, device=DEV, dtype=torch.int32)
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=slopes,
+                                           seqused_k=used, **kw)
+    ref = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, alibi_slopes=slopes, **kw)[0]
+    pt = attention_ref(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_k=used, alibi_slopes=slopes,
+                       upcast=False, **kw)[0]
+    g = torch.randn_like(out)
+    for name, x, r, p in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), g),
+                             torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(pt, (q, k, v), g)):
+        assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -68,27 +102,72 @@ def test_fused_softcap_and_alibi(fused, d, causal):
 
 @pytest.mark.parametrize("sq,sk", [(1000, 3000), (700, 129), (77, 1000)])
 def test_fused_unequal_lengths(fused, sq, sk):
-    # keys past seqlen_k are TMA's zero fill: their dS reaches dQ only as 0 * K
     check_padded(2, sq, sk, 4, 2, 128, torch.bfloat16, device=DEV, causal=False)
     if sk >= sq:
         check_padded(2, sq, sk, 4, 2, 128, torch.bfloat16, device=DEV, causal=True)
     _ran(fused)
 
 
-@pytest.mark.parametrize("d", [128, 256])
-@pytest.mark.parametrize("causal", [False, True])
-def test_fused_packed_sequences(fused, d, causal):
-    # a key block running into the next sequence: non-causal, its keys there are masked before dQ reads them; a
-    # query block running into the next sequence adds exact zeros to those rows
-    lens = [1, 63, 64, 65, 1000, 300]
-    check_varlen(lens, lens, 4, 2, d, torch.bfloat16, device=DEV, causal=causal)
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (1000, 777), (300, 1000)])
+def test_fused_keys_past_the_end_with_negative_lse(fused, sq, sk):
+    # keys past seqlen_k (a ragged last key block) are TMA's zero fill, scoring 0, which no row's lse counted. With
+    # every real score near -45 the lse is far below 0, so an unmasked zero-filled key's P = exp(-lse) overflows
+    # fp16's dS^T and 0 * inf poisons dQ: the non-causal fused build must mask those keys
+    from flashtile.backends.reference import attention_ref
+    from tolerance import assert_fa_close
+
+    q = (4 + 0.1 * torch.randn(2, sq, 4, 128, device=DEV)).half().requires_grad_()
+    k = (-1 + 0.1 * torch.randn(2, sk, 2, 128, device=DEV)).half().requires_grad_()
+    v = torch.randn(2, sk, 2, 128, device=DEV, dtype=torch.float16, requires_grad=True)
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert lse.max().item() < -11, "the case needs a negative lse"
+    ref = attention_ref(q, k, v)[0]
+    pt = attention_ref(q, k, v, upcast=False)[0]
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    assert all(torch.isfinite(x).all() for x in got)
+    for name, x, r, p in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref, (q, k, v), g),
+                             torch.autograd.grad(pt, (q, k, v), g)):
+        assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
     _ran(fused)
 
 
+LENS = [1, 63, 64, 65, 1000, 300]
+
+
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_k_sequences_of_their_own(fused, causal):
-    check_varlen([1, 63, 300, 1000, 65, 128], [5, 63, 700, 1000, 70, 1100], 4, 2, 128, torch.bfloat16, device=DEV,
-                 causal=causal)
+def test_fused_packed_sequences(fused, d, causal):
+    # one cu_seqlens for q and k (the VARLEN build): a key block running into the next sequence is masked there
+    # (non-causal), a query block running into it adds exact zeros to those rows
+    _varlen_grads(LENS, LENS, 4, 2, d, shared=True, causal=causal)
+    _ran(fused)
+    assert all("cu_seqlens_k" not in kw for kw in fused.keywords), "k's own sequences: the VARLEN_K build ran"
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, window_size=(200, 0)), dict(causal=True, alibi="bh"),
+                                dict(causal=False, softcap=20.0), dict(causal=True, softcap=20.0)],
+                         ids=["window", "alibi", "softcap", "causal_softcap"])
+def test_fused_packed_sequences_with_features(fused, kw):
+    _varlen_grads(LENS, LENS, 4, 2, 128, shared=True, **kw)
+    _ran(fused)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("used", [False, True], ids=["cu_seqlens_k", "seqused_k"])
+def test_fused_k_sequences_of_their_own(fused, d, causal, used):
+    # VARLEN_K: k's own sequences (longer, shorter, empty); seqused_k hides real keys of a sequence, which the
+    # non-causal mask must drop as it drops the next sequence's
+    lens_q, lens_k = [1, 63, 300, 1000, 65, 128], [5, 63, 700, 1000, 70, 1100]
+    _varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal,
+                  seqused_k=[5, 40, 650, 1000, 0, 900] if used else None)
+    _ran(fused)
+    assert all(kw.get("cu_seqlens_k") is not None or kw.get("seqused_k") is not None for kw in fused.keywords)
+
+
+def test_fused_k_sequences_with_softcap(fused):
+    _varlen_grads([1, 63, 300, 1000], [5, 63, 700, 1100], 4, 2, 128, causal=False, softcap=20.0)
     _ran(fused)
 
 

@@ -30,7 +30,9 @@ NUM_BUFFERS-deep TMA ring. Scope: bf16 / fp16 (b, s, h, d) tensors, plain or cau
 windows, softcap, causal ALiBi, packed sequences and q / k of different lengths are the LOCAL / SOFTCAP /
 ALIBI / VARLEN / UNEQUAL builds); delta comes from the Triton preprocess.
 Rows past the sequence get lse = +inf (P = 0), and keys past it only produce dK/dV rows that the
-TMA store clips, so no key mask is needed; causal masks keys after the query row.
+TMA store clips, so no key mask is needed; causal masks keys after the query row. The fused dQ build
+(FUSED_DQ) reads every key of a block, so its non-causal builds mask the keys past the sequence: a key TMA
+zero-filled scores 0, which the row's lse never counted, and its P = exp(-lse) may overflow the 16-bit dS^T.
 """
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -187,7 +189,8 @@ def _grads_of_step_lean(s_t, dp_t, p_buf, ds_buf, LSE, DELTA, step, off_b, h0, m
     softcap)`` (qk_scale is then scale / softcap in base e), so dS^T carries tanh's derivative 1 - t^2.
     ALIBI (causal): every score gains ``slope * (key - row)`` after the cap, the slope the step's query head's
     (ALIBI_SLOPES at off_b * stride_ab + head); n0: the key block's first key. KEY_MASK: keys at key_end (query-row
-    coordinates, as key_idx) and after are another sequence's, so their P^T is 0 (dQ reads every key of the block)."""
+    coordinates, as key_idx) and after lie past the keys (zero fill, or another packed sequence's), so their P^T is
+    0 (the fused dQ reads every key of the block)."""
     head = h0 + step // steps_per_head
     q_idx = (m_start + step % steps_per_head) * BLOCK_M + gl.arange(0, BLOCK_M, col_layout)
     row_ok = q_idx < seqlen
@@ -453,12 +456,12 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             acc2_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM_TAIL, 16)
             dk2 = gl.zeros([BLOCK_N, HEAD_DIM_TAIL], gl.float32, acc2_layout)
         if FUSED_DQ:
-            # a step's dQ^T [HEAD_DIM, BLOCK_M] is staged here for the reduce-add; a non-causal packed sequence
-            # masks the keys past its end
+            # a step's dQ^T [HEAD_DIM, BLOCK_M] is staged here for the reduce-add
             dq_smem = gl.allocate_shared_memory(gl.float32, desc_dq.block_type.shape, desc_dq.layout)
             k_rows = k_tile.permute((1, 0))
-        KEY_MASK: gl.constexpr = FUSED_DQ and VARLEN and not CAUSAL
-        key_end = r0 - n0 + kv_len
+        # in query-row coordinates the keys end at q's length in every layout (padded, UNEQUAL, VARLEN, VARLEN_K);
+        # causal masks keys after the row, so only non-causal builds need it
+        KEY_MASK: gl.constexpr = FUSED_DQ and not CAUSAL
         for j in range(0, n_steps):
             s_t, dp_t = _issue_scores(k_tile, v_tile, q_smem, do_smem, ready, j, st_layout, NUM_BUFFERS, BLOCK_N,
                                       BLOCK_M, HEAD_DIM, DV)
@@ -472,7 +475,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             _grads_of_step_lean(s_t, dp_t, p_smem.index(0), ds_smem.index(0), LSE, DELTA, j, off_b, h0, m_start,
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
                                 BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
-                                r0, ALIBI, key_end, KEY_MASK)
+                                r0, ALIBI, seqlen, KEY_MASK)
             if FUSED_DQ:
                 dq_row = seq0 + (m_start + j % steps_per_head) * BLOCK_M
                 dk, dv = _reduce_dq(k_rows, ds_smem.index(0), p_smem.index(0), dk, dv, q_smem, do_smem, j, desc_dq,
