@@ -5,10 +5,10 @@ in alternated rounds in one process; gradients compared first.
 Usage: PYTHONPATH=src python scripts/ab_fused_dq.py --out $OUT/ab_fused_dq.json [--d 128 256 --seqlens 1024 4096
        16384 --rounds 3]
 
-Rows: bf16, hidden 2048 (h = 2048 / d), 16k tokens a batch, causal and not; each time is the backward alone (one
-forward, then torch.autograd.grad with the graph kept). TFLOP/s count the backward as 2.5x the forward's
-4 * b * h * s^2 * d (halved when causal), as `python -m flashtile.bench bwd` does. The fused build becomes the
-route where it is faster than the split beyond noise; if it loses everywhere it is removed.
+Rows: bf16, hidden 2048 (h = 2048 // d; --d 192 takes v of 128), 16k tokens a batch, causal and not; each time is
+the backward alone (one forward, then torch.autograd.grad with the graph kept). TFLOP/s count the backward as 2.5x
+the forward's 2 * b * h * s^2 * (d + dv) (halved when causal), as `python -m flashtile.bench bwd` does. The fused
+build becomes the route where it is faster than the split beyond noise; if it loses everywhere it is removed.
 """
 
 import argparse
@@ -22,14 +22,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashtile
 from flashtile import config
+from flashtile.backends.triton.gluon_bwd import V_HEAD_DIM
 from flashtile.bench.report import collect_meta
 from flashtile.bench.timing import bench, time_in_rounds
 
 
 def _row(d, s, causal, rounds, tokens=16384, hidden=2048):
     h, b = hidden // d, max(1, tokens // s)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn_like(q)
+    dv = V_HEAD_DIM[d]  # 192: v of 128 (DeepSeek-V3's split)
+    q, k, v = (torch.randn(b, s, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (d, d, dv))
+    g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
     out = flashtile.flash_attn_func(q, k, v, causal=causal)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -55,7 +57,7 @@ def _row(d, s, causal, rounds, tokens=16384, hidden=2048):
               ("cudnn", lambda: bench(cudnn, "cuda"))]
     results, failed = time_in_rounds(timers, rounds)
     ms = {n: statistics.median(r) for n, r in results.items()}
-    flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    flops = 2.5 * 2 * b * h * s * s * (d + dv) / (2 if causal else 1)
     tflops = {n: flops / (t * 1e-3) / 1e12 for n, t in ms.items()}
 
     def ratio(a, b_):

@@ -45,6 +45,7 @@ CANDIDATES = {
 # reduce-adds a key); (32, 64, 3, 4) 16 bytes of spill, 106 KB. d = 256 (32, 64, 2, 8, 2) 214 registers, 172 KB.
 FUSED_CANDIDATES = {
     128: [(32, 64, 2, 4, 1, 0), (32, 128, 2, 8, 1, 0), (32, 64, 3, 4, 1, 0)],
+    192: [(64, 64, 2, 8, 2, 0), (32, 64, 2, 8, 2, 0)],
     256: [(32, 64, 2, 8, 2, 0)],
 }
 KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")
@@ -95,8 +96,10 @@ def _sweep(candidates, launch, ref, flops, key, outputs):
 def row_of(d, s, causal, fused=False):
     b, h = max(1, 16384 // s), 2048 // d
     torch.manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    g = torch.randn_like(q)
+    # v's head dim as the kernel takes it (192 -> 128, DeepSeek-V3's split)
+    q, k, v = (torch.randn(b, s, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for n in (d, d, gluon_bwd.V_HEAD_DIM[d]))
+    g = torch.randn(b, s, h, v.shape[-1], device="cuda", dtype=torch.bfloat16)
     out, lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     scale = d ** -0.5
     delta = (g.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (b, h, s)

@@ -74,7 +74,8 @@ def compile_case(kind, d, causal, cfg, out: pathlib.Path, which="dkdv") -> dict:
                  desc_q2=tail_m, desc_k2=tail_n, desc_dk2=tail_n, LSE="*fp32", DELTA="*fp32", qk_scale="fp32",
                  grad_scale="fp32", softcap_log2e="fp32", CU_SEQLENS="*i32", DK_OUT=f"*{type_name}",
                  DV_OUT=f"*{type_name}", ALIBI_SLOPES="*fp32", CU_SEQLENS_K="*i32", KV_LENS="*i32",
-                 desc_dq=desc([1, bm, 1, lead], "fp32", "float32"))
+                 desc_dq=desc([1, bm, 1, lead], "fp32", "float32"), desc_dq2=desc([1, bm, 1, tail or lead], "fp32",
+                                                                                 "float32"))
     from gluon_aot import compile_for_sm90
 
     row = compile_for_sm90(kernel, constexprs, types, nw, out, tag_of(kind, d, causal, cfg, which))

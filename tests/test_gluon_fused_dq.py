@@ -20,7 +20,8 @@ def _t(*shape, dtype=torch.bfloat16):
     (128, 128, False, True, True),
     (256, 256, False, True, True),
     (128, 128, True, True, False),    # reduce-adds land in a varying order: deterministic keeps the dQ kernel
-    (192, 128, False, True, False),   # the split head dim has no fused build
+    (192, 128, False, True, True),    # the split head dim: both column ranges of dQ
+    (192, 192, False, True, False),   # v's head dim the kernel does not take
     (64, 64, False, True, False),
     (128, 128, False, False, False),
 ])
@@ -80,20 +81,26 @@ def _launcher_args(d=128, dv=None, h_k=2):
     return q, k, v, dout, torch.empty(1, 4, 256), torch.empty(1, 4, 256), dk, dv_
 
 
-@pytest.mark.parametrize("d", [128, 256])
-def test_launcher_builds_the_fused_kernel(monkeypatch, d):
+@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+def test_launcher_builds_the_fused_kernel(monkeypatch, d, dv):
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
     seen = []
     monkeypatch.setattr(gluon_bwd, "_descriptor", lambda x, block: (x, block))
     monkeypatch.setattr(gluon_bwd, "run_kernel", lambda kernel, grid, *args, **meta: seen.append((args, meta)))
-    args = _launcher_args(d)
+    args = _launcher_args(d, dv)
     accum = torch.zeros(args[0].shape)
     gluon_bwd.gluon_attn_bwd_dkdv(*args, 0.1, causal=True, dq_accum=accum)
     (pos, meta), = seen
-    assert meta["FUSED_DQ"] is True and meta["BLOCK_M"] == BWD_FUSED_CONFIGS[d]["BLOCK_M"]
-    desc_dq = pos[-1]
-    assert desc_dq[0] is accum and desc_dq[1] == [1, BWD_FUSED_CONFIGS[d]["BLOCK_M"], 1, d]
+    bm = BWD_FUSED_CONFIGS[d]["BLOCK_M"]
+    assert meta["FUSED_DQ"] is True and meta["BLOCK_M"] == bm
+    (lead, lead_box), (tail, tail_box) = pos[-2:]
+    if d == 192:  # two column ranges of one buffer: 128 + 64
+        assert lead_box == [1, bm, 1, 128] and tail_box == [1, bm, 1, 64]
+        assert lead.data_ptr() == accum.data_ptr() and tail.data_ptr() == accum[..., 128:].data_ptr()
+        assert lead.shape[-1] == 128 and tail.shape[-1] == 64
+    else:  # one range: the second descriptor repeats the first
+        assert lead is accum and tail is accum and lead_box == tail_box == [1, bm, 1, d]
 
 
 @pytest.mark.parametrize("change,message", [

@@ -73,7 +73,8 @@ def test_backward_dkdv_binds(monkeypatch, launches, d, pdl, fused):
                                   dq_accum=accum)
     (_, _, bound), = launches
     assert bound["HEAD_DIM"] == d and bound.get("LAUNCH_DEPENDENTS", False) == pdl
-    assert bound["FUSED_DQ"] is fused and (bound["desc_dq"] is accum if fused else bound["desc_dq"] is dk)
+    assert bound["FUSED_DQ"] is fused
+    assert bound["desc_dq"] is bound["desc_dq2"] is (accum if fused else dk)
 
 
 # (splits, the kernel appends the call's new keys itself): a split launch reads them from the cache instead

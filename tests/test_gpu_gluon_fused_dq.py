@@ -76,6 +76,14 @@ def test_fused_grads(fused, d, causal, s, h, h_k):
     _ran(fused)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s,h,h_k", [(77, 4, 2), (1000, 8, 1), (2048, 4, 4)])
+def test_fused_q_k_192_with_v_128(fused, causal, s, h, h_k):
+    # dQ in two column ranges (128 + 64), each staged and added on its own
+    check_padded(2, s, s, h, h_k, 192, torch.bfloat16, device=DEV, causal=causal, dv=128)
+    _ran(fused)
+
+
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_fp16_long(fused, d, causal):

@@ -263,6 +263,30 @@ def _reduce_dq(k_rows, ds_buf, p_buf, dk, dv, q_smem, do_smem, step, desc_dq, dq
 
 
 @gluon.jit
+def _reduce_dq_split(k_rows, k2_rows, ds_buf, p_buf, dk, dv, dk2, q_smem, q2_smem, do_smem, step, desc_dq, desc_dq2,
+                     dq_smem, dq2_smem, coord, dq_scale, st_layout: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+                     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, HEAD_DIM_TAIL: gl.constexpr,
+                     HEAD_DIM_V: gl.constexpr):
+    """_reduce_dq for a head dim split in two column ranges (192 = 128 + 64): dQ^T's two ranges from K's two
+    (k_rows, k2_rows), each staged and added into its own descriptor (desc_dq, desc_dq2: views of one buffer), and
+    dK's tail product issued with the others. Returns dK, dV, dK_tail in flight."""
+    dq_t = warpgroup_mma(k_rows, ds_buf, gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, st_layout), use_acc=False,
+                         is_async=True)
+    dq2_t = warpgroup_mma(k2_rows, ds_buf, gl.zeros([HEAD_DIM_TAIL, BLOCK_M], gl.float32, st_layout), use_acc=False,
+                          is_async=True)
+    dk, dv = _issue_grads(p_buf, ds_buf, dk, dv, q_smem, do_smem, step, NUM_BUFFERS, BLOCK_M, HEAD_DIM, HEAD_DIM_V)
+    dk2 = _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)
+    dq_t, dq2_t = warpgroup_mma_wait(num_outstanding=3, deps=(dq_t, dq2_t))
+    tma.store_wait(pendings=0)  # the previous step's reduce-adds have read the staging tiles
+    dq_smem.reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)).store(dq_t * dq_scale)
+    dq2_smem.reshape([BLOCK_M, HEAD_DIM_TAIL]).permute((1, 0)).store(dq2_t * dq_scale)
+    fence_async_shared()
+    _tma_reduce_add(desc_dq, coord, dq_smem)
+    _tma_reduce_add(desc_dq2, coord, dq2_smem)
+    return dk, dv, dk2
+
+
+@gluon.jit
 def _issue_dk_tail(ds_buf, dk2, q2_smem, step, NUM_BUFFERS: gl.constexpr, BLOCK_M: gl.constexpr,
                    HEAD_DIM_TAIL: gl.constexpr):
     """dK's tail columns += dS^T Q_tail of one step (async)."""
@@ -275,7 +299,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                 DELTA, stride_lb, stride_lh, seqlen, n_kv_heads, heads_per_kv, qk_scale, grad_scale,
                                 window_left, CU_SEQLENS, DK_OUT, DV_OUT, stride_dkn, stride_dkh, stride_dvn,
                                 stride_dvh, softcap_log2e, ALIBI_SLOPES, stride_ab, seqlen_k, CU_SEQLENS_K, KV_LENS,
-                                desc_dq, HEAD_DIM: gl.constexpr,
+                                desc_dq, desc_dq2, HEAD_DIM: gl.constexpr,
                                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 NUM_BUFFERS: gl.constexpr, CAUSAL: gl.constexpr, WARPS_N: gl.constexpr = 1,
                                 ROTATED: gl.constexpr = True, LAUNCH_DEPENDENTS: gl.constexpr = False,
@@ -306,10 +330,11 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     registers; the overlap then comes from a second CTA on the SM (d = 128) or from the two
     warpgroups (d = 256). ROTATED = True: the next step's scores are issued before this step's
     gradient products (d = 64's default). LAUNCH_DEPENDENTS: let the dQ kernel launched after this one
-    with programmatic dependent launch start on the SMs this grid's last wave leaves idle. FUSED_DQ (plain order, no
-    tail): each step also computes its share of dQ, dQ^T = K^T dS^T over the block's keys, and adds it by TMA
-    reduce-add into desc_dq, an fp32 (b, s, h, d) buffer of zeros (scaled by grad_scale: the caller only casts it),
-    so no dQ kernel follows; the adds' order varies run to run (not deterministic)."""
+    with programmatic dependent launch start on the SMs this grid's last wave leaves idle. FUSED_DQ (plain order): each
+    step also computes its share of dQ, dQ^T = K^T dS^T over the block's keys, and adds it by TMA reduce-add into
+    desc_dq, an fp32 (b, s, h, d) buffer of zeros (scaled by grad_scale: the caller only casts it), so no dQ kernel
+    follows; the adds' order varies run to run (not deterministic). With a tail, desc_dq covers the leading columns
+    and desc_dq2 the tail (views of one buffer); without one desc_dq2 goes unread."""
     if LAUNCH_DEPENDENTS:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
                                   is_pure=False, pack=1)
@@ -328,7 +353,7 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
     gl.static_assert(CAUSAL or not ALIBI)
     # k's own sequences: no window or ALiBi (the route keeps those calls on Triton)
     gl.static_assert(not VARLEN_K or (VARLEN and not LOCAL and not ALIBI))
-    gl.static_assert(not FUSED_DQ or not (ROTATED or SPLIT))  # dQ rides the plain order, one head-dim range
+    gl.static_assert(not (FUSED_DQ and ROTATED))  # dQ rides the plain order
     st_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, BLOCK_M, 16)  # S^T, dP^T: [BLOCK_N, BLOCK_M]
     acc_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, HEAD_DIM, 16)  # dK: [BLOCK_N, HEAD_DIM]
     accv_layout: gl.constexpr = mma_layout_cols(NUM_WARPS, WARPS_N, DV, 16)  # dV: [BLOCK_N, DV]
@@ -459,6 +484,9 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
             # a step's dQ^T [HEAD_DIM, BLOCK_M] is staged here for the reduce-add
             dq_smem = gl.allocate_shared_memory(gl.float32, desc_dq.block_type.shape, desc_dq.layout)
             k_rows = k_tile.permute((1, 0))
+            if SPLIT:  # q / k's tail columns give dQ's: their own staging tile and descriptor (desc_dq2)
+                dq2_smem = gl.allocate_shared_memory(gl.float32, desc_dq2.block_type.shape, desc_dq2.layout)
+                k2_rows = k2_tile.permute((1, 0))
         # in query-row coordinates the keys end at q's length in every layout (padded, UNEQUAL, VARLEN, VARLEN_K);
         # causal masks keys after the row, so only non-causal builds need it
         KEY_MASK: gl.constexpr = FUSED_DQ and not CAUSAL
@@ -476,17 +504,22 @@ def _gluon_attn_bwd_dkdv_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_d
                                 steps_per_head, key_idx, seqlen, stride_lb, stride_lh, qk_scale, col_layout, dtype,
                                 BLOCK_M, CAUSAL, window_left, LOCAL, softcap_log2e, SOFTCAP, ALIBI_SLOPES, stride_ab,
                                 r0, ALIBI, seqlen, KEY_MASK)
-            if FUSED_DQ:
-                dq_row = seq0 + (m_start + j % steps_per_head) * BLOCK_M
+            dq_coord = [tb, seq0 + (m_start + j % steps_per_head) * BLOCK_M, h0 + j // steps_per_head, 0]
+            if FUSED_DQ and SPLIT:
+                dk, dv, dk2 = _reduce_dq_split(k_rows, k2_rows, ds_smem.index(0), p_smem.index(0), dk, dv, dk2,
+                                               q_smem, q2_smem, do_smem, j, desc_dq, desc_dq2, dq_smem, dq2_smem,
+                                               dq_coord, grad_scale, st_layout, NUM_BUFFERS, BLOCK_M, HEAD_DIM,
+                                               HEAD_DIM_TAIL, DV)
+            elif FUSED_DQ:
                 dk, dv = _reduce_dq(k_rows, ds_smem.index(0), p_smem.index(0), dk, dv, q_smem, do_smem, j, desc_dq,
-                                    dq_smem, [tb, dq_row, h0 + j // steps_per_head, 0], grad_scale, st_layout,
-                                    NUM_BUFFERS, BLOCK_M, HEAD_DIM, DV)
+                                    dq_smem, dq_coord, grad_scale, st_layout, NUM_BUFFERS, BLOCK_M, HEAD_DIM, DV)
             else:
                 dk, dv = _issue_grads(p_smem.index(0), ds_smem.index(0), dk, dv, q_smem, do_smem, j, NUM_BUFFERS,
                                       BLOCK_M, HEAD_DIM, DV)
+                if SPLIT:
+                    dk2 = _issue_dk_tail(ds_smem.index(0), dk2, q2_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)
             # nothing stays in flight across steps (an in-flight product there made ptxas serialise)
             if SPLIT:
-                dk2 = _issue_dk_tail(ds_smem.index(0), dk2, q2_smem, j, NUM_BUFFERS, BLOCK_M, HEAD_DIM_TAIL)
                 dk, dv, dk2 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dk2))
             else:
                 dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
@@ -549,11 +582,14 @@ BWD_DKDV_CONFIGS = {
     192: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
     256: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
 }
-# The FUSED_DQ build's configs (the dQ kernel's work done in this one, docs/backward.md): 32-row steps, so that a
-# step's dQ^T ([d, 32] fp32) fits in registers beside dK and dV. ptxas -v: d = 128 222-244 registers with every
-# feature, no spills, 90 KB of shared memory (two CTAs an SM); d = 256 212-214 registers, 172 KB.
+# The FUSED_DQ build's configs (the dQ kernel's work done in this one, docs/backward.md): 32-row steps at d = 128 /
+# 256, so that a step's dQ^T ([d, 32] fp32) fits in registers beside dK and dV. ptxas -v: d = 128 220-244 registers
+# with every feature, no spills, 90 KB of shared memory (two CTAs an SM); d = 256 211-220 registers, 172 KB;
+# (192, 128) keeps 64-row steps on its two warpgroups: 231 registers, 188 KB (32-row steps: 178, 115 KB, still
+# one CTA an SM).
 BWD_FUSED_CONFIGS = {
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
+    192: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
     256: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=2, num_warps=8, WARPS_N=2, ROTATED=0),
 }
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "NUM_BUFFERS", "num_warps", "WARPS_N", "ROTATED")

@@ -97,12 +97,12 @@ def use_fused_dq(q, v, p: AttnParams) -> bool:
     """With the Gluon dK/dV kernel taken (use_gluon_bwd), does it compute dQ too (its FUSED_DQ build: dQ added by
     TMA reduce-add into an fp32 buffer, no dQ kernel)? Only under ``config.gluon_fused_dq=True`` (the build awaits
     its first GPU run and timing), never for ``deterministic=True`` (the adds land in a varying order), and for
-    the head dims of BWD_FUSED_CONFIGS with v's head dim equal to q's."""
+    the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM)."""
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
     d = q.shape[-1]
     return (config.get().gluon_fused_dq is True and not p.deterministic and d in BWD_FUSED_CONFIGS
-            and v.shape[-1] == d)
+            and v.shape[-1] == V_HEAD_DIM[d])
 
 
 def _config(table: dict, d: int, tiles: dict | None) -> dict:
@@ -138,15 +138,15 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
     stride, each score biased by ``-slope * |row - key|`` (after the softcap), as the forward that gave lse.
     ``cu_seqlens_k`` / ``seqused_k`` (varlen): k, v, dk, dv packed by sequences of their own (``max_seqlen_k`` the
     longest), aligned bottom-right with q's per sequence; no window or ALiBi then. ``dq_accum``: an fp32 tensor of
-    zeros shaped as q (d of BWD_FUSED_CONFIGS, v's head dim d) that the kernel adds softmax_scale * dS K into: dQ
+    zeros shaped as q ((d, dv) of BWD_FUSED_CONFIGS and V_HEAD_DIM) that the kernel adds softmax_scale * dS K into: dQ
     in fp32 (the FUSED_DQ build, its own config table; the caller casts it into dq); no dependent launch then."""
     from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS, BWD_FUSED_CONFIGS, _gluon_attn_bwd_dkdv_kernel
 
     fused = dq_accum is not None
     if fused:
-        if q.shape[-1] not in BWD_FUSED_CONFIGS or v.shape[-1] != q.shape[-1]:
-            raise ValueError(f"gluon bwd: dq_accum needs (d, dv) with d = dv in {sorted(BWD_FUSED_CONFIGS)}, got "
-                             f"({q.shape[-1]}, {v.shape[-1]})")
+        fused_dims = [(d, V_HEAD_DIM[d]) for d in BWD_FUSED_CONFIGS]
+        if (q.shape[-1], v.shape[-1]) not in fused_dims:
+            raise ValueError(f"gluon bwd: dq_accum needs (d, dv) in {fused_dims}, got ({q.shape[-1]}, {v.shape[-1]})")
         if dq_accum.dtype != torch.float32 or dq_accum.shape != q.shape or not dq_accum.is_contiguous():
             raise ValueError(f"gluon bwd: dq_accum must be contiguous fp32 of q's shape {tuple(q.shape)}, got "
                              f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
@@ -227,5 +227,14 @@ def gluon_attn_bwd_dkdv(q, k, v, dout, lse, delta, dk, dv, softmax_scale: float,
         lse if alibi_slopes is None else alibi_slopes,
         alibi_slopes.stride(0) if alibi_slopes is not None and alibi_slopes.dim() == 2 else 0, s_k,
         cu_seqlens_k if varlen_k else lse, kv_lens if varlen_k else lse,
-        # without dq_accum the kernel never reads it: dK's descriptor stands in
-        _descriptor(dq_accum, [1, bm, 1, d]) if fused else desc_dk, **meta)
+        # dQ's buffer in the leading and tail column ranges (without a tail the second repeats the first); without
+        # dq_accum the kernel never reads them: dK's descriptor stands in
+        *(_dq_descriptors(dq_accum, bm, lead, tail) if fused else (desc_dk, desc_dk)), **meta)
+
+
+def _dq_descriptors(dq_accum: torch.Tensor, bm: int, lead: int, tail: int) -> tuple:
+    """The fused build's dQ buffer as (leading columns, tail columns) descriptors of ``bm``-row boxes."""
+    if not tail:
+        desc = _descriptor(dq_accum, [1, bm, 1, lead])
+        return desc, desc
+    return _descriptor(dq_accum[..., :lead], [1, bm, 1, lead]), _descriptor(dq_accum[..., lead:], [1, bm, 1, tail])

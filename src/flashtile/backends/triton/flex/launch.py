@@ -140,7 +140,8 @@ def flex_bwd(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
         bm, bn = _fit(kv_cfg[0], bq), _fit(kv_cfg[1], bkv)
         if gluon_launch.bwd_wanted(q, k, v, dout, block_size, tiles[:4]):
             # the fused build adds dQ into fp32 zeros (no dQ kernel follows): gluon_launch.fused_dq_wanted
-            dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if gluon_launch.fused_dq_wanted() else None
+            fused = gluon_launch.fused_dq_wanted()
+            dq_accum = torch.zeros(q.shape, device=q.device, dtype=torch.float32) if fused else None
             gluon_launch.gluon_flex_dkdv(q, k, v, dout, lse, delta, dk, dv, (qnum, qidx, fqnum, fqidx), bufs, grads,
                                          kernels, scale, block_size, dq_accum=dq_accum)
             if dq_accum is not None:
