@@ -31,6 +31,24 @@ def test_rule(d, dv, deterministic, setting, want):
         assert gluon_bwd.use_fused_dq(q, v, AttnParams(softmax_scale=0.1, deterministic=deterministic)) is want
 
 
+@pytest.mark.parametrize("s,causal,window,deterministic,want", [
+    (2048, True, -1, False, True),
+    (1024, True, -1, False, False),   # shorter than the row's start
+    (4096, False, -1, False, False),  # no row for non-causal calls
+    (2048, True, 256, False, False),  # a causal window is not the plain causal row
+    (2048, True, -1, True, False),    # deterministic keeps the split
+])
+def test_route_table(monkeypatch, s, causal, window, deterministic, want):
+    # FUSED_ROUTE_TABLE decides where config.gluon_fused_dq leaves it (None); a stand-in row here
+    monkeypatch.setattr(gluon_bwd, "FUSED_ROUTE_TABLE", {(128, True): 2048})
+    q, v = _t(1, s, 4, 128), _t(1, s, 2, 128)
+    p = AttnParams(softmax_scale=0.1, window_left=window if causal else -1, window_right=0 if causal else -1,
+                   deterministic=deterministic)
+    assert gluon_bwd.use_fused_dq(q, v, p) is want
+    with config.override(gluon_fused_dq=False):
+        assert not gluon_bwd.use_fused_dq(q, v, p)
+
+
 def _backward(monkeypatch, fused):
     """attn_bwd._attn_bwd with the Gluon dK/dV route taken and every launch recorded; the Gluon stub writes a known
     fp32 pattern into dq_accum. Returns (calls, dq, pattern, softmax_scale)."""

@@ -93,16 +93,28 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
     return refusal(q, k, v, dout, dk, dv, p) is None
 
 
+# (head_dim, plain causal mask) -> the shortest sequence whose backward takes the Gluon dK/dV kernel's fused dQ
+# build when deterministic=False. Empty until the build is timed against the split (scripts/ab_fused_dq.py);
+# config.gluon_fused_dq=True takes it wherever it can run.
+FUSED_ROUTE_TABLE: dict[tuple[int, bool], int] = {}
+
+
 def use_fused_dq(q, v, p: AttnParams) -> bool:
     """With the Gluon dK/dV kernel taken (use_gluon_bwd), does it compute dQ too (its FUSED_DQ build: dQ added by
-    TMA reduce-add into an fp32 buffer, no dQ kernel)? Only under ``config.gluon_fused_dq=True`` (the build awaits
-    its first GPU run and timing), never for ``deterministic=True`` (the adds land in a varying order), and for
-    the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM)."""
+    TMA reduce-add into an fp32 buffer, no dQ kernel)? Never for ``deterministic=True`` (the adds land in a varying
+    order), only at the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM); there
+    FUSED_ROUTE_TABLE decides, and ``config.gluon_fused_dq`` True / False forces it on / off."""
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
+    forced = config.get().gluon_fused_dq
     d = q.shape[-1]
-    return (config.get().gluon_fused_dq is True and not p.deterministic and d in BWD_FUSED_CONFIGS
-            and v.shape[-1] == V_HEAD_DIM[d])
+    if forced is False or p.deterministic or d not in BWD_FUSED_CONFIGS or v.shape[-1] != V_HEAD_DIM[d]:
+        return False
+    if forced:
+        return True
+    start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0 and p.window_left < 0))
+    seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
+    return start is not None and seqlen >= start
 
 
 def _config(table: dict, d: int, tiles: dict | None) -> dict:
