@@ -1,6 +1,7 @@
 """A/B of the backward's fused dQ build (config.gluon_fused_dq: the Gluon dK/dV kernel adds dQ by TMA reduce-add,
-no dQ kernel) against the split backward (Gluon dK/dV + Triton dQ), with torch SDPA's cuDNN backend beside them,
-in alternated rounds in one process; gradients compared first.
+no dQ kernel) against the split backward (the route's dK/dV kernel, Gluon or at d = 64 Triton, then the Triton dQ
+kernel), with torch SDPA's cuDNN backend beside them, in alternated rounds in one process; gradients compared
+first.
 
 Usage: PYTHONPATH=src python scripts/ab_fused_dq.py --out $OUT/ab_fused_dq.json [--d 128 256 --seqlens 1024 4096
        16384 --rounds 3]
@@ -72,8 +73,8 @@ def _row(d, s, causal, rounds, tokens=16384, hidden=2048):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--d", type=int, nargs="+", default=[128, 256])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--d", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     meta = collect_meta(sys.argv[1:], "cuda", program=f"python {sys.argv[0]}")

@@ -82,9 +82,9 @@ run_step() {
                      --seqlens 4096 16384 --out "$OUT/ab_flex_fused.json" ;;
     fused-dq) step fused-dq timeout 400 python -m pytest -q -n 4 -m gpu -p no:cacheprovider -W ignore -x \
                 tests/test_gpu_gluon_fused_dq.py "tests/test_gpu_bwd.py::test_peak_memory_within_1_1x_of_sdpa_flash" ;;
-    tune-fused-dq) step tune-fused-dq timeout 400 python scripts/tune_gluon_bwd.py --fused --d 128 256 192 \
+    tune-fused-dq) step tune-fused-dq timeout 400 python scripts/tune_gluon_bwd.py --fused --d 128 64 256 192 \
                      --seqlens 2048 16384 --out "$OUT/tune_fused_dq.json" ;;
-    ab-fused-dq) step ab-fused-dq timeout 500 python scripts/ab_fused_dq.py --d 128 256 192 \
+    ab-fused-dq) step ab-fused-dq timeout 560 python scripts/ab_fused_dq.py --d 128 64 256 192 \
                    --out "$OUT/ab_fused_dq.json" ;;
     profile-host) step profile-host python scripts/profile_host.py --out "$OUT/host.json" ;;
     tune-fwd) step tune-fwd python scripts/tune_fwd.py --out "$OUT/tune_fwd.json" ;;

@@ -40,10 +40,12 @@ CANDIDATES = {
 # The plain order won every d = 128 / 256 row (docs/gluon.md, "The backward's dK/dV kernel"); the other
 # d = 128 candidates are plain-order variants with one CTA per SM: (64, 128, 2, 8) two warpgroups on 128
 # keys sharing the Q / dO ring, (128, 64, 2, 8, 2) two warpgroups side by side on 128-row steps.
-# The fused dQ build (plain order only; the table's first). ptxas -v, causal: d = 128 (32, 64, 2, 4) 229
+# The fused dQ build (plain order only; the table's first). ptxas -v, causal: d = 64 (64, 64, 2, 4) 211 registers,
+# 82 KB (two CTAs an SM), (64, 128, 2, 8) 208, 115 KB, (128, 64, 2, 8, 2) 186, 147 KB; d = 128 (32, 64, 2, 4) 229
 # registers, 90 KB (two CTAs an SM); (32, 128, 2, 8) 255 registers, 12 bytes of spill, 131 KB (one CTA, half the
 # reduce-adds a key); (32, 64, 3, 4) 16 bytes of spill, 106 KB. d = 256 (32, 64, 2, 8, 2) 214 registers, 172 KB.
 FUSED_CANDIDATES = {
+    64: [(64, 64, 2, 4, 1, 0), (64, 128, 2, 8, 1, 0), (128, 64, 2, 8, 2, 0)],
     128: [(32, 64, 2, 4, 1, 0), (32, 128, 2, 8, 1, 0), (32, 64, 3, 4, 1, 0)],
     192: [(64, 64, 2, 8, 2, 0), (32, 64, 2, 8, 2, 0)],
     256: [(32, 64, 2, 8, 2, 0)],

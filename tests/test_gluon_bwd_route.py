@@ -152,3 +152,20 @@ def test_launcher_checks_alibi_slopes():
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, k, q, lse, lse, k, k, 0.1, False, alibi_slopes=torch.rand(2))
     with pytest.raises(ValueError, match="alibi_slopes must be"):
         gluon_bwd.gluon_attn_bwd_dkdv(q, k, k, q, lse, lse, k, k, 0.1, True, alibi_slopes=torch.rand(3))
+
+
+def test_the_fused_route_table_also_takes_the_kernel(monkeypatch):
+    # a FUSED_ROUTE_TABLE row sends a call to the Gluon kernel where ROUTE_TABLE has none (d = 64), the fused build
+    # being the plain order, so the plain-order-only features pass too; deterministic calls keep Triton there
+    d64 = (_t(2, 1024, 4, 64), _t(2, 1024, 2, 64), _t(2, 1024, 2, 64))
+    assert not _on_sm90(monkeypatch, *d64)
+    monkeypatch.setattr(gluon_bwd, "FUSED_ROUTE_TABLE", {(64, False): 1024})
+    assert _on_sm90(monkeypatch, *d64)
+    q, k, v = d64
+    args = (q.clone(), k.clone(), v.clone())
+    assert gluon_bwd.refusal(q, k, v, *args, _p(softcap=30.0)) is None
+    assert gluon_bwd.use_gluon_bwd(q, k, v, *args, _p(softcap=30.0))
+    assert not gluon_bwd.use_gluon_bwd(q, k, v, *args, _p(deterministic=True))
+    with config.override(gluon_fused_dq=False):
+        assert not gluon_bwd.use_gluon_bwd(q, k, v, *args, _p())
+        assert "rotated" in gluon_bwd.refusal(q, k, v, *args, _p(softcap=30.0))

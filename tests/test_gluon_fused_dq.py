@@ -22,7 +22,8 @@ def _t(*shape, dtype=torch.bfloat16):
     (128, 128, True, True, False),    # reduce-adds land in a varying order: deterministic keeps the dQ kernel
     (192, 128, False, True, True),    # the split head dim: both column ranges of dQ
     (192, 192, False, True, False),   # v's head dim the kernel does not take
-    (64, 64, False, True, False),
+    (64, 64, False, True, True),      # d = 64 (its split dK/dV stays on Triton): the plain order, fused
+    (96, 96, False, True, False),     # no Gluon build
     (128, 128, False, False, False),
 ])
 def test_rule(d, dv, deterministic, setting, want):

@@ -67,7 +67,7 @@ def _varlen_grads(lens_q, lens_k, h, h_k, d, *, shared=False, seqused_k=None, al
         assert_fa_close(x, r, p, factor=3.0, atol=1e-4, name=name)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("s,h,h_k", [(1, 2, 2), (77, 4, 2), (1000, 8, 1), (2048, 4, 4)])
 def test_fused_grads(fused, d, causal, s, h, h_k):
@@ -84,7 +84,7 @@ def test_fused_q_k_192_with_v_128(fused, causal, s, h, h_k):
     _ran(fused)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_fp16_long(fused, d, causal):
     check_padded(1, 4096, 4096, 4, 2, d, torch.float16, device=DEV, causal=causal)
@@ -97,7 +97,7 @@ def test_fused_causal_window(fused, window_left):
     _ran(fused)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_softcap_and_alibi(fused, d, causal):
     check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=causal, softcap=30.0)
@@ -143,7 +143,7 @@ def test_fused_keys_past_the_end_with_negative_lse(fused, sq, sk):
 LENS = [1, 63, 64, 65, 1000, 300]
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fused_packed_sequences(fused, d, causal):
     # one cu_seqlens for q and k (the VARLEN build): a key block running into the next sequence is masked there

@@ -55,8 +55,8 @@ def refusal(q, k, v, dout, dk, dv, p: AttnParams) -> str | None:
     if plain_order_only:
         from flashtile.kernels.gluon_bwd import BWD_DKDV_CONFIGS
 
-        # the rotated schedule (d = 64's table entry) has none of them
-        if BWD_DKDV_CONFIGS[q.shape[-1]].get("ROTATED", 1):
+        # the rotated schedule (d = 64's table entry) has none of them; the fused build runs the plain order
+        if BWD_DKDV_CONFIGS[q.shape[-1]].get("ROTATED", 1) and not use_fused_dq(q, v, p):
             return (f"{' / '.join(plain_order_only)} at head_dim {q.shape[-1]} (its config runs the rotated "
                     "schedule)")
     if not all(gluon_route._aligned(x) for x in (dout, dk, dv)):
@@ -86,9 +86,10 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
         return False
     if capability(q.device) not in gluon_route.CAPABILITIES:
         return False
-    # the cheap test first: refusal() reads strides and pointers
-    if not forced and not preferred(q, p.window_right == 0, p.max_seqlen_q if p.varlen else None,
-                                    p.softcap > 0 and p.window_left >= 0):
+    # the cheap test first: refusal() reads strides and pointers; a row of either table takes the kernel (the
+    # fused build's, where the split's has none, as at d = 64)
+    if not forced and not (preferred(q, p.window_right == 0, p.max_seqlen_q if p.varlen else None,
+                                     p.softcap > 0 and p.window_left >= 0) or use_fused_dq(q, v, p)):
         return False
     return refusal(q, k, v, dout, dk, dv, p) is None
 
@@ -100,21 +101,21 @@ FUSED_ROUTE_TABLE: dict[tuple[int, bool], int] = {}
 
 
 def use_fused_dq(q, v, p: AttnParams) -> bool:
-    """With the Gluon dK/dV kernel taken (use_gluon_bwd), does it compute dQ too (its FUSED_DQ build: dQ added by
-    TMA reduce-add into an fp32 buffer, no dQ kernel)? Never for ``deterministic=True`` (the adds land in a varying
-    order), only at the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM); there
+    """Does the Gluon dK/dV kernel, where it runs (use_gluon_bwd), compute dQ too (its FUSED_DQ build: dQ added
+    by TMA reduce-add into an fp32 buffer, no dQ kernel)? Never for ``deterministic=True`` (the adds land in a
+    varying order), only at the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM); there
     FUSED_ROUTE_TABLE decides, and ``config.gluon_fused_dq`` True / False forces it on / off."""
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
     forced = config.get().gluon_fused_dq
     d = q.shape[-1]
-    if forced is False or p.deterministic or d not in BWD_FUSED_CONFIGS or v.shape[-1] != V_HEAD_DIM[d]:
+    if forced is False or p.deterministic or d not in BWD_FUSED_CONFIGS or v.shape[-1] != V_HEAD_DIM.get(d):
         return False
     if forced:
         return True
     start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0 and p.window_left < 0))
     seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
-    return start is not None and seqlen >= start
+    return start is not None and q.dtype in DTYPES and seqlen >= start
 
 
 def _config(table: dict, d: int, tiles: dict | None) -> dict:
