@@ -6,7 +6,7 @@ first.
 Usage: PYTHONPATH=src python scripts/ab_fused_dq.py --out $OUT/ab_fused_dq.json [--d 128 256 --seqlens 1024 4096
        16384 --rounds 3]
 
-Rows: bf16, hidden 2048 (h = 2048 // d; --d 192 takes v of 128), 16k tokens a batch, causal and not; each time is
+Rows: bf16, hidden 2048 (h = 2048 / dv; --d 192 takes v of 128), 16k tokens a batch, causal and not; each time is
 the backward alone (one forward, then torch.autograd.grad with the graph kept). TFLOP/s count the backward as 2.5x
 the forward's 2 * b * h * s^2 * (d + dv) (halved when causal), as `python -m flashtile.bench bwd` does. The fused
 build becomes the route where it is faster than the split beyond noise; if it loses everywhere it is removed.
@@ -29,8 +29,8 @@ from flashtile.bench.timing import bench, time_in_rounds
 
 
 def _row(d, s, causal, rounds, tokens=16384, hidden=2048):
-    h, b = hidden // d, max(1, tokens // s)
     dv = V_HEAD_DIM[d]  # 192: v of 128 (DeepSeek-V3's split)
+    h, b = hidden // dv, max(1, tokens // s)  # 16 heads at (192, 128), as docs/models.md's rows
     q, k, v = (torch.randn(b, s, h, n, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (d, d, dv))
     g = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
     out = flashtile.flash_attn_func(q, k, v, causal=causal)

@@ -109,7 +109,10 @@ def row_of(d, s, causal, fused=False):
     row = dict(d=d, s=s, b=b, h=h, causal=causal)
     row["triton_bwd_ms"] = _bwd_ms(out, (q, k, v), g, False)
     row["gluon_bwd_ms"] = _bwd_ms(out, (q, k, v), g, True)
-    gemm = 2 * b * h * s * s * d / (2 if causal else 1)
+    dv_dim = v.shape[-1]
+    gemm = 2 * b * h * s * s * d / (2 if causal else 1)  # one q / k-wide product
+    # the split kernel's 4 products (S^T, dK over q / k's head dim; dP^T, dV over v's), the fused build's dQ too
+    kernel_flops = gemm * ((3 * d + 2 * dv_dim) if fused else (2 * d + 2 * dv_dim)) / d
     qd, kd, vd, gd = (x.detach() for x in (q, k, v, g))
     dk, dv = torch.empty_like(kd), torch.empty_like(vd)
 
@@ -123,10 +126,10 @@ def row_of(d, s, causal, fused=False):
         return (dk, dv, dq_accum) if fused else (dk, dv)
 
     outputs = (dk, dv, dq_accum) if fused else (dk, dv)
-    row["configs"] = _sweep((FUSED_CANDIDATES if fused else CANDIDATES)[d], dkdv, None, (5 if fused else 4) * gemm,
-                            "dkdv", outputs)
+    row["configs"] = _sweep((FUSED_CANDIDATES if fused else CANDIDATES)[d], dkdv, None, kernel_flops, "dkdv",
+                            outputs)
     first = row["configs"][0]
-    if "dkdv_ms" in first:
+    if "dkdv_ms" in first and not fused:  # the fused kernel has no dQ kernel after it to isolate
         row["rest_ms"] = row["gluon_bwd_ms"] - first["dkdv_ms"]
     return row
 

@@ -35,13 +35,13 @@ def test_rule(d, dv, deterministic, setting, want):
 @pytest.mark.parametrize("s,causal,window,deterministic,want", [
     (2048, True, -1, False, True),
     (1024, True, -1, False, False),   # shorter than the row's start
-    (4096, False, -1, False, False),  # no row for non-causal calls
-    (2048, True, 256, False, False),  # a causal window is not the plain causal row
+    (4096, False, -1, False, True),
+    (2048, True, 256, False, False),  # a causal window is neither row
     (2048, True, -1, True, False),    # deterministic keeps the split
 ])
 def test_route_table(monkeypatch, s, causal, window, deterministic, want):
-    # FUSED_ROUTE_TABLE decides where config.gluon_fused_dq leaves it (None); a stand-in row here
-    monkeypatch.setattr(gluon_bwd, "FUSED_ROUTE_TABLE", {(128, True): 2048})
+    # FUSED_ROUTE_TABLE decides where config.gluon_fused_dq leaves it (None); stand-in rows here
+    monkeypatch.setattr(gluon_bwd, "FUSED_ROUTE_TABLE", {(128, True): 2048, (128, False): 1024})
     q, v = _t(1, s, 4, 128), _t(1, s, 2, 128)
     p = AttnParams(softmax_scale=0.1, window_left=window if causal else -1, window_right=0 if causal else -1,
                    deterministic=deterministic)
@@ -100,7 +100,7 @@ def _launcher_args(d=128, dv=None, h_k=2):
     return q, k, v, dout, torch.empty(1, 4, 256), torch.empty(1, 4, 256), dk, dv_
 
 
-@pytest.mark.parametrize("d,dv", [(128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
 def test_launcher_builds_the_fused_kernel(monkeypatch, d, dv):
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
@@ -113,6 +113,9 @@ def test_launcher_builds_the_fused_kernel(monkeypatch, d, dv):
     (pos, meta), = seen
     bm = BWD_FUSED_CONFIGS[d]["BLOCK_M"]
     assert meta["FUSED_DQ"] is True and meta["BLOCK_M"] == bm
+    # the fused table's config, the plain order (d = 64's split config is the rotated schedule)
+    assert meta["ROTATED"] == 0 and meta["NUM_BUFFERS"] == BWD_FUSED_CONFIGS[d]["NUM_BUFFERS"]
+    assert meta["num_warps"] == BWD_FUSED_CONFIGS[d]["num_warps"]
     (lead, lead_box), (tail, tail_box) = pos[-2:]
     if d == 192:  # two column ranges of one buffer: 128 + 64
         assert lead_box == [1, bm, 1, 128] and tail_box == [1, bm, 1, 64]

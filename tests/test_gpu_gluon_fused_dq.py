@@ -13,6 +13,7 @@ from flashtile.backends.triton import gluon_bwd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.gluon]
 DEV = "cuda"
+DIMS = [(64, 64), (128, 128), (192, 128), (256, 256)]  # (d, dv) of every fused config
 
 
 class Launches(list):
@@ -43,17 +44,17 @@ def _ran(seen):
 
 
 def _varlen_grads(lens_q, lens_k, h, h_k, d, *, shared=False, seqused_k=None, alibi=None, dtype=torch.bfloat16,
-                  **kw):
+                  dv=None, **kw):
     """flash_attn_varlen_func's gradients against the reference (FlashAttention's rule). ``shared``: q and k take
     the same cu_seqlens tensor (the VARLEN build; separate tensors take the VARLEN_K one); ``seqused_k``: keys
-    each sequence uses; ``alibi``: "h" / "bh" slopes."""
+    each sequence uses; ``alibi``: "h" / "bh" slopes; ``dv``: v's head dim (default d)."""
     from flashtile.backends.reference import attention_ref
     from tolerance import assert_fa_close
 
     cu_q = torch.tensor([0, *lens_q], device=DEV).cumsum(0).to(torch.int32)
     cu_k = cu_q if shared else torch.tensor([0, *lens_k], device=DEV).cumsum(0).to(torch.int32)
     q = torch.randn(sum(lens_q), h, d, device=DEV, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(sum(lens_k), h_k, d, device=DEV, dtype=dtype, requires_grad=True) for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), h_k, n, device=DEV, dtype=dtype, requires_grad=True) for n in (d, dv or d))
     slopes = make_alibi(alibi, len(lens_q), h, DEV)
     used = None if seqused_k is None else torch.tensor(seqused_k, device=DEV, dtype=torch.int32)
     out = flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), alibi_slopes=slopes,
@@ -91,28 +92,31 @@ def test_fused_fp16_long(fused, d, causal):
     _ran(fused)
 
 
+@pytest.mark.parametrize("d,dv", DIMS)
 @pytest.mark.parametrize("window_left", [0, 64, 1000])
-def test_fused_causal_window(fused, window_left):
-    check_padded(2, 1000, 1000, 4, 2, 128, torch.bfloat16, device=DEV, causal=True, window_size=(window_left, 0))
+def test_fused_causal_window(fused, d, dv, window_left):
+    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=True, window_size=(window_left, 0),
+                 dv=dv)
     _ran(fused)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d,dv", DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_softcap_and_alibi(fused, d, causal):
-    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=causal, softcap=30.0)
+def test_fused_softcap_and_alibi(fused, d, dv, causal):
+    check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=causal, softcap=30.0, dv=dv)
     if causal:
-        check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=True, alibi="bh")
+        check_padded(2, 1000, 1000, 4, 2, d, torch.bfloat16, device=DEV, causal=True, alibi="bh", dv=dv)
         check_padded(1, 777, 777, 4, 4, d, torch.bfloat16, device=DEV, causal=True, alibi="h", softcap=30.0,
-                     window_size=(200, 0))
+                     window_size=(200, 0), dv=dv)
     _ran(fused)
 
 
+@pytest.mark.parametrize("d,dv", DIMS)
 @pytest.mark.parametrize("sq,sk", [(1000, 3000), (700, 129), (77, 1000)])
-def test_fused_unequal_lengths(fused, sq, sk):
-    check_padded(2, sq, sk, 4, 2, 128, torch.bfloat16, device=DEV, causal=False)
+def test_fused_unequal_lengths(fused, d, dv, sq, sk):
+    check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=False, dv=dv)
     if sk >= sq:
-        check_padded(2, sq, sk, 4, 2, 128, torch.bfloat16, device=DEV, causal=True)
+        check_padded(2, sq, sk, 4, 2, d, torch.bfloat16, device=DEV, causal=True, dv=dv)
     _ran(fused)
 
 
@@ -143,32 +147,34 @@ def test_fused_keys_past_the_end_with_negative_lse(fused, sq, sk):
 LENS = [1, 63, 64, 65, 1000, 300]
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d,dv", DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fused_packed_sequences(fused, d, causal):
+def test_fused_packed_sequences(fused, d, dv, causal):
     # one cu_seqlens for q and k (the VARLEN build): a key block running into the next sequence is masked there
     # (non-causal), a query block running into it adds exact zeros to those rows
-    _varlen_grads(LENS, LENS, 4, 2, d, shared=True, causal=causal)
+    _varlen_grads(LENS, LENS, 4, 2, d, shared=True, causal=causal, dv=dv)
     _ran(fused)
     assert all("cu_seqlens_k" not in kw for kw in fused.keywords), "k's own sequences: the VARLEN_K build ran"
 
 
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)])
 @pytest.mark.parametrize("kw", [dict(causal=True, window_size=(200, 0)), dict(causal=True, alibi="bh"),
                                 dict(causal=False, softcap=20.0), dict(causal=True, softcap=20.0)],
                          ids=["window", "alibi", "softcap", "causal_softcap"])
-def test_fused_packed_sequences_with_features(fused, kw):
-    _varlen_grads(LENS, LENS, 4, 2, 128, shared=True, **kw)
+def test_fused_packed_sequences_with_features(fused, d, dv, kw):
+    # d = 64 reaches these only through the fused build (its split config is the rotated schedule)
+    _varlen_grads(LENS, LENS, 4, 2, d, shared=True, dv=dv, **kw)
     _ran(fused)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d,dv", DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("used", [False, True], ids=["cu_seqlens_k", "seqused_k"])
-def test_fused_k_sequences_of_their_own(fused, d, causal, used):
+def test_fused_k_sequences_of_their_own(fused, d, dv, causal, used):
     # VARLEN_K: k's own sequences (longer, shorter, empty); seqused_k hides real keys of a sequence, which the
     # non-causal mask must drop as it drops the next sequence's
     lens_q, lens_k = [1, 63, 300, 1000, 65, 128], [5, 63, 700, 1000, 70, 1100]
-    _varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal,
+    _varlen_grads(lens_q, lens_k, 4, 2, d, causal=causal, dv=dv,
                   seqused_k=[5, 40, 650, 1000, 0, 900] if used else None)
     _ran(fused)
     assert all(kw.get("cu_seqlens_k") is not None or kw.get("seqused_k") is not None for kw in fused.keywords)

@@ -49,8 +49,9 @@ class Settings:
     gluon_fwd: bool | None = None
     # the same for the Gluon dK/dV kernel of the backward
     gluon_bwd: bool | None = None
-    # True: the Gluon dK/dV kernel also computes dQ (TMA reduce-add into fp32, no dQ kernel) where it runs and
-    # deterministic=False; None / False: the dQ kernel (the fused build awaits its first GPU run, docs/backward.md)
+    # True / False: the Gluon dK/dV kernel's fused dQ build (TMA reduce-add into fp32, no dQ kernel) wherever it can
+    # run with deterministic=False (taking the Gluon kernel at any length) / never; None: its route table
+    # (gluon_bwd.FUSED_ROUTE_TABLE, empty until timed: docs/backward.md). flex's fused build: only when True
     gluon_fused_dq: bool | None = None
     # the same for the Gluon flex forward (flashtile.flex; None: its route, backends/triton/flex/gluon_launch.py)
     gluon_flex: bool | None = None

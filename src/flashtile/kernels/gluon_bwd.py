@@ -586,7 +586,8 @@ BWD_DKDV_CONFIGS = {
 # 256, so that a step's dQ^T ([d, 32] fp32) fits in registers beside dK and dV. ptxas -v: d = 128 220-244 registers
 # with every feature, no spills, 90 KB of shared memory (two CTAs an SM); d = 256 211-220 registers, 172 KB;
 # (192, 128) keeps 64-row steps on its two warpgroups: 231 registers, 188 KB (32-row steps: 178, 115 KB, still
-# one CTA an SM). d = 64 takes 64-row steps: 195-211 registers, 82 KB (two CTAs an SM).
+# one CTA an SM). d = 64 takes 64-row steps: 195-211 registers plain or causal, 237-255 with a softcap / ALiBi, no
+# spills, 82 KB (two CTAs an SM).
 BWD_FUSED_CONFIGS = {
     64: dict(BLOCK_M=64, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),
     128: dict(BLOCK_M=32, BLOCK_N=64, NUM_BUFFERS=2, num_warps=4, WARPS_N=1, ROTATED=0),

@@ -95,8 +95,8 @@ def use_gluon_bwd(q, k, v, dout, dk, dv, p: AttnParams) -> bool:
 
 
 # (head_dim, plain causal mask) -> the shortest sequence whose backward takes the Gluon dK/dV kernel's fused dQ
-# build when deterministic=False. Empty until the build is timed against the split (scripts/ab_fused_dq.py);
-# config.gluon_fused_dq=True takes it wherever it can run.
+# build when deterministic=False (sliding windows: no row). Empty until the build is timed against the split
+# (scripts/ab_fused_dq.py); config.gluon_fused_dq=True takes it wherever it can run.
 FUSED_ROUTE_TABLE: dict[tuple[int, bool], int] = {}
 
 
@@ -113,7 +113,9 @@ def use_fused_dq(q, v, p: AttnParams) -> bool:
         return False
     if forced:
         return True
-    start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0 and p.window_left < 0))
+    if p.window_left >= 0:  # the table's rows are full and plain causal attention: a window is neither
+        return False
+    start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0))
     seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
     return start is not None and q.dtype in DTYPES and seqlen >= start
 

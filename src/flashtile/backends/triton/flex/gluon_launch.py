@@ -102,8 +102,9 @@ def bwd_wanted(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, block_size: tuple[
 
 
 def fused_dq_wanted() -> bool:
-    """Does the Gluon dK/dV kernel (bwd_wanted) also compute dQ? Only under ``config.gluon_fused_dq=True``: the
-    fused build awaits its first GPU run and timing."""
+    """Does the Gluon dK/dV kernel (bwd_wanted) also compute dQ? Only under ``config.gluon_fused_dq=True``: flex's
+    Gluon dK/dV kernel itself runs only when asked (bwd_wanted), so the main backward's route table
+    (gluon_bwd.FUSED_ROUTE_TABLE) has no say here."""
     return config.get().gluon_fused_dq is True
 
 
