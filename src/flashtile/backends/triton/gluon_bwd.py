@@ -105,19 +105,20 @@ def use_fused_dq(q, v, p: AttnParams) -> bool:
     by TMA reduce-add into an fp32 buffer, no dQ kernel)? Never for ``deterministic=True`` (the adds land in a
     varying order), only at the head dims of BWD_FUSED_CONFIGS with v's head dim the kernel's (V_HEAD_DIM); there
     FUSED_ROUTE_TABLE decides, and ``config.gluon_fused_dq`` True / False forces it on / off."""
+    forced = config.get().gluon_fused_dq
+    if forced is False or p.deterministic:
+        return False
+    d = q.shape[-1]
+    if not forced:  # the table first: every backward asks, and an empty table answers with one lookup
+        if p.window_left >= 0:  # the table's rows are full and plain causal attention: a window is neither
+            return False
+        start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0))
+        seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
+        if start is None or q.dtype not in DTYPES or seqlen < start:
+            return False
     from flashtile.kernels.gluon_bwd import BWD_FUSED_CONFIGS
 
-    forced = config.get().gluon_fused_dq
-    d = q.shape[-1]
-    if forced is False or p.deterministic or d not in BWD_FUSED_CONFIGS or v.shape[-1] != V_HEAD_DIM.get(d):
-        return False
-    if forced:
-        return True
-    if p.window_left >= 0:  # the table's rows are full and plain causal attention: a window is neither
-        return False
-    start = FUSED_ROUTE_TABLE.get((d, p.window_right == 0))
-    seqlen = p.max_seqlen_q if p.varlen else q.shape[1]
-    return start is not None and q.dtype in DTYPES and seqlen >= start
+    return d in BWD_FUSED_CONFIGS and v.shape[-1] == V_HEAD_DIM.get(d)
 
 
 def _config(table: dict, d: int, tiles: dict | None) -> dict:
